@@ -1,0 +1,31 @@
+"""NVMe / GPUDirect Storage tier for LMCache.
+
+LMCache loads the plugin classes from this package by name::
+
+    storage_plugin.nvme.module_path: lmcache_nvme_backend
+    storage_plugin.nvme.class_name: NVMeBackend
+
+The storage core (``format``, ``layout``, ``posix_io``, ``store``) does not
+import LMCache or torch; the adapters are imported lazily so that the core and
+the settings can be used (and tested) on their own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .config import NVMeConfigError, NVMeSettings
+
+__version__ = "0.1.0"
+__all__ = ["NVMeBackend", "NVMeConfigError", "NVMeSettings", "__version__"]
+
+if TYPE_CHECKING:
+    from .backend import NVMeBackend
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NVMeBackend":
+        from .backend import NVMeBackend
+
+        return NVMeBackend
+    raise AttributeError(f"module 'lmcache_nvme_backend' has no attribute {name!r}")

@@ -1,0 +1,191 @@
+"""On-disk chunk file format (version 1).
+
+One KV chunk is one file::
+
+    offset 0      4 KiB header (this module)
+    offset 4096   payload (the memory object's bytes), zero padded to a 4 KiB multiple
+
+The payload starts at a 4 KiB-aligned offset and the file length is a 4 KiB
+multiple, so O_DIRECT and GPUDirect Storage can read the payload in place.
+``docs/format.md`` describes the layout byte by byte for independent readers.
+
+The header is self-validating: a header checksum covers every header byte, the
+payload checksum covers the payload, and the full cache key is stored so that a
+file found under the right name but holding another key is detected.  Decoding
+never allocates more than the fixed header size, whatever the lengths claim.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"LMCNVME\x00"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+ALIGNMENT = 4096
+# Largest payload any reader accepts; a header claiming more is corrupt.
+MAX_PAYLOAD_BYTES = 1 << 36
+
+# magic, version, header_size, flags, payload_len, payload_xxh3_64,
+# created_unix_ns, key_len, namespace_len, tensor_meta_len
+_FIXED = struct.Struct("<8sHHIQQQHHH")
+_HEADER_CHECKSUM = struct.Struct("<Q")
+_HEADER_CHECKSUM_OFFSET = HEADER_SIZE - _HEADER_CHECKSUM.size
+_VARIABLE_SPACE = _HEADER_CHECKSUM_OFFSET - _FIXED.size
+
+
+class FormatError(ValueError):
+    """A file is not a valid chunk file of this format (corrupt, foreign or mismatched)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a reader needs to allocate the destination memory object.
+
+    ``nbytes`` is the payload length: the memory object's used bytes.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    fmt: int
+    nbytes: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
+             "fmt": self.fmt, "nbytes": self.nbytes},
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> TensorMeta:
+        try:
+            doc = json.loads(raw)
+            shapes = tuple(tuple(int(d) for d in shape) for shape in doc["shapes"])
+            dtypes = tuple(str(d) for d in doc["dtypes"])
+            fmt = int(doc["fmt"])
+            nbytes = int(doc["nbytes"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"unreadable tensor metadata: {exc}") from exc
+        if len(shapes) != len(dtypes) or not shapes:
+            raise FormatError("tensor metadata has mismatched shapes and dtypes")
+        if not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
+            raise FormatError(f"tensor metadata claims {nbytes} bytes")
+        return cls(shapes=shapes, dtypes=dtypes, fmt=fmt, nbytes=nbytes)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Decoded header of one chunk file."""
+
+    key: str
+    namespace: str
+    tensor_meta: TensorMeta
+    payload_len: int
+    payload_checksum: int
+    created_unix_ns: int
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + padded_length(self.payload_len)
+
+
+def padded_length(n: int) -> int:
+    """``n`` rounded up to the 4 KiB alignment."""
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def file_size_for(payload_len: int) -> int:
+    """Bytes a chunk file with this payload occupies (header and padding included)."""
+    return HEADER_SIZE + padded_length(payload_len)
+
+
+def payload_checksum(payload: memoryview | bytes) -> int:
+    """The payload checksum stored in the header (xxh3-64)."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:
+    """How many UTF-8 bytes of key still fit beside this namespace and metadata."""
+    return _VARIABLE_SPACE - len(namespace.encode()) - len(tensor_meta.to_json())
+
+
+def encode_header(
+    key: str,
+    namespace: str,
+    tensor_meta: TensorMeta,
+    payload_len: int,
+    checksum: int,
+    created_unix_ns: int | None = None,
+) -> bytes:
+    """Build the 4 KiB header.  Raises ``FormatError`` when the strings do not fit."""
+    key_b, ns_b, meta_b = key.encode(), namespace.encode(), tensor_meta.to_json()
+    if tensor_meta.nbytes != payload_len:
+        raise FormatError(f"tensor metadata says {tensor_meta.nbytes} bytes, payload is "
+                          f"{payload_len}")
+    if len(key_b) + len(ns_b) + len(meta_b) > _VARIABLE_SPACE:
+        raise FormatError(
+            f"key, namespace and tensor metadata need {len(key_b) + len(ns_b) + len(meta_b)} "
+            f"bytes; a header holds {_VARIABLE_SPACE}"
+        )
+    if not 0 <= payload_len <= MAX_PAYLOAD_BYTES:
+        raise FormatError(f"payload length {payload_len} out of range")
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_SIZE,
+        0,
+        payload_len,
+        checksum,
+        time.time_ns() if created_unix_ns is None else created_unix_ns,
+        len(key_b),
+        len(ns_b),
+        len(meta_b),
+    )
+    body = fixed + key_b + ns_b + meta_b
+    body += bytes(_HEADER_CHECKSUM_OFFSET - len(body))
+    return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(raw: bytes | memoryview) -> ChunkHeader:
+    """Parse and validate a header.  Raises ``FormatError`` for anything not ours or damaged."""
+    if len(raw) < HEADER_SIZE:
+        raise FormatError(f"header is {len(raw)} bytes, expected {HEADER_SIZE}")
+    raw = bytes(raw[:HEADER_SIZE])
+    (magic, version, header_size, _flags, payload_len, checksum, created, key_len, ns_len,
+     meta_len) = _FIXED.unpack_from(raw)
+    if magic != MAGIC:
+        raise FormatError("bad magic: not a chunk file of this format")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"format version {version}, this reader understands {FORMAT_VERSION}")
+    if header_size != HEADER_SIZE:
+        raise FormatError(f"header size {header_size}, expected {HEADER_SIZE}")
+    (stored,) = _HEADER_CHECKSUM.unpack_from(raw, _HEADER_CHECKSUM_OFFSET)
+    if xxhash.xxh3_64_intdigest(raw[:_HEADER_CHECKSUM_OFFSET]) != stored:
+        raise FormatError("header checksum mismatch")
+    if key_len + ns_len + meta_len > _VARIABLE_SPACE:
+        raise FormatError("header string lengths exceed the header")
+    if payload_len > MAX_PAYLOAD_BYTES:
+        raise FormatError(f"payload length {payload_len} exceeds the format limit")
+    pos = _FIXED.size
+    try:
+        key = raw[pos : pos + key_len].decode()
+        namespace = raw[pos + key_len : pos + key_len + ns_len].decode()
+    except UnicodeDecodeError as exc:
+        raise FormatError("key or namespace is not UTF-8") from exc
+    meta = TensorMeta.from_json(raw[pos + key_len + ns_len : pos + key_len + ns_len + meta_len])
+    if meta.nbytes != payload_len:
+        raise FormatError("tensor metadata and payload length disagree")
+    return ChunkHeader(
+        key=key,
+        namespace=namespace,
+        tensor_meta=meta,
+        payload_len=payload_len,
+        payload_checksum=checksum,
+        created_unix_ns=created,
+    )

@@ -1,0 +1,124 @@
+"""In-memory index: which chunks exist, on which root, their size on disk, LRU order, pins.
+
+Capacity is accounted in real bytes on disk (header and padding included) per
+root, and space for a write is reserved before the write starts, so the byte
+budget is never exceeded.  The index holds no lock of its own: the chunk store
+serialises access with one lock and never holds it across I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .format import TensorMeta
+
+
+@dataclass
+class IndexEntry:
+    """One published chunk file."""
+
+    digest: str
+    ns_id: str
+    root: int
+    size: int
+    meta: TensorMeta | None
+    last_access_ns: int = 0
+    pins: int = 0
+
+
+class ChunkIndex:
+    """Entries by digest, with one LRU list and one byte budget per root."""
+
+    def __init__(self, budgets: list[int]) -> None:
+        self.budgets = list(budgets)
+        self._entries: dict[str, IndexEntry] = {}
+        self._lru: list[OrderedDict[str, None]] = [OrderedDict() for _ in budgets]
+        self._used = [0] * len(budgets)
+        self._reserved = [0] * len(budgets)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._entries
+
+    def get(self, digest: str) -> IndexEntry | None:
+        return self._entries.get(digest)
+
+    def used_bytes(self, root: int | None = None) -> int:
+        return sum(self._used) if root is None else self._used[root]
+
+    def reserved_bytes(self, root: int | None = None) -> int:
+        return sum(self._reserved) if root is None else self._reserved[root]
+
+    def add(self, entry: IndexEntry) -> None:
+        """Insert (or replace) an entry as most recently used."""
+        self.remove(entry.digest)
+        self._entries[entry.digest] = entry
+        self._lru[entry.root][entry.digest] = None
+        self._used[entry.root] += entry.size
+
+    def add_oldest(self, entry: IndexEntry) -> None:
+        """Insert an entry as least recently used (recovered files of unknown recency)."""
+        self.add(entry)
+        self._lru[entry.root].move_to_end(entry.digest, last=False)
+
+    def remove(self, digest: str) -> IndexEntry | None:
+        entry = self._entries.pop(digest, None)
+        if entry is not None:
+            del self._lru[entry.root][digest]
+            self._used[entry.root] -= entry.size
+        return entry
+
+    def touch(self, digest: str, now_ns: int) -> None:
+        entry = self._entries.get(digest)
+        if entry is not None:
+            entry.last_access_ns = now_ns
+            self._lru[entry.root].move_to_end(digest)
+
+    def pin(self, digest: str) -> bool:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return False
+        entry.pins += 1
+        return True
+
+    def unpin(self, digest: str) -> bool:
+        entry = self._entries.get(digest)
+        if entry is None or entry.pins == 0:
+            return False
+        entry.pins -= 1
+        return True
+
+    def plan_reservation(self, root: int, size: int) -> list[IndexEntry] | None:
+        """Victims (LRU first, pinned skipped) that make room for ``size`` more bytes.
+
+        Returns ``[]`` when it already fits and ``None`` when it cannot fit even
+        after evicting every unpinned entry of the root.
+        """
+        excess = self._used[root] + self._reserved[root] + size - self.budgets[root]
+        victims: list[IndexEntry] = []
+        for digest in self._lru[root]:
+            if excess <= 0:
+                break
+            entry = self._entries[digest]
+            if entry.pins == 0:
+                victims.append(entry)
+                excess -= entry.size
+        return victims if excess <= 0 else None
+
+    def reserve(self, root: int, size: int) -> None:
+        self._reserved[root] += size
+
+    def release(self, root: int, size: int) -> None:
+        self._reserved[root] -= size
+
+    def lru_order(self, root: int) -> Iterator[IndexEntry]:
+        """Entries of a root, least recently used first."""
+        return (self._entries[d] for d in self._lru[root])
+
+    def entries(self) -> Iterator[IndexEntry]:
+        for root in range(len(self._lru)):
+            yield from self.lru_order(root)

@@ -1,0 +1,148 @@
+"""Directory layout of one cache root: where each chunk file lives.
+
+::
+
+    <root>/LMCNVME                       marker: this directory is a cache root
+    <root>/index/manifest.json           LRU order and tensor metadata (see manifest.py)
+    <root>/quarantine/                   files that failed validation, kept for inspection
+    <root>/ns/<ns16>/NAMESPACE           the namespace's readable name
+    <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  one chunk file
+
+Every path component below the root is derived from a hash (``ns16`` of the
+namespace, ``d32`` of the full key), never from a user string, so keys with
+``/``, ``..``, NUL or any other character always land inside the root.  Two
+levels of 256 shard directories keep millions of files out of any one
+directory.  Temporary files share the final file's directory (so ``rename`` is
+atomic) and carry a per-writer suffix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+MARKER_NAME = "LMCNVME"
+CHUNK_SUFFIX = ".kv"
+TEMP_INFIX = ".tmp-"
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+_NS_RE = re.compile(r"^[0-9a-f]{16}$")
+_SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
+_HOST = socket.gethostname().replace(".", "_").replace("-", "_")[:32] or "host"
+
+
+def key_digest(key: str) -> str:
+    """Stable 128-bit digest of a full cache key; names the chunk file."""
+    return xxhash.xxh3_128_hexdigest(key.encode())
+
+
+def namespace_id(namespace: str) -> str:
+    """Stable 64-bit digest of a namespace (model name); names its directory."""
+    return xxhash.xxh3_64_hexdigest(namespace.encode())
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    """A chunk file found in a root."""
+
+    namespace_id: str
+    digest: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A temporary file left by a writer, with what its name says about that writer."""
+
+    path: Path
+    host: str
+    pid: int
+
+
+class RootLayout:
+    """Path arithmetic and directory walking for one cache root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.index_dir = root / "index"
+        self.quarantine_dir = root / "quarantine"
+        self.namespaces_dir = root / "ns"
+
+    def chunk_path(self, ns_id: str, digest: str) -> Path:
+        return self.namespaces_dir / ns_id / digest[0:2] / digest[2:4] / (digest + CHUNK_SUFFIX)
+
+    def temp_path(self, final: Path) -> Path:
+        """A temporary name unique to this host, process and thread."""
+        suffix = f"{TEMP_INFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}"
+        return final.with_name(final.name + suffix)
+
+    def namespace_name_file(self, ns_id: str) -> Path:
+        return self.namespaces_dir / ns_id / "NAMESPACE"
+
+    def iter_namespace_ids(self) -> Iterator[str]:
+        for entry in _scandir_dirs(self.namespaces_dir):
+            if _NS_RE.match(entry.name):
+                yield entry.name
+
+    def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
+        """Every well-named chunk file; symlinks and foreign names are skipped, never followed."""
+        for ns, shard, entry in self._iter_shard_files(ns_id):
+            name = entry.name
+            if not name.endswith(CHUNK_SUFFIX):
+                continue
+            digest = name[: -len(CHUNK_SUFFIX)]
+            if _DIGEST_RE.match(digest) and digest.startswith(shard):
+                yield ChunkLocation(ns, digest, Path(entry.path))
+
+    def iter_temp_files(self) -> Iterator[TempFile]:
+        """Temporary files of any writer (see ``temp_path``)."""
+        for _ns, _shard, entry in self._iter_shard_files(None):
+            _, sep, owner = entry.name.partition(TEMP_INFIX)
+            if not sep:
+                continue
+            parts = owner.split("-")
+            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
+            yield TempFile(Path(entry.path), parts[0], pid)
+
+    def _iter_shard_files(self, ns_id: str | None) -> Iterator[tuple[str, str, os.DirEntry[str]]]:
+        """(namespace id, 4-hex shard prefix, entry) for each regular file in a shard dir."""
+        ns_ids = [ns_id] if ns_id is not None else list(self.iter_namespace_ids())
+        for ns in ns_ids:
+            for shard1 in _scandir_dirs(self.namespaces_dir / ns):
+                if not _SHARD_RE.match(shard1.name):
+                    continue
+                for shard2 in _scandir_dirs(Path(shard1.path)):
+                    if _SHARD_RE.match(shard2.name):
+                        for entry in _scandir_files(Path(shard2.path)):
+                            yield ns, shard1.name + shard2.name, entry
+
+
+def this_host() -> str:
+    """The host tag written into temporary file names."""
+    return _HOST
+
+
+def _scandir_dirs(path: Path) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    yield entry
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return
+
+
+def _scandir_files(path: Path) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                if entry.is_file(follow_symlinks=False):
+                    yield entry
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return

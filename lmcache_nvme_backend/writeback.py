@@ -1,0 +1,138 @@
+"""Write-back plumbing: a queue bounded in bytes, and a gate that lets reads go first.
+
+A store call only enqueues; writer threads persist from host memory later.  The
+queue counts the payload bytes it holds (host memory the engine cannot reuse
+until the write finishes), so its bound is a memory bound.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .format import TensorMeta
+
+
+@dataclass
+class WriteJob:
+    """One chunk waiting to be persisted.  ``release`` runs exactly once when the job ends."""
+
+    digest: str
+    key: str
+    namespace: str
+    ns_id: str
+    meta: TensorMeta
+    payload: memoryview
+    release: Callable[[], None]
+    on_persisted: Callable[[], None] | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+
+class WriteBackQueue:
+    """FIFO of write jobs holding at most ``capacity`` payload bytes.
+
+    A job's bytes stay accounted until ``done`` is called for it (after the
+    write), because its host memory stays referenced until then.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._jobs: deque[WriteJob] = deque()
+        self._bytes = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    @property
+    def bytes_held(self) -> int:
+        with self._cond:
+            return self._bytes
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._jobs)
+
+    def offer(self, job: WriteJob, wait_s: float) -> bool:
+        """Enqueue if there is room, waiting up to ``wait_s`` for it; False if not enqueued."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while not self._closed and self._bytes + job.nbytes > self.capacity:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            if self._closed:
+                return False
+            self._jobs.append(job)
+            self._bytes += job.nbytes
+            self._cond.notify_all()
+            return True
+
+    def take(self) -> WriteJob | None:
+        """Next job, blocking; None once the queue is closed and empty."""
+        with self._cond:
+            while not self._jobs and not self._closed:
+                self._cond.wait()
+            return self._jobs.popleft() if self._jobs else None
+
+    def done(self, job: WriteJob) -> None:
+        with self._cond:
+            self._bytes -= job.nbytes
+            self._cond.notify_all()
+
+    def wait_empty(self, timeout_s: float) -> bool:
+        """Wait until every enqueued job is done; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._bytes > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def close(self) -> list[WriteJob]:
+        """Stop accepting jobs; return the ones never taken (the caller ends them)."""
+        with self._cond:
+            self._closed = True
+            left = list(self._jobs)
+            self._jobs.clear()
+            self._cond.notify_all()
+            return left
+
+
+class ReadPriorityGate:
+    """Writers yield to reads in flight, for at most ``max_wait_s`` so writes never starve."""
+
+    def __init__(self, max_wait_s: float = 0.05) -> None:
+        self.max_wait_s = max_wait_s
+        self._readers = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    def wait_for_readers(self) -> bool:
+        """Block while reads are in flight; True if the writer had to wait."""
+        with self._cond:
+            if self._readers == 0:
+                return False
+            self._cond.wait_for(lambda: self._readers == 0, timeout=self.max_wait_s)
+            return True
