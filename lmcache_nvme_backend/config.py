@@ -141,7 +141,7 @@ class _Parser:
                             f"{type(raw).__name__}", "Give a string or a list of strings.")
         paths: list[Path] = []
         for item in items:
-            path = Path(item.removeprefix("file://")).expanduser()
+            path = Path(item.removeprefix("file://")).expanduser().absolute()
             if path in paths:
                 raise self.fail("path", f"'{path}' is listed twice", "List each directory once.")
             self.check_directory(path)

@@ -397,12 +397,12 @@ class ChunkStore:
         self._evict(victims)
         while _free_bytes(root.layout.root) - size < self.settings.min_free_bytes:
             with self._lock:
-                victim = next((e for e in self._index.lru_order(root.index) if e.pins == 0), None)
-                if victim is None:
+                oldest = next((e for e in self._index.lru_order(root.index) if e.pins == 0), None)
+                if oldest is None:
                     self._index.release(root.index, size)
                     return False
-                self._index.remove(victim.digest)
-            self._evict([victim])
+                self._index.remove(oldest.digest)
+            self._evict([oldest])
         return True
 
     def _evict(self, victims: list[IndexEntry]) -> None:

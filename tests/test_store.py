@@ -1,0 +1,371 @@
+"""ChunkStore behaviour on a real filesystem: validation, capacity, write-back, restart, crashes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_nvme_backend.config import NVMeSettings
+from lmcache_nvme_backend.format import HEADER_SIZE, TensorMeta, encode_header, file_size_for
+from lmcache_nvme_backend.layout import RootLayout, key_digest, namespace_id
+from lmcache_nvme_backend.store import ChunkRead, ChunkStore, SubmitResult
+
+NS = "test-model"
+CHUNK = 256 * 1024 + 123  # deliberately not a multiple of 4 KiB
+
+
+def payload_for(key: str, size: int = CHUNK) -> bytes:
+    """Deterministic, key-specific bytes, so a wrong chunk can never look right."""
+    seed = key.encode() * (size // max(1, len(key)) + 1)
+    return bytes(b ^ (i * 31 & 0xFF) for i, b in enumerate(seed[:size]))
+
+
+def meta_for(size: int) -> TensorMeta:
+    return TensorMeta(shapes=((size,),), dtypes=("uint8",), fmt=1, nbytes=size)
+
+
+StoreFactory = Callable[..., ChunkStore]
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[StoreFactory]:
+    opened: list[ChunkStore] = []
+
+    def factory(**overrides: object) -> ChunkStore:
+        params: dict[str, object] = {"path": str(tmp_path / "cache"), "max_size_gb": 0.05,
+                                     "min_free_gb": 0, "manifest_interval_s": 0}
+        params.update(overrides)
+        store = ChunkStore(NVMeSettings.from_params(params))
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        store.close()
+
+
+def put(store: ChunkStore, key: str, size: int = CHUNK) -> SubmitResult:
+    data = payload_for(key, size)
+    return store.submit(key, NS, meta_for(size), memoryview(data), release=lambda: None)
+
+
+def read(store: ChunkStore, key: str, size: int = CHUNK) -> bytes | None:
+    dest = bytearray(size + 8192)
+    ok = store.read_into([ChunkRead(key, memoryview(dest))])[0]
+    return bytes(dest[:size]) if ok else None
+
+
+def chunk_file(store: ChunkStore, key: str) -> Path:
+    return store.roots[0].layout.chunk_path(namespace_id(NS), key_digest(key))
+
+
+def files_on_disk(root: Path) -> list[Path]:
+    return [p for p in (root / "ns").rglob("*") if p.is_file() and p.name != "NAMESPACE"]
+
+
+def test_round_trip_is_byte_exact(make_store: StoreFactory) -> None:
+    store = make_store()
+    assert put(store, "a") is SubmitResult.QUEUED
+    assert store.flush(10)
+    assert store.contains("a")
+    assert read(store, "a") == payload_for("a")
+    assert store.stats.get("read_bytes") == CHUNK
+
+
+def test_restart_finds_chunks_and_metadata(make_store: StoreFactory) -> None:
+    first = make_store()
+    for key in ("a", "b", "c"):
+        put(first, key)
+    first.close()
+    second = make_store()
+    assert all(second.contains(k) for k in ("a", "b", "c"))
+    assert second.tensor_meta("b") == meta_for(CHUNK)
+    assert read(second, "b") == payload_for("b")
+
+
+def test_restart_without_manifest_reads_headers(make_store: StoreFactory, tmp_path: Path) -> None:
+    first = make_store()
+    put(first, "a")
+    first.close()
+    (tmp_path / "cache" / "index" / "manifest.json").unlink()
+    second = make_store()
+    assert second.contains("a")
+    assert second.tensor_meta("a") == meta_for(CHUNK)
+    assert read(second, "a") == payload_for("a")
+
+
+def corrupt_payload_bit(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 1000)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 1000)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def truncate_file(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 4096)
+
+
+def replace_with_foreign_bytes(path: Path) -> None:
+    path.write_bytes(b"not a chunk file" * 1000)
+
+
+@pytest.mark.parametrize(
+    ("damage", "counter"),
+    [(corrupt_payload_bit, "checksum_failures"), (truncate_file, "invalid_files"),
+     (replace_with_foreign_bytes, "invalid_files")],
+    ids=["bit-flip", "truncated", "foreign"],
+)
+def test_damaged_file_is_a_counted_quarantined_miss(
+        make_store: StoreFactory, damage: Callable[[Path], None], counter: str) -> None:
+    store = make_store()
+    put(store, "a")
+    store.flush(10)
+    path = chunk_file(store, "a")
+    damage(path)
+    assert read(store, "a") is None
+    assert store.stats.get(counter) == 1
+    assert store.stats.get("quarantined_files") == 1
+    assert not path.exists()
+    assert len(list(store.roots[0].layout.quarantine_dir.iterdir())) == 1
+    assert not store.contains("a")
+
+
+def test_wrong_key_file_is_never_served(make_store: StoreFactory) -> None:
+    store = make_store()
+    put(store, "a")
+    put(store, "b")
+    store.flush(10)
+    os.replace(chunk_file(store, "a"), chunk_file(store, "b"))
+    assert read(store, "b") is None
+    assert store.stats.get("invalid_files") == 1
+
+
+def test_absurd_length_header_is_rejected_without_allocation(
+        make_store: StoreFactory, tmp_path: Path) -> None:
+    """A recovered file whose header claims a huge payload never reaches an allocation."""
+    layout = RootLayout(tmp_path / "cache")
+    path = layout.chunk_path(namespace_id(NS), key_digest("huge"))
+    path.parent.mkdir(parents=True)
+    huge = 1 << 35
+    path.write_bytes(encode_header("huge", NS, meta_for(huge), huge, 0) + bytes(4096))
+    store = make_store()
+    assert store.contains("huge")  # listed by the directory scan, not yet validated
+    assert store.tensor_meta("huge") is None
+    assert store.stats.get("invalid_files") == 1
+    assert not store.contains("huge")
+
+
+def test_capacity_is_enforced_in_lru_order_and_pins_are_kept(make_store: StoreFactory) -> None:
+    per_file = file_size_for(CHUNK)
+    store = make_store(max_size_gb=(per_file * 4) / 1024**3)
+    for key in ("k0", "k1", "k2", "k3"):
+        put(store, key)
+    store.flush(10)
+    assert store.pin("k1")
+    assert store.contains("k0")  # k0 becomes most recently used; k2 is now the oldest unpinned
+    put(store, "k4")
+    store.flush(10)
+    assert not store.contains("k2")
+    assert all(store.contains(k) for k in ("k0", "k1", "k3", "k4"))
+    for i in range(5, 12):
+        put(store, f"k{i}")
+        store.flush(10)
+        on_disk = sum(p.stat().st_size for p in files_on_disk(store.roots[0].layout.root))
+        assert on_disk <= store.settings.max_size_bytes + per_file
+        assert store.usage()["used_bytes"] <= store.settings.max_size_bytes
+    assert store.contains("k1")  # pinned: survived every eviction
+    assert read(store, "k1") == payload_for("k1")
+    assert store.stats.get("evictions") >= 7
+
+
+def test_pinned_chunks_block_writes_rather_than_being_evicted(make_store: StoreFactory) -> None:
+    store = make_store(max_size_gb=(file_size_for(CHUNK) * 2) / 1024**3)
+    put(store, "a")
+    put(store, "b")
+    store.flush(10)
+    store.pin("a")
+    store.pin("b")
+    put(store, "c")
+    store.flush(10)
+    assert not store.contains("c")
+    assert store.stats.get("capacity_drops") == 1
+    assert store.contains("a") and store.contains("b")
+
+
+def test_duplicate_puts_write_once(make_store: StoreFactory) -> None:
+    store = make_store()
+    assert put(store, "a") is SubmitResult.QUEUED
+    second = put(store, "a")
+    store.flush(10)
+    assert put(store, "a") is SubmitResult.DUPLICATE
+    assert second is SubmitResult.DUPLICATE
+    assert store.stats.get("writes_completed") == 1
+    assert len(files_on_disk(store.roots[0].layout.root)) == 1
+
+
+def test_concurrent_puts_of_one_key(make_store: StoreFactory) -> None:
+    store = make_store(write_threads=4)
+    results: list[SubmitResult] = []
+    barrier = threading.Barrier(8)
+
+    def worker() -> None:
+        barrier.wait()
+        results.append(put(store, "same"))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.flush(10)
+    assert results.count(SubmitResult.QUEUED) == 1
+    assert read(store, "same") == payload_for("same")
+    assert len(files_on_disk(store.roots[0].layout.root)) == 1
+
+
+def test_concurrent_writers_in_two_processes_publish_one_valid_file(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_store import put, NS
+        from lmcache_nvme_backend.config import NVMeSettings
+        from lmcache_nvme_backend.store import ChunkStore
+        store = ChunkStore(NVMeSettings.from_params({{"path": sys.argv[1], "max_size_gb": 1,
+            "min_free_gb": 0, "manifest_interval_s": 0}}))
+        for i in range(20):
+            put(store, f"shared-{{i}}")
+        store.close()
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cache")])
+             for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    store = ChunkStore(NVMeSettings.from_params({"path": str(tmp_path / "cache"),
+                                                 "max_size_gb": 1, "min_free_gb": 0}))
+    try:
+        assert all(read(store, f"shared-{i}") == payload_for(f"shared-{i}") for i in range(20))
+        assert not list(store.roots[0].layout.iter_temp_files())
+    finally:
+        store.close()
+
+
+class BlockedWrites:
+    """Holds every chunk write until released, to fill the write-back queue on purpose."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.release = threading.Event()
+        self.started = threading.Semaphore(0)
+        original = store._engine.write_chunk
+
+        def blocked(*args: object, **kwargs: object) -> None:
+            self.started.release()
+            self.release.wait(30)
+            original(*args, **kwargs)  # type: ignore[arg-type]
+
+        store._engine.write_chunk = blocked  # type: ignore[method-assign]
+
+
+def test_full_queue_drops_and_counts_without_blocking(make_store: StoreFactory) -> None:
+    size = 1024 * 1024
+    store = make_store(write_queue_mb=2.5, write_threads=1)
+    blocked = BlockedWrites(store)
+    assert put(store, "a", size) is SubmitResult.QUEUED
+    assert blocked.started.acquire(timeout=10)  # the writer holds "a"; the drive is "stuck"
+    assert put(store, "b", size) is SubmitResult.QUEUED
+    assert put(store, "c", size) is SubmitResult.QUEUE_FULL  # returns at once while stuck
+    assert store.stats.get("queue_full_drops") == 1
+    assert not store.is_pending("c")
+    blocked.release.set()
+    store.flush(10)
+    assert read(store, "a", size) == payload_for("a", size)
+    assert read(store, "b", size) == payload_for("b", size)
+    assert not store.contains("c")
+
+
+def test_wait_policy_waits_for_room(make_store: StoreFactory) -> None:
+    size = 1024 * 1024
+    store = make_store(write_queue_mb=1.5, write_threads=1, queue_full_policy="wait")
+    blocked = BlockedWrites(store)
+    put(store, "a", size)
+    assert blocked.started.acquire(timeout=10)
+    outcome: list[SubmitResult] = []
+    waiter = threading.Thread(target=lambda: outcome.append(put(store, "b", size)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not outcome  # waiting for queue room, not dropped
+    blocked.release.set()
+    waiter.join(10)
+    assert outcome == [SubmitResult.QUEUED]
+    store.flush(10)
+    assert read(store, "b", size) == payload_for("b", size)
+    assert store.stats.get("queue_full_waits") == 1
+
+
+def test_release_is_called_once_for_every_outcome(make_store: StoreFactory) -> None:
+    store = make_store(write_queue_mb=0.5)
+    released: list[str] = []
+    data = payload_for("a")
+
+    def submit(key: str, size: int) -> SubmitResult:
+        return store.submit(key, NS, meta_for(size), memoryview(data)[:size],
+                            release=lambda: released.append(key))
+
+    assert submit("a", CHUNK) is SubmitResult.QUEUED
+    store.flush(10)
+    assert submit("a", CHUNK) is SubmitResult.DUPLICATE
+    assert submit("b", CHUNK) is SubmitResult.QUEUED
+    store.flush(10)
+    assert sorted(released) == ["a", "a", "b"]
+
+
+CRASH_WRITER = textwrap.dedent("""
+    import sys, itertools
+    sys.path.insert(0, sys.argv[2])
+    from test_store import put
+    from lmcache_nvme_backend.config import NVMeSettings
+    from lmcache_nvme_backend.store import ChunkStore
+    store = ChunkStore(NVMeSettings.from_params({"path": sys.argv[1], "max_size_gb": 1,
+        "min_free_gb": 0, "manifest_interval_s": 0.05, "write_threads": 2}))
+    for i in itertools.count():
+        put(store, f"crash-{i}", 3 * 1024 * 1024 + 7)
+        if i == 3:
+            print("writing", flush=True)
+""")
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial: int) -> None:
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH_WRITER, str(cache), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    threading.Event().wait(0.2 + 0.15 * trial)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    layout = RootLayout(cache)
+    assert not any(p.name.endswith(".kv") and p.stat().st_size % 4096
+                   for p in files_on_disk(cache))
+    store = ChunkStore(NVMeSettings.from_params({"path": str(cache), "max_size_gb": 1,
+                                                 "min_free_gb": 0}))
+    try:
+        assert not list(layout.iter_temp_files())  # the dead writer's temp files are gone
+        size = 3 * 1024 * 1024 + 7
+        found = [loc for loc in layout.iter_chunks()]
+        assert found, "the writer published nothing before it was killed"
+        keys = [f"crash-{i}" for i in range(400) if store.contains(f"crash-{i}")]
+        assert len(keys) == len(found)
+        for key in keys:
+            assert store.tensor_meta(key) == meta_for(size)
+            assert read(store, key, size) == payload_for(key, size)
+        assert store.stats.get("invalid_files") == 0
+    finally:
+        store.close()
