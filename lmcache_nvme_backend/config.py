@@ -186,7 +186,10 @@ class _Parser:
         return value
 
     def choice(self, name: str, default: str, allowed: tuple[str, ...]) -> str:
-        value = str(self.params.get(name, default)).strip().lower()
+        raw = self.params.get(name, default)
+        if isinstance(raw, bool) and "on" in allowed:
+            raw = "on" if raw else "off"  # YAML 1.1 reads unquoted on/off as booleans
+        value = str(raw).strip().lower()
         if value not in allowed:
             raise self.fail(name, f"'{value}' is not a valid choice",
                             f"Use one of: {', '.join(allowed)}.")

@@ -112,7 +112,9 @@ class RootLayout:
 
     def _iter_shard_files(self, ns_id: str | None) -> Iterator[tuple[str, str, os.DirEntry[str]]]:
         """(namespace id, 4-hex shard prefix, entry) for each regular file in a shard dir."""
-        ns_ids = [ns_id] if ns_id is not None else list(self.iter_namespace_ids())
+        if ns_id is not None and not _NS_RE.match(ns_id):
+            raise ValueError(f"'{ns_id}' is not a namespace id (16 hex digits)")
+        ns_ids = [ns for ns in self.iter_namespace_ids() if ns_id is None or ns == ns_id]
         for ns in ns_ids:
             for shard1 in _scandir_dirs(self.namespaces_dir / ns):
                 if not _SHARD_RE.match(shard1.name):

@@ -74,6 +74,9 @@ def probe_direct_io(directory: Path) -> bool:
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC, 0o600)
     except OSError as exc:
+        # Linux creates the file before it refuses O_DIRECT with EINVAL.
+        probe.unlink(missing_ok=True)
+        buf.close()
         if exc.errno == errno.EINVAL:
             return False
         raise
@@ -130,7 +133,7 @@ class PosixIOEngine:
         for req in requests:
             try:
                 pieces.extend((req, piece) for piece in self._plan_read(req))
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 req.error = exc
         self._run_pieces(pieces)
         for req in requests:

@@ -307,6 +307,12 @@ class ChunkStore:
         size = file_size_for(job.nbytes)
         too_big = size > self._index.budgets[0] or job.nbytes > self._queue.capacity
         if too_big or len(job.key.encode()) > max_key_bytes(job.namespace, job.meta):
+            if not self.stats.get("oversize_drops"):
+                logger.warning(
+                    "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
+                    "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
+                    "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", job.nbytes,
+                    self._queue.capacity, self._index.budgets[0])
             self.stats.add("oversize_drops")
             return SubmitResult.OVERSIZE
         with self._lock:

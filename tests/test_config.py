@@ -1,0 +1,325 @@
+"""NVMeSettings: defaults, path forms, and errors that name the offending key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_nvme_backend.config import GIB, MIB, NVMeConfigError, NVMeSettings
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def extra(cache_dir: Path) -> dict[str, Any]:
+    """A minimal valid extra_config, to be extended or broken per test."""
+    return {"nvme.path": str(cache_dir), "nvme.max_size_gb": 10}
+
+
+@pytest.fixture
+def params(cache_dir: Path) -> dict[str, Any]:
+    """A minimal valid adapter_params mapping (bare names)."""
+    return {"path": str(cache_dir), "max_size_gb": 10}
+
+
+def config_error(extra_config: dict[str, Any]) -> str:
+    with pytest.raises(NVMeConfigError) as info:
+        NVMeSettings.from_extra_config(extra_config)
+    return str(info.value)
+
+
+# -- accepted values --------------------------------------------------------------------------
+
+
+def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
+    s = NVMeSettings.from_extra_config(extra)
+    assert s.paths == (cache_dir,)
+    assert cache_dir.is_dir()  # created on validation
+    assert s.max_size_gb == 10.0
+    assert s.max_size_bytes == 10 * GIB
+    assert (s.min_free_gb, s.min_free_bytes) == (1.0, GIB)
+    assert s.direct_io == "auto"
+    assert (s.io_threads, s.write_threads) == (8, 2)
+    assert isinstance(s.io_threads, int)
+    assert s.task_size_bytes == 4 * MIB
+    assert s.write_queue_bytes == 1024 * MIB
+    assert s.queue_full_policy == "drop"
+    assert s.fsync == "none"
+    assert s.file_mode == 0o600
+    assert (s.manifest_interval_s, s.close_timeout_s) == (60.0, 30.0)
+
+
+def test_foreign_extra_config_keys_are_ignored(extra: dict[str, Any], cache_dir: Path) -> None:
+    extra.update({"storage_plugin.nvme.module_path": "x", "other.max_size_gib": 1, "nvmepath": 2})
+    assert NVMeSettings.from_extra_config(extra).paths == (cache_dir,)
+
+
+def test_every_setting_can_be_given(extra: dict[str, Any]) -> None:
+    extra.update({
+        "nvme.min_free_gb": 0, "nvme.direct_io": " OFF ", "nvme.io_threads": "4",
+        "nvme.write_threads": 3.0, "nvme.task_size_mb": 0.5, "nvme.write_queue_mb": "64",
+        "nvme.queue_full_policy": "Wait", "nvme.fsync": "full", "nvme.file_mode": "0640",
+        "nvme.manifest_interval_s": 0, "nvme.close_timeout_s": "1.5",
+    })
+    s = NVMeSettings.from_extra_config(extra)
+    assert s.min_free_bytes == 0
+    assert s.direct_io == "off"
+    assert (s.io_threads, s.write_threads) == (4, 3)
+    assert isinstance(s.io_threads, int) and isinstance(s.write_threads, int)
+    assert s.task_size_bytes == 512 * 1024
+    assert s.write_queue_bytes == 64 * MIB
+    assert (s.queue_full_policy, s.fsync) == ("wait", "full")
+    assert s.file_mode == 0o640
+    assert (s.manifest_interval_s, s.close_timeout_s) == (0.0, 1.5)
+
+
+def test_task_size_rounds_to_4k_and_never_below(extra: dict[str, Any]) -> None:
+    extra["nvme.task_size_mb"] = 0.001
+    assert NVMeSettings.from_extra_config(extra).task_size_bytes == 4096
+    extra["nvme.task_size_mb"] = 1.003
+    assert NVMeSettings.from_extra_config(extra).task_size_bytes % 4096 == 0
+
+
+def test_path_comma_list(tmp_path: Path, extra: dict[str, Any]) -> None:
+    extra["nvme.path"] = f" {tmp_path / 'a'} ,{tmp_path / 'b'},, "
+    s = NVMeSettings.from_extra_config(extra)
+    assert s.paths == (tmp_path / "a", tmp_path / "b")
+    assert all(p.is_dir() for p in s.paths)
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_path_list(tmp_path: Path, extra: dict[str, Any], container: type) -> None:
+    extra["nvme.path"] = container([str(tmp_path / "a"), tmp_path / "b"])
+    assert NVMeSettings.from_extra_config(extra).paths == (tmp_path / "a", tmp_path / "b")
+
+
+def test_path_file_url_prefix(tmp_path: Path, extra: dict[str, Any]) -> None:
+    extra["nvme.path"] = f"file://{tmp_path / 'u'}"
+    assert NVMeSettings.from_extra_config(extra).paths == (tmp_path / "u",)
+    assert (tmp_path / "u").is_dir()
+
+
+def test_relative_path_is_made_absolute(tmp_path: Path, extra: dict[str, Any],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    extra["nvme.path"] = "rel/cache"
+    s = NVMeSettings.from_extra_config(extra)
+    assert s.paths == (tmp_path / "rel" / "cache",)
+    assert s.paths[0].is_absolute()
+
+
+def test_home_is_expanded(tmp_path: Path, extra: dict[str, Any],
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    extra["nvme.path"] = "~/kv"
+    assert NVMeSettings.from_extra_config(extra).paths == (tmp_path / "kv",)
+
+
+def test_from_params_bare_names(params: dict[str, Any], cache_dir: Path) -> None:
+    params["fsync"] = "data"
+    s = NVMeSettings.from_params(params)
+    assert (s.paths, s.max_size_gb, s.fsync) == ((cache_dir,), 10.0, "data")
+
+
+# -- path errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", [None, "", []])
+def test_missing_path(extra: dict[str, Any], missing: Any) -> None:
+    if missing is None:
+        del extra["nvme.path"]
+    else:
+        extra["nvme.path"] = missing
+    msg = config_error(extra)
+    assert msg.startswith("nvme.path:")
+    assert "missing" in msg
+
+
+def test_no_extra_config_at_all() -> None:
+    assert "nvme.path" in config_error(None)  # type: ignore[arg-type]
+
+
+def test_path_that_is_a_file(tmp_path: Path, extra: dict[str, Any]) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    extra["nvme.path"] = str(tmp_path / "file")
+    msg = config_error(extra)
+    assert "nvme.path" in msg and "not a directory" in msg
+    assert (tmp_path / "file").read_bytes() == b"x"
+
+
+def test_path_below_a_file_cannot_be_created(tmp_path: Path, extra: dict[str, Any]) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    extra["nvme.path"] = str(tmp_path / "file" / "sub")
+    msg = config_error(extra)
+    assert "nvme.path" in msg and "cannot create" in msg
+
+
+def test_unwritable_directory(tmp_path: Path, extra: dict[str, Any]) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a 0o500 directory regardless of its mode")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        extra["nvme.path"] = str(ro)
+        msg = config_error(extra)
+    finally:
+        ro.chmod(0o700)
+    assert "nvme.path" in msg and "not writable" in msg
+
+
+def test_path_listed_twice(tmp_path: Path, extra: dict[str, Any]) -> None:
+    extra["nvme.path"] = [str(tmp_path / "a"), f"file://{tmp_path / 'a'}"]
+    msg = config_error(extra)
+    assert "nvme.path" in msg and "twice" in msg
+
+
+@pytest.mark.parametrize("bad", [42, {"a": 1}])
+def test_path_of_wrong_type(extra: dict[str, Any], bad: Any) -> None:
+    msg = config_error({**extra, "nvme.path": bad})
+    assert msg.startswith("nvme.path:") and type(bad).__name__ in msg
+
+
+def test_write_probe_leaves_nothing(extra: dict[str, Any], cache_dir: Path) -> None:
+    NVMeSettings.from_extra_config(extra)
+    assert list(cache_dir.iterdir()) == []
+
+
+# -- numeric errors ---------------------------------------------------------------------------
+
+
+def test_missing_max_size(extra: dict[str, Any]) -> None:
+    del extra["nvme.max_size_gb"]
+    msg = config_error(extra)
+    assert msg.startswith("nvme.max_size_gb:") and "missing" in msg
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(0, "out of range"), (-1, "out of range"), ("-0.5", "out of range"),
+     ("ten", "not a number"), ([10], "not a number"), ("nan", "not a finite number"),
+     (float("nan"), "not a finite number"), ("inf", "not a finite number"),
+     (float("-inf"), "not a finite number")],
+)
+def test_bad_max_size(extra: dict[str, Any], value: Any, why: str) -> None:
+    msg = config_error({**extra, "nvme.max_size_gb": value})
+    assert msg.startswith("nvme.max_size_gb:")
+    assert why in msg
+
+
+def test_max_size_accepts_numeric_string(extra: dict[str, Any]) -> None:
+    extra["nvme.max_size_gb"] = "0.25"
+    assert NVMeSettings.from_extra_config(extra).max_size_bytes == GIB // 4
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [("io_threads", 2.5, "not a whole number"), ("io_threads", "four", "not a number"),
+     ("io_threads", 0, "out of range"), ("io_threads", "1e400", "not a finite number"),
+     ("write_threads", -1, "out of range"), ("task_size_mb", 0, "out of range"),
+     ("write_queue_mb", 0, "out of range"), ("min_free_gb", -0.1, "out of range"),
+     ("close_timeout_s", "soon", "not a number")],
+)
+def test_bad_numbers_name_their_key(extra: dict[str, Any], name: str, value: Any,
+                                    why: str) -> None:
+    msg = config_error({**extra, f"nvme.{name}": value})
+    assert msg.startswith(f"nvme.{name}:")
+    assert why in msg
+
+
+# -- unknown keys -----------------------------------------------------------------------------
+
+
+def test_unknown_key_suggests_the_close_one(extra: dict[str, Any]) -> None:
+    msg = config_error({**extra, "nvme.max_size_gib": 5})
+    assert msg.startswith("nvme.max_size_gib:")
+    assert "did you mean 'nvme.max_size_gb'" in msg
+
+
+def test_unknown_key_without_close_match_lists_known(extra: dict[str, Any]) -> None:
+    msg = config_error({**extra, "nvme.zzz": 1})
+    assert "unknown setting" in msg and "did you mean" not in msg
+    assert "nvme.queue_full_policy" in msg and "nvme.path" in msg
+
+
+def test_paths_plural_suggests_path(extra: dict[str, Any]) -> None:
+    assert "did you mean 'nvme.path'" in config_error({**extra, "nvme.paths": "/x"})
+
+
+# -- choices ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [("fsync", "sometimes", "none, data, full"), ("queue_full_policy", "block", "drop, wait"),
+     ("direct_io", "yes", "auto, on, off"), ("direct_io", 1, "auto, on, off")],
+)
+def test_bad_choice(extra: dict[str, Any], name: str, value: Any, allowed: str) -> None:
+    msg = config_error({**extra, f"nvme.{name}": value})
+    assert msg.startswith(f"nvme.{name}:")
+    assert "not a valid choice" in msg and allowed in msg
+
+
+# -- file mode --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "mode"), [("0600", 0o600), ("640", 0o640), ("0o660", 0o660),
+                                          (0o644, 0o644), ("0777", 0o777)])
+def test_file_mode_accepted(extra: dict[str, Any], raw: Any, mode: int) -> None:
+    assert NVMeSettings.from_extra_config({**extra, "nvme.file_mode": raw}).file_mode == mode
+
+
+@pytest.mark.parametrize(("raw", "why"), [("rw-r--r--", "not an octal mode"),
+                                          ("0899", "not an octal mode"),
+                                          (None, "not an octal mode"),
+                                          ("0400", "not usable"), ("0200", "not usable"),
+                                          (0o1600, "not usable"), (-1, "not usable"),
+                                          (600, "not usable")])
+def test_bad_file_mode(extra: dict[str, Any], raw: Any, why: str) -> None:
+    msg = config_error({**extra, "nvme.file_mode": raw})
+    assert msg.startswith("nvme.file_mode:") and why in msg
+
+
+# -- bare names through from_params -----------------------------------------------------------
+
+
+def test_from_params_errors_name_the_bare_key(params: dict[str, Any]) -> None:
+    with pytest.raises(NVMeConfigError) as info:
+        NVMeSettings.from_params({**params, "max_size_gb": -3})
+    assert str(info.value).startswith("max_size_gb:")
+    assert "nvme." not in str(info.value)
+
+
+def test_from_params_missing_path_names_bare_key() -> None:
+    with pytest.raises(NVMeConfigError, match=r"^path: missing"):
+        NVMeSettings.from_params({"max_size_gb": 1})
+
+
+def test_from_params_unknown_key_suggests_bare_name(params: dict[str, Any]) -> None:
+    with pytest.raises(NVMeConfigError) as info:
+        NVMeSettings.from_params({**params, "fsynch": "data"})
+    assert "did you mean 'fsync'" in str(info.value)
+    assert "nvme." not in str(info.value)
+
+
+def test_from_params_rejects_prefixed_keys(params: dict[str, Any]) -> None:
+    with pytest.raises(NVMeConfigError, match="did you mean 'path'"):
+        NVMeSettings.from_params({**params, "nvme.path": "/elsewhere"})
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(NVMeConfigError, ValueError)
+
+
+@pytest.mark.parametrize(("yaml_value", "expected"), [(True, "on"), (False, "off")])
+def test_unquoted_yaml_on_off_mean_on_off(extra: dict[str, Any], yaml_value: bool,
+                                          expected: str) -> None:
+    """YAML 1.1 loads an unquoted ``on``/``off`` as a boolean; it must still mean on/off."""
+    settings = NVMeSettings.from_extra_config({**extra, "nvme.direct_io": yaml_value})
+    assert settings.direct_io == expected

@@ -1,0 +1,155 @@
+"""NVMeBackend through a real LMCacheEngine on CPU, configured from examples/lmcache-nvme.yaml."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lmcache.v1.cache_engine import LMCacheEngine
+from lmcache_harness import (
+    CPU_TIER,
+    CopyingCPUConnector,
+    build_engine,
+    chunk_keys,
+    destroy_engine,
+    evict_from_cpu,
+    keys_in_tier,
+    load_config,
+    lower_tier_name,
+    make_kv,
+    make_prompt,
+    retrieve_prompt,
+    store_prompt,
+    wait_until_in_tier,
+)
+
+from lmcache_nvme_backend.backend import NVMeBackend
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CHUNK = 256
+NUM_CHUNKS = 10
+EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme.yaml"
+
+EngineFactory = Callable[[Path], tuple[LMCacheEngine, CopyingCPUConnector]]
+
+
+def example_config_overrides(cache_dir: Path) -> dict[str, Any]:
+    """The example YAML as a user copies it, with only the cache path and sizes for a test box."""
+    return {"max_local_cpu_size": 0.5,
+            "extra_config": {"nvme.path": str(cache_dir), "nvme.max_size_gb": 1,
+                             "nvme.min_free_gb": 0}}
+
+
+@pytest.fixture
+def make_engine(request: pytest.FixtureRequest) -> Iterator[EngineFactory]:
+    instance_ids: list[str] = []
+
+    def factory(cache_dir: Path) -> tuple[LMCacheEngine, CopyingCPUConnector]:
+        instance_id = f"{request.node.name}-{len(instance_ids)}"
+        instance_ids.append(instance_id)
+        config = load_config(EXAMPLE_YAML, example_config_overrides(cache_dir))
+        return build_engine(config, instance_id=instance_id)
+
+    yield factory
+    for instance_id in instance_ids:
+        destroy_engine(instance_id)
+
+
+def nvme_backend(engine: LMCacheEngine) -> NVMeBackend:
+    assert engine.storage_manager is not None
+    backend = engine.storage_manager.storage_backends[lower_tier_name(engine)]
+    assert isinstance(backend, NVMeBackend)
+    return backend
+
+
+RESTART_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from lmcache_harness import (CPU_TIER, build_engine, chunk_keys, destroy_engine, keys_in_tier,
+                             load_config, make_kv, make_prompt, retrieve_prompt)
+from test_engine_nvme import EXAMPLE_YAML, NUM_CHUNKS, CHUNK, example_config_overrides
+from pathlib import Path
+config = load_config(EXAMPLE_YAML, example_config_overrides(Path(sys.argv[2])))
+engine, connector = build_engine(config, instance_id="restarted")
+try:
+    tokens = make_prompt(NUM_CHUNKS * CHUNK, seed=11)
+    keys = chunk_keys(engine, tokens)
+    backend = engine.storage_manager.storage_backends["nvme"]
+    report = {"in_cpu": keys_in_tier(engine, CPU_TIER, keys),
+              "in_nvme": keys_in_tier(engine, "nvme", keys)}
+    got = retrieve_prompt(engine, tokens, connector)
+    report["hit_tokens"] = int(got.ret_mask.sum())
+    report["identical"] = bool(torch.equal(got.kv, make_kv(connector, len(tokens), seed=12)))
+    report["read_chunks"] = backend.stats()["read_chunks"]
+    print(json.dumps(report))
+finally:
+    destroy_engine("restarted")
+"""
+
+
+def test_store_evict_retrieve_and_restart(make_engine: EngineFactory, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "nvme"
+    engine, connector = make_engine(cache_dir)
+    backend = nvme_backend(engine)
+    tokens = make_prompt(NUM_CHUNKS * CHUNK, seed=11)
+    kv = make_kv(connector, len(tokens), seed=12)
+    keys = chunk_keys(engine, tokens)
+    assert len(keys) == NUM_CHUNKS
+
+    store_prompt(engine, tokens, kv)
+    wait_until_in_tier(engine, "nvme", keys, timeout_s=60)
+    assert evict_from_cpu(engine, keys) == NUM_CHUNKS
+    assert keys_in_tier(engine, CPU_TIER, keys) == 0
+
+    got = retrieve_prompt(engine, tokens, connector)
+    assert bool(got.ret_mask.all())
+    assert torch.equal(got.kv, kv)
+    stats = backend.stats()
+    assert stats["read_chunks"] == NUM_CHUNKS
+    assert stats["read_bytes"] == kv.numel() * kv.element_size()
+    assert stats["checksum_failures"] == 0 and stats["invalid_files"] == 0
+    destroy_engine(f"{test_store_evict_retrieve_and_restart.__name__}-0")
+
+    proc = subprocess.run(
+        [sys.executable, "-c", RESTART_SCRIPT, str(Path(__file__).parent), str(cache_dir)],
+        capture_output=True, text=True, timeout=180, check=True)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"in_cpu": 0, "in_nvme": NUM_CHUNKS, "hit_tokens": NUM_CHUNKS * CHUNK,
+                      "identical": True, "read_chunks": NUM_CHUNKS}
+
+
+def test_corrupted_chunk_is_never_served_through_the_engine(
+        make_engine: EngineFactory, tmp_path: Path) -> None:
+    """A flipped payload bit in chunk 3 truncates the hit to the 3 intact chunks before it."""
+    engine, connector = make_engine(tmp_path / "nvme")
+    backend = nvme_backend(engine)
+    tokens = make_prompt(6 * CHUNK, seed=21)
+    kv = make_kv(connector, len(tokens), seed=22)
+    keys = chunk_keys(engine, tokens)
+    store_prompt(engine, tokens, kv)
+    wait_until_in_tier(engine, "nvme", keys, timeout_s=60)
+    evict_from_cpu(engine, keys)
+    store = backend.store
+    from lmcache_nvme_backend.layout import key_digest, namespace_id
+
+    victim = store.roots[0].layout.chunk_path(namespace_id(keys[3].model_name),
+                                              key_digest(keys[3].to_string()))
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 12345)
+        byte = f.read(1)
+        f.seek(4096 + 12345)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+    got = retrieve_prompt(engine, tokens, connector)
+    assert int(got.ret_mask.sum()) == 3 * CHUNK
+    assert torch.equal(got.kv[:, :, : 3 * CHUNK], kv[:, :, : 3 * CHUNK])
+    assert backend.stats()["checksum_failures"] == 1
+    assert not backend.contains(keys[3])

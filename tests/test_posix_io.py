@@ -1,0 +1,443 @@
+"""PosixIOEngine on a real filesystem: bytes on disk, round trips, partial failures, O_DIRECT."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import random
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from lmcache_nvme_backend import posix_io
+from lmcache_nvme_backend.format import HEADER_SIZE, TensorMeta, encode_header, padded_length
+from lmcache_nvme_backend.posix_io import (
+    AlignedBuffer,
+    PosixIOEngine,
+    ReadRequest,
+    ShortFileError,
+    is_aligned,
+    probe_direct_io,
+)
+
+TASK_SIZE = 8192
+MIB = 1 << 20
+SIZES = [1, 4095, 4096, 4097, 3 * MIB + 17]
+GUARD = 0xA5
+
+
+def payload_for(n: int, seed: int = 0) -> bytes:
+    """Deterministic bytes with no zero runs, so padding and offsets errors always show."""
+    data = bytearray(random.Random(n * 1000 + seed).randbytes(n))
+    data[::251] = b"\x01" * len(data[::251])
+    return bytes(data)
+
+
+def header_for(n: int, key: str = "k") -> bytes:
+    meta = TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
+    return encode_header(key, "ns", meta, n, 0x0123456789ABCDEF, created_unix_ns=1)
+
+
+class CountingPool(ThreadPoolExecutor):
+    """A thread pool that records how many pieces it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=4)
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.fixture
+def pool() -> Iterator[CountingPool]:
+    p = CountingPool()
+    yield p
+    p.shutdown(wait=True)
+
+
+@pytest.fixture
+def engine(pool: CountingPool) -> PosixIOEngine:
+    return PosixIOEngine(TASK_SIZE, pool)
+
+
+@pytest.fixture
+def buffers() -> Iterator[Callable[[int], AlignedBuffer]]:
+    """Aligned buffers that are closed after the test."""
+    made: list[AlignedBuffer] = []
+
+    def make(size: int) -> AlignedBuffer:
+        buf = AlignedBuffer(size)
+        made.append(buf)
+        return buf
+
+    yield make
+    gc.collect()  # request errors keep tracebacks (and so views of these buffers) in cycles
+    for buf in made:
+        buf.close()
+
+
+Dest = tuple[memoryview, Callable[[], None]]
+
+
+@pytest.fixture
+def make_dest(buffers: Callable[[int], AlignedBuffer]) -> Callable[[str, int], Dest]:
+    """A destination of the given kind, plus a check that no byte outside it was touched."""
+
+    def make(kind: str, n: int) -> Dest:
+        if kind == "unaligned":
+            backing = bytearray([GUARD]) * (n + 2)
+            view = memoryview(backing)[1 : n + 1]
+            assert not is_aligned(view)
+
+            def check() -> None:
+                assert backing[0] == GUARD and backing[-1] == GUARD
+
+            return view, check
+        buf = buffers(n + 4096)
+        buf.view[:] = bytes([GUARD]) * len(buf.view)
+        if kind == "aligned_padded":
+            return buf.view[: padded_length(n)], lambda: None
+        assert kind == "aligned_exact"
+
+        def check_exact() -> None:
+            assert bytes(buf.view[n:]) == bytes([GUARD]) * (len(buf.view) - n)
+
+        return buf.view[:n], check_exact
+
+    return make
+
+
+def write(engine: PosixIOEngine, path: Path, payload: bytes, direct: bool,
+          source: memoryview | None = None) -> bytes:
+    header = header_for(len(payload), key=path.name)
+    engine.write_chunk(path, header, source if source is not None else memoryview(payload),
+                       direct=direct, mode=0o600, sync_data=False)
+    return header
+
+
+def assert_file_bytes(path: Path, header: bytes, payload: bytes) -> None:
+    raw = path.read_bytes()
+    assert len(raw) == HEADER_SIZE + padded_length(len(payload))
+    assert raw[:HEADER_SIZE] == header
+    assert raw[HEADER_SIZE : HEADER_SIZE + len(payload)] == payload
+    assert raw[HEADER_SIZE + len(payload) :] == bytes(padded_length(len(payload)) - len(payload))
+
+
+# -- writes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("source", ["bytes", "aligned", "unaligned"])
+@pytest.mark.parametrize("n", SIZES)
+def test_write_produces_documented_file(engine: PosixIOEngine, tmp_path: Path,
+                                        buffers: Callable[[int], AlignedBuffer], direct: bool,
+                                        source: str, n: int) -> None:
+    payload = payload_for(n)
+    if source == "aligned":
+        buf = buffers(n)
+        buf.view[:n] = payload
+        view = buf.view[:n]
+    elif source == "unaligned":
+        view = memoryview(bytearray(b"\x00" + payload))[1:]
+    else:
+        view = memoryview(payload)
+    path = tmp_path / "c.kv"
+    header = write(engine, path, payload, direct, view)
+    assert_file_bytes(path, header, payload)
+    assert os.stat(path).st_size == HEADER_SIZE + padded_length(n)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_write_applies_mode(engine: PosixIOEngine, tmp_path: Path, direct: bool) -> None:
+    path = tmp_path / "m.kv"
+    old = os.umask(0)
+    try:
+        engine.write_chunk(path, header_for(3), memoryview(b"abc"), direct=direct, mode=0o640,
+                           sync_data=True)
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_write_refuses_existing_file(engine: PosixIOEngine, tmp_path: Path,
+                                     direct: bool) -> None:
+    path = tmp_path / "x.kv"
+    header = write(engine, path, payload_for(100), direct)
+    with pytest.raises(FileExistsError):
+        write(engine, path, payload_for(200, seed=1), direct)
+    assert_file_bytes(path, header, payload_for(100))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_write_does_not_follow_symlink(engine: PosixIOEngine, tmp_path: Path, direct: bool,
+                                       target_exists: bool) -> None:
+    target = tmp_path / "victim"
+    if target_exists:
+        target.write_bytes(b"precious")
+    link = tmp_path / "l.kv"
+    link.symlink_to(target)
+    with pytest.raises(FileExistsError):
+        write(engine, link, payload_for(10), direct)
+    assert link.is_symlink()
+    if target_exists:
+        assert target.read_bytes() == b"precious"
+    else:
+        assert not target.exists()
+
+
+# -- reads ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("dest_kind", ["aligned_padded", "aligned_exact", "unaligned"])
+@pytest.mark.parametrize("n", SIZES)
+def test_round_trip(engine: PosixIOEngine, tmp_path: Path, make_dest, direct: bool,
+                    dest_kind: str, n: int) -> None:
+    payload = payload_for(n)
+    path = tmp_path / "r.kv"
+    header = write(engine, path, payload, direct)
+    dest, untouched_outside = make_dest(dest_kind, n)
+    req = ReadRequest(path, n, dest, direct)
+    engine.read_chunks([req])
+    assert req.error is None
+    assert req.header == header
+    assert bytes(dest[:n]) == payload
+    untouched_outside()
+
+
+@pytest.mark.parametrize(("write_direct", "read_direct"), [(True, False), (False, True)])
+def test_direct_and_buffered_files_are_interchangeable(engine: PosixIOEngine, tmp_path: Path,
+                                                       make_dest, write_direct: bool,
+                                                       read_direct: bool) -> None:
+    payload = payload_for(3 * 4096 + 5)
+    path = tmp_path / "i.kv"
+    header = write(engine, path, payload, write_direct)
+    dest, _ = make_dest("aligned_exact", len(payload))
+    req = ReadRequest(path, len(payload), dest, read_direct)
+    engine.read_chunks([req])
+    assert req.error is None and req.header == header and bytes(dest) == payload
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_large_chunk_is_split_across_the_pool(engine: PosixIOEngine, pool: CountingPool,
+                                              tmp_path: Path, make_dest, direct: bool) -> None:
+    n = 3 * MIB + 17
+    payload = payload_for(n)
+    path = tmp_path / "big.kv"
+    write(engine, path, payload, direct)
+    dest, _ = make_dest("aligned_padded", n)
+    req = ReadRequest(path, n, dest, direct)
+    engine.read_chunks([req])
+    assert req.error is None and bytes(dest[:n]) == payload
+    assert pool.submitted >= n // TASK_SIZE
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_batch_of_requests(engine: PosixIOEngine, tmp_path: Path, make_dest,
+                           direct: bool) -> None:
+    specs = [(n, kind) for n in (1, 4096, 4097, 70_001, 3 * MIB + 17)
+             for kind in ("aligned_padded", "aligned_exact", "unaligned")]
+    reqs, expected = [], []
+    for i, (n, kind) in enumerate(specs):
+        payload = payload_for(n, seed=i)
+        path = tmp_path / f"b{i}.kv"
+        header = write(engine, path, payload, direct)
+        dest, check = make_dest(kind, n)
+        reqs.append(ReadRequest(path, n, dest, direct))
+        expected.append((header, payload, check))
+    engine.read_chunks(reqs)
+    for req, (header, payload, check) in zip(reqs, expected, strict=True):
+        assert req.error is None, req.path
+        assert req.header == header
+        assert bytes(req.dest[: len(payload)]) == payload
+        check()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("keep", ["half_payload", "header_only", "partial_header", "empty",
+                                  "one_byte_short"])
+def test_truncated_file_fails_only_its_request(engine: PosixIOEngine, tmp_path: Path,
+                                               make_dest, direct: bool, keep: str) -> None:
+    n = 5 * 4096 + 7
+    sizes = {"half_payload": HEADER_SIZE + n // 2, "header_only": HEADER_SIZE,
+             "partial_header": 100, "empty": 0,
+             "one_byte_short": HEADER_SIZE + (padded_length(n) if direct else n) - 1}
+    paths = [tmp_path / f"t{i}.kv" for i in range(3)]
+    payloads = [payload_for(n, seed=i) for i in range(3)]
+    headers = [write(engine, p, d, direct) for p, d in zip(paths, payloads, strict=True)]
+    os.truncate(paths[1], sizes[keep])
+    reqs = [ReadRequest(p, n, make_dest("aligned_padded", n)[0], direct) for p in paths]
+    engine.read_chunks(reqs)
+    assert isinstance(reqs[1].error, ShortFileError)
+    assert isinstance(reqs[1].error, OSError)
+    for i in (0, 2):
+        assert reqs[i].error is None
+        assert reqs[i].header == headers[i]
+        assert bytes(reqs[i].dest[:n]) == payloads[i]
+
+
+def test_buffered_read_accepts_file_without_padding(engine: PosixIOEngine, tmp_path: Path,
+                                                    make_dest) -> None:
+    n = 4097
+    path = tmp_path / "np.kv"
+    header = write(engine, path, payload_for(n), direct=False)
+    os.truncate(path, HEADER_SIZE + n)
+    dest, _ = make_dest("unaligned", n)
+    req = ReadRequest(path, n, dest, direct=False)
+    engine.read_chunks([req])
+    assert req.error is None and req.header == header and bytes(dest) == payload_for(n)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_missing_file_fails_only_its_request(engine: PosixIOEngine, tmp_path: Path, make_dest,
+                                             direct: bool) -> None:
+    good = tmp_path / "good.kv"
+    header = write(engine, good, payload_for(9000), direct)
+    missing = ReadRequest(tmp_path / "nope.kv", 9000, make_dest("unaligned", 9000)[0], direct)
+    ok = ReadRequest(good, 9000, make_dest("aligned_exact", 9000)[0], direct)
+    engine.read_chunks([missing, ok])
+    assert isinstance(missing.error, FileNotFoundError)
+    assert missing.header == b""
+    assert ok.error is None and ok.header == header and bytes(ok.dest) == payload_for(9000)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_undersized_destination_fails_only_its_request(engine: PosixIOEngine, tmp_path: Path,
+                                                       make_dest, direct: bool) -> None:
+    good = tmp_path / "good.kv"
+    header = write(engine, good, payload_for(9000), direct)
+    small = ReadRequest(good, 9000, memoryview(bytearray(10)), direct)
+    ok = ReadRequest(good, 9000, make_dest("aligned_exact", 9000)[0], direct)
+    engine.read_chunks([small, ok])
+    assert isinstance(small.error, ValueError)
+    assert ok.error is None and ok.header == header and bytes(ok.dest) == payload_for(9000)
+    assert ok._fd == -1 and small._fd == -1
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_read_does_not_follow_symlink(engine: PosixIOEngine, tmp_path: Path, make_dest,
+                                      direct: bool) -> None:
+    real = tmp_path / "real.kv"
+    write(engine, real, payload_for(100), direct)
+    link = tmp_path / "link.kv"
+    link.symlink_to(real)
+    dest, _ = make_dest("unaligned", 100)
+    req = ReadRequest(link, 100, dest, direct)
+    engine.read_chunks([req])
+    assert isinstance(req.error, OSError) and req.error.errno == errno.ELOOP
+    assert bytes(dest) == bytes([GUARD]) * 100
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_read_header(engine: PosixIOEngine, tmp_path: Path, direct: bool) -> None:
+    path = tmp_path / "h.kv"
+    header = write(engine, path, payload_for(4097), direct)
+    assert engine.read_header(path, direct) == (header, HEADER_SIZE + 8192)
+
+
+def test_read_header_of_short_file(engine: PosixIOEngine, tmp_path: Path) -> None:
+    path = tmp_path / "s.kv"
+    path.write_bytes(b"LMCNVME\x00" + bytes(100))
+    with pytest.raises(ShortFileError):
+        engine.read_header(path, direct=False)
+
+
+def test_empty_batch_is_a_no_op(engine: PosixIOEngine, pool: CountingPool) -> None:
+    engine.read_chunks([])
+    assert pool.submitted == 0
+
+
+def test_task_size_must_be_aligned(pool: CountingPool) -> None:
+    with pytest.raises(ValueError, match="4096"):
+        PosixIOEngine(4096 + 512, pool)
+
+
+# -- buffers and O_DIRECT probing -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 4097])
+def test_aligned_buffer(size: int) -> None:
+    buf = AlignedBuffer(size)
+    try:
+        assert is_aligned(buf.view)
+        assert len(buf.view) == buf.size == max(4096, padded_length(size))
+        assert not is_aligned(buf.view[1:])
+    finally:
+        buf.close()
+
+
+def test_probe_direct_io_on_ext4_tmp_path(tmp_path: Path) -> None:
+    assert probe_direct_io(tmp_path) is True
+    assert probe_direct_io(tmp_path) is True  # repeatable from the same thread
+    assert list(tmp_path.iterdir()) == []
+
+
+def _kernel_accepts_o_direct(directory: Path) -> bool:
+    fd = -1
+    try:
+        fd = os.open(directory / "raw-check", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        (directory / "raw-check").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        yield Path(d)
+
+
+def test_probe_direct_io_on_tmpfs_matches_kernel(shm_dir: Path) -> None:
+    # tmpfs refuses O_DIRECT before Linux 6.6 and accepts it since; the probe must agree.
+    expected = _kernel_accepts_o_direct(shm_dir)
+    assert probe_direct_io(shm_dir) is expected
+
+
+def test_probe_direct_io_reports_einval_as_unsupported(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(posix_io.os, "open", refuse_direct)
+    assert probe_direct_io(tmp_path) is False
+
+
+def test_probe_direct_io_propagates_other_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        probe_direct_io(tmp_path / "absent")
+
+
+def test_probe_direct_io_leaves_no_file_when_kernel_creates_then_refuses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def create_then_refuse(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kwargs))
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(posix_io.os, "open", create_then_refuse)
+    assert probe_direct_io(tmp_path) is False
+    assert probe_direct_io(tmp_path) is False
+    assert list(tmp_path.iterdir()) == []
