@@ -328,6 +328,7 @@ class ChunkStore:
         return self._queue.wait_empty(timeout_s)
 
     def _writer_loop(self) -> None:
+        _lower_thread_cpu_priority()
         while (job := self._queue.take()) is not None:
             try:
                 self._gate.wait_for_readers()
@@ -577,6 +578,21 @@ class ChunkStore:
             self._manifest_thread.join()
         self.save_manifests()
         self._io_pool.shutdown(wait=True)
+
+
+WRITER_NICE = 10
+
+
+def _lower_thread_cpu_priority() -> None:
+    """Make the calling writer thread yield the CPU to the inference engine's threads.
+
+    On Linux a thread is a task with its own nice value; write-back is background
+    work and should never take a core from the engine when the host is busy.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError) as exc:
+        logger.debug("could not lower the writer thread's priority: %s", exc)
 
 
 def _free_bytes(path: Path) -> int:

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
-from lmcache_harness import (
+
+from lmcache_nvme_backend.backend import NVMeBackend
+from lmcache_nvme_backend.cpu_harness import (
     CPU_TIER,
     CopyingCPUConnector,
     build_engine,
@@ -28,8 +30,6 @@ from lmcache_harness import (
     store_prompt,
     wait_until_in_tier,
 )
-
-from lmcache_nvme_backend.backend import NVMeBackend
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -73,8 +73,8 @@ RESTART_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from lmcache_harness import (CPU_TIER, build_engine, chunk_keys, destroy_engine, keys_in_tier,
-                             load_config, make_kv, make_prompt, retrieve_prompt)
+from lmcache_nvme_backend.cpu_harness import (CPU_TIER, build_engine, chunk_keys,
+    destroy_engine, keys_in_tier, load_config, make_kv, make_prompt, retrieve_prompt)
 from test_engine_nvme import EXAMPLE_YAML, NUM_CHUNKS, CHUNK, example_config_overrides
 from pathlib import Path
 config = load_config(EXAMPLE_YAML, example_config_overrides(Path(sys.argv[2])))

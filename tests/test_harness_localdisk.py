@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
-from lmcache_harness import (
+
+from lmcache_nvme_backend.cpu_harness import (
     CPU_TIER,
     CopyingCPUConnector,
     build_engine,

@@ -369,3 +369,12 @@ def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial:
         assert store.stats.get("invalid_files") == 0
     finally:
         store.close()
+
+
+def test_writer_threads_yield_cpu_to_the_engine(make_store: StoreFactory) -> None:
+    store = make_store(write_threads=2)
+    put(store, "a")
+    put(store, "b")
+    store.flush(10)
+    assert all(os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == 10 for t in store._writers)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0
