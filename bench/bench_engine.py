@@ -13,8 +13,10 @@ configuration, in a rotated order, so slow drift of this noisy virtual disk hits
 all of them alike.  Per repetition and configuration the benchmark measures
 
 (a) ``engine.store()`` call latency over ``--stores`` distinct prompts stored
-    back to back (lower tiers persist them in the background; the time until
-    all of them are persisted gives the sustained write rate), then
+    back to back, or ``--store-gap-ms`` apart (lower tiers persist them in the
+    background; the time until all of them are persisted gives the sustained
+    write rate), and the time the lower tier's put hook takes inside each call
+    ("tier put": the tier's own cost on the store path), then
 (b) a cold retrieve: one ``--retrieve-tokens`` prompt is stored, persisted,
     evicted from host memory, the page cache is dropped (``--drop-caches``),
     and ``engine.retrieve()`` is timed; the bytes are verified afterwards.
@@ -72,6 +74,7 @@ class TierRun:
     connector: harness.CopyingCPUConnector
     lower_tier: str | None
     store_latencies_s: list[float] = field(default_factory=list)
+    tier_put_s: list[float] = field(default_factory=list)
     persist_gbps: list[float] = field(default_factory=list)
     chunks_not_persisted: int = 0
     retrieve_gbps: list[float] = field(default_factory=list)
@@ -79,6 +82,7 @@ class TierRun:
     def discard_samples(self) -> None:
         """Forget what warm-up repetitions measured."""
         self.store_latencies_s.clear()
+        self.tier_put_s.clear()
         self.persist_gbps.clear()
         self.chunks_not_persisted = 0
         self.retrieve_gbps.clear()
@@ -87,7 +91,7 @@ class TierRun:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="host-only,local-disk",
+    parser.add_argument("--configs", default="host-only,local-disk,nvme",
                         help=f"comma-separated subset of {', '.join(CONFIG_NAMES)} "
                              "(default: %(default)s)")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -104,6 +108,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stores", type=int, default=32,
                         help="store() calls per repetition and configuration "
                              "(default: %(default)s)")
+    parser.add_argument("--store-gap-ms", type=float, default=0.0,
+                        help="pause between store() calls, standing in for the engine's "
+                             "forward pass between two stores (default: %(default)s, "
+                             "back to back: the CPU-bound worst case)")
     parser.add_argument("--retrieve-tokens", type=int, default=16384,
                         help="tokens of the cold-retrieved prompt in (b) (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=7,
@@ -181,7 +189,24 @@ def start_tier(name: str, args: argparse.Namespace, workdir: Path) -> TierRun:
     except RuntimeError:
         harness.destroy_engine(instance_id)
         raise
-    return TierRun(name, instance_id, engine, connector, lower_tier)
+    run = TierRun(name, instance_id, engine, connector, lower_tier)
+    if lower_tier is not None:
+        time_tier_puts(run, harness.storage_tiers(engine)[lower_tier])
+    return run
+
+
+def time_tier_puts(run: TierRun, backend: Any) -> None:
+    """Record how long the lower tier's put hook takes inside each store() call."""
+    put = backend.batched_submit_put_task
+
+    def timed_put(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return put(*args, **kwargs)
+        finally:
+            run.tier_put_s.append(time.perf_counter() - started)
+
+    backend.batched_submit_put_task = timed_put
 
 
 def wait_persisted(run: TierRun, keys: Sequence[CacheEngineKey], timeout_s: float) -> int:
@@ -205,6 +230,8 @@ def measure_stores(run: TierRun, rep: int, store_kv: torch.Tensor,
         call_started = time.perf_counter()
         harness.store_prompt(run.engine, tokens, store_kv)
         run.store_latencies_s.append(time.perf_counter() - call_started)
+        if args.store_gap_ms:
+            time.sleep(args.store_gap_ms / 1e3)
     if run.lower_tier is not None:
         keys = [key for tokens in prompts for key in harness.chunk_keys(run.engine, tokens)]
         missing = wait_persisted(run, keys, args.persist_timeout)
@@ -269,6 +296,8 @@ def summarize(runs: Sequence[TierRun], page_cache_dropped: bool) -> dict[str, di
             "store_calls": len(run.store_latencies_s),
             "store_p50_ms": percentile(run.store_latencies_s, 0.50) * 1e3,
             "store_p99_ms": percentile(run.store_latencies_s, 0.99) * 1e3,
+            "tier_put_p50_us": (percentile(run.tier_put_s, 0.50) * 1e6 if run.tier_put_s
+                                else None),
             "persist_gbps_median": median_or_none(run.persist_gbps),
             "chunks_not_persisted": run.chunks_not_persisted,
             "retrieve_source": "host memory (hot)" if run.lower_tier is None
@@ -287,13 +316,15 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| config | store p50 ms | store p99 ms | persist GB/s | not persisted "
+        "| config | store p50 ms | store p99 ms | tier put p50 µs | persist GB/s "
+        "| not persisted "
         f"| retrieve from | retrieve GB/s (min-max) | vs {BASELINE} |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for name, row in summary.items():
         lines.append(
             f"| {name} | {row['store_p50_ms']:.2f} | {row['store_p99_ms']:.2f} "
+            f"| {number(row['tier_put_p50_us'], 0)} "
             f"| {number(row['persist_gbps_median'], 2)} | {row['chunks_not_persisted']} "
             f"| {row['retrieve_source']} | {row['retrieve_gbps_median']:.2f} "
             f"({row['retrieve_gbps_min']:.2f}-{row['retrieve_gbps_max']:.2f}) "
@@ -342,6 +373,7 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                  "cpus": os.cpu_count(), "workdir": str(workdir)},
         "summary": summarize(runs, page_cache_dropped),
         "samples": {run.name: {"store_latencies_s": run.store_latencies_s,
+                               "tier_put_s": run.tier_put_s,
                                "persist_gbps": run.persist_gbps,
                                "retrieve_gbps": run.retrieve_gbps}
                     for run in runs},

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,17 +163,26 @@ def test_path_below_a_file_cannot_be_created(tmp_path: Path, extra: dict[str, An
     assert "nvme.path" in msg and "cannot create" in msg
 
 
-def test_unwritable_directory(tmp_path: Path, extra: dict[str, Any]) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root writes into a 0o500 directory regardless of its mode")
+@pytest.fixture
+def unwritable_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory this process cannot create files in, even as root (immutable via chattr)."""
     ro = tmp_path / "ro"
     ro.mkdir()
-    ro.chmod(0o500)
-    try:
-        extra["nvme.path"] = str(ro)
-        msg = config_error(extra)
-    finally:
+    if os.geteuid() != 0:
+        ro.chmod(0o500)
+        yield ro
         ro.chmod(0o700)
+        return
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("root ignores directory modes and this filesystem has no chattr +i")
+    yield ro
+    subprocess.run(["chattr", "-i", str(ro)], check=True)
+
+
+def test_unwritable_directory(unwritable_dir: Path, extra: dict[str, Any]) -> None:
+    extra["nvme.path"] = str(unwritable_dir)
+    msg = config_error(extra)
     assert "nvme.path" in msg and "not writable" in msg
 
 
