@@ -17,6 +17,7 @@ never allocates more than the fixed header size, whatever the lengths claim.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import time
@@ -56,11 +57,8 @@ class TensorMeta:
     nbytes: int
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
-             "fmt": self.fmt, "nbytes": self.nbytes},
-            separators=(",", ":"),
-        ).encode()
+        """Compact JSON as stored in the header (cached: a chunk store sees few distinct metas)."""
+        return _meta_json(self)
 
     @classmethod
     def from_json(cls, raw: bytes) -> TensorMeta:
@@ -77,6 +75,15 @@ class TensorMeta:
         if not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
             raise FormatError(f"tensor metadata claims {nbytes} bytes")
         return cls(shapes=shapes, dtypes=dtypes, fmt=fmt, nbytes=nbytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_json(meta: TensorMeta) -> bytes:
+    return json.dumps(
+        {"shapes": [list(s) for s in meta.shapes], "dtypes": list(meta.dtypes),
+         "fmt": meta.fmt, "nbytes": meta.nbytes},
+        separators=(",", ":"),
+    ).encode()
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ class WriteBackQueue:
         self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
+        # Writers wait for jobs, producers (policy "wait") for room: separate wake-ups.
+        self._has_jobs = threading.Condition(self._cond)
 
     @property
     def bytes_held(self) -> int:
@@ -73,14 +75,14 @@ class WriteBackQueue:
                 return False
             self._jobs.append(job)
             self._bytes += job.nbytes
-            self._cond.notify_all()
+            self._has_jobs.notify()
             return True
 
     def take(self) -> WriteJob | None:
         """Next job, blocking; None once the queue is closed and empty."""
         with self._cond:
             while not self._jobs and not self._closed:
-                self._cond.wait()
+                self._has_jobs.wait()
             return self._jobs.popleft() if self._jobs else None
 
     def done(self, job: WriteJob) -> None:
@@ -106,6 +108,7 @@ class WriteBackQueue:
             left = list(self._jobs)
             self._jobs.clear()
             self._cond.notify_all()
+            self._has_jobs.notify_all()
             return left
 
 

@@ -21,9 +21,9 @@ class SignallingCondition(threading.Condition):
     Lets a test release a blocked thread only once it is provably blocked, without sleeps.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.waiting = threading.Event()
+    def __init__(self, lock: Any = None, waiting: threading.Event | None = None) -> None:
+        super().__init__(lock)
+        self.waiting = waiting if waiting is not None else threading.Event()
 
     def wait(self, timeout: float | None = None) -> bool:
         self.waiting.set()
@@ -69,7 +69,9 @@ def job() -> MakeJob:
 @pytest.fixture
 def queue() -> Iterator[WriteBackQueue]:
     q = WriteBackQueue(CAPACITY)
-    q._cond = SignallingCondition()  # type: ignore[assignment]
+    cond = SignallingCondition()
+    q._cond = cond  # type: ignore[assignment]
+    q._has_jobs = SignallingCondition(cond, cond.waiting)  # type: ignore[assignment]
     yield q
     q.close()
 
