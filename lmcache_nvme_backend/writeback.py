@@ -48,9 +48,10 @@ class WriteBackQueue:
         self._jobs: deque[WriteJob] = deque()
         self._bytes = 0
         self._closed = False
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
         # Writers wait for jobs, producers (policy "wait") for room: separate wake-ups.
-        self._has_jobs = threading.Condition(self._cond)
+        self._has_jobs = threading.Condition(lock)
 
     @property
     def bytes_held(self) -> int:

@@ -169,7 +169,7 @@ def test_capacity_is_enforced_in_lru_order_and_pins_are_kept(make_store: StoreFa
     store = make_store(max_size_gb=(per_file * 4) / 1024**3)
     for key in ("k0", "k1", "k2", "k3"):
         put(store, key)
-    store.flush(10)
+        store.flush(10)  # publish in this order, so LRU order is k0..k3
     assert store.pin("k1")
     assert store.contains("k0")  # k0 becomes most recently used; k2 is now the oldest unpinned
     put(store, "k4")
