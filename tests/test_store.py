@@ -334,10 +334,11 @@ CRASH_WRITER = textwrap.dedent("""
     from lmcache_nvme_backend.store import ChunkStore
     store = ChunkStore(NVMeSettings.from_params({"path": sys.argv[1], "max_size_gb": 1,
         "min_free_gb": 0, "manifest_interval_s": 0.05, "write_threads": 2}))
-    for i in itertools.count():
+    put(store, "crash-0", 3 * 1024 * 1024 + 7)
+    store.flush(30)  # at least one chunk is published before the kill
+    print("writing", flush=True)
+    for i in itertools.count(1):
         put(store, f"crash-{i}", 3 * 1024 * 1024 + 7)
-        if i == 3:
-            print("writing", flush=True)
 """)
 
 
