@@ -39,7 +39,7 @@ class NVMeSettings:
     min_free_gb: float = 1.0
     direct_io: str = "auto"
     io_threads: int = 8
-    write_threads: int = 2
+    write_threads: int = 0  # 0: one writer per path
     task_size_mb: float = 4.0
     write_queue_mb: float = 1024.0
     queue_full_policy: str = "drop"
@@ -110,7 +110,7 @@ class _Parser:
             direct_io=self.choice("direct_io", defaults.direct_io, DIRECT_IO_MODES),
             io_threads=int(self.number("io_threads", defaults.io_threads, minimum=1,
                                        integer=True)),
-            write_threads=int(self.number("write_threads", defaults.write_threads, minimum=1,
+            write_threads=int(self.number("write_threads", defaults.write_threads, minimum=0,
                                           integer=True)),
             task_size_mb=self.number("task_size_mb", defaults.task_size_mb, minimum=0.0,
                                      exclusive=True),

@@ -116,7 +116,7 @@ class ChunkStore:
             self._recover(root)
         self._writers = [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
-            for i in range(settings.write_threads)
+            for i in range(settings.write_threads or len(self.roots))
         ]
         for t in self._writers:
             t.start()

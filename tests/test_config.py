@@ -48,7 +48,7 @@ def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     assert s.max_size_bytes == 10 * GIB
     assert (s.min_free_gb, s.min_free_bytes) == (1.0, GIB)
     assert s.direct_io == "auto"
-    assert (s.io_threads, s.write_threads) == (8, 2)
+    assert (s.io_threads, s.write_threads) == (8, 0)
     assert isinstance(s.io_threads, int)
     assert s.task_size_bytes == 4 * MIB
     assert s.write_queue_bytes == 1024 * MIB

@@ -379,3 +379,19 @@ def test_writer_threads_yield_cpu_to_the_engine(make_store: StoreFactory) -> Non
     store.flush(10)
     assert all(os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == 10 for t in store._writers)
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0
+
+
+def test_default_is_one_writer_per_path(tmp_path: Path) -> None:
+    store = ChunkStore(NVMeSettings.from_params({
+        "path": [str(tmp_path / "d0"), str(tmp_path / "d1"), str(tmp_path / "d2")],
+        "max_size_gb": 0.05, "min_free_gb": 0, "manifest_interval_s": 0}))
+    try:
+        assert len(store._writers) == 3
+        for i in range(12):
+            put(store, f"spread-{i}")
+        store.flush(10)
+        per_root = [len(files_on_disk(root.layout.root)) for root in store.roots]
+        assert sum(per_root) == 12 and all(per_root)  # rendezvous placement uses every path
+        assert all(read(store, f"spread-{i}") == payload_for(f"spread-{i}") for i in range(12))
+    finally:
+        store.close()
