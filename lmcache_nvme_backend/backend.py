@@ -32,7 +32,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import NVMeConfigError, NVMeSettings
 from .format import TensorMeta
-from .store import ChunkRead, ChunkStore, SubmitResult
+from .store import ChunkRead, ChunkStore, ChunkWrite
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -119,8 +119,8 @@ class NVMeBackend(StoragePluginInterface):
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> None:
         """Queue the chunks for write-back; never waits for the drive."""
-        for key, obj in zip(keys, objs, strict=True):
-            self._submit(key, obj, on_complete_callback)
+        self.store.submit_many([self._chunk_write(key, obj, on_complete_callback)
+                                for key, obj in zip(keys, objs, strict=True)])
 
     async def async_batched_submit_put_task(
         self,
@@ -132,12 +132,14 @@ class NVMeBackend(StoragePluginInterface):
         self.batched_submit_put_task(keys, objs, transfer_spec, on_complete_callback)
 
     def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        self._submit(key, obj, None)
+        self.store.submit_many([self._chunk_write(key, obj, None)])
 
-    def _submit(self, key: CacheEngineKey, obj: MemoryObj,
-                on_complete: Callable[[CacheEngineKey], None] | None) -> SubmitResult:
+    @staticmethod
+    def _chunk_write(key: CacheEngineKey, obj: MemoryObj,
+                     on_complete: Callable[[CacheEngineKey], None] | None) -> ChunkWrite:
+        """Reference the object (the store releases it) and describe it as a chunk write."""
         obj.ref_count_up()
-        return self.store.submit(
+        return ChunkWrite(
             key.to_string(), key.model_name, tensor_meta_of(obj), obj.byte_array,
             release=obj.ref_count_down,
             on_persisted=None if on_complete is None else (lambda: _call_safely(on_complete, key)),

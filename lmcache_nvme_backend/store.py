@@ -87,6 +87,18 @@ class RootState:
 
 
 @dataclass(frozen=True)
+class ChunkWrite:
+    """One chunk to persist: ``payload`` stays valid until the store calls ``release``."""
+
+    key: str
+    namespace: str
+    meta: TensorMeta
+    payload: memoryview
+    release: Callable[[], None]
+    on_persisted: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
 class ChunkRead:
     """One chunk to read: its key and a writable host buffer of at least its payload length."""
 
@@ -275,56 +287,81 @@ class ChunkStore:
     def submit(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
                release: Callable[[], None],
                on_persisted: Callable[[], None] | None = None) -> SubmitResult:
-        """Queue a chunk for persistence without waiting for the drive.
+        """Queue one chunk for persistence; see ``submit_many``."""
+        return self.submit_many([ChunkWrite(key, namespace, meta, payload, release,
+                                            on_persisted)])[0]
 
-        ``payload`` must stay valid until ``release`` is called; the store calls
-        ``release`` exactly once, whatever the result (immediately when the
-        chunk is not queued).
+    def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
+        """Queue chunks for persistence without waiting for the drive.
+
+        Each ``payload`` must stay valid until its ``release`` is called; the store
+        calls every ``release`` exactly once, whatever the result (immediately for
+        a chunk that is not queued).  One lock round and one writer wake-up serve
+        the whole batch, which keeps the engine's store path short.
         """
-        if meta.nbytes != len(payload):
-            release()
-            raise ValueError(f"tensor metadata says {meta.nbytes} bytes, payload has "
-                             f"{len(payload)}")
-        digest = key_digest(key)
-        job = WriteJob(digest, key, namespace, namespace_id(namespace), meta, payload, release,
-                       on_persisted)
-        result = self._register(job)
-        if result is SubmitResult.QUEUED:
-            wait_s = 1e9 if self.settings.queue_full_policy == "wait" else 0.0
-            if self._queue.bytes_held + job.nbytes > self._queue.capacity and wait_s:
-                self.stats.add("queue_full_waits")
-            if self._queue.offer(job, wait_s):
-                self.stats.add("writes_enqueued")
-                return result
-            with self._lock:
-                self._pending.pop(digest, None)
-            result = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
-            if result is SubmitResult.QUEUE_FULL:
-                self.stats.add("queue_full_drops")
-        release()
-        return result
+        if bad := next((w for w in writes if w.meta.nbytes != len(w.payload)), None):
+            for w in writes:
+                w.release()
+            raise ValueError(f"tensor metadata says {bad.meta.nbytes} bytes, payload has "
+                             f"{len(bad.payload)}")
+        results = [self._admission(w) for w in writes]
+        jobs: dict[int, WriteJob] = {}
+        now = time.time_ns()
+        with self._lock:
+            for i, (w, result) in enumerate(zip(writes, results, strict=True)):
+                if result is not SubmitResult.QUEUED:
+                    continue
+                digest = key_digest(w.key)
+                if digest in self._pending or digest in self._index:
+                    self._index.touch(digest, now)
+                    results[i] = SubmitResult.DUPLICATE
+                    continue
+                jobs[i] = self._pending[digest] = WriteJob(
+                    digest, w.key, w.namespace, namespace_id(w.namespace), w.meta, w.payload,
+                    w.release, w.on_persisted)
+        if jobs:
+            self._enqueue(jobs, results)
+        for w, result in zip(writes, results, strict=True):
+            if result is not SubmitResult.QUEUED:
+                w.release()
+        self.stats.add("duplicate_puts", results.count(SubmitResult.DUPLICATE))
+        return results
 
-    def _register(self, job: WriteJob) -> SubmitResult:
+    def _admission(self, write: ChunkWrite) -> SubmitResult:
         if self._closed:
             return SubmitResult.CLOSED
-        size = file_size_for(job.nbytes)
-        too_big = size > self._index.budgets[0] or job.nbytes > self._queue.capacity
-        if too_big or len(job.key.encode()) > max_key_bytes(job.namespace, job.meta):
+        nbytes = len(write.payload)
+        too_big = file_size_for(nbytes) > self._index.budgets[0] or nbytes > self._queue.capacity
+        if too_big or len(write.key.encode()) > max_key_bytes(write.namespace, write.meta):
             if not self.stats.get("oversize_drops"):
                 logger.warning(
                     "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
                     "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
-                    "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", job.nbytes,
+                    "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", nbytes,
                     self._queue.capacity, self._index.budgets[0])
             self.stats.add("oversize_drops")
             return SubmitResult.OVERSIZE
-        with self._lock:
-            if job.digest in self._pending or job.digest in self._index:
-                self._index.touch(job.digest, time.time_ns())
-                self.stats.add("duplicate_puts")
-                return SubmitResult.DUPLICATE
-            self._pending[job.digest] = job
         return SubmitResult.QUEUED
+
+    def _enqueue(self, jobs: dict[int, WriteJob], results: list[SubmitResult]) -> None:
+        """Offer the jobs to the queue; mark the ones it refuses in ``results``."""
+        wait = self.settings.queue_full_policy == "wait"
+        if wait and self._queue.bytes_held + sum(j.nbytes for j in jobs.values()) > \
+                self._queue.capacity:
+            self.stats.add("queue_full_waits")
+        accepted = self._queue.offer_many(list(jobs.values()), wait_s=1e9 if wait else 0.0)
+        refused = [(i, job) for (i, job), ok in zip(jobs.items(), accepted, strict=True)
+                   if not ok]
+        self.stats.add("writes_enqueued", len(jobs) - len(refused))
+        if not refused:
+            return
+        with self._lock:
+            for _, job in refused:
+                self._pending.pop(job.digest, None)
+        for i, _ in refused:
+            results[i] = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
+        if not self._closed:
+            self.stats.add("queue_full_drops", len(refused))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""

@@ -63,21 +63,32 @@ class WriteBackQueue:
         with self._cond:
             return len(self._jobs)
 
-    def offer(self, job: WriteJob, wait_s: float) -> bool:
-        """Enqueue if there is room, waiting up to ``wait_s`` for it; False if not enqueued."""
+    def offer_many(self, jobs: list[WriteJob], wait_s: float) -> list[bool]:
+        """Enqueue each job if there is room, waiting up to ``wait_s`` in all for it.
+
+        Returns, per job, whether it was enqueued.  Writers are woken once for
+        the whole batch.
+        """
         deadline = time.monotonic() + wait_s
+        accepted: list[bool] = []
         with self._cond:
-            while not self._closed and self._bytes + job.nbytes > self.capacity:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            if self._closed:
-                return False
-            self._jobs.append(job)
-            self._bytes += job.nbytes
-            self._has_jobs.notify()
-            return True
+            for job in jobs:
+                while not self._closed and self._bytes + job.nbytes > self.capacity:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                fits = not self._closed and self._bytes + job.nbytes <= self.capacity
+                if fits:
+                    self._jobs.append(job)
+                    self._bytes += job.nbytes
+                    self._has_jobs.notify()
+                accepted.append(fits)
+        return accepted
+
+    def offer(self, job: WriteJob, wait_s: float) -> bool:
+        """Enqueue one job; see ``offer_many``."""
+        return self.offer_many([job], wait_s)[0]
 
     def take(self) -> WriteJob | None:
         """Next job, blocking; None once the queue is closed and empty."""

@@ -16,7 +16,7 @@ import pytest
 from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.format import HEADER_SIZE, TensorMeta, encode_header, file_size_for
 from lmcache_nvme_backend.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store import ChunkRead, ChunkStore, SubmitResult
+from lmcache_nvme_backend.store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
 
 NS = "test-model"
 CHUNK = 256 * 1024 + 123  # deliberately not a multiple of 4 KiB
@@ -395,3 +395,26 @@ def test_default_is_one_writer_per_path(tmp_path: Path) -> None:
         assert all(read(store, f"spread-{i}") == payload_for(f"spread-{i}") for i in range(12))
     finally:
         store.close()
+
+
+def test_submit_many_dedupes_within_a_batch_and_drops_what_does_not_fit(
+        make_store: StoreFactory) -> None:
+    size = 1024 * 1024
+    store = make_store(write_queue_mb=2.5, write_threads=1)
+    blocked = BlockedWrites(store)
+    released: list[str] = []
+
+    def write(key: str) -> ChunkWrite:
+        data = payload_for(key, size)
+        return ChunkWrite(key, NS, meta_for(size), memoryview(data),
+                          release=lambda: released.append(key))
+
+    results = store.submit_many([write("a"), write("a"), write("b"), write("c")])
+    assert results == [SubmitResult.QUEUED, SubmitResult.DUPLICATE, SubmitResult.QUEUED,
+                       SubmitResult.QUEUE_FULL]
+    assert sorted(released) == ["a", "c"]  # the duplicate and the dropped one, at once
+    assert blocked.started.acquire(timeout=10)
+    blocked.release.set()
+    store.flush(10)
+    assert sorted(released) == ["a", "a", "b", "c"]
+    assert read(store, "b", size) == payload_for("b", size)
