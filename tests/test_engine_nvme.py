@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from lmcache_nvme_backend.cpu_harness import (
     store_prompt,
     wait_until_in_tier,
 )
+from lmcache_nvme_backend.layout import key_digest, namespace_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -138,8 +140,6 @@ def test_corrupted_chunk_is_never_served_through_the_engine(
     wait_until_in_tier(engine, "nvme", keys, timeout_s=60)
     evict_from_cpu(engine, keys)
     store = backend.store
-    from lmcache_nvme_backend.layout import key_digest, namespace_id
-
     victim = store.roots[0].layout.chunk_path(namespace_id(keys[3].model_name),
                                               key_digest(keys[3].to_string()))
     with open(victim, "r+b") as f:
@@ -153,3 +153,29 @@ def test_corrupted_chunk_is_never_served_through_the_engine(
     assert torch.equal(got.kv[:, :, : 3 * CHUNK], kv[:, :, : 3 * CHUNK])
     assert backend.stats()["checksum_failures"] == 1
     assert not backend.contains(keys[3])
+
+
+def test_async_lookup_and_prefetch_hooks(make_engine: EngineFactory, tmp_path: Path) -> None:
+    """The hooks LMCache's async loading path calls: pinning lookup, then prefetch."""
+    engine, connector = make_engine(tmp_path / "nvme")
+    backend = nvme_backend(engine)
+    tokens = make_prompt(4 * CHUNK, seed=31)
+    kv = make_kv(connector, len(tokens), seed=32)
+    keys = chunk_keys(engine, tokens)
+    store_prompt(engine, tokens, kv)
+    wait_until_in_tier(engine, "nvme", keys, timeout_s=60)
+    missing = chunk_keys(engine, make_prompt(CHUNK, seed=33))
+
+    async def lookup_then_prefetch() -> tuple[int, list[Any]]:
+        hits = await backend.batched_async_contains("req", keys + missing, pin=True)
+        return hits, await backend.batched_get_non_blocking("req", keys)
+
+    hits, objs = asyncio.run(lookup_then_prefetch())
+    assert hits == 4
+    assert len(objs) == 4
+    for i, obj in enumerate(objs):
+        assert torch.equal(obj.tensor, kv[:, :, i * CHUNK : (i + 1) * CHUNK])
+        obj.ref_count_down()
+    digests = [key_digest(k.to_string()) for k in keys]
+    with backend.store._lock:
+        assert all(backend.store._index.get(d).pins == 0 for d in digests)  # type: ignore[union-attr]
