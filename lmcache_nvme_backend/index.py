@@ -115,6 +115,10 @@ class ChunkIndex:
     def release(self, root: int, size: int) -> None:
         self._reserved[root] -= size
 
+    def lru_digests(self, root: int) -> list[str]:
+        """Digests of a root, least recently used first (a copy, cheap even for millions)."""
+        return list(self._lru[root])
+
     def lru_order(self, root: int) -> Iterator[IndexEntry]:
         """Entries of a root, least recently used first."""
         return (self._entries[d] for d in self._lru[root])

@@ -33,24 +33,30 @@ class ManifestRecord:
     meta: TensorMeta | None
 
 
-def save_manifest(index_dir: Path, entries: list[IndexEntry], file_mode: int) -> None:
-    """Write the entries (LRU order) of one root."""
+def save_manifest(index_dir: Path, entries: list[IndexEntry], file_mode: int,
+                  batch: int = 4096) -> None:
+    """Write the entries (LRU order) of one root.
+
+    Rows are encoded ``batch`` at a time so this background work never holds the
+    GIL for long: one ``json.dump`` of a million rows would stall the engine's
+    threads for about a second.
+    """
     metas: dict[TensorMeta, int] = {}
     rows = []
     for e in entries:
         meta_ref = -1 if e.meta is None else metas.setdefault(e.meta, len(metas))
         rows.append([e.digest, e.ns_id, e.size, e.last_access_ns, meta_ref])
-    doc = {
-        "version": MANIFEST_VERSION,
-        "metas": [json.loads(m.to_json()) for m in metas],
-        "entries": rows,
-    }
     index_dir.mkdir(parents=True, exist_ok=True)
     final = index_dir / MANIFEST_NAME
     tmp = index_dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
     with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
+        meta_docs = ",".join(m.to_json().decode() for m in metas)
+        f.write(f'{{"version":{MANIFEST_VERSION},"metas":[{meta_docs}],"entries":[')
+        for start in range(0, len(rows), batch):
+            encoded = json.dumps(rows[start : start + batch], separators=(",", ":"))[1:-1]
+            f.write(("," if start else "") + encoded)
+        f.write("]}")
     os.replace(tmp, final)
 
 

@@ -61,6 +61,8 @@ ROOT_RETRY_S = 30.0
 # Temporary files older than this are removed at startup whoever wrote them.
 STALE_TEMP_S = 3600.0
 MAX_QUARANTINED_FILES = 256
+# Index entries copied (and encoded) per lock hold / GIL hold when saving the manifest.
+MANIFEST_BATCH = 4096
 
 
 class SubmitResult(enum.Enum):
@@ -584,9 +586,15 @@ class ChunkStore:
                 self.stats.add("removed_temp_files")
 
     def save_manifests(self) -> None:
+        """Snapshot every root's index; lookups wait at most one small batch for the lock."""
         for root in self.roots:
             with self._lock:
-                entries = list(self._index.lru_order(root.index))
+                digests = self._index.lru_digests(root.index)
+            entries: list[IndexEntry] = []
+            for start in range(0, len(digests), MANIFEST_BATCH):
+                with self._lock:
+                    found = (self._index.get(d) for d in digests[start : start + MANIFEST_BATCH])
+                    entries.extend(e for e in found if e is not None)
             try:
                 save_manifest(root.layout.index_dir, entries, self.settings.file_mode)
             except OSError as exc:
