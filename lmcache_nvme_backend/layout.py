@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ import xxhash
 MARKER_NAME = "LMCNVME"
 CHUNK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp-"
+# A temporary file older than this is abandoned, whoever wrote it.
+STALE_TEMP_S = 3600.0
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 _NS_RE = re.compile(r"^[0-9a-f]{16}$")
 _SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
@@ -63,6 +66,19 @@ class TempFile:
     path: Path
     host: str
     pid: int
+
+    def is_stale(self, max_age_s: float = STALE_TEMP_S, now: float | None = None) -> bool:
+        """Whether the writer is gone: a dead process on this host, or older than ``max_age_s``.
+
+        A file that vanished meanwhile is not stale (there is nothing to remove).
+        """
+        if self.host == this_host() and self.pid > 0 and not pid_alive(self.pid):
+            return self.path.exists()
+        try:
+            age = (time.time() if now is None else now) - self.path.lstat().st_mtime
+        except OSError:
+            return False
+        return age > max_age_s
 
 
 class RootLayout:
@@ -128,6 +144,17 @@ class RootLayout:
 def this_host() -> str:
     """The host tag written into temporary file names."""
     return _HOST
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _scandir_dirs(path: Path) -> Iterator[os.DirEntry[str]]:

@@ -47,7 +47,7 @@ from .format import (
     payload_checksum,
 )
 from .index import ChunkIndex, IndexEntry
-from .layout import MARKER_NAME, RootLayout, key_digest, namespace_id, this_host
+from .layout import MARKER_NAME, RootLayout, key_digest, namespace_id
 from .manifest import load_manifest, save_manifest
 from .posix_io import PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
 from .stats import StoreStats
@@ -59,7 +59,6 @@ logger = logging.getLogger(__name__)
 ROOT_ERROR_LIMIT = 3
 ROOT_RETRY_S = 30.0
 # Temporary files older than this are removed at startup whoever wrote them.
-STALE_TEMP_S = 3600.0
 MAX_QUARANTINED_FILES = 256
 # Index entries copied (and encoded) per lock hold / GIL hold when saving the manifest.
 MANIFEST_BATCH = 4096
@@ -576,12 +575,7 @@ class ChunkStore:
     def _remove_stale_temp_files(self, root: RootState) -> None:
         now = time.time()
         for tmp in root.layout.iter_temp_files():
-            dead_here = tmp.host == this_host() and tmp.pid > 0 and not _pid_alive(tmp.pid)
-            try:
-                stale = now - tmp.path.stat().st_mtime > STALE_TEMP_S
-            except OSError:
-                continue
-            if dead_here or stale:
+            if tmp.is_stale(now=now):
                 _unlink_quietly(tmp.path)
                 self.stats.add("removed_temp_files")
 
@@ -662,13 +656,3 @@ def _unlink_quietly(path: Path) -> None:
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             logger.debug("could not remove %s: %s", path, exc)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
