@@ -1,0 +1,66 @@
+"""The ``lmcache-nvme`` command line (also ``python -m lmcache_nvme_backend``).
+
+Commands, one module each:
+
+* ``bench``   fio-style benchmark of the backend's I/O engine (``bench.py``, ``fio.py``)
+* ``doctor``  checks a path and the GPU/GDS stack (``doctor.py``)
+* ``inspect`` lists and sizes a cache directory (``inspect.py``)
+* ``verify``  decodes every header and checks every payload checksum (``verify.py``)
+* ``gc``      enforces a byte budget, clears a namespace, removes stale temp files (``gc.py``)
+
+Exit statuses: 0 success, 1 a problem was found or the command could not run
+(``doctor``: 1 = warnings, 2 = failures), 2 usage error (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+from . import bench, doctor, gc, inspect, verify
+from .common import CLIError
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subcommand per module."""
+    parser = argparse.ArgumentParser(
+        prog="lmcache-nvme",
+        description="Tools for the LMCache NVMe tier: benchmark a drive with the backend's "
+                    "own I/O engine, check a path, and inspect, verify or trim a cache "
+                    "directory (safe while a server uses it).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (bench, doctor, inspect, verify, gc):
+        subparser = module.add_parser(sub)
+        subparser.set_defaults(parser=subparser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lmcache-nvme`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        status: int = args.func(args)
+    except CLIError as exc:
+        print(f"lmcache-nvme {args.command}: error: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt:
+        print(f"lmcache-nvme {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

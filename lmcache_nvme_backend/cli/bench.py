@@ -1,0 +1,479 @@
+"""``lmcache-nvme bench PATH``: fio-style benchmark of the backend's own I/O engine.
+
+Single runs, ``--sweep`` over threads x queue depth (with a tuning
+recommendation), and ``--vs-fio`` (fio with the same parameters on the same
+files, interleaved repetitions, ratio of medians).  See ``bench_engine`` for
+what is measured and ``docs/cli.md`` for the user's view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import platform
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..format import file_size_for
+from ..posix_io import probe_direct_io
+from .bench_engine import (
+    RW_MODES,
+    WRITE_MODES,
+    BenchConfig,
+    DirStats,
+    EngineBench,
+    RunResult,
+    Workspace,
+    check_gpu_destination,
+    drop_page_cache,
+)
+from .common import (
+    GIB,
+    MIB,
+    CLIError,
+    int_list_arg,
+    mount_for,
+    positive_float,
+    positive_int,
+    print_json,
+    short_size,
+    size_arg,
+    size_list_arg,
+)
+
+DEFAULT_SWEEP_THREADS = [1, 2, 4, 8, 16]
+DEFAULT_SWEEP_IODEPTH = [1, 4, 16]
+# A configuration within this fraction of the best bandwidth counts as "as good".
+RECOMMEND_WITHIN = 0.95
+MAX_BUFFER_BYTES = 8 * GIB
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench",
+        help="fio-style benchmark of the backend's I/O engine on a drive or directory",
+        description=(
+            "Benchmark the backend's own I/O engine (O_DIRECT, aligned buffers, chunk files "
+            "in the backend's format) on PATH. Files go to a private subdirectory of PATH "
+            "that is removed afterwards. Bandwidth counts payload bytes; one chunk file of "
+            "--bs bytes is one I/O."),
+        epilog=(
+            "examples:\n"
+            "  lmcache-nvme bench /mnt/nvme0 --rw read --bs 16M --size 4G\n"
+            "  lmcache-nvme bench /mnt/nvme0 --rw read --bs 2M --sweep --plot sweep.png\n"
+            "  lmcache-nvme bench /mnt/nvme0 --rw write --bs 16M --vs-fio --repeat 5\n"
+            "exit status: 0 success, 1 the benchmark could not run, 2 usage error"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", metavar="PATH", type=Path,
+                   help="directory on the drive to test (created if missing)")
+    p.add_argument("--rw", choices=RW_MODES, default="read",
+                   help="I/O pattern: sequential or random (file order) reads or writes, or "
+                        "rw (half reads, half writes, concurrently) (default: read)")
+    p.add_argument("--bs", type=size_arg, default=16 * MIB, metavar="SIZE",
+                   help="chunk payload size = block size, a multiple of 4k "
+                        "(e.g. 2M, 16M; default 16M)")
+    p.add_argument("--size", type=size_arg, default=1 * GIB, metavar="SIZE",
+                   help="bytes per pass: size/bs chunk files (default 1G)")
+    p.add_argument("--threads", "--numjobs", type=positive_int, default=8, metavar="N",
+                   help="reads: the engine's I/O threads (nvme.io_threads); writes: "
+                        "concurrent writers (nvme.write_threads) (default 8)")
+    p.add_argument("--iodepth", type=positive_int, default=8, metavar="N",
+                   help="reads: chunks per read_chunks() call, the batch LMCache hands the "
+                        "backend (default 8)")
+    p.add_argument("--callers", type=positive_int, default=1, metavar="N",
+                   help="reads: concurrent read_chunks() callers, each with its own batch, "
+                        "like several requests retrieving at once (NVMeBackend runs 2; "
+                        "default 1)")
+    p.add_argument("--task-size", type=size_arg, default=4 * MIB, metavar="SIZE",
+                   help="the engine's piece size for large chunks (nvme.task_size_mb; "
+                        "default 4M)")
+    p.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
+                   help="O_DIRECT (default) or buffered I/O through the page cache")
+    p.add_argument("--dest", choices=("host", "gpu"), default="host",
+                   help="read destination: aligned host memory, or a CUDA tensor through "
+                        "kvikio (GDS or kvikio's compat mode) (default: host)")
+    p.add_argument("--runtime", type=positive_float, metavar="SECONDS",
+                   help="run for this long (repeating passes) instead of one pass")
+    p.add_argument("--repeat", type=positive_int, metavar="N",
+                   help="repetitions per configuration; the median is reported "
+                        "(default 1, or 6 with --vs-fio: an even count lets each tool "
+                        "go first equally often)")
+    p.add_argument("--checksum", action="store_true",
+                   help="include the store's per-chunk xxh3 work in the timed loop "
+                        "(checksum on write, verification on read)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="sync and drop the page cache before every read run (root only); "
+                        "file metadata is then reloaded untimed, as fio does in its setup")
+    sweep = p.add_argument_group("sweep")
+    sweep.add_argument("--sweep", action="store_true",
+                       help="run every combination of --sweep-threads x --sweep-iodepth "
+                            "(x --sweep-task-size) and print recommended settings")
+    sweep.add_argument("--sweep-threads", type=int_list_arg, metavar="LIST",
+                       default=DEFAULT_SWEEP_THREADS,
+                       help="threads to sweep (default 1,2,4,8,16)")
+    sweep.add_argument("--sweep-iodepth", type=int_list_arg, metavar="LIST",
+                       default=DEFAULT_SWEEP_IODEPTH,
+                       help="read batch sizes to sweep (default 1,4,16; writes ignore it)")
+    sweep.add_argument("--sweep-task-size", type=size_list_arg, metavar="LIST",
+                       help="task sizes to sweep, e.g. 1M,4M,16M (default: --task-size)")
+    fio = p.add_argument_group("fio comparison")
+    fio.add_argument("--vs-fio", action="store_true",
+                     help="also run fio with the same parameters on the same files, "
+                          "interleaved, and print the ratio of medians")
+    fio.add_argument("--fio-binary", metavar="PATH", help="fio executable (default: fio)")
+    fio.add_argument("--fio-numjobs", type=positive_int, metavar="N",
+                     help="fio jobs; each gets queue depth in_flight/N (default: one job "
+                          "per in-flight I/O, iodepth 1)")
+    fio.add_argument("--fio-mem", default="auto", metavar="MEM",
+                     help="fio's mem= (buffer memory). auto: shmhuge (hugetlb pool) when "
+                          "--bs >= 2M and the pool has room, to match the engine's huge-page "
+                          "buffers, else malloc (default auto)")
+    fio.add_argument("--fio-ioengine", default="libaio", metavar="ENGINE",
+                     help="fio ioengine (default libaio)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of text")
+    out.add_argument("--plot", type=Path, metavar="PNG",
+                     help="write a PNG chart (needs matplotlib: the [plot] extra)")
+    out.add_argument("--progress", action="store_true",
+                     help="show the progress bar even when stderr is not a terminal")
+    out.add_argument("--keep", action="store_true",
+                     help="keep the bench files (PATH/.lmcache-nvme-bench-<pid>)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for name in ("bs", "task_size"):
+        if getattr(args, name) % 4096:
+            parser.error(f"argument --{name.replace('_', '-')}: must be a multiple of 4k "
+                         f"(4096 bytes), got {getattr(args, name)}")
+    if args.sweep_task_size and any(t % 4096 for t in args.sweep_task_size):
+        parser.error("argument --sweep-task-size: every size must be a multiple of 4k")
+    if args.size < args.bs:
+        parser.error(f"argument --size: {short_size(args.size)} is smaller than --bs "
+                     f"{short_size(args.bs)}")
+    if args.dest == "gpu" and args.rw not in ("read", "randread"):
+        parser.error("argument --dest: gpu applies to reads (--rw read or randread); the "
+                     "backend writes from host memory")
+    if args.dest == "gpu" and args.vs_fio:
+        parser.error("argument --vs-fio: not available with --dest gpu")
+    if args.vs_fio and args.sweep:
+        parser.error("argument --vs-fio: cannot be combined with --sweep; compare one "
+                     "configuration at a time")
+    if args.drop_caches and os.geteuid() != 0:
+        parser.error("argument --drop-caches: needs root (it writes /proc/sys/vm/drop_caches)")
+    depth = max([args.iodepth, *(args.sweep_iodepth if args.sweep else [])]) * args.callers
+    if depth * args.bs > MAX_BUFFER_BYTES:
+        parser.error(f"argument --iodepth: {depth} x {short_size(args.bs)} buffers (iodepth x "
+                     "callers) exceed "
+                     f"{short_size(MAX_BUFFER_BYTES)} of host memory")
+
+
+def _configs(args: argparse.Namespace) -> list[BenchConfig]:
+    base = dict(rw=args.rw, bs=args.bs, size=args.size, direct=args.direct, dest=args.dest,
+                runtime=args.runtime, checksum=args.checksum, callers=args.callers)
+    if not args.sweep:
+        return [BenchConfig(threads=args.threads, iodepth=args.iodepth,
+                            task_size=args.task_size, **base)]
+    tasks = args.sweep_task_size or [args.task_size]
+    depths = args.sweep_iodepth if args.rw not in WRITE_MODES else [args.iodepth]
+    return [BenchConfig(threads=t, iodepth=d, task_size=ts, **base)
+            for ts, t, d in itertools.product(tasks, args.sweep_threads, depths)]
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    _validate(args, parser)
+    if args.dest == "gpu":
+        check_gpu_destination()
+    if args.plot is not None:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    fio_binary = None
+    if args.vs_fio:
+        from .fio import find_fio
+
+        fio_binary = find_fio(args.fio_binary)
+    repeat = args.repeat or (6 if args.vs_fio else 1)
+    path: Path = args.path.absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"cannot create PATH '{path}': {exc.strerror}") from exc
+    if not path.is_dir():
+        raise CLIError(f"PATH '{path}' is not a directory")
+    mount = mount_for(path)
+    fstype = mount.fstype if mount else "unknown"
+    if args.direct and not probe_direct_io(path):
+        raise CLIError(f"'{path}' ({fstype}) does not support O_DIRECT; run with --no-direct "
+                       "(page cache in the data path), or benchmark a local ext4/xfs path")
+    configs = _configs(args)
+    need = max(c.nchunks for c in configs) * file_size_for(args.bs) * (2 if args.vs_fio else 1)
+    free = shutil.disk_usage(path).free
+    if need + 64 * MIB > free:
+        raise CLIError(f"not enough free space in '{path}': the benchmark needs "
+                       f"{need / GIB:.2f} GiB, {free / GIB:.2f} GiB are free; use a smaller "
+                       "--size")
+    progress = args.progress or sys.stderr.isatty()
+    where = (f"{path} ({fstype}"
+             + (f" on {mount.device}" if mount and mount.device.startswith("/dev/") else "")
+             + f"), {os.cpu_count()} CPUs, Linux {platform.release()}")
+    if not args.direct and configs[0].reads and not args.drop_caches and not args.json:
+        print("note: buffered reads of files just written are served from the page cache; "
+              "add --drop-caches (root) for cold reads", file=sys.stderr)
+
+    ws = Workspace(path, args.bs, keep=args.keep)
+    try:
+        bench = EngineBench(ws, progress)
+        n_read = max(c.chunk_counts()[0] for c in configs)
+        if n_read:
+            bench.layout_read_set(n_read, threads=max(4, args.threads), direct=args.direct)
+        if args.vs_fio:
+            assert fio_binary is not None
+            return _run_vs_fio(args, configs[0], bench, ws, fio_binary, repeat, where)
+        groups = []
+        for cfg in configs:
+            runs = []
+            for _ in range(repeat):
+                if args.drop_caches and cfg.reads:
+                    drop_page_cache(bench.read_paths(cfg))
+                runs.append(bench.run(cfg))
+            groups.append(runs)
+    finally:
+        ws.close()
+    medians = [_median_run(runs) for runs in groups]
+    recommendation = _recommend(medians) if args.sweep else None
+    if args.plot is not None:
+        from .plot import plot_runs, plot_sweep
+
+        if args.sweep:
+            plot_sweep(medians, args.plot, where)
+        else:
+            plot_runs(groups[0], [], args.plot, where)
+    if args.json:
+        doc: dict[str, Any] = {"command": "bench", "where": where, "repeat": repeat,
+                               "results": [{"config": m.config.label(),
+                                            "median": m.to_json(),
+                                            "runs": [r.to_json() for r in runs]}
+                                           for m, runs in zip(medians, groups, strict=True)]}
+        if recommendation is not None:
+            doc["recommendation"] = recommendation
+        if args.plot is not None:
+            doc["plot"] = str(args.plot)
+        print_json(doc)
+        return 0
+    if args.sweep:
+        _print_sweep(medians, groups, where)
+        assert recommendation is not None
+        _print_recommendation(recommendation, medians[0].config)
+    else:
+        _print_summary("lmcache-nvme", groups[0], where)
+    if args.plot is not None:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+# -- vs fio -------------------------------------------------------------------------
+
+
+def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench, ws: Workspace,
+                fio_binary: str, repeat: int, where: str) -> int:
+    from .fio import (
+        assign_files,
+        build_jobfile,
+        choose_fio_mem,
+        fio_file_name,
+        fio_shape,
+        fio_version,
+        free_huge_pages,
+        link_files,
+        run_fio,
+    )
+
+    fio_dir = ws.dir / "fio"
+    fio_dir.mkdir()
+    n_read, n_write = cfg.chunk_counts()
+    nfiles = cfg.nchunks if cfg.rw == "rw" else (n_read or n_write)
+    shape = fio_shape(cfg, args.fio_numjobs, args.fio_ioengine, nfiles)
+    mem, mem_note = choose_fio_mem(args.fio_mem, cfg, shape.numjobs, shape.iodepth,
+                                   free_huge_pages())
+    shape = dataclasses.replace(shape, mem=mem)
+    if mem_note and not args.json:
+        print(f"note: {mem_note}", file=sys.stderr)
+    if cfg.rw in ("read", "randread"):
+        # fio reads the very files the engine reads (hard links to the same inodes)
+        link_files(ws.chunk_set("r", n_read).paths, fio_dir, shape.numjobs)
+    files = [fio_dir / fio_file_name(job, i)
+             for job, count in enumerate(assign_files(nfiles, shape.numjobs))
+             for i in range(count)]
+    jobfile = fio_dir / "job.fio"
+    jobfile.write_text(build_jobfile(cfg, shape, fio_dir, nfiles))
+    ours: list[RunResult] = []
+    theirs: list[RunResult] = []
+    for rep in range(repeat):
+        order = ("ours", "fio") if rep % 2 == 0 else ("fio", "ours")
+        for tool in order:
+            if args.drop_caches and cfg.reads:
+                drop_page_cache(bench.read_paths(cfg))
+            if tool == "ours":
+                ours.append(bench.run(cfg))
+            else:
+                if bench.progress_enabled:
+                    print(f"fio repetition {rep + 1}/{repeat} ...", file=sys.stderr)
+                theirs.append(run_fio(fio_binary, jobfile, cfg, shape))
+                if cfg.writes and cfg.rw != "rw":
+                    ws.remove_files(files)
+    comparison = _compare(ours, theirs)
+    if args.plot is not None:
+        from .plot import plot_runs
+
+        plot_runs(ours, theirs, args.plot, where)
+    version = fio_version(fio_binary)
+    fio_desc = (f"{version}, numjobs={shape.numjobs} iodepth={shape.iodepth} "
+                f"ioengine={shape.ioengine} mem={shape.mem} (total queue depth {shape.total})")
+    if args.json:
+        doc: dict[str, Any] = {
+            "command": "bench", "mode": "vs-fio", "where": where, "repeat": repeat,
+            "config": cfg.label(),
+            "fio": {"version": version, "numjobs": shape.numjobs, "iodepth": shape.iodepth,
+                    "ioengine": shape.ioengine, "mem": shape.mem, "mem_note": mem_note,
+                    "jobfile": jobfile.read_text()},
+            "ours": [r.to_json() for r in ours], "fio_runs": [r.to_json() for r in theirs],
+            "comparison": comparison}
+        if args.plot is not None:
+            doc["plot"] = str(args.plot)
+        print_json(doc)
+        return 0
+    _print_summary("lmcache-nvme", ours, where)
+    print()
+    _print_summary("fio", theirs, where, header=f"fio: {fio_desc}")
+    print()
+    print(f"lmcache-nvme vs fio, {repeat} interleaved repetitions, queue depth "
+          f"{cfg.in_flight()} each:")
+    print(f"  {'direction':<9} {'ours MiB/s':>11} {'fio MiB/s':>10} {'ratio of medians':>17} "
+          f"{'paired median':>14}")
+    for direction, c in comparison.items():
+        print(f"  {direction:<9} {c['ours_median_mib_s']:>11.0f} {c['fio_median_mib_s']:>10.0f} "
+              f"{c['ratio_of_medians']:>16.2f}x {c['median_paired_ratio']:>13.2f}x")
+    if args.plot is not None:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _compare(ours: list[RunResult], theirs: list[RunResult]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for direction in ours[0].dirs:
+        a = [r.dirs[direction].bw_bytes for r in ours]
+        b = [r.dirs[direction].bw_bytes for r in theirs if direction in r.dirs]
+        if not b:
+            continue
+        paired = [x / y for x, y in zip(a, b, strict=False) if y > 0]
+        out[direction] = {
+            "ours_mib_s": [round(x / MIB, 1) for x in a],
+            "fio_mib_s": [round(x / MIB, 1) for x in b],
+            "ours_median_mib_s": statistics.median(a) / MIB,
+            "fio_median_mib_s": statistics.median(b) / MIB,
+            "ratio_of_medians": statistics.median(a) / statistics.median(b),
+            "median_paired_ratio": statistics.median(paired) if paired else float("nan"),
+        }
+    return out
+
+
+# -- text output ----------------------------------------------------------------------
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    ordered = sorted(runs, key=lambda r: r.bw_bytes())
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _fmt_dir(d: DirStats) -> list[str]:
+    lat = d.lat_ms
+    lines = [f"  {d.direction}: IOPS={d.iops:.1f}, BW={d.bw_bytes / MIB:.0f}MiB/s "
+             f"({d.bw_bytes / 1e9:.2f}GB/s)({d.bytes / MIB:.0f}MiB/{d.seconds:.3f}s)"]
+    if lat:
+        parts = [f"{k}={lat[k]:.2f}" for k in ("p50", "p90", "p99", "p99.9", "max", "mean")
+                 if k in lat]
+        lines.append("    lat (ms): " + ", ".join(parts))
+    return lines
+
+
+def _print_summary(tool: str, runs: list[RunResult], where: str,
+                   header: str | None = None) -> None:
+    median = _median_run(runs)
+    c = median.config
+    if header is None:
+        header = (f"{tool}: rw={c.rw}, bs={short_size(c.bs)}, size={short_size(c.nchunks * c.bs)}"
+                  f", threads={c.threads}, iodepth={c.iodepth}, callers={c.callers}, task_size="
+                  f"{short_size(c.task_size)}, direct={int(c.direct)}, dest={c.dest}"
+                  f" (up to {c.in_flight()} I/Os in flight)")
+        print(header)
+        print(f"  path: {where}")
+        print(f"  files: {c.nchunks} chunk files of {short_size(c.bs)} payload + 4KiB header")
+    else:
+        print(header)
+    if len(runs) > 1:
+        for direction in median.dirs:
+            each = ", ".join(f"{r.dirs[direction].bw_bytes / MIB:.0f}" for r in runs
+                             if direction in r.dirs)
+            print(f"  {direction} MiB/s of {len(runs)} runs: {each} (median run below)")
+    for d in median.dirs.values():
+        for line in _fmt_dir(d):
+            print(line)
+
+
+def _print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str) -> None:
+    c = medians[0].config
+    print(f"lmcache-nvme bench sweep: rw={c.rw}, bs={short_size(c.bs)}, "
+          f"size={short_size(c.nchunks * c.bs)}, direct={int(c.direct)}, dest={c.dest}, "
+          f"{len(groups[0])} run(s) per point (median)")
+    print(f"  path: {where}")
+    direction = "read" if c.reads else "write"
+    print(f"  {'threads':>7} {'iodepth':>7} {'task':>6} {'MiB/s':>8} {'GB/s':>6} {'IOPS':>8} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9}")
+    for m in medians:
+        d = m.dirs[direction]
+        iodepth = str(m.config.iodepth) if m.config.reads else "-"
+        print(f"  {m.config.threads:>7} {iodepth:>7} {short_size(m.config.task_size):>6} "
+              f"{m.bw_bytes() / MIB:>8.0f} {m.bw_bytes() / 1e9:>6.2f} {d.iops:>8.1f} "
+              f"{d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
+              f"{d.lat_ms.get('p99.9', 0):>9.2f}")
+
+
+def _recommend(medians: list[RunResult]) -> dict[str, Any]:
+    """Fewest threads (then best task size) within 95 % of the best mean bandwidth.
+
+    Bandwidth is averaged over the swept batch sizes, so the pick serves small
+    and large batches, not only the largest.
+    """
+    by_setting: dict[tuple[int, int], list[float]] = {}
+    for m in medians:
+        by_setting.setdefault((m.config.threads, m.config.task_size), []).append(m.bw_bytes())
+    score = {k: statistics.mean(v) for k, v in by_setting.items()}
+    best = max(score.values())
+    good = [k for k, v in score.items() if v >= RECOMMEND_WITHIN * best]
+    threads = min(t for t, _ in good)
+    task = max((k for k in good if k[0] == threads), key=lambda k: score[k])[1]
+    first = medians[0].config
+    key = "io_threads" if first.reads else "write_threads"
+    settings: dict[str, float | int] = {f"nvme.{key}": threads,
+                                        "nvme.task_size_mb": round(task / MIB, 3)}
+    return {"settings": settings, "mean_bw_gb_s": round(score[(threads, task)] / 1e9, 3),
+            "best_mean_bw_gb_s": round(best / 1e9, 3), "within": RECOMMEND_WITHIN}
+
+
+def _print_recommendation(rec: dict[str, Any], cfg: BenchConfig) -> None:
+    print()
+    print(f"Recommended settings (fewest threads within {rec['within'] * 100:.0f}% of the best "
+          f"bandwidth, {rec['mean_bw_gb_s']:.2f} of {rec['best_mean_bw_gb_s']:.2f} GB/s averaged "
+          "over the swept batch sizes);")
+    print("paste under extra_config in the LMCache YAML (bare names in adapter_params):")
+    for k, v in rec["settings"].items():
+        print(f"{k}: {v:g}")

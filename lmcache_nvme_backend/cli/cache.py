@@ -1,0 +1,145 @@
+"""Offline view of a cache root, shared by ``inspect``, ``verify`` and ``gc``.
+
+Everything here only reads the tree (``lstat``, ``scandir``, the manifest and
+the NAMESPACE files), so it is safe while a server uses the directory; files
+may vanish between the listing and a later look, and callers treat that as
+"already gone".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..layout import MARKER_NAME, RootLayout, namespace_id
+from ..manifest import MANIFEST_NAME, ManifestRecord, load_manifest
+from .common import CLIError
+
+_NS_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+@dataclass(frozen=True)
+class CacheFile:
+    """One chunk file as listed: where, how big, and when it was last used."""
+
+    ns_id: str
+    digest: str
+    path: Path
+    size: int
+    mtime_ns: int
+    last_access_ns: int
+    in_manifest: bool
+    ino: int
+    dev: int
+
+
+class CacheRoot:
+    """One cache directory (one ``nvme.path``)."""
+
+    def __init__(self, path: Path) -> None:
+        path = path.absolute()
+        if not path.is_dir():
+            raise CLIError(f"'{path}' is not a directory")
+        if not (path / MARKER_NAME).is_file():
+            raise CLIError(f"'{path}' is not an LMCache NVMe cache root (no {MARKER_NAME} "
+                           "file); give the directory configured as nvme.path")
+        self.path = path
+        self.layout = RootLayout(path)
+        self._manifest: dict[str, ManifestRecord] | None = None
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.layout.index_dir / MANIFEST_NAME
+
+    def manifest(self) -> dict[str, ManifestRecord]:
+        """Records of the persisted index snapshot (empty when missing or unreadable)."""
+        if self._manifest is None:
+            self._manifest = load_manifest(self.layout.index_dir)
+        return self._manifest
+
+    def namespace_names(self) -> dict[str, str]:
+        """Readable name of every namespace directory (from its NAMESPACE file)."""
+        names: dict[str, str] = {}
+        for ns_id in self.layout.iter_namespace_ids():
+            try:
+                with open(self.layout.namespace_name_file(ns_id), encoding="utf-8",
+                          errors="replace") as f:
+                    names[ns_id] = f.read(4096).rstrip("\n")
+            except OSError:
+                names[ns_id] = ""
+        return names
+
+    def resolve_namespace(self, name_or_id: str) -> str:
+        """A namespace's directory id from its readable name or its 16-hex id."""
+        names = self.namespace_names()
+        if _NS_ID_RE.match(name_or_id) and name_or_id in names:
+            return name_or_id
+        ns_id = namespace_id(name_or_id)
+        if ns_id in names:
+            return ns_id
+        known = ", ".join(f"{n or '?'} ({i})" for i, n in sorted(names.items())) or "none"
+        raise CLIError(f"no namespace '{name_or_id}' in {self.path}; namespaces here: {known}")
+
+    def scan(self, ns_id: str | None = None) -> list[CacheFile]:
+        """Every chunk file (optionally of one namespace); vanished files are skipped."""
+        records = self.manifest()
+        files: list[CacheFile] = []
+        for loc in self.layout.iter_chunks(ns_id):
+            try:
+                st = os.lstat(loc.path)
+            except OSError:
+                continue
+            rec = records.get(loc.digest)
+            in_manifest = rec is not None and rec.ns_id == loc.namespace_id
+            last = rec.last_access_ns if rec is not None and in_manifest else 0
+            files.append(CacheFile(loc.namespace_id, loc.digest, loc.path, st.st_size,
+                                   st.st_mtime_ns, max(last, 0) or st.st_mtime_ns, in_manifest,
+                                   st.st_ino, st.st_dev))
+        return files
+
+    def quarantined(self) -> list[tuple[Path, int]]:
+        """(path, size) of the files in the quarantine directory."""
+        out = []
+        try:
+            with os.scandir(self.layout.quarantine_dir) as it:
+                for entry in it:
+                    if entry.is_file(follow_symlinks=False):
+                        try:
+                            out.append((Path(entry.path), entry.stat(follow_symlinks=False)
+                                        .st_size))
+                        except OSError:
+                            continue
+        except OSError:
+            pass
+        return out
+
+
+def lru_order(files: list[CacheFile]) -> list[CacheFile]:
+    """Least recently used first: manifest recency where known, else file mtime.
+
+    The same order the store rebuilds at restart, so ``gc`` evicts what the
+    server would have evicted.
+    """
+    return sorted(files, key=lambda f: (f.last_access_ns, f.digest))
+
+
+def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:
+    """Whether ``path`` is still the file that was looked at (not replaced meanwhile)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if isinstance(ref, CacheFile):
+        return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (
+            ref.ino, ref.dev, ref.size, ref.mtime_ns)
+    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (
+        ref.st_ino, ref.st_dev, ref.st_size, ref.st_mtime_ns)
+
+
+def relative(root: CacheRoot, path: Path) -> str:
+    try:
+        return str(path.relative_to(root.path))
+    except ValueError:
+        return str(path)

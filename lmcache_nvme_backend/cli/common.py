@@ -1,0 +1,250 @@
+"""Helpers shared by the ``lmcache-nvme`` commands: argument types, units, progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+KIB = 1024
+MIB = 1024**2
+GIB = 1024**3
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": 1024**4, "p": 1024**5}
+
+# Exit statuses shared by the commands (argparse itself exits 2 on usage errors).
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A problem the user must fix; ``main`` prints ``error: <message>`` and exits non-zero."""
+
+    def __init__(self, message: str, status: int = EXIT_PROBLEM) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_size(text: str) -> int:
+    """``4k``, ``2M``, ``16MiB``, ``1.5G`` or plain bytes -> bytes (binary units, like fio)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(text)
+    number, unit, _ = match.groups()
+    value = float(number) * _SIZE_UNITS[unit.lower()]
+    if value != int(value):
+        raise ValueError(text)
+    return int(value)
+
+
+def size_arg(text: str) -> int:
+    """argparse type: a positive size such as ``2M``."""
+    try:
+        value = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid size '{text}' (use bytes or a number with K, M, G or T, "
+            "e.g. 4k, 2M, 16M, 1G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be greater than 0, got '{text}'")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _finite_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = _finite_number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got '{text}'")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _finite_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0, got '{text}'")
+    return value
+
+
+def int_list_arg(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers, e.g. ``1,2,4,8``."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list such as 1,2,4,8")
+    return sorted({positive_int(t.strip()) for t in items})
+
+
+def size_list_arg(text: str) -> list[int]:
+    """argparse type: comma-separated sizes, e.g. ``1M,4M,16M``."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list such as 1M,4M,16M")
+    return sorted({size_arg(t.strip()) for t in items})
+
+
+def human_bytes(n: float) -> str:
+    """Binary units with one decimal: ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def short_size(n: int) -> str:
+    """fio-style compact size: ``2MiB``, ``16MiB``, ``4KiB``, ``1536B``."""
+    for unit, factor in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return f"{n}B"
+
+
+def print_json(doc: Any, out: TextIO | None = None) -> None:
+    """Pretty JSON on stdout (or ``out``)."""
+    json.dump(doc, out or sys.stdout, indent=2, sort_keys=False)
+    (out or sys.stdout).write("\n")
+
+
+def existing_dir(path: Path, what: str = "PATH") -> Path:
+    """The path, or a ``CLIError`` when it is missing or not a directory."""
+    if not path.exists():
+        raise CLIError(f"{what} '{path}' does not exist")
+    if not path.is_dir():
+        raise CLIError(f"{what} '{path}' is not a directory")
+    return path
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn at most a few times a second.
+
+    Disabled (every method a no-op) unless ``enabled``; callers pass
+    ``stderr.isatty() or --progress``.
+    """
+
+    WIDTH = 28
+
+    def __init__(self, enabled: bool, total: float, label: str, unit: str = "bytes",
+                 stream: TextIO | None = None) -> None:
+        self.enabled = enabled and total > 0
+        self.total = total
+        self.label = label
+        self.unit = unit
+        self.done = 0.0
+        self.stream = stream or sys.stderr
+        self._started = time.monotonic()
+        self._last_draw = 0.0
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+        self._draw(force=True)
+
+    def update(self, amount: float) -> None:
+        self.done += amount
+        self._draw()
+
+    def advance(self, nbytes: int) -> None:
+        """Count ``nbytes`` done (byte bars) or show the elapsed time (time bars)."""
+        if self.unit == "bytes":
+            self.update(nbytes)
+        else:
+            self.set(time.monotonic() - self._started)
+
+    def set(self, done: float) -> None:
+        self.done = done
+        self._draw()
+
+    def _draw(self, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_draw < 0.2 and self.done < self.total:
+            return
+        self._last_draw = now
+        frac = min(1.0, self.done / self.total)
+        filled = int(frac * self.WIDTH)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        elapsed = now - self._started
+        extra = ""
+        if self.unit == "bytes" and elapsed > 0:
+            extra = f" {human_bytes(self.done)} {self.done / elapsed / 1e9:.2f} GB/s"
+        eta = (elapsed / frac - elapsed) if frac > 0 else 0.0
+        self.stream.write(f"\r{self.label} [{bar}] {frac * 100:3.0f}%{extra} "
+                          f"eta {eta:4.0f}s ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class MountInfo:
+    """The /proc/mounts entry a path lives on."""
+
+    def __init__(self, device: str, mountpoint: str, fstype: str, options: str) -> None:
+        self.device = device
+        self.mountpoint = mountpoint
+        self.fstype = fstype
+        self.options = options
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its closest existing ancestor, resolved."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.resolve()
+
+
+def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None:
+    """The mount holding ``path`` (longest matching mount point; the last one wins)."""
+    target = str(nearest_existing(path))
+    best: MountInfo | None = None
+    try:
+        with open(mounts_file) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        device, mountpoint, fstype, options = (_unescape_mount(p) for p in parts[:4])
+        inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
+        if inside and (best is None or len(mountpoint) >= len(best.mountpoint)):
+            best = MountInfo(device, mountpoint, fstype, options)
+    return best
+
+
+def _unescape_mount(field: str) -> str:
+    """/proc/mounts escapes space, tab, newline and backslash as octal (``\\040``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)

@@ -1,0 +1,348 @@
+"""``lmcache-nvme doctor PATH``: is this path, and this machine's GPU I/O stack, ready?
+
+Each check prints PASS, WARN, FAIL (or SKIP) with what it found and, when not
+PASS, the fix.  Exit status: 0 everything passed, 1 at least one warning,
+2 at least one failure.  Nothing is changed except a probe file created and
+removed in PATH (the same O_DIRECT probe the backend runs at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import glob
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ..format import ALIGNMENT
+from ..posix_io import probe_direct_io
+from .common import GIB, MountInfo, mount_for, nearest_existing, non_negative_float, print_json
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+EXIT_FOR = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
+GOOD_LOCAL_FS = {"ext4", "xfs"}
+SHARED_FS = {"lustre", "gpfs", "beegfs", "wekafs", "nfs", "nfs4", "cephfs", "ceph"}
+COW_FS = {"btrfs", "zfs", "bcachefs"}
+MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs"}
+LOW_FREE_GB = 10.0
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "doctor", help="check a path and the GPU/GDS stack for the NVMe tier",
+        description="Check PATH (filesystem, O_DIRECT, free space, alignment) and the GPU "
+                    "I/O stack (kvikio and its compat mode, libcufile, nvidia-fs, /run/udev, "
+                    "GPU visibility). Each check is PASS, WARN or FAIL with the fix.",
+        epilog="exit status: 0 all checks passed, 1 warnings, 2 failures (argparse usage "
+               "errors also exit 2)")
+    p.add_argument("path", metavar="PATH", type=Path, help="the cache directory (nvme.path)")
+    p.add_argument("--max-size-gb", type=non_negative_float, metavar="GB",
+                   help="the budget you plan (nvme.max_size_gb): warn when it does not fit")
+    p.add_argument("--min-free-gb", type=non_negative_float, default=1.0, metavar="GB",
+                   help="the free-space guard (nvme.min_free_gb, default 1)")
+    p.add_argument("--skip-gpu", action="store_true",
+                   help="host-only deployment: skip the kvikio/GDS/GPU checks")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run)
+    return p
+
+
+# -- path checks ------------------------------------------------------------------------
+
+
+def check_path(path: Path) -> tuple[Check, Path | None]:
+    """Exists (or can be created) and is writable; returns the directory to probe."""
+    if path.exists() and not path.is_dir():
+        return Check("path", FAIL, f"{path} exists and is not a directory",
+                     "point nvme.path at a directory"), None
+    probe_dir = path if path.exists() else nearest_existing(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".doctor-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return Check("path", FAIL, f"{probe_dir} is not writable ({exc.strerror})",
+                     "grant the server's user write access, or choose another directory"
+                     ), None
+    if not path.exists():
+        return Check("path", WARN, f"{path} does not exist yet; {probe_dir} is writable "
+                     "(checks below ran there)",
+                     "nothing to do if this is intended: the backend creates it"), probe_dir
+    return Check("path", PASS, f"{path} is a writable directory"), probe_dir
+
+
+def check_filesystem(mount: MountInfo | None) -> Check:
+    if mount is None:
+        return Check("filesystem", WARN, "not found in /proc/mounts",
+                     "check that /proc is mounted")
+    where = f"{mount.fstype} ({mount.device} on {mount.mountpoint})"
+    fs = mount.fstype
+    if fs in GOOD_LOCAL_FS:
+        return Check("filesystem", PASS, where)
+    if fs in SHARED_FS:
+        return Check("filesystem", PASS, f"{where}: shared filesystem, several processes or "
+                     "nodes can use one cache tree")
+    if fs in MEMORY_FS:
+        return Check("filesystem", WARN, f"{where}: memory, not a drive; the tier would "
+                     "duplicate host memory and GDS cannot read from it",
+                     "put nvme.path on an NVMe drive formatted ext4 or xfs")
+    if fs == "overlay" or fs.startswith("fuse"):
+        return Check("filesystem", WARN, f"{where}: container or FUSE filesystem, usually "
+                     "without O_DIRECT and slow for large files",
+                     "bind-mount a directory of the NVMe drive into the container "
+                     "(docker -v /mnt/nvme0/lmcache:/cache) and use that")
+    if fs in COW_FS:
+        return Check("filesystem", WARN, f"{where}: copy-on-write filesystem; checksumming "
+                     "and CoW cost bandwidth, and GDS does not support it",
+                     "prefer ext4 or xfs for the cache directory")
+    return Check("filesystem", WARN, f"{where}: not a filesystem this backend is tested on",
+                 "prefer ext4 or xfs on a local NVMe drive")
+
+
+def check_direct_io(probe_dir: Path) -> Check:
+    try:
+        ok = probe_direct_io(probe_dir)
+    except OSError as exc:
+        return Check("O_DIRECT", FAIL, f"probe failed: {exc.strerror or exc}",
+                     "make the directory writable")
+    if ok:
+        return Check("O_DIRECT", PASS, "supported: reads bypass the page cache")
+    return Check("O_DIRECT", WARN, "not supported here: the backend falls back to buffered "
+                 "I/O (nvme.direct_io: auto) or refuses to start (on); GPUDirect Storage "
+                 "cannot work", "use a local ext4 or xfs filesystem on the NVMe drive")
+
+
+def check_free_space(probe_dir: Path, max_size_gb: float | None, min_free_gb: float) -> Check:
+    usage = shutil.disk_usage(probe_dir)
+    free_gb = usage.free / GIB
+    detail = f"{free_gb:.1f} GiB free of {usage.total / GIB:.1f} GiB"
+    if free_gb < min_free_gb:
+        return Check("free space", FAIL, f"{detail}, below the guard nvme.min_free_gb="
+                     f"{min_free_gb:g}: every write would be dropped",
+                     "free space on the drive or lower nvme.min_free_gb")
+    if max_size_gb is not None and max_size_gb + min_free_gb > free_gb:
+        return Check("free space", WARN, f"{detail}; nvme.max_size_gb={max_size_gb:g} plus "
+                     f"the guard {min_free_gb:g} GiB does not fit (counting space the cache "
+                     "already uses as taken): the free-space guard will evict before the "
+                     "budget is reached", "lower nvme.max_size_gb or free space")
+    if max_size_gb is None and free_gb < LOW_FREE_GB:
+        return Check("free space", WARN, f"{detail}: little room for a cache tier",
+                     "use a larger drive or free space")
+    return Check("free space", PASS, detail)
+
+
+def _logical_block_size(mount: MountInfo | None) -> int | None:
+    if mount is None or not mount.device.startswith("/dev/"):
+        return None
+    name = os.path.basename(os.path.realpath(mount.device))
+    for candidate in (f"/sys/class/block/{name}/queue/logical_block_size",
+                      f"/sys/class/block/{name}/../queue/logical_block_size"):
+        try:
+            with open(candidate) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def check_alignment(probe_dir: Path, mount: MountInfo | None) -> Check:
+    st = os.statvfs(probe_dir)
+    lbs = _logical_block_size(mount)
+    detail = f"filesystem block size {st.f_bsize} bytes"
+    if lbs is not None:
+        detail += f", device logical block size {lbs} bytes"
+    sizes = [st.f_bsize] + ([lbs] if lbs else [])
+    if all(s and ALIGNMENT % s == 0 for s in sizes):
+        return Check("alignment", PASS, f"{detail}; chunk payloads are {ALIGNMENT}-byte "
+                     "aligned, which O_DIRECT and GDS accept here")
+    return Check("alignment", WARN, f"{detail}: larger than the chunk format's {ALIGNMENT}-"
+                 "byte alignment, so O_DIRECT reads of payloads may be refused",
+                 f"format the filesystem with {ALIGNMENT}-byte blocks (mkfs.xfs -b size=4096, "
+                 "mkfs.ext4 -b 4096)")
+
+
+# -- GPU stack checks -----------------------------------------------------------------
+
+
+def check_kvikio() -> list[Check]:
+    try:
+        import kvikio
+        import kvikio.defaults
+    except Exception as exc:  # ImportError, or a broken CUDA library underneath
+        return [Check("kvikio", WARN, f"cannot import kvikio ({exc})",
+                      "pip install kvikio-cu13 (CUDA 13) for the GPU read path")]
+    checks = [Check("kvikio", PASS, f"kvikio {getattr(kvikio, '__version__', '?')} imports")]
+    try:
+        mode = kvikio.defaults.get("compat_mode")
+        compat = bool(kvikio.defaults.is_compat_mode_preferred())
+    except Exception as exc:
+        checks.append(Check("kvikio compat mode", WARN, f"cannot query it ({exc})",
+                            "upgrade kvikio-cu13"))
+        return checks
+    mode_name = getattr(mode, "name", str(mode))
+    env = os.environ.get("KVIKIO_COMPAT_MODE")
+    setting = f"KVIKIO_COMPAT_MODE={env}" if env else f"compat_mode={mode_name}"
+    if compat:
+        checks.append(Check("kvikio compat mode", WARN, f"{setting}: kvikio will use its "
+                            "compat mode (POSIX reads into host bounce buffers, then a copy "
+                            "to the GPU), not GPUDirect Storage",
+                            "install GDS (nvidia-fs, libcufile), expose /run/udev in "
+                            "containers; see the nvidia-fs and /run/udev lines"))
+    else:
+        checks.append(Check("kvikio compat mode", PASS, f"{setting}: kvikio will use "
+                            "cuFile (GPUDirect Storage)"))
+    return checks
+
+
+def _libcufile_candidates() -> list[str]:
+    found = []
+    for site in sys.path:
+        found += glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcufile.so*"))
+        found += glob.glob(os.path.join(site, "nvidia", "cufile", "lib", "libcufile.so*"))
+    found += glob.glob("/usr/local/cuda*/lib64/libcufile.so*")
+    found += glob.glob("/usr/lib/x86_64-linux-gnu/libcufile.so*")
+    return sorted({f for f in found if "rdma" not in os.path.basename(f)})
+
+
+def check_libcufile() -> Check:
+    loaded = None
+    for name in ("libcufile.so.0", "libcufile.so"):
+        try:
+            ctypes.CDLL(name)
+            loaded = name
+            break
+        except OSError:
+            continue
+    files = _libcufile_candidates()
+    version = ""
+    try:
+        import kvikio.cufile_driver
+
+        major, minor = kvikio.cufile_driver.libcufile_version()
+        version = f"version {major}.{minor}"
+    except Exception:
+        pass
+    if loaded or files:
+        where = f"loadable as {loaded}" if loaded else f"found at {files[0]}"
+        return Check("libcufile", PASS, " ".join(x for x in (where, version) if x))
+    return Check("libcufile", WARN, "libcufile (cuFile, the GDS user library) not found",
+                 "pip install nvidia-cufile (or the CUDA toolkit's gds package)")
+
+
+def check_nvidia_fs() -> Check:
+    proc = Path("/proc/driver/nvidia-fs")
+    if proc.exists():
+        version = ""
+        with contextlib.suppress(OSError):
+            version = (proc / "version").read_text().split("\n")[0].strip()
+        return Check("nvidia-fs", PASS, f"kernel module loaded {version}".strip())
+    return Check("nvidia-fs", WARN, "/proc/driver/nvidia-fs is absent: the GDS kernel module "
+                 "is not loaded, so cuFile runs in compat mode (unless this GDS release uses "
+                 "the kernel's PCI P2PDMA instead)",
+                 "install nvidia-gds and modprobe nvidia-fs on the host")
+
+
+def check_run_udev() -> Check:
+    udev = Path("/run/udev")
+    try:
+        visible = udev.is_dir() and any(udev.iterdir())
+    except OSError:
+        visible = False
+    if visible:
+        return Check("/run/udev", PASS, "visible (cuFile can identify the NVMe devices)")
+    return Check("/run/udev", WARN, "/run/udev is missing or empty: cuFile cannot identify "
+                 "block devices and falls back to compat mode",
+                 "in a container, mount it read-only: docker run -v /run/udev:/run/udev:ro")
+
+
+def check_gpu() -> Check:
+    try:
+        import torch
+    except Exception as exc:
+        return Check("GPU", WARN, f"cannot import torch ({exc})", "install torch")
+    try:
+        if not torch.cuda.is_available():
+            build = torch.version.cuda or "none (CPU-only build)"
+            return Check("GPU", WARN, f"no CUDA GPU visible to torch {torch.__version__} "
+                         f"(CUDA build: {build}); only the host path can run",
+                         "install a CUDA build of torch and expose the GPU (nvidia driver, "
+                         "docker --gpus all, CUDA_VISIBLE_DEVICES)")
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception as exc:
+        return Check("GPU", WARN, f"torch.cuda failed: {exc}", "check the NVIDIA driver")
+    return Check("GPU", PASS, f"{len(names)} visible: " + ", ".join(names))
+
+
+def check_lmcache() -> Check:
+    try:
+        version = metadata.version("lmcache")
+    except metadata.PackageNotFoundError:
+        return Check("lmcache", WARN, "lmcache is not installed",
+                     "pip install 'lmcache>=0.5.6,<0.6'")
+    try:
+        parts = tuple(int(x) for x in version.split(".")[:3])
+    except ValueError:
+        parts = ()
+    if parts and (0, 5, 6) <= parts < (0, 6):
+        return Check("lmcache", PASS, f"lmcache {version} (tested range >=0.5.6,<0.6)")
+    return Check("lmcache", WARN, f"lmcache {version} is outside the tested range "
+                 ">=0.5.6,<0.6", "pip install 'lmcache>=0.5.6,<0.6'")
+
+
+def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float,
+               skip_gpu: bool) -> list[Check]:
+    path = path.absolute()
+    first, probe_dir = check_path(path)
+    checks = [first]
+    mount = mount_for(path)
+    checks.append(check_filesystem(mount))
+    if probe_dir is not None:
+        checks += [check_direct_io(probe_dir),
+                   check_free_space(probe_dir, max_size_gb, min_free_gb),
+                   check_alignment(probe_dir, mount)]
+    checks.append(check_lmcache())
+    gpu_checks = ("kvikio", "libcufile", "nvidia-fs", "/run/udev", "GPU")
+    if skip_gpu:
+        checks += [Check(name, SKIP, "skipped (--skip-gpu)") for name in gpu_checks]
+    else:
+        checks += check_kvikio()
+        checks += [check_libcufile(), check_nvidia_fs(), check_run_udev(), check_gpu()]
+    return checks
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = run_checks(args.path, args.max_size_gb, args.min_free_gb, args.skip_gpu)
+    status = max(EXIT_FOR[c.status] for c in checks)
+    worst = {0: PASS, 1: WARN, 2: FAIL}[status]
+    if args.json:
+        print_json({"command": "doctor", "path": str(args.path.absolute()),
+                    "checks": [asdict(c) for c in checks], "worst": worst,
+                    "exit_status": status})
+        return status
+    print(f"lmcache-nvme doctor {args.path.absolute()}")
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"  {c.status.upper():<4}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status in (WARN, FAIL):
+            print(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL, SKIP)}
+    print(f"result: {worst.upper()} ({counts[PASS]} passed, {counts[WARN]} warnings, "
+          f"{counts[FAIL]} failures, {counts[SKIP]} skipped); exit status {status}")
+    return status

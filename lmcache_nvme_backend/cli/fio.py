@@ -1,0 +1,219 @@
+"""``bench --vs-fio``: run fio with the same parameters as the engine, on the same files.
+
+Mapping (``docs/cli.md`` explains it):
+
+* same block size, same direct flag, same filesystem;
+* reads: fio reads the very chunk files the engine reads, payload only
+  (``offset=4096`` skips the header, one I/O of ``bs`` per file);
+* writes: fio creates the same number of new files of the same size
+  (``filesize = 4096 + bs``, sparse, no preallocation, payload region only),
+  so block allocation happens during the timed writes, as for the engine;
+* mixed ``rw``: fio's ``rw=rw`` at 50 % reads on its own laid-out files;
+* the same total queue depth: ``numjobs x iodepth`` equals the I/Os the engine
+  keeps in flight (``BenchConfig.in_flight``), each job on its own subset of files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..format import HEADER_SIZE
+from .bench_engine import BenchConfig, DirStats, RunResult
+from .common import CLIError
+
+HUGE_PAGE = 2 * 1024 * 1024
+HUGETLB_SYSFS = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
+FIO_RW = {"read": "read", "write": "write", "randread": "randread",
+          "randwrite": "randwrite", "rw": "rw"}
+
+
+def find_fio(explicit: str | None) -> str:
+    """Path of the fio binary, or a ``CLIError`` that says how to install it."""
+    binary = shutil.which(explicit or "fio")
+    if binary is None:
+        raise CLIError(f"fio not found ({explicit or 'fio'} is not on PATH). Install it "
+                       "(Debian/Ubuntu: apt-get update && apt-get install -y fio; RHEL: "
+                       "dnf install fio) or point --fio-binary at it, or leave out --vs-fio.")
+    return binary
+
+
+def fio_version(binary: str) -> str:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=30, check=False)
+        return out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class FioShape:
+    """How fio's parallelism is laid out: ``numjobs`` jobs of ``iodepth`` each."""
+
+    numjobs: int
+    iodepth: int
+    ioengine: str
+    mem: str = "malloc"
+
+    @property
+    def total(self) -> int:
+        return self.numjobs * self.iodepth
+
+
+def fio_shape(cfg: BenchConfig, numjobs: int | None, ioengine: str, nfiles: int,
+              mem: str = "malloc") -> FioShape:
+    """Split the engine's in-flight count into fio jobs (default: one job per thread).
+
+    ``numjobs`` must divide the queue depth; each job needs at least one file.
+    """
+    qd = cfg.in_flight()
+    jobs = numjobs if numjobs is not None else qd
+    jobs = max(1, min(jobs, qd, nfiles))
+    while qd % jobs:
+        jobs -= 1
+    return FioShape(jobs, qd // jobs, ioengine, mem)
+
+
+def free_huge_pages(sysfs: Path = HUGETLB_SYSFS) -> int:
+    """Free pages in the 2 MiB hugetlb pool (0 when there is none)."""
+    try:
+        return int((sysfs / "free_hugepages").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
+                   free_pages: int) -> tuple[str, str | None]:
+    """fio's ``mem=`` and, when it differs from the engine's buffers, a note saying so.
+
+    The engine's buffers of 2 MiB and more use transparent huge pages; fio's
+    nearest equivalent is ``shmhuge`` (the hugetlb pool).  ``auto`` takes it
+    when the pool has room for every job's buffers, else fio's ``malloc``.
+    """
+    if requested != "auto":
+        return requested, None
+    if cfg.bs < HUGE_PAGE:
+        return "malloc", None
+    per_job = -(-(cfg.bs * iodepth + HUGE_PAGE) // HUGE_PAGE)
+    if per_job * numjobs <= free_pages:
+        return "shmhuge", None
+    return "malloc", (
+        f"fio gets 4 KiB-page buffers (mem=malloc) while the engine's {cfg.bs >> 20} MiB "
+        "buffers use huge pages, which matters on drives with a DMA segment limit; for "
+        f"equal buffers give the hugetlb pool {per_job * numjobs} free 2 MiB pages "
+        f"(echo {per_job * numjobs} > /proc/sys/vm/nr_hugepages) or pass --fio-mem")
+
+
+def assign_files(n: int, numjobs: int) -> list[int]:
+    """How many of ``n`` files each job gets (as even as possible)."""
+    return [n // numjobs + (1 if k < n % numjobs else 0) for k in range(numjobs)]
+
+
+def fio_file_name(job: int, index: int) -> str:
+    """Name of file ``index`` of job ``job`` in fio's directory (``filename_format``)."""
+    return f"job{job}.{index}"
+
+
+def link_files(files: list[Path], fio_dir: Path, numjobs: int) -> None:
+    """Hard-link the engine's chunk files under fio's names: the very same inodes.
+
+    fio's options are limited to 4 KiB, too short for a list of thousands of
+    sharded paths, so fio addresses the files through ``directory`` +
+    ``filename_format`` + ``nrfiles`` instead.  File ``i`` goes to job ``i % numjobs``.
+    """
+    counters = [0] * numjobs
+    for i, path in enumerate(files):
+        job = i % numjobs
+        os.link(path, fio_dir / fio_file_name(job, counters[job]))
+        counters[job] += 1
+
+
+def build_jobfile(cfg: BenchConfig, shape: FioShape, fio_dir: Path, nfiles: int) -> str:
+    """The fio job file: one section per job, each on its own ``nrfiles`` files."""
+    lines = [
+        "[global]",
+        f"ioengine={shape.ioengine}",
+        f"mem={shape.mem}",
+        f"direct={int(cfg.direct)}",
+        f"bs={cfg.bs}",
+        f"rw={FIO_RW[cfg.rw]}",
+        f"directory={str(fio_dir).replace(':', chr(92) + ':')}",
+        "filename_format=$jobname.$filenum",
+        f"offset={HEADER_SIZE}",
+        f"filesize={HEADER_SIZE + cfg.bs}",
+        "fallocate=none",
+        "group_reporting=1",
+        "lat_percentiles=1",
+        "percentile_list=50:90:99:99.9",
+        "invalidate=0" if cfg.direct else "invalidate=1",
+    ]
+    if cfg.random_order:
+        lines.append("file_service_type=random")
+    if cfg.rw == "rw":
+        lines.append("rwmixread=50")
+    if cfg.runtime:
+        lines += ["time_based=1", f"runtime={cfg.runtime:g}"]
+    for job, count in enumerate(assign_files(nfiles, shape.numjobs)):
+        lines += ["", f"[job{job}]", f"nrfiles={count}", f"iodepth={shape.iodepth}"]
+    return "\n".join(lines) + "\n"
+
+
+def run_fio(binary: str, jobfile: Path, cfg: BenchConfig, shape: FioShape) -> RunResult:
+    """Run one fio job file and parse its JSON output into a ``RunResult``."""
+    try:
+        proc = subprocess.run([binary, "--output-format=json", str(jobfile)],
+                              capture_output=True, text=True, check=False,
+                              timeout=(cfg.runtime or 0) + 3600)
+    except subprocess.TimeoutExpired as exc:
+        raise CLIError("fio did not finish within an hour") from exc
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise CLIError(f"fio failed (exit {proc.returncode}): {tail[:800]}")
+    doc = parse_json_output(proc.stdout)
+    result = RunResult("fio", cfg, extra={"fio": {"numjobs": shape.numjobs, "mem": shape.mem,
+                                                  "iodepth": shape.iodepth,
+                                                  "ioengine": shape.ioengine}})
+    job = doc["jobs"][0]
+    for direction in ("read", "write"):
+        section = job.get(direction, {})
+        if not section or not section.get("io_bytes"):
+            continue
+        result.dirs[direction] = _dir_stats(direction, section)
+    if not result.dirs:
+        raise CLIError("fio reported no I/O; its output: " + proc.stdout[:500])
+    return result
+
+
+def parse_json_output(stdout: str) -> dict[str, Any]:
+    """fio's JSON document (fio may print warning lines before it)."""
+    start = stdout.find("{")
+    if start < 0:
+        raise CLIError("fio printed no JSON: " + stdout[:300])
+    try:
+        doc: dict[str, Any] = json.loads(stdout[start:])
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"cannot parse fio's JSON output: {exc}") from exc
+    return doc
+
+
+def _dir_stats(direction: str, section: dict[str, Any]) -> DirStats:
+    nbytes = int(section["io_bytes"])
+    bw = float(section["bw_bytes"]) or 1.0
+    lat = section.get("lat_ns") or section.get("clat_ns") or {}
+    pct = lat.get("percentile", {})
+    lat_ms: dict[str, float] = {}
+    for key, name in (("50.000000", "p50"), ("90.000000", "p90"), ("99.000000", "p99"),
+                      ("99.900000", "p99.9")):
+        if key in pct:
+            lat_ms[name] = pct[key] / 1e6
+    if "max" in lat:
+        lat_ms["max"] = lat["max"] / 1e6
+    if "mean" in lat:
+        lat_ms["mean"] = lat["mean"] / 1e6
+    return DirStats(direction, nbytes, nbytes / bw, int(section.get("total_ios", 0)), lat_ms)

@@ -1,0 +1,146 @@
+"""``lmcache-nvme inspect PATH...``: entries and bytes per namespace, and an age histogram.
+
+Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is
+the time since last access as recorded in the manifest (the server saves it
+periodically and at close), else since the file was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from ..layout import TEMP_INFIX
+from .cache import CacheRoot
+from .common import human_bytes, print_json
+
+AGE_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("< 1 min", 60.0),
+    ("< 1 hour", 3600.0),
+    ("< 1 day", 86400.0),
+    ("< 1 week", 7 * 86400.0),
+    ("< 30 days", 30 * 86400.0),
+    (">= 30 days", float("inf")),
+)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "inspect", help="list and size a cache directory",
+        description="Entries and bytes on disk per namespace (model), temporary and "
+                    "quarantined files, and a histogram of time since last access. "
+                    "Read-only; safe while a server uses the directory.",
+        epilog="exit status: 0 success, 1 PATH is not a cache directory, 2 usage error")
+    p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
+                   help="cache directory (nvme.path); give each path of a multi-drive cache")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run)
+    return p
+
+
+def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
+    """The report for one root, as a JSON-ready dict."""
+    files = root.scan()
+    names = root.namespace_names()
+    per_ns: dict[str, dict[str, Any]] = {
+        ns_id: {"id": ns_id, "name": name, "files": 0, "bytes": 0}
+        for ns_id, name in names.items()}
+    buckets: list[dict[str, Any]] = [
+        {"bucket": label, "max_age_s": None if limit == float("inf") else limit,
+         "files": 0, "bytes": 0} for label, limit in AGE_BUCKETS]
+    oldest = newest = None
+    for f in files:
+        ns = per_ns.setdefault(f.ns_id, {"id": f.ns_id, "name": "", "files": 0, "bytes": 0})
+        ns["files"] += 1
+        ns["bytes"] += f.size
+        age_s = max(0.0, (now_ns - f.last_access_ns) / 1e9)
+        for bucket, (_, limit) in zip(buckets, AGE_BUCKETS, strict=True):
+            if age_s < limit:
+                bucket["files"] += 1
+                bucket["bytes"] += f.size
+                break
+        oldest = age_s if oldest is None else max(oldest, age_s)
+        newest = age_s if newest is None else min(newest, age_s)
+    temp = [t for t in root.layout.iter_temp_files()]
+    temp_bytes = 0
+    for t in temp:
+        with contextlib.suppress(OSError):
+            temp_bytes += t.path.lstat().st_size
+    quarantined = root.quarantined()
+    manifest = root.manifest()
+    try:
+        manifest_age = time.time() - root.manifest_path.stat().st_mtime
+    except OSError:
+        manifest_age = None
+    return {
+        "path": str(root.path),
+        "files": len(files),
+        "bytes": sum(f.size for f in files),
+        "namespaces": sorted(per_ns.values(), key=lambda n: (-n["bytes"], n["id"])),
+        "age_histogram": buckets,
+        "oldest_access_age_s": oldest,
+        "newest_access_age_s": newest,
+        "files_in_manifest": sum(f.in_manifest for f in files),
+        "manifest": {"present": root.manifest_path.exists(), "entries": len(manifest),
+                     "age_s": manifest_age},
+        "temp_files": {"count": len(temp), "bytes": temp_bytes,
+                       "pattern": f"<digest>.kv{TEMP_INFIX}<host>-<pid>-<thread>"},
+        "quarantine": {"count": len(quarantined), "bytes": sum(s for _, s in quarantined)},
+    }
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    print(f"{rep['path']}: {rep['files']} chunk files, {human_bytes(rep['bytes'])} on disk "
+          f"(headers and padding included), {len(rep['namespaces'])} namespace(s)")
+    m = rep["manifest"]
+    if m["present"]:
+        print(f"  manifest: {m['entries']} entries, saved {_age(m['age_s'])} ago; "
+              f"{rep['files_in_manifest']} of the files are in it")
+    else:
+        print("  manifest: none yet (recency falls back to file times)")
+    if rep["namespaces"]:
+        width = max(9, *(len(n["name"]) for n in rep["namespaces"]))
+        print(f"  {'namespace':<{width}}  {'id':<16}  {'files':>8}  {'bytes':>10}")
+        for n in rep["namespaces"]:
+            print(f"  {n['name'] or '?':<{width}}  {n['id']:<16}  {n['files']:>8}  "
+                  f"{human_bytes(n['bytes']):>10}")
+    print(f"  temporary files: {rep['temp_files']['count']} "
+          f"({human_bytes(rep['temp_files']['bytes'])}); quarantined files: "
+          f"{rep['quarantine']['count']} ({human_bytes(rep['quarantine']['bytes'])})")
+    print(f"  time since last access (newest {_age(rep['newest_access_age_s'])}, oldest "
+          f"{_age(rep['oldest_access_age_s'])}):")
+    most = max([b["files"] for b in rep["age_histogram"]] + [1])
+    for b in rep["age_histogram"]:
+        bar = "#" * round(30 * b["files"] / most)
+        print(f"    {b['bucket']:<10} {b['files']:>8} files {human_bytes(b['bytes']):>10}  {bar}")
+
+
+def run(args: argparse.Namespace) -> int:
+    roots = [CacheRoot(p) for p in args.paths]
+    now = time.time_ns()
+    reports = [inspect_root(r, now) for r in roots]
+    if args.json:
+        print_json({"command": "inspect", "roots": reports,
+                    "total": {"files": sum(r["files"] for r in reports),
+                              "bytes": sum(r["bytes"] for r in reports)}})
+        return 0
+    for i, rep in enumerate(reports):
+        if i:
+            print()
+        print_report(rep)
+    if len(reports) > 1:
+        print(f"\ntotal: {sum(r['files'] for r in reports)} chunk files, "
+              f"{human_bytes(sum(r['bytes'] for r in reports))}")
+    return 0

@@ -1,0 +1,190 @@
+"""``lmcache-nvme verify PATH...``: decode every header and check every payload checksum.
+
+The checks are the ones the store makes before serving a chunk (see
+``docs/format.md``, "Validation a reader must do"), plus the ones a listing
+allows: the stored key hashes to the file's name, the namespace to its
+directory, and the file has exactly the size the header implies.  Reads go
+through the backend's engine (O_DIRECT where the filesystem supports it, so a
+server's page cache is not disturbed).
+
+With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` (the
+store's naming) unless it changed since it was read; a running store treats
+the vanished file as a miss.  Nothing is rewritten in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..format import FormatError, decode_header, payload_checksum
+from ..layout import key_digest, namespace_id
+from ..posix_io import AlignedBuffer, PosixIOEngine, ReadRequest, probe_direct_io
+from .cache import CacheFile, CacheRoot, relative, same_file
+from .common import MIB, Progress, human_bytes, positive_int, print_json
+
+TASK_SIZE = 4 * MIB
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "verify", help="check every chunk file's header and payload checksum",
+        description="Decode every chunk header and check every payload checksum, the "
+                    "stored key against the file name and the file size. Read-only unless "
+                    "--quarantine; safe while a server uses the directory.",
+        epilog="exit status: 0 every file is valid, 1 bad files were found (or PATH is not "
+               "a cache directory), 2 usage error")
+    p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
+                   help="cache directory (nvme.path)")
+    p.add_argument("--quarantine", action="store_true",
+                   help="move bad files into <PATH>/quarantine/ (a running server then "
+                        "treats them as misses)")
+    p.add_argument("--threads", type=positive_int, default=4, metavar="N",
+                   help="files checked in parallel (default 4)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--progress", action="store_true",
+                   help="show the progress bar even when stderr is not a terminal")
+    p.set_defaults(func=run)
+    return p
+
+
+@dataclass
+class Outcome:
+    """What checking one file found: ``None`` reason means valid."""
+
+    file: CacheFile
+    reason: str | None = None
+    vanished: bool = False
+    payload_bytes: int = 0
+    stat: os.stat_result | None = None
+
+
+class Verifier:
+    """Checks the files of one root with the backend's engine."""
+
+    def __init__(self, root: CacheRoot, threads: int) -> None:
+        self.root = root
+        self.direct = probe_direct_io(root.path)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="verify-io")
+        self.engine = PosixIOEngine(TASK_SIZE, self._pool)
+        self._local = threading.local()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _buffer(self, size: int) -> memoryview:
+        buf: AlignedBuffer | None = getattr(self._local, "buf", None)
+        if buf is None or buf.size < size:
+            if buf is not None:
+                buf.close()
+            buf = self._local.buf = AlignedBuffer(size)
+        return buf.view
+
+    def check(self, f: CacheFile) -> Outcome:
+        out = Outcome(f)
+        try:
+            st = os.lstat(f.path)
+            out.stat = st
+            raw, size = self.engine.read_header(f.path, self.direct)
+            header = decode_header(raw)
+            if key_digest(header.key) != f.digest:
+                raise FormatError("the stored key does not hash to this file's name")
+            if namespace_id(header.namespace) != f.ns_id:
+                raise FormatError("the stored namespace does not match the directory")
+            if size != header.file_size:
+                raise FormatError(f"file is {size} bytes, its header implies "
+                                  f"{header.file_size}")
+            dest = self._buffer(header.payload_len)
+            req = ReadRequest(f.path, header.payload_len, dest, self.direct)
+            self.engine.read_chunks([req])
+            if req.error is not None:
+                raise req.error
+            if req.header != raw:
+                raise FileNotFoundError("replaced while being checked")
+            if payload_checksum(dest[: header.payload_len]) != header.payload_checksum:
+                raise FormatError("payload checksum mismatch")
+            out.payload_bytes = header.payload_len
+        except FileNotFoundError:
+            out.vanished = True
+        except FormatError as exc:
+            out.reason = str(exc)
+        except OSError as exc:
+            out.reason = f"read error: {exc.strerror or exc}"
+        return out
+
+
+def quarantine(root: CacheRoot, out: Outcome) -> str | None:
+    """Rename a bad file into the quarantine directory if it is still the file checked."""
+    if out.stat is None or not same_file(out.file.path, out.stat):
+        return None
+    root.layout.quarantine_dir.mkdir(parents=True, exist_ok=True)
+    target = root.layout.quarantine_dir / f"{out.file.digest}.{time.time_ns()}.bad"
+    try:
+        os.rename(out.file.path, target)
+    except OSError:
+        return None
+    return relative(root, target)
+
+
+def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
+                progress_enabled: bool) -> dict[str, Any]:
+    files = root.scan()
+    started = time.perf_counter()
+    progress = Progress(progress_enabled, sum(f.size for f in files), f"verify {root.path}")
+    verifier = Verifier(root, threads)
+    outcomes: list[Outcome] = []
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
+            for out in pool.map(verifier.check, files):
+                outcomes.append(out)
+                progress.update(out.file.size)
+    finally:
+        verifier.close()
+        progress.close()
+    seconds = time.perf_counter() - started
+    bad = []
+    for out in outcomes:
+        if out.reason is None:
+            continue
+        moved = quarantine(root, out) if do_quarantine else None
+        bad.append({"path": relative(root, out.file.path), "namespace_id": out.file.ns_id,
+                    "reason": out.reason, "quarantined_to": moved})
+    ok = sum(1 for o in outcomes if o.reason is None and not o.vanished)
+    checked_bytes = sum(o.file.size for o in outcomes if not o.vanished)
+    return {"path": str(root.path), "files": len(files), "ok": ok, "bad": bad,
+            "vanished": sum(o.vanished for o in outcomes), "bytes": checked_bytes,
+            "payload_bytes": sum(o.payload_bytes for o in outcomes),
+            "seconds": round(seconds, 3), "direct_io": verifier.direct}
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    roots = [CacheRoot(p) for p in args.paths]
+    progress = args.progress or sys.stderr.isatty()
+    reports = [verify_root(r, args.threads, args.quarantine, progress) for r in roots]
+    any_bad = any(r["bad"] for r in reports)
+    if args.json:
+        print_json({"command": "verify", "roots": reports, "ok": not any_bad})
+        return 1 if any_bad else 0
+    for rep in reports:
+        rate = rep["bytes"] / rep["seconds"] / 1e9 if rep["seconds"] > 0 else 0.0
+        print(f"{rep['path']}: checked {rep['files']} chunk files "
+              f"({human_bytes(rep['bytes'])}) in {rep['seconds']:.2f} s ({rate:.2f} GB/s, "
+              f"{'O_DIRECT' if rep['direct_io'] else 'buffered'}): {rep['ok']} ok, "
+              f"{len(rep['bad'])} bad, {rep['vanished']} removed by the server meanwhile")
+        for b in rep["bad"]:
+            where = (f" -> quarantined as {b['quarantined_to']}" if b["quarantined_to"]
+                     else (" (left in place: changed or vanished meanwhile)"
+                           if args.quarantine else ""))
+            print(f"  BAD {b['path']}: {b['reason']}{where}")
+    if any_bad and not args.quarantine:
+        print("Bad files are never served (the store checks on every read and quarantines "
+              "them); run with --quarantine to move them out now.")
+    return 1 if any_bad else 0

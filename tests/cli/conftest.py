@@ -1,0 +1,45 @@
+"""Fixtures for the command-line tests: the installed ``lmcache-nvme`` script and a real cache."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cli_support import RunCLI, cache_keys, open_store, write_chunks
+
+
+@pytest.fixture(scope="session")
+def cli_command() -> list[str]:
+    """The console script as installed by ``pip install -e .``."""
+    script = shutil.which("lmcache-nvme", path=os.path.dirname(sys.executable) + os.pathsep
+                          + os.environ.get("PATH", ""))
+    assert script is not None, ("the lmcache-nvme console script is not installed; "
+                                "run pip install -e '.[test]'")
+    return [script]
+
+
+@pytest.fixture
+def run_cli(cli_command: list[str]) -> RunCLI:
+    """Run ``lmcache-nvme ARGS`` as a user would; returns the finished process."""
+
+    def run(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, LMCACHE_TRACK_USAGE="false", COLUMNS="200")
+        return subprocess.run([*cli_command, *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout, env=env, check=False)
+
+    return run
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Iterator[Path]:
+    """A cache root written by a real ChunkStore: two namespaces of five chunks each."""
+    root = tmp_path / "cache"
+    store = open_store(root)
+    write_chunks(store, cache_keys())
+    store.close()
+    yield root

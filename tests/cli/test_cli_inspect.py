@@ -1,0 +1,48 @@
+"""``lmcache-nvme inspect``: counts and bytes per namespace, through the installed script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cli_support import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
+
+from lmcache_nvme_backend.format import file_size_for
+
+
+def test_inspect_counts_every_namespace(run_cli: RunCLI, cache_dir: Path) -> None:
+    proc = run_cli("inspect", cache_dir, "--json")
+    assert proc.returncode == 0, proc.stderr
+    (root,) = json.loads(proc.stdout)["roots"]
+    per_file = file_size_for(CHUNK)
+    assert root["files"] == len(NAMESPACES) * KEYS_PER_NAMESPACE
+    assert root["bytes"] == root["files"] * per_file
+    by_name = {ns["name"]: ns for ns in root["namespaces"]}
+    assert set(by_name) == set(NAMESPACES)
+    for ns in NAMESPACES:
+        assert by_name[ns]["files"] == KEYS_PER_NAMESPACE
+        assert by_name[ns]["bytes"] == KEYS_PER_NAMESPACE * per_file
+    assert sum(b["files"] for b in root["age_histogram"]) == root["files"]
+
+
+def test_inspect_text_names_the_namespaces(run_cli: RunCLI, cache_dir: Path) -> None:
+    proc = run_cli("inspect", cache_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{len(NAMESPACES) * KEYS_PER_NAMESPACE} chunk files" in proc.stdout
+    for ns in NAMESPACES:
+        assert ns in proc.stdout
+    assert "time since last access" in proc.stdout
+
+
+def test_inspect_refuses_a_directory_that_is_not_a_cache(run_cli: RunCLI,
+                                                          tmp_path: Path) -> None:
+    proc = run_cli("inspect", tmp_path)
+    assert proc.returncode == 1
+    assert "not an LMCache NVMe cache root" in proc.stderr
+    assert "nvme.path" in proc.stderr
+
+
+def test_inspect_without_a_path_is_a_usage_error(run_cli: RunCLI) -> None:
+    proc = run_cli("inspect")
+    assert proc.returncode == 2
+    assert "usage: lmcache-nvme inspect" in proc.stderr
