@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 # A root that fails this many I/Os in a row is taken out of service for a while.
 ROOT_ERROR_LIMIT = 3
 ROOT_RETRY_S = 30.0
-# Temporary files older than this are removed at startup whoever wrote them.
 MAX_QUARANTINED_FILES = 256
 # Index entries copied (and encoded) per lock hold / GIL hold when saving the manifest.
 MANIFEST_BATCH = 4096
