@@ -117,9 +117,14 @@ def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def text_bytes(text: str) -> bytes:
+    """UTF-8 of a key or namespace; lone surrogates (names decoded from raw bytes) pass."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:
     """How many UTF-8 bytes of key still fit beside this namespace and metadata."""
-    return _VARIABLE_SPACE - len(namespace.encode()) - len(tensor_meta.to_json())
+    return _VARIABLE_SPACE - len(text_bytes(namespace)) - len(tensor_meta.to_json())
 
 
 def encode_header(
@@ -131,7 +136,7 @@ def encode_header(
     created_unix_ns: int | None = None,
 ) -> bytes:
     """Build the 4 KiB header.  Raises ``FormatError`` when the strings do not fit."""
-    key_b, ns_b, meta_b = key.encode(), namespace.encode(), tensor_meta.to_json()
+    key_b, ns_b, meta_b = text_bytes(key), text_bytes(namespace), tensor_meta.to_json()
     if tensor_meta.nbytes != payload_len:
         raise FormatError(f"tensor metadata says {tensor_meta.nbytes} bytes, payload is "
                           f"{payload_len}")
@@ -181,8 +186,8 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
         raise FormatError(f"payload length {payload_len} exceeds the format limit")
     pos = _FIXED.size
     try:
-        key = raw[pos : pos + key_len].decode()
-        namespace = raw[pos + key_len : pos + key_len + ns_len].decode()
+        key = raw[pos : pos + key_len].decode("utf-8", "surrogatepass")
+        namespace = raw[pos + key_len : pos + key_len + ns_len].decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as exc:
         raise FormatError("key or namespace is not UTF-8") from exc
     meta = TensorMeta.from_json(raw[pos + key_len + ns_len : pos + key_len + ns_len + meta_len])

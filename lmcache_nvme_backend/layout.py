@@ -29,6 +29,8 @@ from pathlib import Path
 
 import xxhash
 
+from .format import text_bytes
+
 MARKER_NAME = "LMCNVME"
 CHUNK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp-"
@@ -42,12 +44,12 @@ _HOST = socket.gethostname().replace(".", "_").replace("-", "_")[:32] or "host"
 
 def key_digest(key: str) -> str:
     """Stable 128-bit digest of a full cache key; names the chunk file."""
-    return xxhash.xxh3_128_hexdigest(key.encode())
+    return xxhash.xxh3_128_hexdigest(text_bytes(key))
 
 
 def namespace_id(namespace: str) -> str:
     """Stable 64-bit digest of a namespace (model name); names its directory."""
-    return xxhash.xxh3_64_hexdigest(namespace.encode())
+    return xxhash.xxh3_64_hexdigest(text_bytes(namespace))
 
 
 @dataclass(frozen=True)

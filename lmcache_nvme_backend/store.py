@@ -45,6 +45,7 @@ from .format import (
     file_size_for,
     max_key_bytes,
     payload_checksum,
+    text_bytes,
 )
 from .index import ChunkIndex, IndexEntry
 from .layout import MARKER_NAME, RootLayout, key_digest, namespace_id
@@ -332,7 +333,7 @@ class ChunkStore:
             return SubmitResult.CLOSED
         nbytes = len(write.payload)
         too_big = file_size_for(nbytes) > self._index.budgets[0] or nbytes > self._queue.capacity
-        if too_big or len(write.key.encode()) > max_key_bytes(write.namespace, write.meta):
+        if too_big or len(text_bytes(write.key)) > max_key_bytes(write.namespace, write.meta):
             if not self.stats.get("oversize_drops"):
                 logger.warning(
                     "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
@@ -404,8 +405,12 @@ class ChunkStore:
             if self.settings.fsync == "full":
                 _fsync_dir(final.parent)
         except OSError as exc:
-            self.stats.add("write_failures")
-            self._root_error(root, exc)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # A full filesystem is not a failing drive: drop this write, keep serving.
+                self.stats.add("capacity_drops")
+            else:
+                self.stats.add("write_failures")
+                self._root_error(root, exc)
             _unlink_quietly(tmp)
         finally:
             with self._lock:
@@ -505,7 +510,7 @@ class ChunkStore:
         if (root.index, job.ns_id) not in self._known_namespaces:
             name_file = root.layout.namespace_name_file(job.ns_id)
             if not name_file.exists():
-                name_file.write_text(job.namespace + "\n")
+                name_file.write_bytes(text_bytes(job.namespace) + b"\n")
             self._known_namespaces.add((root.index, job.ns_id))
 
     def _reject(self, root: RootState, digest: str, path: Path, why: Exception) -> None:

@@ -1,0 +1,133 @@
+"""Overload: store through a real LMCacheEngine faster than the drive can write.
+
+The NVMe tier's writes are throttled to ``--drive-mbps`` (a sleep proportional to the
+bytes written, wrapped around the store's write call: a slow drive, reproducible on any
+machine) while the engine stores distinct prompts back to back.  Reported:
+``engine.store()`` latency p50 / p99 / max, how many chunks the tier dropped because its
+write queue was full (policy ``drop``) or waited for (policy ``wait``), the peak bytes
+held by the write queue against its budget (sampled every millisecond), and the
+process's peak RSS.
+
+    LMCACHE_TRACK_USAGE=false python bench/bench_overload.py --policy drop
+    LMCACHE_TRACK_USAGE=false python bench/bench_overload.py --policy wait
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from lmcache_nvme_backend.cpu_harness import (  # noqa: E402
+    build_engine,
+    destroy_engine,
+    load_config,
+    make_kv,
+    make_prompt,
+    storage_tiers,
+)
+
+EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme.yaml"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cache = Path(args.path or tempfile.mkdtemp(prefix="nvme-overload-"))
+    config = load_config(EXAMPLE_YAML, {
+        "max_local_cpu_size": args.cpu_gb,
+        "extra_config": {"nvme.path": str(cache), "nvme.max_size_gb": 4, "nvme.min_free_gb": 0,
+                         "nvme.write_queue_mb": args.queue_mb,
+                         "nvme.queue_full_policy": args.policy}})
+    engine, connector = build_engine(config, instance_id="overload")
+    try:
+        backend = storage_tiers(engine)["nvme"]
+        store = backend.store  # type: ignore[attr-defined]
+        real_write = store._engine.write_chunk
+
+        def throttled(path: Path, header: bytes, payload: memoryview, **kw: Any) -> None:
+            started = time.perf_counter()
+            real_write(path, header, payload, **kw)
+            budget = len(payload) / (args.drive_mbps * 1e6)
+            time.sleep(max(0.0, budget - (time.perf_counter() - started)))
+
+        store._engine.write_chunk = throttled
+        peak_queue = 0
+        stop = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak_queue
+            while not stop.wait(0.001):
+                peak_queue = max(peak_queue, store._queue.bytes_held)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        latencies = []
+        chunk_bytes = 0
+        started = time.perf_counter()
+        for i in range(args.stores):
+            tokens = make_prompt(args.tokens, seed=1000 + i)
+            kv = make_kv(connector, len(tokens), seed=i)
+            chunk_bytes = kv.numel() * kv.element_size() // (args.tokens // 256)
+            t0 = time.perf_counter()
+            engine.store(tokens, kvcaches=kv)
+            latencies.append(time.perf_counter() - t0)
+        offered_s = time.perf_counter() - started
+        store.flush(120)
+        stop.set()
+        sampler.join()
+        stats = backend.stats()  # type: ignore[attr-defined]
+        lat = sorted(latencies)
+        result = {
+            "policy": args.policy, "drive_mbps": args.drive_mbps, "stores": args.stores,
+            "tokens_per_store": args.tokens, "chunk_bytes": chunk_bytes,
+            "offered_MBps": round(args.stores * args.tokens // 256 * chunk_bytes / offered_s / 1e6,
+                                  1),
+            "store_p50_ms": round(statistics.median(lat) * 1e3, 2),
+            "store_p99_ms": round(lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, 2),
+            "store_max_ms": round(lat[-1] * 1e3, 2),
+            "writes_enqueued": stats["writes_enqueued"],
+            "writes_completed": stats["writes_completed"],
+            "queue_full_drops": stats["queue_full_drops"],
+            "queue_full_waits": stats["queue_full_waits"],
+            "queue_budget_bytes": store._queue.capacity,
+            "queue_peak_bytes": peak_queue,
+            "peak_rss_MiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "cpu_tier_gb": args.cpu_gb,
+        }
+        return result
+    finally:
+        destroy_engine("overload")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", choices=("drop", "wait"), default="drop")
+    p.add_argument("--drive-mbps", type=float, default=50.0, help="throttled write rate")
+    p.add_argument("--queue-mb", type=float, default=32.0, help="nvme.write_queue_mb")
+    p.add_argument("--stores", type=int, default=200, help="engine.store() calls")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per prompt (x256)")
+    p.add_argument("--cpu-gb", type=float, default=0.5, help="LMCache host-memory tier")
+    p.add_argument("--path", default=None, help="cache directory (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args()
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
