@@ -229,6 +229,8 @@ class ChunkStore:
         and the payload checksum matches, so a False buffer may hold garbage
         and must not be used.
         """
+        for read in reads:
+            self.tensor_meta(read.key)  # a chunk recovered from disk learns its meta here
         results = [False] * len(reads)
         plans: list[tuple[int, IndexEntry, RootState, ReadRequest]] = []
         with self._lock:

@@ -102,6 +102,15 @@ def test_restart_without_manifest_reads_headers(make_store: StoreFactory, tmp_pa
     assert read(second, "a") == payload_for("a")
 
 
+def test_read_of_a_recovered_chunk_needs_no_prior_meta_lookup(make_store: StoreFactory,
+                                                             tmp_path: Path) -> None:
+    first = make_store()
+    put(first, "a")
+    first.close()
+    (tmp_path / "cache" / "index" / "manifest.json").unlink()
+    assert read(make_store(), "a") == payload_for("a")
+
+
 def corrupt_payload_bit(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(HEADER_SIZE + 1000)
