@@ -18,21 +18,28 @@ Configuration (LMCache YAML)::
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import NVMeConfigError, NVMeSettings
-from .format import TensorMeta
-from .store import ChunkRead, ChunkStore, ChunkWrite
+from .kvikio_io import PATH_POSIX, GpuChunkReader, build_gpu_reader, chunk_bytes_of
+from .memory_objects import (
+    allocate_for,
+    chunk_write_for,
+    host_view,
+    is_device_object,
+    read_into_host_objects,
+    release_from_host_tier,
+    served_prefix,
+)
+from .store import ChunkStore
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -63,6 +70,7 @@ class NVMeBackend(StoragePluginInterface):
                     "set local_cpu: true and max_local_cpu_size > 0 in the LMCache config.")
             settings = NVMeSettings.from_extra_config(config.extra_config if config else None)
             self.store = ChunkStore(settings)
+            self._gpu = self._build_gpu_path(settings, dst_device, metadata, local_cpu_backend)
         except NVMeConfigError as exc:
             # LMCache's plugin launcher only logs constructor errors; say plainly what happened.
             logger.error("NVMe tier NOT loaded: %s LMCache keeps running without the NVMe "
@@ -70,22 +78,40 @@ class NVMeBackend(StoragePluginInterface):
             raise
         self.local_cpu_backend: LocalCPUBackend = local_cpu_backend
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvme-get")
-        logger.info("NVMe tier ready: %s, budget %.1f GiB, direct I/O on %d of %d path(s).",
-                    ", ".join(str(p) for p in settings.paths), settings.max_size_gb,
-                    sum(r.direct for r in self.store.roots), len(self.store.roots))
+        logger.info("NVMe tier ready: %s, budget %.1f GiB, direct I/O on %d of %d path(s), "
+                    "read path %s.", ", ".join(str(p) for p in settings.paths),
+                    settings.max_size_gb, sum(r.direct for r in self.store.roots),
+                    len(self.store.roots), self.read_path)
 
     def __str__(self) -> str:
         return "NVMeBackend"
 
+    def _build_gpu_path(self, settings: NVMeSettings, dst_device: str,
+                        metadata: LMCacheMetadata | None,
+                        local_cpu_backend: LocalCPUBackend) -> GpuChunkReader | None:
+        """The GPU read path for a CUDA ``dst_device`` (docs/gpu.md); None: host objects."""
+        self.read_path = PATH_POSIX
+        try:
+            decision, reader = build_gpu_reader(
+                self.store, settings, dst_device,
+                alloc_host=functools.partial(allocate_for, local_cpu_backend),
+                host_view=host_view, chunk_bytes=chunk_bytes_of(metadata),
+                reclaim=functools.partial(release_from_host_tier, local_cpu_backend))
+        except BaseException:
+            self.store.close()
+            raise
+        self.read_path = decision.path
+        return reader
+
     # -- lookups -------------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return self.store.contains(key.to_string(), pin=pin)
+        return self.store.lookup(key.to_string(), key.model_name, pin=pin)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         hits = 0
         for key in keys:
-            if not self.store.contains(key.to_string(), pin=pin):
+            if not self.store.lookup(key.to_string(), key.model_name, pin=pin):
                 break
             hits += 1
         return hits
@@ -119,7 +145,9 @@ class NVMeBackend(StoragePluginInterface):
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> None:
         """Queue the chunks for write-back; never waits for the drive."""
-        self.store.submit_many([self._chunk_write(key, obj, on_complete_callback)
+        if copies := sum(is_device_object(obj) for obj in objs):
+            self.store.stats.add("device_write_copies", copies)
+        self.store.submit_many([chunk_write_for(key, obj, on_complete_callback)
                                 for key, obj in zip(keys, objs, strict=True)])
 
     async def async_batched_submit_put_task(
@@ -132,18 +160,7 @@ class NVMeBackend(StoragePluginInterface):
         self.batched_submit_put_task(keys, objs, transfer_spec, on_complete_callback)
 
     def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        self.store.submit_many([self._chunk_write(key, obj, None)])
-
-    @staticmethod
-    def _chunk_write(key: CacheEngineKey, obj: MemoryObj,
-                     on_complete: Callable[[CacheEngineKey], None] | None) -> ChunkWrite:
-        """Reference the object (the store releases it) and describe it as a chunk write."""
-        obj.ref_count_up()
-        return ChunkWrite(
-            key.to_string(), key.model_name, tensor_meta_of(obj), obj.byte_array,
-            release=obj.ref_count_down,
-            on_persisted=None if on_complete is None else (lambda: _call_safely(on_complete, key)),
-        )
+        self.store.submit_many([chunk_write_for(key, obj)])
 
     # -- reads ---------------------------------------------------------------
 
@@ -151,21 +168,16 @@ class NVMeBackend(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Read the chunks into host memory objects; None for each chunk not served."""
+        """Read the chunks into memory objects; None for each chunk not served.
+
+        Host memory objects on a CPU worker; GPU pool objects on a CUDA worker
+        (host objects where the pool is full).
+        """
         key_strs = [k.to_string() for k in keys]
-        objs: list[MemoryObj | None] = []
-        for key_str in key_strs:
-            meta = self.store.tensor_meta(key_str)
-            objs.append(None if meta is None else self._allocate(meta))
-        reads = [ChunkRead(k, host_view(o)) for k, o in zip(key_strs, objs, strict=True) if o]
-        served = iter(self.store.read_into(reads))
-        results: list[MemoryObj | None] = []
-        for obj in objs:
-            if obj is not None and not next(served):
-                obj.ref_count_down()
-                obj = None
-            results.append(obj)
-        return results
+        metas = [self.store.tensor_meta(k) for k in key_strs]
+        if self._gpu is not None:
+            return self._gpu.read(key_strs, metas, keys)
+        return read_into_host_objects(self.store, self.local_cpu_backend, key_strs, metas)
 
     def get_non_blocking(self, key: CacheEngineKey,
                          location: str | None = None) -> Future[MemoryObj | None] | None:
@@ -180,34 +192,7 @@ class NVMeBackend(StoragePluginInterface):
         finally:
             for key in keys:
                 self.store.unpin(key.to_string())
-        prefix: list[MemoryObj] = []
-        for obj in objs:
-            if obj is None:
-                break
-            prefix.append(obj)
-        for obj in objs[len(prefix) :]:
-            if obj is not None:
-                obj.ref_count_down()
-        return prefix
-
-    def _allocate(self, meta: TensorMeta) -> MemoryObj | None:
-        shapes = [torch.Size(s) for s in meta.shapes]
-        dtypes = [getattr(torch, d) for d in meta.dtypes]
-        fmt = MemoryFormat(meta.fmt)
-        if len(shapes) == 1:
-            obj = self.local_cpu_backend.allocate(shapes[0], dtypes[0], fmt)
-        else:
-            obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt)
-        if obj is None:
-            logger.warning("NVMe tier: host memory for a %d-byte chunk is exhausted; serving a "
-                           "miss.", meta.nbytes)
-            return None
-        if obj.get_size() != meta.nbytes:
-            if obj.get_size() < meta.nbytes:
-                obj.ref_count_down()
-                return None
-            obj.set_used_size(meta.nbytes)
-        return obj
+        return served_prefix(objs)
 
     # -- plumbing --------------------------------------------------------------
 
@@ -216,44 +201,13 @@ class NVMeBackend(StoragePluginInterface):
 
     def stats(self) -> dict[str, float]:
         """Counters and usage of the tier (see docs/configuration.md for each name)."""
-        return self.store.stats_snapshot()
+        snap = self.store.stats_snapshot()
+        if self._gpu is not None:
+            snap.update(self._gpu.gauges())
+        return snap
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._gpu is not None:
+            self._gpu.close()
         self.store.close()
-
-
-def tensor_meta_of(obj: MemoryObj) -> TensorMeta:
-    """The allocation metadata recorded in a chunk header."""
-    meta = obj.metadata
-    shapes = meta.shapes if meta.shapes else [meta.shape]
-    dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
-    return TensorMeta(
-        shapes=tuple(tuple(int(d) for d in s) for s in shapes),
-        dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes),
-        fmt=int(meta.fmt.value),
-        nbytes=obj.get_size(),
-    )
-
-
-def host_view(obj: MemoryObj) -> memoryview:
-    """Writable view of the object's whole physical allocation (padding included).
-
-    Exposing the physical size lets an aligned allocation take an O_DIRECT read
-    of the padded payload in place, with no staging copy.
-    """
-    size = max(obj.get_physical_size(), obj.get_size())
-    return memoryview(_ubyte_array_type(size).from_address(obj.data_ptr)).cast("B")
-
-
-@functools.lru_cache(maxsize=256)
-def _ubyte_array_type(size: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
-    # ctypes builds a new heap type for every ``c_ubyte * n``; reuse them.
-    return ctypes.c_ubyte * size
-
-
-def _call_safely(callback: Callable[[CacheEngineKey], None], key: CacheEngineKey) -> None:
-    try:
-        callback(key)
-    except Exception as exc:  # LMCache's contract: callback errors are logged, not raised
-        logger.warning("NVMe tier: on_complete_callback failed for %s: %s", key, exc)

@@ -24,6 +24,7 @@ MIB = 1024**2
 FSYNC_POLICIES = ("none", "data", "full")
 QUEUE_FULL_POLICIES = ("drop", "wait")
 DIRECT_IO_MODES = ("auto", "on", "off")
+GDS_MODES = ("auto", "on", "off")
 
 
 class NVMeConfigError(ValueError):
@@ -47,6 +48,12 @@ class NVMeSettings:
     file_mode: int = 0o600
     manifest_interval_s: float = 60.0
     close_timeout_s: float = 30.0
+    shared: bool = False  # other processes write the same directories
+    # GPU read path (docs/gpu.md): used by NVMeBackend on a CUDA dst_device only
+    gds_mode: str = "auto"
+    gpu_pool_mb: float = 2048.0  # 0: no pool of its own, retrieved chunks stay in host memory
+    kvikio_threads: int = 16
+    kvikio_task_size_mb: float = 4.0
 
     @property
     def max_size_bytes(self) -> int:
@@ -63,6 +70,14 @@ class NVMeSettings:
     @property
     def write_queue_bytes(self) -> int:
         return int(self.write_queue_mb * MIB)
+
+    @property
+    def gpu_pool_bytes(self) -> int:
+        return int(self.gpu_pool_mb * MIB) // 4096 * 4096
+
+    @property
+    def kvikio_task_size_bytes(self) -> int:
+        return max(4096, int(self.kvikio_task_size_mb * MIB) // 4096 * 4096)
 
     @classmethod
     def setting_names(cls) -> list[str]:
@@ -124,6 +139,13 @@ class _Parser:
                                             minimum=0.0),
             close_timeout_s=self.number("close_timeout_s", defaults.close_timeout_s,
                                         minimum=0.0),
+            shared=self.flag("shared", defaults.shared),
+            gds_mode=self.choice("gds_mode", defaults.gds_mode, GDS_MODES),
+            gpu_pool_mb=self.number("gpu_pool_mb", defaults.gpu_pool_mb, minimum=0.0),
+            kvikio_threads=int(self.number("kvikio_threads", defaults.kvikio_threads, minimum=1,
+                                           integer=True)),
+            kvikio_task_size_mb=self.number("kvikio_task_size_mb", defaults.kvikio_task_size_mb,
+                                            minimum=0.0, exclusive=True),
         )
 
     def paths(self) -> tuple[Path, ...]:
@@ -194,6 +216,17 @@ class _Parser:
             raise self.fail(name, f"'{value}' is not a valid choice",
                             f"Use one of: {', '.join(allowed)}.")
         return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        raw = self.params.get(name, default)
+        if isinstance(raw, bool):
+            return raw
+        value = str(raw).strip().lower()
+        if value in ("true", "1", "yes", "on"):
+            return True
+        if value in ("false", "0", "no", "off"):
+            return False
+        raise self.fail(name, f"'{raw}' is not a boolean", "Use true or false.")
 
     def file_mode(self, default: int) -> int:
         raw = self.params.get("file_mode", default)

@@ -38,6 +38,12 @@ _FIXED = struct.Struct("<8sHHIQQQHHH")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 _HEADER_CHECKSUM_OFFSET = HEADER_SIZE - _HEADER_CHECKSUM.size
 _VARIABLE_SPACE = _HEADER_CHECKSUM_OFFSET - _FIXED.size
+# Optional field (flag bit 0): the payload's GPU checksum (``gpusum.py``, lin32x2),
+# two u64 just before the header checksum.  Readers that ignore flags still accept
+# the file: the field lies in the zero fill that the header checksum covers.
+FLAG_GPU_CHECKSUM = 0x1
+_GPU_CHECKSUM = struct.Struct("<QQ")
+_GPU_CHECKSUM_OFFSET = _HEADER_CHECKSUM_OFFSET - _GPU_CHECKSUM.size
 
 
 class FormatError(ValueError):
@@ -96,6 +102,8 @@ class ChunkHeader:
     payload_len: int
     payload_checksum: int
     created_unix_ns: int
+    # (sum_a, sum_b) of gpusum.host_checksum, when the writer recorded it
+    gpu_checksum: tuple[int, int] | None = None
 
     @property
     def file_size(self) -> int:
@@ -134,8 +142,13 @@ def encode_header(
     payload_len: int,
     checksum: int,
     created_unix_ns: int | None = None,
+    gpu_checksum: tuple[int, int] | None = None,
 ) -> bytes:
-    """Build the 4 KiB header.  Raises ``FormatError`` when the strings do not fit."""
+    """Build the 4 KiB header.  Raises ``FormatError`` when the strings do not fit.
+
+    ``gpu_checksum`` is optional: it is left out (flag clear) when the strings
+    leave less than its 16 bytes free.
+    """
     key_b, ns_b, meta_b = text_bytes(key), text_bytes(namespace), tensor_meta.to_json()
     if tensor_meta.nbytes != payload_len:
         raise FormatError(f"tensor metadata says {tensor_meta.nbytes} bytes, payload is "
@@ -147,11 +160,14 @@ def encode_header(
         )
     if not 0 <= payload_len <= MAX_PAYLOAD_BYTES:
         raise FormatError(f"payload length {payload_len} out of range")
+    strings_end = _FIXED.size + len(key_b) + len(ns_b) + len(meta_b)
+    if gpu_checksum is not None and strings_end > _GPU_CHECKSUM_OFFSET:
+        gpu_checksum = None
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         HEADER_SIZE,
-        0,
+        0 if gpu_checksum is None else FLAG_GPU_CHECKSUM,
         payload_len,
         checksum,
         time.time_ns() if created_unix_ns is None else created_unix_ns,
@@ -160,6 +176,8 @@ def encode_header(
         len(meta_b),
     )
     body = fixed + key_b + ns_b + meta_b
+    if gpu_checksum is not None:
+        body += bytes(_GPU_CHECKSUM_OFFSET - len(body)) + _GPU_CHECKSUM.pack(*gpu_checksum)
     body += bytes(_HEADER_CHECKSUM_OFFSET - len(body))
     return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -169,7 +187,7 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     if len(raw) < HEADER_SIZE:
         raise FormatError(f"header is {len(raw)} bytes, expected {HEADER_SIZE}")
     raw = bytes(raw[:HEADER_SIZE])
-    (magic, version, header_size, _flags, payload_len, checksum, created, key_len, ns_len,
+    (magic, version, header_size, flags, payload_len, checksum, created, key_len, ns_len,
      meta_len) = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise FormatError("bad magic: not a chunk file of this format")
@@ -193,6 +211,11 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     meta = TensorMeta.from_json(raw[pos + key_len + ns_len : pos + key_len + ns_len + meta_len])
     if meta.nbytes != payload_len:
         raise FormatError("tensor metadata and payload length disagree")
+    gpu_checksum: tuple[int, int] | None = None
+    if flags & FLAG_GPU_CHECKSUM:
+        if pos + key_len + ns_len + meta_len > _GPU_CHECKSUM_OFFSET:
+            raise FormatError("header strings overlap the GPU checksum field")
+        gpu_checksum = _GPU_CHECKSUM.unpack_from(raw, _GPU_CHECKSUM_OFFSET)
     return ChunkHeader(
         key=key,
         namespace=namespace,
@@ -200,4 +223,5 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
         payload_len=payload_len,
         payload_checksum=checksum,
         created_unix_ns=created,
+        gpu_checksum=gpu_checksum,
     )

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import xxhash
 
 from .config import NVMeConfigError, NVMeSettings
 from .format import (
+    ChunkHeader,
     FormatError,
     TensorMeta,
     decode_header,
@@ -47,6 +49,7 @@ from .format import (
     payload_checksum,
     text_bytes,
 )
+from .gpusum import host_checksum
 from .index import ChunkIndex, IndexEntry
 from .layout import MARKER_NAME, RootLayout, key_digest, namespace_id
 from .manifest import load_manifest, save_manifest
@@ -100,6 +103,19 @@ class ChunkWrite:
 
 
 @dataclass(frozen=True)
+class ReadPlan:
+    """Where a stored chunk lives, for a reader outside the store (the GPU path)."""
+
+    key: str
+    digest: str
+    path: Path
+    payload_len: int
+    meta: TensorMeta
+    direct: bool
+    root: int
+
+
+@dataclass(frozen=True)
 class ChunkRead:
     """One chunk to read: its key and a writable host buffer of at least its payload length."""
 
@@ -125,6 +141,9 @@ class ChunkStore:
         self._gate = ReadPriorityGate()
         self._closed = False
         self._stop = threading.Event()
+        self._removal_listeners: list[Callable[[list[IndexEntry]], None]] = []
+        # Set by a backend that reads into GPU memory: writers also record gpusum's checksum.
+        self.record_gpu_checksums = False
         for root in self.roots:
             self._recover(root)
         self._writers = [
@@ -154,6 +173,73 @@ class ChunkStore:
         self.stats.add("lookups")
         self.stats.add("hits" if hit else "misses")
         return hit
+
+    def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
+        """``contains``, plus, in shared mode, chunks that other processes published.
+
+        With ``shared`` set, several processes (or nodes on a shared
+        filesystem) use the same directories and each has its own index: an
+        index hit is confirmed with a ``stat`` (another process may have
+        evicted the file) and an index miss looks on disk, where a file is
+        adopted only if its header is ours, names this key and matches the
+        file's size.  The payload checksum is still verified on every read.
+        """
+        if not self.settings.shared:
+            return self.contains(key, pin=pin)
+        digest = key_digest(key)
+        with self._lock:
+            entry = self._index.get(digest)
+            path = None if entry is None else \
+                self.roots[entry.root].layout.chunk_path(entry.ns_id, digest)
+        if path is not None and not os.path.exists(path):
+            self._forget(digest)
+            self.stats.add("shared_vanished")
+            path = None
+        if path is None:
+            self._adopt(key, digest, namespace_id(namespace))
+        return self.contains(key, pin=pin)
+
+    def _adopt(self, key: str, digest: str, ns_id: str) -> bool:
+        """Index a chunk file another process published (shared mode)."""
+        order = sorted((r for r in self.roots if r.healthy), reverse=True,
+                       key=lambda r: xxhash.xxh64_intdigest(f"{r.index}:{digest}".encode()))
+        for root in order:  # the root a writer would choose first
+            path = root.layout.chunk_path(ns_id, digest)
+            try:
+                raw, size = self._engine.read_header(path, root.direct)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.debug("NVMe tier: cannot read %s: %s", path, exc)
+                continue
+            try:
+                header = decode_header(raw)
+                if header.key != key or header.file_size != size:
+                    raise FormatError("header does not describe this key and file")
+            except FormatError as exc:
+                self._reject(root, digest, path, exc)
+                continue
+            with self._lock:
+                if digest not in self._index:
+                    self._index.add(IndexEntry(digest, ns_id, root.index, size,
+                                               header.tensor_meta, time.time_ns()))
+            self.stats.add("shared_adopted")
+            return True
+        return False
+
+    def add_removal_listener(self, listener: Callable[[list[IndexEntry]], None]) -> None:
+        """Call ``listener`` (outside the store lock) with entries that leave the index.
+
+        Evictions, removals, and files found missing or invalid all count.
+        """
+        self._removal_listeners.append(listener)
+
+    def _notify_removed(self, entries: list[IndexEntry]) -> None:
+        for listener in self._removal_listeners:
+            try:
+                listener(entries)
+            except Exception:  # a listener must never break the store
+                logger.exception("NVMe tier: removal listener failed")
 
     def is_pending(self, key: str) -> bool:
         with self._lock:
@@ -200,6 +286,7 @@ class ChunkStore:
         if entry is None:
             return False
         self._unlink(entry)
+        self._notify_removed([entry])
         return True
 
     def usage(self) -> dict[str, int]:
@@ -229,60 +316,90 @@ class ChunkStore:
         and the payload checksum matches, so a False buffer may hold garbage
         and must not be used.
         """
-        for read in reads:
-            self.tensor_meta(read.key)  # a chunk recovered from disk learns its meta here
         results = [False] * len(reads)
-        plans: list[tuple[int, IndexEntry, RootState, ReadRequest]] = []
-        with self._lock:
-            for i, read in enumerate(reads):
-                digest = key_digest(read.key)
-                entry = self._index.get(digest)
-                if entry is None or entry.meta is None or not self.roots[entry.root].healthy:
-                    continue
-                root = self.roots[entry.root]
-                req = ReadRequest(root.layout.chunk_path(entry.ns_id, digest),
-                                  entry.meta.nbytes, read.dest, root.direct)
-                plans.append((i, entry, root, req))
-        if not plans:
+        plans = self.plan_reads([read.key for read in reads])
+        todo = [(i, plan, ReadRequest(plan.path, plan.payload_len, reads[i].dest, plan.direct))
+                for i, plan in enumerate(plans) if plan is not None]
+        if not todo:
             self.stats.add("read_failures", len(reads))
             return results
         started = time.perf_counter()
         with self._gate.reading():
-            self._engine.read_chunks([req for _, _, _, req in plans])
-        self.stats.add("read_seconds", time.perf_counter() - started)
+            self._engine.read_chunks([req for _, _, req in todo])
+        elapsed = time.perf_counter() - started
+        self.stats.add("read_seconds", elapsed)
+        self.stats.add("path_posix_seconds", elapsed)
+
+        def judge(item: tuple[int, ReadPlan, ReadRequest]) -> bool:
+            _, plan, req = item
+            return self.complete_read(
+                plan, req.header, req.error,
+                lambda header: payload_checksum(req.dest[: req.payload_len])
+                == header.payload_checksum)
+
         # Checksumming releases the GIL: verify the chunks of a batch in parallel.
-        verdicts = self._io_pool.map(
-            lambda plan: self._validate_read(reads[plan[0]].key, *plan[1:]), plans)
-        for (i, _, _, _), ok in zip(plans, verdicts, strict=True):
+        for (i, plan, _), ok in zip(todo, self._io_pool.map(judge, todo), strict=True):
             results[i] = ok
+            if ok:
+                self.stats.add("path_posix_chunks")
+                self.stats.add("path_posix_bytes", plan.payload_len)
         self.stats.add("read_failures", results.count(False))
         return results
 
-    def _validate_read(self, key: str, entry: IndexEntry, root: RootState,
-                       req: ReadRequest) -> bool:
-        if isinstance(req.error, FileNotFoundError):
-            self._forget(entry.digest)
+    # -- reads done outside the store (GPU path, kvikio_io.py) ---------------
+
+    def plan_reads(self, keys: Sequence[str]) -> list[ReadPlan | None]:
+        """Where each chunk lives (None: not indexed, unreadable header, or its path is down)."""
+        for key in keys:
+            self.tensor_meta(key)  # a chunk recovered from disk learns its meta here
+        plans: list[ReadPlan | None] = []
+        with self._lock:
+            for key in keys:
+                digest = key_digest(key)
+                entry = self._index.get(digest)
+                if entry is None or entry.meta is None or not self.roots[entry.root].healthy:
+                    plans.append(None)
+                    continue
+                root = self.roots[entry.root]
+                plans.append(ReadPlan(key, digest, root.layout.chunk_path(entry.ns_id, digest),
+                                      entry.meta.nbytes, entry.meta, root.direct, root.index))
+        return plans
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Hold while reading: write-back yields to readers (as in ``read_into``)."""
+        return self._gate.reading()
+
+    def complete_read(self, plan: ReadPlan, header: bytes, error: BaseException | None,
+                      payload_ok: Callable[[ChunkHeader], bool]) -> bool:
+        """Judge a read done outside the store by ``read_into``'s rules, with its counters.
+
+        ``payload_ok(header)`` says whether the payload matches the header's
+        checksum; anything wrong is a miss and the file goes to quarantine.
+        """
+        root = self.roots[plan.root]
+        if isinstance(error, FileNotFoundError):
+            self._forget(plan.digest)
             return False
-        if req.error is not None and not isinstance(req.error, ShortFileError):
-            self._root_error(root, req.error)
+        if error is not None and not isinstance(error, ShortFileError):
+            self._root_error(root, error)
             return False
         try:
-            if req.error is not None:
-                raise FormatError(str(req.error))
-            header = decode_header(req.header)
-            if header.key != key:
+            if error is not None:
+                raise FormatError(str(error))
+            decoded = decode_header(header)
+            if decoded.key != plan.key:
                 raise FormatError("file holds another key")
-            if header.payload_len != req.payload_len:
+            if decoded.payload_len != plan.payload_len:
                 raise FormatError("payload length differs from the index")
-            if payload_checksum(req.dest[: req.payload_len]) != header.payload_checksum:
+            if not payload_ok(decoded):
                 self.stats.add("checksum_failures")
                 raise FormatError("payload checksum mismatch")
         except FormatError as exc:
-            self._reject(root, entry.digest, req.path, exc)
+            self._reject(root, plan.digest, plan.path, exc)
             return False
         root.consecutive_errors = 0
         self.stats.add("read_chunks")
-        self.stats.add("read_bytes", req.payload_len)
+        self.stats.add("read_bytes", plan.payload_len)
         return True
 
     # -- writes --------------------------------------------------------------
@@ -399,8 +516,11 @@ class ChunkStore:
         started = time.perf_counter()
         try:
             self._prepare_dir(root, job, final.parent)
+            gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
             header = encode_header(job.key, job.namespace, job.meta, job.nbytes,
-                                   payload_checksum(job.payload))
+                                   payload_checksum(job.payload), gpu_checksum=gpu_sum)
+            if gpu_sum is not None:
+                self.stats.add("gpu_checksums_recorded")
             self._write_file(root, tmp, header, job.payload)
             os.rename(tmp, final)
             published = True
@@ -464,6 +584,8 @@ class ChunkStore:
             self._unlink(victim)
             self.stats.add("evictions")
             self.stats.add("evicted_bytes", victim.size)
+        if victims:
+            self._notify_removed(victims)
 
     def _end_job(self, job: WriteJob) -> None:
         try:
@@ -538,7 +660,9 @@ class ChunkStore:
 
     def _forget(self, digest: str) -> None:
         with self._lock:
-            self._index.remove(digest)
+            entry = self._index.remove(digest)
+        if entry is not None:
+            self._notify_removed([entry])
 
     def _unlink(self, entry: IndexEntry) -> None:
         _unlink_quietly(self.roots[entry.root].layout.chunk_path(entry.ns_id, entry.digest))

@@ -1,0 +1,170 @@
+"""``NVMeConnector``: the chunk store as the in-process engine's "remote" tier.
+
+LMCache's ``remote_storage_plugins`` hook wraps it in a ``RemoteBackend``::
+
+    remote_storage_plugins: ["nvme"]
+    extra_config:
+      remote_storage_plugin.nvme.module_path: lmcache_nvme_backend
+      remote_storage_plugin.nvme.class_name: NVMeConnector
+      nvme.path: /shared/lmcache
+      nvme.max_size_gb: 500
+      nvme.shared: true
+
+The remote tier is the place for storage that several engines share (TP
+ranks, engines on one node, nodes on a shared filesystem).  With
+``nvme.shared: true`` every lookup that misses this process's index looks on
+disk for a chunk another process published, and an index hit is confirmed
+against the file system, so files other processes evict are misses, never
+errors (see ``ChunkStore.lookup``).
+
+Same keys and namespaces as ``NVMeBackend`` (``CacheEngineKey.to_string()`` in
+the model's namespace), so both hooks read each other's files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, List  # noqa: UP035 (a method is named list)
+
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from .config import NVMeConfigError, NVMeSettings
+from .format import FormatError, decode_header
+from .memory_objects import chunk_write_for, read_into_host_objects, served_prefix
+from .store import ChunkStore
+
+if TYPE_CHECKING:
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+logger = init_logger("lmcache_nvme_backend")
+
+
+class NVMeConnector(RemoteConnector):
+    """LMCache remote connector on the NVMe chunk store (optionally shared between processes)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: LocalCPUBackend,
+                 config: LMCacheEngineConfig | None = None, **_: Any) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        try:
+            settings = NVMeSettings.from_extra_config(config.extra_config if config else None)
+            self.store = ChunkStore(settings)
+        except NVMeConfigError as exc:
+            logger.error("NVMe remote connector NOT loaded: %s", exc)
+            raise
+        self.settings = settings
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="nvme-remote")
+        logger.info("NVMe remote connector ready: %s, budget %.1f GiB%s.",
+                    ", ".join(str(p) for p in settings.paths), settings.max_size_gb,
+                    ", shared mode" if settings.shared else "")
+
+    def __repr__(self) -> str:
+        return f"<NVMeConnector {', '.join(str(p) for p in self.settings.paths)}>"
+
+    # -- lookups -------------------------------------------------------------
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self.store.lookup(key.to_string(), key.model_name)
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return self.exists_sync(key)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        """Number of leading keys that are stored (prefix hit)."""
+        hits = 0
+        for key in keys:
+            if not self.exists_sync(key):
+                break
+            hits += 1
+        return hits
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        return self.batched_contains(keys)
+
+    # -- writes --------------------------------------------------------------
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        """Queue the chunk for write-back and return (never waits for the drive)."""
+        self.store.submit_many([chunk_write_for(key, memory_obj)])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[CacheEngineKey],
+                          memory_objs: list[MemoryObj]) -> None:
+        self.store.submit_many([chunk_write_for(k, o)
+                                for k, o in zip(keys, memory_objs, strict=True)])
+
+    # -- reads ---------------------------------------------------------------
+
+    def get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Read chunks into new host memory objects; None for each chunk not served."""
+        key_strs = [k.to_string() for k in keys]
+        metas = [self.store.tensor_meta(key_str) if self.exists_sync(key) else None
+                 for key, key_str in zip(keys, key_strs, strict=True)]
+        return read_into_host_objects(self.store, self.local_cpu_backend, key_strs, metas)
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.get_blocking, list(keys))
+
+    async def batched_get_non_blocking(self, lookup_id: str,
+                                       keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The served prefix; objects after the first miss are released."""
+        return served_prefix(await self.batched_get(keys))
+
+    # -- management ------------------------------------------------------------
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        return self.store.remove(key.to_string())
+
+    async def list(self) -> List[str]:  # noqa: UP006 (the method shadows list)
+        """Keys of every chunk file (reads each file's header: slow on a large cache)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._list_keys)
+
+    def _list_keys(self) -> List[str]:  # noqa: UP006
+        keys: List[str] = []  # noqa: UP006
+        for root in self.store.roots:
+            for loc in root.layout.iter_chunks():
+                try:
+                    with open(loc.path, "rb") as f:
+                        keys.append(decode_header(f.read(4096)).key)
+                except (OSError, FormatError):
+                    continue
+        return keys
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 while at least one cache directory is in service."""
+        return 0 if any(r.healthy for r in self.store.roots) else 1
+
+    def stats(self) -> dict[str, float]:
+        return self.store.stats_snapshot()
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._close_blocking)
+
+    def _close_blocking(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.store.close()
+

@@ -1,0 +1,180 @@
+"""Translations between LMCache memory objects and the chunk store's buffers.
+
+Shared by the three adapters (``backend.py``, ``connector.py``,
+``l2_adapter.py``) and the GPU reader: how a memory object becomes a chunk
+write (with its tensor metadata and release), how a stored chunk gets a host
+memory object to land in, and how a batch of results becomes the prefix
+LMCache expects.  No storage decisions here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+
+from .format import TensorMeta
+from .store import ChunkRead, ChunkStore, ChunkWrite
+
+if TYPE_CHECKING:
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+logger = init_logger("lmcache_nvme_backend")
+
+
+def allocate_for(local_cpu_backend: LocalCPUBackend, meta: TensorMeta) -> MemoryObj | None:
+    """A host memory object for a stored chunk (None: host memory exhausted or too small)."""
+    shapes = [torch.Size(s) for s in meta.shapes]
+    dtypes = [getattr(torch, d) for d in meta.dtypes]
+    fmt = MemoryFormat(meta.fmt)
+    if len(shapes) == 1:
+        obj = local_cpu_backend.allocate(shapes[0], dtypes[0], fmt)
+    else:
+        obj = local_cpu_backend.allocate(shapes, dtypes, fmt)
+    if obj is None:
+        logger.warning("NVMe tier: host memory for a %d-byte chunk is exhausted; serving a "
+                       "miss.", meta.nbytes)
+        return None
+    return fit_to_payload(obj, meta.nbytes)
+
+
+def read_into_host_objects(store: ChunkStore, local_cpu_backend: LocalCPUBackend,
+                           keys: Sequence[str], metas: Sequence[TensorMeta | None]
+                           ) -> list[MemoryObj | None]:
+    """Read chunks into new host memory objects; None (nothing held) for each one not served.
+
+    ``metas[i]`` is the stored chunk's metadata, None for a chunk not to read.
+    """
+    objs = [None if meta is None else allocate_for(local_cpu_backend, meta) for meta in metas]
+    reads = [ChunkRead(k, host_view(o)) for k, o in zip(keys, objs, strict=True) if o]
+    served = iter(store.read_into(reads) if reads else [])
+    results: list[MemoryObj | None] = []
+    for obj in objs:
+        if obj is not None and not next(served):
+            obj.ref_count_down()
+            obj = None
+        results.append(obj)
+    return results
+
+
+def fit_to_payload(obj: MemoryObj, nbytes: int) -> MemoryObj | None:
+    """The object sized to a chunk's payload (None, released, if it is smaller)."""
+    if obj.get_size() != nbytes:
+        if obj.get_size() < nbytes:
+            obj.ref_count_down()
+            return None
+        obj.set_used_size(nbytes)
+    return obj
+
+
+def served_prefix(objs: list[MemoryObj | None]) -> list[MemoryObj]:
+    """The objects up to the first miss; the ones after it are released."""
+    prefix: list[MemoryObj] = []
+    for obj in objs:
+        if obj is None:
+            break
+        prefix.append(obj)
+    for obj in objs[len(prefix) :]:
+        if obj is not None:
+            obj.ref_count_down()
+    return prefix
+
+
+def release_from_host_tier(local_cpu_backend: LocalCPUBackend, key: CacheEngineKey,
+                           obj: MemoryObj) -> bool:
+    """Make LMCache's host tier let go of a GPU pool object only it still holds.
+
+    LMCache's storage manager puts what a lower tier returns into
+    ``LocalCPUBackend``; for GPU pool objects that would hold GPU memory until
+    the host tier happens to evict it.  The chunk stays on NVMe.
+    """
+    hot_cache = getattr(local_cpu_backend, "hot_cache", None)
+    if hot_cache is None or hot_cache.get(key) is not obj:
+        return False
+    if obj.get_ref_count() != 1 or obj.is_pinned:
+        return False  # in use by a retrieve, or pinned by a lookup
+    return bool(local_cpu_backend.remove(key, force=True))
+
+
+def is_device_object(obj: MemoryObj) -> bool:
+    """Whether a memory object lives in GPU memory."""
+    tensor = obj.tensor
+    return tensor is not None and tensor.device.type != "cpu"
+
+
+def device_payload(obj: MemoryObj) -> memoryview:
+    """A host copy of a GPU memory object's payload bytes."""
+    size = obj.get_size()
+    raw = getattr(obj, "raw_data", None)
+    if isinstance(raw, torch.Tensor) and raw.dtype == torch.uint8 and raw.numel() >= size:
+        data = raw.reshape(-1)[:size]
+    else:
+        assert obj.tensor is not None
+        data = obj.tensor.contiguous().reshape(-1).view(torch.uint8)[:size]
+    return memoryview(data.cpu().numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _nothing() -> None:
+    """Release of a write-back buffer that needs none (a private host copy)."""
+
+
+def chunk_write_for(key: CacheEngineKey, obj: MemoryObj,
+                    on_complete: Callable[[CacheEngineKey], None] | None = None) -> ChunkWrite:
+    """Reference the object (the store releases it) and describe it as a chunk write.
+
+    A GPU-resident object is copied to host memory here (the xxh3 checksum
+    needs the bytes on the host anyway); the copy is the write-back buffer.
+    """
+    on_persisted = None if on_complete is None else (lambda: _call_safely(on_complete, key))
+    if is_device_object(obj):
+        return ChunkWrite(key.to_string(), key.model_name, tensor_meta_of(obj),
+                          device_payload(obj), release=_nothing, on_persisted=on_persisted)
+    obj.ref_count_up()
+    # byte_array's format is ctypes' '<B': as 'B' it mixes with the engine's buffers
+    # (a payload that is not a 4 KiB multiple goes through an aligned tail buffer)
+    return ChunkWrite(
+        key.to_string(), key.model_name, tensor_meta_of(obj), obj.byte_array.cast("B"),
+        release=obj.ref_count_down, on_persisted=on_persisted,
+    )
+
+
+def tensor_meta_of(obj: MemoryObj) -> TensorMeta:
+    """The allocation metadata recorded in a chunk header."""
+    meta = obj.metadata
+    shapes = meta.shapes if meta.shapes else [meta.shape]
+    dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
+    return TensorMeta(
+        shapes=tuple(tuple(int(d) for d in s) for s in shapes),
+        dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes),
+        fmt=int(meta.fmt.value),
+        nbytes=obj.get_size(),
+    )
+
+
+def host_view(obj: MemoryObj) -> memoryview:
+    """Writable view of the object's whole physical allocation (padding included).
+
+    Exposing the physical size lets an aligned allocation take an O_DIRECT read
+    of the padded payload in place, with no staging copy.
+    """
+    size = max(obj.get_physical_size(), obj.get_size())
+    return memoryview(_ubyte_array_type(size).from_address(obj.data_ptr)).cast("B")
+
+
+@functools.lru_cache(maxsize=256)
+def _ubyte_array_type(size: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
+    # ctypes builds a new heap type for every ``c_ubyte * n``; reuse them.
+    return ctypes.c_ubyte * size
+
+
+def _call_safely(callback: Callable[[CacheEngineKey], None], key: CacheEngineKey) -> None:
+    try:
+        callback(key)
+    except Exception as exc:  # LMCache's contract: callback errors are logged, not raised
+        logger.warning("NVMe tier: on_complete_callback failed for %s: %s", key, exc)

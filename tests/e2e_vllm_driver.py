@@ -1,0 +1,152 @@
+"""Driver for tests/test_e2e_mp_vllm.py, run by the python of the vLLM environment.
+
+``build-model OUT``: a tiny random-weight Llama (2 layers, hidden 128, 4 heads,
+2 KV heads) and a byte-level BPE tokenizer trained here, saved with
+``save_pretrained`` -- nothing is downloaded.
+
+``run``: a real vLLM ``LLM`` with ``LMCacheMPConnector`` against a running
+``lmcache server``; prints one JSON line with what each request saw.
+Phase ``cold``: warm-up, cold prompt, wait for the server to persist it,
+``POST /cache/clear`` (L1), repeat.  Phase ``restart``: a fresh engine against a
+restarted server, same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
+               "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+VOCAB = 512
+PROMPT_TOKENS = 700  # two full 256-token chunks (512 tokens) and a partial one
+WARMUP_TOKENS = 200  # less than a chunk: stores nothing
+LOGPROBS = 20
+
+
+def build_model(out: Path) -> None:
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["kv", "cache", "nvme", "chunk", "token", "layer", "head", "page", "block", "drive",
+             "read", "write", "store", "load", "hit", "miss", "tier", "host", "gpu", "file"]
+    corpus = [" ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(40))
+              for _ in range(2000)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=3, tie_word_embeddings=False, initializer_range=0.2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(n)]
+
+
+def _http(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def _adapter_status(http: str) -> dict[str, Any]:
+    status = _http(f"{http}/status")
+    (adapter,) = status["storage_manager"]["l2_adapters"]
+    return adapter  # type: ignore[no-any-return]
+
+
+def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, tokenizer=model, dtype="bfloat16", enforce_eager=True,
+              max_model_len=2048, enable_prefix_caching=False, seed=0,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="LMCacheMPConnector", kv_role="kv_both",
+                  kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1",
+                                             "lmcache.mp.port": port,
+                                             "lmcache.mp.mq_timeout": 30}))
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=LOGPROBS)
+    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+    def ask(tokens: list[int]) -> dict[str, Any]:
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        first = out.outputs[0].logprobs[0]
+        return {"num_cached_tokens": int(out.num_cached_tokens or 0),
+                "token": int(out.outputs[0].token_ids[0]),
+                "logprobs": {str(t): float(lp.logprob) for t, lp in first.items()}}
+
+    report: dict[str, Any] = {"phase": phase}
+    warmup_seed = 99 if phase == "cold" else 98
+    report["warmup"] = ask(_prompt(seed=warmup_seed, n=WARMUP_TOKENS, vocab=vocab))
+    prompt = _prompt(seed=7, n=PROMPT_TOKENS, vocab=vocab)
+    report["status_before"] = _adapter_status(http)
+    if phase == "cold":
+        report["cold"] = ask(prompt)
+        deadline = time.monotonic() + 60
+        while True:  # the server writes L1 -> L2 in the background
+            status = _adapter_status(http)
+            if status["entries"] >= PROMPT_TOKENS // 256 and status["pending_writes"] == 0:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not persist the prompt: {status}")
+            time.sleep(0.2)
+        report["status_stored"] = status
+        report["clear"] = _http(f"{http}/cache/clear", {"tier": "l1", "force": False})
+    report["hit"] = ask(prompt)
+    report["status_after"] = _adapter_status(http)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-model")
+    b.add_argument("out", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True)
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--http", required=True)
+    r.add_argument("--phase", choices=["cold", "restart"], required=True)
+    args = parser.parse_args()
+    if args.cmd == "build-model":
+        build_model(args.out)
+        print(json.dumps({"built": str(args.out)}))
+    else:
+        report = run(args.model, args.port, args.http, args.phase)
+        print("E2E-REPORT " + json.dumps(report), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's background threads and workers must not hold the process open
+
+
+if __name__ == "__main__":
+    main()

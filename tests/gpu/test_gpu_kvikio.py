@@ -1,0 +1,251 @@
+"""The GPU read path on a CUDA GPU: kvikio into the pool, host bounce, strict mode,
+GPU-side verification, the backend end to end, and writes from GPU memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
+from lmcache_nvme_backend.format import HEADER_SIZE
+from lmcache_nvme_backend.gpusum import DeviceWeights, device_checksum, host_checksum, to_unsigned
+from lmcache_nvme_backend.kvikio_io import (
+    KVIKIO_PATHS,
+    PATH_HOST_BOUNCE,
+    PATH_KVIKIO_GDS,
+    GpuBufferPool,
+    GpuProbe,
+    KvikioPayloadReader,
+    PathDecision,
+    build_gpu_reader,
+    select_read_path,
+)
+from lmcache_nvme_backend.store import ChunkStore
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (see docs/gpu.md)")
+
+DEVICE = "cuda:0"
+SIZE = 4 * MIB + 6144  # several kvikio tasks, not a multiple of 4 KiB
+
+
+@pytest.fixture(scope="module")
+def probe() -> GpuProbe:
+    found = GpuProbe.detect()
+    print(f"\nGPU probe: {found}")
+    return found
+
+
+@pytest.fixture
+def store(cache_dir: Path) -> Iterator[ChunkStore]:
+    s = ChunkStore(NVMeSettings.from_params({"path": str(cache_dir), "max_size_gb": 1,
+                                             "min_free_gb": 0, "manifest_interval_s": 0}))
+    s.record_gpu_checksums = True
+    yield s
+    s.close()
+
+
+def kvikio_decision(probe: GpuProbe) -> PathDecision:
+    pytest.importorskip("kvikio")
+    decision = select_read_path("auto", DEVICE, 64 * MIB, probe)
+    assert decision.path in KVIKIO_PATHS, decision.reason
+    return decision
+
+
+def kvikio_reader(task_mb: float = 1.0) -> KvikioPayloadReader:
+    return KvikioPayloadReader(threads=8, task_size=int(task_mb * MIB), strict=False)
+
+
+@pytest.mark.parametrize("size", [1, 3, 4096, 16385, 3 * MIB + 7])
+@pytest.mark.parametrize("offset", [0, 1, 4096])
+def test_device_checksum_on_cuda_equals_host(size: int, offset: int) -> None:
+    data = random.Random(size).randbytes(size)
+    buf = torch.zeros(size + offset + 64, dtype=torch.uint8, device=DEVICE)
+    buf[offset : offset + size] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(DEVICE)
+    sums = device_checksum(buf[offset:], size, DeviceWeights(DEVICE)).tolist()
+    assert tuple(to_unsigned(v) for v in sums) == host_checksum(data)
+
+
+def test_probe_and_auto_decision_agree(probe: GpuProbe) -> None:
+    assert probe.cuda_devices >= 1
+    decision = select_read_path("auto", DEVICE, 64 * MIB, probe)
+    print(f"auto decision: {decision}")
+    assert decision.refusal is None
+    if probe.kvikio_version is not None:
+        assert decision.path in KVIKIO_PATHS
+
+
+def test_kvikio_reads_straight_into_the_cuda_pool(store: ChunkStore, probe: GpuProbe) -> None:
+    from lmcache_nvme_backend.gpu_harness import (
+        HostTier,
+        in_pool,
+        make_reader,
+        object_bytes,
+        release_all,
+        write_chunks,
+    )
+
+    decision = kvikio_decision(probe)
+    chunks = write_chunks(store, 6, SIZE)
+    reader = make_reader(store, decision, DEVICE, 64 * MIB, HostTier(64 * MIB),
+                         payload_reader=kvikio_reader(),
+                         register=decision.path == PATH_KVIKIO_GDS)
+    try:
+        objs = reader.read(chunks.keys, chunks.metas)
+        assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
+        assert all(o is not None and in_pool(reader.pool, o) for o in objs)
+        assert [object_bytes(o) for o in objs if o] == chunks.payloads
+        snap = store.stats_snapshot()
+        prefix = decision.path.replace("-", "_")
+        assert snap[f"path_{prefix}_chunks"] == 6
+        assert snap[f"path_{prefix}_bytes"] == 6 * SIZE
+        assert snap["path_posix_chunks"] == 0  # no host leg
+        assert snap["gpu_checksum_failures"] == snap["gpu_unverified_fallbacks"] == 0
+        print(f"{decision.path}: {snap[f'path_{prefix}_gbps']:.2f} GB/s (small, warm)")
+        release_all(objs)
+    finally:
+        reader.close()
+
+
+def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) -> None:
+    from lmcache_nvme_backend.gpu_harness import HostTier, make_reader, release_all, write_chunks
+    from lmcache_nvme_backend.layout import key_digest, namespace_id
+
+    decision = kvikio_decision(probe)
+    chunks = write_chunks(store, 2, SIZE)
+    path = store.roots[0].layout.chunk_path(namespace_id("gpu-harness-model"),
+                                            key_digest(chunks.keys[0]))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        pos = HEADER_SIZE + SIZE - 5
+        byte = os.pread(fd, 1, pos)[0]
+        os.pwrite(fd, bytes([byte ^ 0x01]), pos)
+    finally:
+        os.close(fd)
+    if hasattr(os, "posix_fadvise"):  # make kvikio see the new byte, not a stale page
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    reader = make_reader(store, decision, DEVICE, 64 * MIB, HostTier(64 * MIB),
+                         payload_reader=kvikio_reader())
+    try:
+        objs = reader.read(chunks.keys, chunks.metas)
+        assert objs[0] is None and objs[1] is not None
+        assert store.stats.get("gpu_checksum_failures") == 1
+        assert store.stats.get("quarantined_files") == 1
+        release_all(objs)
+    finally:
+        reader.close()
+
+
+def test_host_bounce_into_cuda(store: ChunkStore) -> None:
+    from lmcache_nvme_backend.gpu_harness import (
+        HostTier,
+        make_reader,
+        object_bytes,
+        release_all,
+        write_chunks,
+    )
+
+    chunks = write_chunks(store, 4, SIZE)
+    reader = make_reader(store, PathDecision(PATH_HOST_BOUNCE, "test"), DEVICE, 64 * MIB,
+                         HostTier(64 * MIB))
+    try:
+        objs = reader.read(chunks.keys, chunks.metas)
+        assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
+        assert [object_bytes(o) for o in objs if o] == chunks.payloads
+        assert store.stats.get("path_host_bounce_chunks") == 4
+        release_all(objs)
+    finally:
+        reader.close()
+
+
+def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) -> None:
+    from lmcache_nvme_backend.gpu_harness import HostTier
+    from lmcache_nvme_backend.memory_objects import allocate_for, host_view
+
+    pytest.importorskip("kvikio")
+    strict = NVMeSettings.from_params({"path": str(store.settings.paths[0]), "max_size_gb": 1,
+                                       "gds_mode": "on", "gpu_pool_mb": 64})
+    host = HostTier(MIB)
+    expected = select_read_path("on", DEVICE, strict.gpu_pool_bytes, probe)
+    if expected.refusal:
+        with pytest.raises(NVMeConfigError, match=r"^nvme\.gds_mode: 'on' \(strict\) but"):
+            build_gpu_reader(store, strict, DEVICE, probe=probe, host_view=host_view,
+                             alloc_host=lambda meta: allocate_for(host, meta))  # type: ignore[arg-type]
+        print(f"strict mode refused, as it should here: {expected.refusal}")
+    else:
+        decision, reader = build_gpu_reader(store, strict, DEVICE, probe=probe,
+                                            host_view=host_view,
+                                            alloc_host=lambda meta: allocate_for(host, meta))  # type: ignore[arg-type]
+        assert decision.path == PATH_KVIKIO_GDS and reader is not None
+        reader.close()
+
+
+def test_pool_registration_failure_is_not_fatal() -> None:
+    pytest.importorskip("kvikio")
+    pool = GpuBufferPool(16 * MIB, DEVICE, register=True)
+    print(f"cuFile registration of the pool: {pool.registered}")
+    pool.close()
+
+
+def test_backend_on_cuda_end_to_end_and_writes_from_gpu_memory(cache_dir: Path) -> None:
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    from lmcache_nvme_backend.backend import NVMeBackend
+    from lmcache_nvme_backend.gpu_harness import (
+        HostTier,
+        chunk_meta,
+        in_pool,
+        object_bytes,
+        release_all,
+    )
+
+    config = LMCacheEngineConfig.from_dict({
+        "chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.1,
+        "storage_plugins": ["nvme"],
+        "extra_config": {"storage_plugin.nvme.module_path": "lmcache_nvme_backend",
+                         "storage_plugin.nvme.class_name": "NVMeBackend",
+                         "nvme.path": str(cache_dir), "nvme.max_size_gb": 1,
+                         "nvme.min_free_gb": 0, "nvme.gpu_pool_mb": 64}})
+    host = HostTier(64 * MIB)
+    backend = NVMeBackend(dst_device=DEVICE, config=config, local_cpu_backend=host,  # type: ignore[arg-type]
+                          loop=asyncio.new_event_loop())
+    try:
+        print(f"backend read path: {backend.read_path}")
+        keys = [CacheEngineKey("gpu-e2e", 1, 0, 500 + i, torch.bfloat16) for i in range(4)]
+        payloads = [random.Random(i).randbytes(SIZE) for i in range(4)]
+        objs = []
+        for payload in payloads[:2]:  # host memory objects, as LMCache hands them
+            obj = host.allocate(torch.Size([SIZE // 2]), torch.bfloat16)
+            assert obj is not None and obj.tensor is not None
+            obj.tensor.view(torch.uint8).copy_(torch.frombuffer(bytearray(payload),
+                                                                dtype=torch.uint8))
+            objs.append(obj)
+        assert backend._gpu is not None
+        for payload in payloads[2:]:  # GPU memory objects
+            obj = backend._gpu.pool.allocate(chunk_meta(SIZE))
+            assert obj is not None and obj.tensor is not None and obj.tensor.is_cuda
+            obj.tensor.view(torch.uint8).copy_(torch.frombuffer(bytearray(payload),
+                                                                dtype=torch.uint8).to(DEVICE))
+            objs.append(obj)
+        backend.batched_submit_put_task(keys, objs)
+        release_all(objs)
+        assert backend.store.flush(60)
+        got = backend.batched_get_blocking(keys)
+        assert [object_bytes(o) for o in got if o] == payloads
+        assert all(o is not None and in_pool(backend._gpu.pool, o) for o in got)
+        stats = backend.stats()
+        assert stats["device_write_copies"] == 2
+        prefix = backend.read_path.replace("-", "_")
+        assert stats[f"path_{prefix}_chunks"] == 4
+        release_all(got)
+    finally:
+        backend.close()

@@ -1,0 +1,197 @@
+"""End to end: a real ``lmcache server`` with NVMeL2Adapter as L2, and a real vLLM on CPU.
+
+1. Cold prompt (700 tokens) -> the server stores its two full 256-token chunks
+   in L1 and writes them to our files; ``POST /cache/clear`` empties L1; the
+   repeat gets ``num_cached_tokens == 512`` and the same first-token logprobs.
+2. The server is stopped and a new one started on the same directory (empty
+   L1), with a fresh vLLM: the hit can only come from our files (the adapter's
+   ``read_chunks`` counts them).
+
+vLLM runs from its own environment (``tests/vllm_cpu_env.py`` explains why);
+the model and tokenizer are built locally.  Every process is started and
+stopped here, each with a time limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_cpu_env import VLLMUnavailable, ensure_vllm_python
+
+# The first run on a machine also builds vLLM's environment (a few minutes).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+DRIVER = Path(__file__).with_name("e2e_vllm_driver.py")
+CHUNK = 256
+FULL_CHUNK_TOKENS = 512  # 700-token prompt: two full chunks
+LOGPROB_TOLERANCE = 0.05  # bf16
+SERVER_START_S = 120
+VLLM_RUN_S = 400
+
+ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
+       "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
+       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    try:
+        return ensure_vllm_python()
+    except VLLMUnavailable as exc:
+        pytest.skip(f"vLLM cannot be imported on this machine: {exc}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(vllm_python), str(DRIVER), "build-model", str(out)], check=True,
+                   timeout=300, env=dict(os.environ, **ENV), capture_output=True)
+    return out
+
+
+class Server:
+    """One ``lmcache server`` process with our adapter on ``cache_dir``."""
+
+    def __init__(self, cache_dir: Path, log: Path) -> None:
+        self.port, self.http_port = _free_port(), _free_port()
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        adapter = {"type": "plugin", "module_path": "lmcache_nvme_backend",
+                   "class_name": "NVMeL2Adapter",
+                   "adapter_params": {"path": str(cache_dir), "max_size_gb": 1,
+                                      "min_free_gb": 0}}
+        self.log = log
+        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        lmcache = Path(sys.executable).with_name("lmcache")
+        cmd = [str(lmcache) if lmcache.exists() else "lmcache", "server",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--chunk-size", str(CHUNK), "--l1-size-gb", "1", "--no-l1-use-lazy",
+               "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+               "--l2-adapter", json.dumps(adapter)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **ENV), start_new_session=True)
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lmcache server exited:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.http}/healthcheck", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"lmcache server not up in {SERVER_START_S} s:\n"
+                                     f"{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.http}/status", timeout=10) as resp:
+            (adapter,) = json.loads(resp.read())["storage_manager"]["l2_adapters"]
+        return adapter  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        """SIGINT (a clean close saves the adapter's index), then SIGKILL if it hangs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log_file.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def run_vllm(python: Path, model: Path, server: Server, phase: str, log: Path
+             ) -> dict[str, Any]:
+    cmd = [str(python), str(DRIVER), "run", "--model", str(model), "--port", str(server.port),
+           "--http", server.http, "--phase", phase]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, **ENV), start_new_session=True)
+        try:
+            proc.wait(timeout=VLLM_RUN_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # vLLM workers that outlived it
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    for line in text.splitlines():
+        if line.startswith("E2E-REPORT "):
+            return json.loads(line[len("E2E-REPORT "):])  # type: ignore[no-any-return]
+    raise AssertionError(f"vLLM run '{phase}' produced no report (rc {proc.returncode}):\n"
+                         f"{text[-6000:]}\n--- server log ---\n{server.log.read_text()[-3000:]}")
+
+
+def assert_same_first_token(cold: dict[str, Any], hit: dict[str, Any]) -> None:
+    a, b = cold["logprobs"], hit["logprobs"]
+    top = max(a, key=a.get)
+    assert top in b, f"cold top token {top} missing from the hit's top-{len(b)}"
+    common = set(a) & set(b)
+    assert len(common) >= len(a) // 2
+    worst = max(abs(a[t] - b[t]) for t in common)
+    assert worst <= LOGPROB_TOLERANCE, f"first-token logprobs differ by {worst:.4f}"
+
+
+def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Path,
+                                             servers: list[Server], tmp_path: Path) -> None:
+    cache_dir = tmp_path / "nvme"
+    first = Server(cache_dir, tmp_path / "server1.log")
+    servers.append(first)
+    report = run_vllm(vllm_python, tiny_model, first, "cold", tmp_path / "vllm1.log")
+
+    assert report["cold"]["num_cached_tokens"] == 0
+    stored = report["status_stored"]
+    assert stored["entries"] >= 2 and stored["writes_completed"] >= 2
+    assert report["clear"] is not None
+    hit = report["hit"]
+    assert hit["num_cached_tokens"] == FULL_CHUNK_TOKENS
+    assert_same_first_token(report["cold"], hit)
+    after = report["status_after"]
+    assert after["read_chunks"] - report["status_stored"]["read_chunks"] >= 2  # from L2
+    assert after["checksum_failures"] == 0
+    chunk_files = sorted(cache_dir.glob("ns/*/*/*/*.kv"))
+    assert len(chunk_files) == stored["entries"]
+    first.stop()
+
+    second = Server(cache_dir, tmp_path / "server2.log")
+    servers.append(second)
+    before = second.status()
+    assert before["recovered_entries"] == len(chunk_files) and before["read_chunks"] == 0
+    restart = run_vllm(vllm_python, tiny_model, second, "restart", tmp_path / "vllm2.log")
+    hit2 = restart["hit"]
+    assert hit2["num_cached_tokens"] == FULL_CHUNK_TOKENS
+    assert_same_first_token(report["cold"], hit2)
+    after2 = restart["status_after"]
+    assert after2["read_chunks"] >= 2  # the restarted server's L1 was empty: our files
+    assert after2["checksum_failures"] == 0
+    assert sorted(cache_dir.glob("ns/*/*/*/*.kv"))[: len(chunk_files)] == chunk_files

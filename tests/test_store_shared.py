@@ -1,0 +1,140 @@
+"""ChunkStore shared mode (``lookup`` on disk) and removal listeners, without LMCache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_nvme_backend.config import NVMeSettings
+from lmcache_nvme_backend.format import TensorMeta, file_size_for
+from lmcache_nvme_backend.index import IndexEntry
+from lmcache_nvme_backend.layout import key_digest, namespace_id
+from lmcache_nvme_backend.store import ChunkRead, ChunkStore, ChunkWrite
+
+pytestmark = pytest.mark.timeout(60)
+
+NBYTES = 64 * 1024
+META = TensorMeta(shapes=((NBYTES,),), dtypes=("uint8",), fmt=1, nbytes=NBYTES)
+
+
+def settings(path: Path, **extra: Any) -> NVMeSettings:
+    return NVMeSettings.from_params({"path": str(path), "max_size_gb": 1, "min_free_gb": 0,
+                                     "manifest_interval_s": 0, **extra})
+
+
+@pytest.fixture
+def stores() -> Iterator[list[ChunkStore]]:
+    made: list[ChunkStore] = []
+    yield made
+    for store in made:
+        store.close()
+
+
+def put(store: ChunkStore, key: str, ns: str = "model", fill: int = 1) -> bytes:
+    payload = bytes([fill]) * NBYTES
+    store.submit(key, ns, META, memoryview(payload), release=lambda: None)
+    assert store.flush(30)
+    return payload
+
+
+def read(store: ChunkStore, key: str) -> bytes | None:
+    buf = bytearray(NBYTES)
+    (ok,) = store.read_into([ChunkRead(key, memoryview(buf))])
+    return bytes(buf) if ok else None
+
+
+def test_lookup_equals_contains_without_shared_mode(tmp_path: Path,
+                                                    stores: list[ChunkStore]) -> None:
+    a = ChunkStore(settings(tmp_path))
+    b = ChunkStore(settings(tmp_path))
+    stores += [a, b]
+    put(a, "k1")
+    assert a.lookup("k1", "model")
+    assert not b.lookup("k1", "model")  # b's index was built before a wrote
+    assert b.stats.get("shared_adopted") == 0
+
+
+def test_shared_lookup_adopts_chunks_another_store_wrote(tmp_path: Path,
+                                                         stores: list[ChunkStore]) -> None:
+    a = ChunkStore(settings(tmp_path, shared=True))
+    b = ChunkStore(settings(tmp_path, shared=True))
+    c = ChunkStore(settings(tmp_path, shared=True))
+    stores += [a, b, c]
+    payload = put(a, "k1", fill=7)
+    assert not c.lookup("k1", "other-model")  # files are looked for in the key's namespace
+    assert not b.contains("k1")
+    assert b.lookup("k1", "model", pin=True)
+    assert b.stats.get("shared_adopted") == 1
+    assert b.tensor_meta("k1") == META
+    assert read(b, "k1") == payload
+    assert b.usage()["used_bytes"] == file_size_for(NBYTES)
+    assert b.unpin("k1")
+    assert not b.lookup("absent", "model")
+
+
+def test_shared_lookup_forgets_files_another_store_evicted(tmp_path: Path,
+                                                          stores: list[ChunkStore]) -> None:
+    a = ChunkStore(settings(tmp_path, shared=True))
+    b = ChunkStore(settings(tmp_path, shared=True))
+    stores += [a, b]
+    put(a, "k1")
+    assert b.lookup("k1", "model")
+    assert a.remove("k1")  # the other process evicts it
+    assert not b.lookup("k1", "model")
+    assert b.stats.get("shared_vanished") == 1
+    assert b.usage()["entries"] == 0
+    # and a read racing the removal is a miss, not an error
+    put(a, "k2")
+    assert b.lookup("k2", "model")
+    a.remove("k2")
+    assert read(b, "k2") is None
+
+
+def test_shared_lookup_rejects_a_file_naming_another_key(tmp_path: Path,
+                                                         stores: list[ChunkStore]) -> None:
+    a = ChunkStore(settings(tmp_path, shared=True))
+    stores.append(a)
+    put(a, "k1")
+    src = a.roots[0].layout.chunk_path(namespace_id("model"), key_digest("k1"))
+    dst = a.roots[0].layout.chunk_path(namespace_id("model"), key_digest("k2"))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.link(src, dst)  # a file under k2's name whose header says k1
+    assert not a.lookup("k2", "model")
+    assert not dst.exists() and a.stats.get("invalid_files") == 1
+
+
+def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
+                                                      stores: list[ChunkStore]) -> None:
+    budget_gb = 2 * file_size_for(NBYTES) / 1024**3
+    store = ChunkStore(settings(tmp_path, max_size_gb=budget_gb))
+    stores.append(store)
+    removed: list[list[IndexEntry]] = []
+    store.add_removal_listener(removed.append)
+    store.add_removal_listener(lambda entries: 1 / 0)  # a failing listener is contained
+    put(store, "a")
+    put(store, "b")
+    put(store, "c")  # evicts a
+    assert [[e.digest for e in batch] for batch in removed] == [[key_digest("a")]]
+    assert store.remove("b")
+    assert [e.digest for e in removed[-1]] == [key_digest("b")]
+    assert removed[-1][0].size == file_size_for(NBYTES)
+    os.unlink(store.roots[0].layout.chunk_path(namespace_id("model"), key_digest("c")))
+    assert read(store, "c") is None  # the vanished file leaves the index, listeners hear it
+    assert [e.digest for e in removed[-1]] == [key_digest("c")]
+
+
+def test_submit_release_and_persisted_callbacks(tmp_path: Path,
+                                                stores: list[ChunkStore]) -> None:
+    store = ChunkStore(settings(tmp_path))
+    stores.append(store)
+    events: list[str] = []
+    payload = memoryview(b"x" * NBYTES)
+    store.submit_many([ChunkWrite("k", "model", META, payload,
+                                  release=lambda: events.append("released"),
+                                  on_persisted=lambda: events.append("persisted"))])
+    assert store.flush(30)
+    assert events == ["persisted", "released"]
