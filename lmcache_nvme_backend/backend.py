@@ -39,6 +39,7 @@ from .memory_objects import (
     release_from_host_tier,
     served_prefix,
 )
+from .metrics import TierObserver
 from .store import ChunkStore
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class NVMeBackend(StoragePluginInterface):
             raise
         self.local_cpu_backend: LocalCPUBackend = local_cpu_backend
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvme-get")
+        self._observer = TierObserver.for_store("NVMeBackend", self.store, self.stats)
         logger.info("NVMe tier ready: %s, budget %.1f GiB, direct I/O on %d of %d path(s), "
                     "read path %s.", ", ".join(str(p) for p in settings.paths),
                     settings.max_size_gb, sum(r.direct for r in self.store.roots),
@@ -207,6 +209,7 @@ class NVMeBackend(StoragePluginInterface):
         return snap
 
     def close(self) -> None:
+        self._observer.close()
         self._executor.shutdown(wait=True)
         if self._gpu is not None:
             self._gpu.close()

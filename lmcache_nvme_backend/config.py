@@ -54,6 +54,9 @@ class NVMeSettings:
     gpu_pool_mb: float = 2048.0  # 0: no pool of its own, retrieved chunks stay in host memory
     kvikio_threads: int = 16
     kvikio_task_size_mb: float = 4.0
+    # Observability (docs/metrics.md)
+    metrics_port: int = 0  # 0: no endpoint of its own; the default registry is always filled
+    stats_log_interval_s: float = 0.0  # 0: no periodic stats line
 
     @property
     def max_size_bytes(self) -> int:
@@ -146,6 +149,10 @@ class _Parser:
                                            integer=True)),
             kvikio_task_size_mb=self.number("kvikio_task_size_mb", defaults.kvikio_task_size_mb,
                                             minimum=0.0, exclusive=True),
+            metrics_port=int(self.number("metrics_port", defaults.metrics_port, minimum=0,
+                                         maximum=65535, integer=True)),
+            stats_log_interval_s=self.number("stats_log_interval_s",
+                                             defaults.stats_log_interval_s, minimum=0.0),
         )
 
     def paths(self) -> tuple[Path, ...]:
@@ -190,7 +197,8 @@ class _Parser:
                             ) from exc
 
     def number(self, name: str, default: float | None, minimum: float,
-               exclusive: bool = False, integer: bool = False) -> float:
+               exclusive: bool = False, integer: bool = False,
+               maximum: float | None = None) -> float:
         raw = self.params.get(name, default)
         if raw is None:
             raise self.fail(name, "missing", "Set it to the tier's byte budget in GiB, e.g. 100.")
@@ -205,6 +213,8 @@ class _Parser:
         if value < minimum or (exclusive and value == minimum):
             bound = f"greater than {minimum:g}" if exclusive else f"at least {minimum:g}"
             raise self.fail(name, f"{raw} is out of range", f"It must be {bound}.")
+        if maximum is not None and value > maximum:
+            raise self.fail(name, f"{raw} is out of range", f"It must be at most {maximum:g}.")
         return value
 
     def choice(self, name: str, default: str, allowed: tuple[str, ...]) -> str:

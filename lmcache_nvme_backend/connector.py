@@ -35,6 +35,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from .config import NVMeConfigError, NVMeSettings
 from .format import FormatError, decode_header
 from .memory_objects import chunk_write_for, read_into_host_objects, served_prefix
+from .metrics import TierObserver
 from .store import ChunkStore
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class NVMeConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="nvme-remote")
+        self._observer = TierObserver.for_store("NVMeConnector", self.store, self.stats)
         logger.info("NVMe remote connector ready: %s, budget %.1f GiB%s.",
                     ", ".join(str(p) for p in settings.paths), settings.max_size_gb,
                     ", shared mode" if settings.shared else "")
@@ -165,6 +167,7 @@ class NVMeConnector(RemoteConnector):
         await loop.run_in_executor(None, self._close_blocking)
 
     def _close_blocking(self) -> None:
+        self._observer.close()
         self._executor.shutdown(wait=True)
         self.store.close()
 

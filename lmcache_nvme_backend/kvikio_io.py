@@ -49,7 +49,7 @@ from .format import HEADER_SIZE, FormatError, TensorMeta, decode_header, padded_
 from .gpusum import DeviceWeights, device_checksum, to_unsigned
 from .memory_objects import fit_to_payload
 from .posix_io import PosixIOEngine, ShortFileError
-from .stats import READ_PATHS, path_counter
+from .stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT, PATH_KVIKIO_GDS, PATH_POSIX
 from .store import ChunkRead, ChunkStore, ReadPlan
 
 if TYPE_CHECKING:
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_nvme_backend")
 
-PATH_POSIX, PATH_KVIKIO_GDS, PATH_KVIKIO_COMPAT, PATH_HOST_BOUNCE = READ_PATHS
 KVIKIO_PATHS = (PATH_KVIKIO_GDS, PATH_KVIKIO_COMPAT)
 # Fallback warnings: the first, then one every this many.
 WARN_EVERY = 1000
@@ -678,10 +677,7 @@ class GpuChunkReader:
     # -- bookkeeping ---------------------------------------------------------------
 
     def _account(self, path: str, chunks: int, nbytes: int, seconds: float) -> None:
-        stats = self.store.stats
-        stats.add(path_counter(path, "chunks"), chunks)
-        stats.add(path_counter(path, "bytes"), nbytes)
-        stats.add(path_counter(path, "seconds"), seconds)
+        self.store.stats.record_read(path, chunks, nbytes, seconds)
         if chunks:
             logger.debug("NVMe tier: %s read %d chunks, %.1f MiB at %.2f GB/s", path, chunks,
                          nbytes / MIB, nbytes / max(seconds, 1e-9) / 1e9)

@@ -46,6 +46,7 @@ from .format import file_size_for
 from .index import IndexEntry
 from .layout import key_digest
 from .memory_objects import host_view, tensor_meta_of
+from .metrics import TierObserver
 from .store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
 
 if TYPE_CHECKING:
@@ -182,6 +183,7 @@ class NVMeL2Adapter(L2AdapterInterface):
             self._total_bytes_used += recovered
         self._untracked_bytes = recovered
         store.add_removal_listener(self._on_removed)
+        self._observer = TierObserver.for_store("NVMeL2Adapter", store, self.stats)
         logger.info("NVMe L2 adapter ready: %s, budget %.1f GiB, %d chunks found, direct I/O "
                     "on %d of %d path(s)%s.", ", ".join(str(p) for p in settings.paths),
                     settings.max_size_gb, store.usage()["entries"],
@@ -406,6 +408,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
+        self._observer.close()
         self._lookup_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
         self.store.close()

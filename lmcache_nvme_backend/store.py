@@ -54,7 +54,7 @@ from .index import ChunkIndex, IndexEntry
 from .layout import MARKER_NAME, RootLayout, key_digest, namespace_id
 from .manifest import load_manifest, save_manifest
 from .posix_io import PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
-from .stats import StoreStats
+from .stats import PATH_POSIX, StoreStats
 from .writeback import ReadPriorityGate, WriteBackQueue, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -328,7 +328,6 @@ class ChunkStore:
             self._engine.read_chunks([req for _, _, req in todo])
         elapsed = time.perf_counter() - started
         self.stats.add("read_seconds", elapsed)
-        self.stats.add("path_posix_seconds", elapsed)
 
         def judge(item: tuple[int, ReadPlan, ReadRequest]) -> bool:
             _, plan, req = item
@@ -338,11 +337,12 @@ class ChunkStore:
                 == header.payload_checksum)
 
         # Checksumming releases the GIL: verify the chunks of a batch in parallel.
+        served_bytes = 0
         for (i, plan, _), ok in zip(todo, self._io_pool.map(judge, todo), strict=True):
             results[i] = ok
             if ok:
-                self.stats.add("path_posix_chunks")
-                self.stats.add("path_posix_bytes", plan.payload_len)
+                served_bytes += plan.payload_len
+        self.stats.record_read(PATH_POSIX, results.count(True), served_bytes, elapsed)
         self.stats.add("read_failures", results.count(False))
         return results
 
@@ -542,9 +542,7 @@ class ChunkStore:
                                                job.meta, time.time_ns()))
         if published:
             root.consecutive_errors = 0
-            self.stats.add("writes_completed")
-            self.stats.add("write_bytes", job.nbytes)
-            self.stats.add("write_seconds", time.perf_counter() - started)
+            self.stats.record_write(job.nbytes, time.perf_counter() - started)
             if job.on_persisted is not None:
                 job.on_persisted()
 

@@ -28,12 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_cpu_env import VLLMUnavailable, ensure_vllm_python
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 DRIVER = Path(__file__).with_name("e2e_vllm_driver.py")
+MP_SERVER_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "mp-server.sh"
 CHUNK = 256
 FULL_CHUNK_TOKENS = 512  # 700-token prompt: two full chunks
 LOGPROB_TOLERANCE = 0.05  # bf16
@@ -68,26 +70,22 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 class Server:
-    """One ``lmcache server`` process with our adapter on ``cache_dir``."""
+    """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh."""
 
     def __init__(self, cache_dir: Path, log: Path) -> None:
         self.port, self.http_port = _free_port(), _free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
-        adapter = {"type": "plugin", "module_path": "lmcache_nvme_backend",
-                   "class_name": "NVMeL2Adapter",
-                   "adapter_params": {"path": str(cache_dir), "max_size_gb": 1,
-                                      "min_free_gb": 0}}
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
-        lmcache = Path(sys.executable).with_name("lmcache")
-        cmd = [str(lmcache) if lmcache.exists() else "lmcache", "server",
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--chunk-size", str(CHUNK), "--l1-size-gb", "1", "--no-l1-use-lazy",
-               "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-               "--l2-adapter", json.dumps(adapter)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **ENV), start_new_session=True)
+        # The example as a user runs it; only the ports, paths and sizes differ. The
+        # script finds ``lmcache`` on PATH: this interpreter's environment first.
+        env = dict(os.environ, **ENV, CACHE_DIR=str(cache_dir), MAX_SIZE_GB="1",
+                   MIN_FREE_GB="0", L1_GB="1", PORT=str(self.port),
+                   HTTP_PORT=str(self.http_port),
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if self.proc.poll() is not None:
@@ -108,6 +106,15 @@ class Server:
         with urllib.request.urlopen(f"{self.http}/status", timeout=10) as resp:
             (adapter,) = json.loads(resp.read())["storage_manager"]["l2_adapters"]
         return adapter  # type: ignore[no-any-return]
+
+    def metrics(self) -> dict[str, float]:
+        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name."""
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())
+                                 if k not in ("adapter", "cache_dir")): s.value
+                for family in text_string_to_metric_families(text)
+                if family.name.startswith("lmcache_nvme_") for s in family.samples}
 
     def stop(self) -> None:
         """SIGINT (a clean close saves the adapter's index), then SIGKILL if it hangs."""
@@ -194,4 +201,9 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
     after2 = restart["status_after"]
     assert after2["read_chunks"] >= 2  # the restarted server's L1 was empty: our files
     assert after2["checksum_failures"] == 0
+    scraped = second.metrics()  # the same counts on the server's Prometheus endpoint
+    assert scraped["lmcache_nvme_served_chunks_total"] == after2["read_chunks"]
+    assert scraped["lmcache_nvme_read_chunks_total{path=posix}"] == after2["read_chunks"]
+    assert scraped["lmcache_nvme_recovered_entries_total"] == len(chunk_files)
+    assert scraped["lmcache_nvme_read_latency_seconds_count{path=posix}"] >= 1
     assert sorted(cache_dir.glob("ns/*/*/*/*.kv"))[: len(chunk_files)] == chunk_files

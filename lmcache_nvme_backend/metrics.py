@@ -1,0 +1,309 @@
+"""Prometheus metrics and a periodic one-line summary of the NVMe tier.
+
+The store only counts (``stats.py``); this module is an observer that reads those
+counters when someone asks for them, so the hot path never touches prometheus_client.
+
+* Every open tier (an ``NVMeBackend``, ``NVMeConnector`` or ``NVMeL2Adapter``) is
+  exported through one collector in prometheus_client's default registry, labelled
+  with its adapter and cache directory.  Whatever already serves that registry in the
+  process shows the tier's metrics with no setting: LMCache's multiprocess server on
+  its ``--prometheus-port``, LMCache's internal API server ``/metrics``.
+* ``nvme.metrics_port`` also serves the registry on a port of its own (for vLLM
+  workers, which serve none): the first free port from the one configured, so each
+  tensor-parallel rank on a node gets its own.
+* ``nvme.stats_log_interval_s`` logs one line per interval with what changed.
+
+``docs/metrics.md`` lists every metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from .stats import (
+    READ_PATHS,
+    WRITE_LATENCY,
+    HistogramSnapshot,
+    path_counter,
+    read_latency,
+)
+
+if TYPE_CHECKING:
+    from .store import ChunkStore
+
+logger = logging.getLogger("lmcache_nvme_backend")  # LMCache's handler prints it
+
+PREFIX = "lmcache_nvme"
+PORT_TRIES = 64  # metrics_port, metrics_port + 1, ...: one per rank on a node
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric: its name (without prefix and ``_total``), kind, help, sources.
+
+    ``sources`` maps a label value (or ``""`` for an unlabelled metric) to the key
+    of the tier's ``stats()`` snapshot that holds the value.
+    """
+
+    name: str
+    kind: str  # "counter" or "gauge"
+    help: str
+    sources: dict[str, str]
+    label: str = ""  # the label whose values are the keys of ``sources``
+
+
+def _per_path(what: str) -> dict[str, str]:
+    return {path: path_counter(path, what) for path in READ_PATHS}
+
+
+def _counter(name: str, help_text: str, key: str | None = None) -> MetricSpec:
+    return MetricSpec(name, "counter", help_text, {"": key or name})
+
+
+def _gauge(name: str, help_text: str, key: str | None = None) -> MetricSpec:
+    return MetricSpec(name, "gauge", help_text, {"": key or name})
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    _counter("lookups", "Lookups (contains) asked of the tier."),
+    _counter("hits", "Lookups that found a published chunk."),
+    _counter("misses", "Lookups that found nothing."),
+    _counter("served_chunks", "Chunks served, all read paths.", "read_chunks"),
+    _counter("served_bytes", "Payload bytes served, all read paths.", "read_bytes"),
+    MetricSpec("read_chunks", "counter", "Chunks read, by read path (host-bounce reads also "
+               "count their host leg under posix).",
+               _per_path("chunks"), label="path"),
+    MetricSpec("read_bytes", "counter", "Payload bytes read, by read path.",
+               _per_path("bytes"), label="path"),
+    MetricSpec("read_throughput_bytes_per_second", "gauge",
+               "Average read throughput since start, by read path (bytes / time in reads); "
+               "use rate() of read_bytes_total over read_latency_seconds_sum for a window.",
+               {path: path_counter(path, "gbps") for path in READ_PATHS}, label="path"),
+    _counter("read_seconds", "Time spent in read calls, all paths.", "read_seconds"),
+    _counter("read_failures", "Chunks asked for and not served (missing, invalid, I/O error)."),
+    _counter("writes_enqueued", "Chunks accepted into the write-back queue."),
+    _counter("writes", "Chunk files written and published.", "writes_completed"),
+    _counter("write_bytes", "Payload bytes written."),
+    _counter("write_failures", "Writes that failed with an I/O error."),
+    _counter("duplicate_puts", "Stores skipped because the chunk was stored or queued."),
+    MetricSpec("dropped_writes", "counter",
+               "Writes dropped, by reason: queue_full (queue_full_policy drop), capacity "
+               "(budget held by pinned chunks, or the filesystem full), oversize.",
+               {"queue_full": "queue_full_drops", "capacity": "capacity_drops",
+                "oversize": "oversize_drops"}, label="reason"),
+    _counter("queue_full_waits", "Store calls that waited for room (queue_full_policy wait)."),
+    _counter("evictions", "Chunks evicted (LRU) to stay within the budget."),
+    _counter("evicted_bytes", "Bytes on disk freed by evictions."),
+    _counter("checksum_failures", "Reads whose payload failed its checksum (never served)."),
+    _counter("invalid_files", "Chunk files rejected (bad header, wrong key, short, foreign)."),
+    _counter("quarantined_files", "Rejected files moved aside for inspection."),
+    _counter("recovered_entries", "Chunks found on disk at start."),
+    _counter("removed_temp_files", "Unpublished temp files removed at start."),
+    _counter("shared_adopted", "Shared mode: chunks another process wrote, found on disk."),
+    _counter("shared_vanished", "Shared mode: index entries whose file another process removed."),
+    _counter("gpu_checksum_failures", "GPU path: GPU-side checksum mismatches (never served)."),
+    _counter("gpu_unverified_fallbacks", "GPU path: files without a GPU checksum, read "
+             "through the host."),
+    _counter("gpu_pool_fallbacks", "GPU path: pool full, served in host memory."),
+    _counter("gpu_read_errors", "GPU path: kvikio/cuFile errors or short reads."),
+    _counter("gpu_checksums_recorded", "Chunk files written with a GPU checksum."),
+    _counter("device_write_copies", "GPU memory objects copied to host memory to be written."),
+    _gauge("entries", "Chunks in the index."),
+    _gauge("used_bytes", "Bytes on disk of published chunks (header and padding included)."),
+    _gauge("reserved_bytes", "Bytes reserved by writes in progress."),
+    _gauge("capacity_bytes", "Byte budget (max_size_gb) over all paths."),
+    _gauge("write_queue_chunks", "Chunks waiting to be written.", "pending_writes"),
+    _gauge("write_queue_bytes", "Host memory held by queued writes.", "queue_bytes"),
+    _gauge("roots_offline", "Cache directories taken out of service after I/O errors."),
+    _gauge("direct_io_roots", "Cache directories using O_DIRECT."),
+    _gauge("gpu_pool_bytes", "GPU pool size (CUDA workers with a pool)."),
+    _gauge("gpu_pool_objects_lent", "GPU pool memory objects lent to LMCache."),
+)
+
+HISTOGRAMS: tuple[tuple[str, str, dict[str, str], str], ...] = (
+    ("read_latency_seconds", "Duration of one read call (a batch of chunks), by read path.",
+     {path: read_latency(path) for path in READ_PATHS}, "path"),
+    ("write_latency_seconds", "Duration of writing and publishing one chunk file.",
+     {"": WRITE_LATENCY}, ""),
+)
+
+
+def metric_names() -> list[str]:
+    """Every exported metric family as Prometheus shows it (counters with ``_total``)."""
+    names = [f"{PREFIX}_{m.name}" + ("_total" if m.kind == "counter" else "") for m in METRICS]
+    return names + [f"{PREFIX}_{name}" for name, *_ in HISTOGRAMS]
+
+
+@dataclass(eq=False)
+class TierSource:
+    """What the collector reads of one open tier."""
+
+    adapter: str
+    cache_dir: str
+    stats: Callable[[], dict[str, float]]
+    histograms: Callable[[], dict[str, HistogramSnapshot]]
+
+
+class TierCollector:
+    """Collector in the default registry that exports every open tier of the process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tiers: list[TierSource] = []
+
+    def add(self, tier: TierSource) -> None:
+        with self._lock:
+            self._tiers.append(tier)
+
+    def remove(self, tier: TierSource) -> None:
+        with self._lock:
+            if tier in self._tiers:
+                self._tiers.remove(tier)
+
+    def describe(self) -> list[Metric]:
+        return []  # the registry then never calls collect() at registration
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            tiers = list(self._tiers)
+        snapshots = [(t, t.stats(), t.histograms()) for t in tiers]
+        base = ["adapter", "cache_dir"]
+        for spec in METRICS:
+            labels = [*base, spec.label] if spec.label else base
+            family_type = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            family = family_type(f"{PREFIX}_{spec.name}", spec.help, labels=labels)
+            for tier, snap, _ in snapshots:
+                for value_label, key in spec.sources.items():
+                    if key in snap:
+                        extra = [value_label] if spec.label else []
+                        family.add_metric([tier.adapter, tier.cache_dir, *extra], snap[key])
+            yield family
+        for name, help_text, sources, label in HISTOGRAMS:
+            labels = [*base, label] if label else base
+            hist = HistogramMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+            for tier, _, histograms in snapshots:
+                for value_label, key in sources.items():
+                    h = histograms[key]
+                    extra = [value_label] if label else []
+                    hist.add_metric([tier.adapter, tier.cache_dir, *extra],
+                                    [(bound, float(n)) for bound, n in h.cumulative()], h.sum_s)
+            yield hist
+
+
+_collector = TierCollector()
+_registered = False
+_served_port: int | None = None
+_setup_lock = threading.Lock()
+
+
+def _register() -> None:
+    global _registered
+    with _setup_lock:
+        if not _registered:
+            REGISTRY.register(_collector)
+            _registered = True
+
+
+def serve_metrics(port: int) -> int | None:
+    """Serve the default registry on the first free port from ``port``; the port, or None.
+
+    One endpoint per process: a second call returns the first one's port.  A port
+    that cannot be had is logged, never raised: the engine runs on without it.
+    """
+    global _served_port
+    with _setup_lock:
+        if _served_port is not None:
+            return _served_port
+        last_error: OSError | None = None
+        for candidate in range(port, min(port + PORT_TRIES, 65536)):
+            try:
+                start_http_server(candidate)
+            except OSError as exc:
+                last_error = exc
+                continue
+            _served_port = candidate
+            logger.info("NVMe tier: Prometheus metrics on http://0.0.0.0:%d/metrics", candidate)
+            return candidate
+        logger.error("NVMe tier: cannot serve metrics on ports %d-%d (%s); set "
+                     "nvme.metrics_port to a free port. The metrics stay in the default "
+                     "registry.", port, port + PORT_TRIES - 1, last_error)
+        return None
+
+
+def stats_line(previous: dict[str, float], current: dict[str, float], seconds: float) -> str:
+    """One line saying what the tier did since ``previous`` and where it stands now."""
+    def delta(key: str) -> float:
+        return current.get(key, 0.0) - previous.get(key, 0.0)
+
+    lookups, hits = delta("lookups"), delta("hits")
+    hit_rate = f" ({hits / lookups:.0%})" if lookups else ""
+    paths = []
+    for path in READ_PATHS:
+        nbytes, secs = delta(path_counter(path, "bytes")), delta(path_counter(path, "seconds"))
+        if nbytes:
+            paths.append(f"{path} {nbytes / MIB:.1f} MiB at {nbytes / max(secs, 1e-9) / 1e9:.2f}"
+                         " GB/s")
+    drops = sum(delta(k) for k in ("queue_full_drops", "capacity_drops", "oversize_drops"))
+    return (
+        f"NVMe tier, last {seconds:.0f} s: {hits:.0f}/{lookups:.0f} lookups hit{hit_rate}; "
+        f"read {delta('read_chunks'):.0f} chunks" + (f" ({', '.join(paths)})" if paths else "")
+        + f"; wrote {delta('writes_completed'):.0f} chunks, {delta('write_bytes') / MIB:.1f} MiB;"
+        f" dropped {drops:.0f}; evicted {delta('evictions'):.0f}; checksum failures "
+        f"{delta('checksum_failures'):.0f}; queue {current.get('pending_writes', 0):.0f} chunks "
+        f"{current.get('queue_bytes', 0) / MIB:.1f} MiB; used "
+        f"{current.get('used_bytes', 0) / GIB:.2f}/{current.get('capacity_bytes', 0) / GIB:.2f} "
+        f"GiB in {current.get('entries', 0):.0f} chunks"
+    )
+
+
+class TierObserver:
+    """Exports one open tier while it is open: registry, optional endpoint, stats line."""
+
+    def __init__(self, adapter: str, cache_dirs: list[str], metrics_port: int,
+                 stats_log_interval_s: float, stats: Callable[[], dict[str, float]],
+                 histograms: Callable[[], dict[str, HistogramSnapshot]]) -> None:
+        self.source = TierSource(adapter, ",".join(cache_dirs), stats, histograms)
+        _register()
+        _collector.add(self.source)
+        self.metrics_port = serve_metrics(metrics_port) if metrics_port else None
+        self._stop = threading.Event()
+        self._logger: threading.Thread | None = None
+        if stats_log_interval_s > 0:
+            self._logger = threading.Thread(target=self._log_loop, args=(stats_log_interval_s,),
+                                            name="nvme-stats-log", daemon=True)
+            self._logger.start()
+
+    @classmethod
+    def for_store(cls, adapter: str, store: ChunkStore,
+                  stats: Callable[[], dict[str, float]]) -> TierObserver:
+        """Observe ``store`` as configured by its settings; ``stats`` is the adapter's."""
+        settings = store.settings
+        return cls(adapter, [str(p) for p in settings.paths], settings.metrics_port,
+                   settings.stats_log_interval_s, stats, store.stats.histograms)
+
+    def _log_loop(self, interval_s: float) -> None:
+        previous = self.source.stats()
+        while not self._stop.wait(interval_s):
+            current = self.source.stats()
+            logger.info("%s", stats_line(previous, current, interval_s))
+            previous = current
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._logger is not None:
+            self._logger.join()
+        _collector.remove(self.source)

@@ -1,0 +1,171 @@
+"""Every file in examples/ works as shipped.
+
+The LMCache YAMLs run through a real engine here (and in test_engine_nvme.py /
+test_connector.py); examples/mp-server.sh runs a real server in
+test_e2e_mp_vllm.py and has its command line checked here; the GPU-only launch
+recipes (vLLM's LMCacheConnectorV1 and SGLang need a GPU) are parsed and their
+configs validated; the Prometheus snippet is checked against the ports the other
+examples use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import lmcache_nvme_backend
+from lmcache_nvme_backend.config import NVMeSettings
+from lmcache_nvme_backend.cpu_harness import (
+    build_engine,
+    chunk_keys,
+    destroy_engine,
+    evict_from_cpu,
+    load_config,
+    lower_tier_name,
+    make_kv,
+    make_prompt,
+    retrieve_prompt,
+    store_prompt,
+    wait_until_in_tier,
+)
+from lmcache_nvme_backend.l2_adapter import NVMeL2AdapterConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+LMCACHE_YAMLS = sorted(p for p in EXAMPLES.glob("*.yaml")
+                       if "extra_config" in yaml.safe_load(p.read_text()))
+RECIPES = sorted(EXAMPLES.glob("*.md"))
+PLUGIN_CLASS_KEYS = re.compile(r"^(remote_)?storage_plugin\.\w+\.class_name$")
+
+
+def test_there_are_examples_to_check() -> None:
+    assert {p.name for p in LMCACHE_YAMLS} >= {"lmcache-nvme.yaml", "lmcache-nvme-remote.yaml"}
+    assert (EXAMPLES / "mp-server.sh").exists() and (EXAMPLES / "prometheus.yml").exists()
+    assert RECIPES
+
+
+@pytest.mark.parametrize("example", LMCACHE_YAMLS, ids=lambda p: p.name)
+def test_lmcache_yaml_validates_as_shipped(example: Path, tmp_path: Path) -> None:
+    raw = yaml.safe_load(example.read_text())
+    config = load_config(example, {"extra_config": {"nvme.path": str(tmp_path)}})
+    extra = config.extra_config or {}
+    for key, value in extra.items():
+        if PLUGIN_CLASS_KEYS.match(key):
+            assert hasattr(lmcache_nvme_backend, value), f"{key}: {value} is not exported"
+            assert extra[key.replace("class_name", "module_path")] == "lmcache_nvme_backend"
+    settings = NVMeSettings.from_extra_config(extra)
+    shipped = {k.removeprefix("nvme."): v for k, v in raw["extra_config"].items()
+               if k.startswith("nvme.")}
+    assert set(shipped) >= {"path", "max_size_gb"}
+    assert settings.max_size_gb == float(shipped["max_size_gb"])
+
+
+@pytest.fixture
+def engine_ids() -> Iterator[list[str]]:
+    ids: list[str] = []
+    yield ids
+    for instance_id in ids:
+        destroy_engine(instance_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", LMCACHE_YAMLS, ids=lambda p: p.name)
+def test_lmcache_yaml_round_trips_through_a_real_engine(example: Path, tmp_path: Path,
+                                                        engine_ids: list[str]) -> None:
+    """Only the path and sizes change: store, push out of host memory, load back."""
+    config = load_config(example, {"max_local_cpu_size": 0.5, "extra_config": {
+        "nvme.path": str(tmp_path / "cache"), "nvme.max_size_gb": 1, "nvme.min_free_gb": 0}})
+    engine_ids.append(f"example-{example.stem}")
+    kv_shape = (2, 2, config.chunk_size, 4, 32)
+    engine, connector = build_engine(config, instance_id=engine_ids[-1], kv_shape=kv_shape)
+    tokens = make_prompt(3 * config.chunk_size, seed=3)
+    kv = make_kv(connector, len(tokens), seed=4)
+    keys = chunk_keys(engine, tokens)
+    store_prompt(engine, tokens, kv)
+    wait_until_in_tier(engine, lower_tier_name(engine), keys, timeout_s=60)
+    assert evict_from_cpu(engine, keys) == 3
+    got = retrieve_prompt(engine, tokens, connector)
+    assert bool(got.ret_mask.all()) and torch.equal(got.kv, kv)
+
+
+def mp_server_command(tmp_path: Path, **env: str) -> list[str]:
+    """The arguments examples/mp-server.sh gives ``lmcache``, captured by a stand-in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    capture = tmp_path / "argv.json"
+    stand_in = bin_dir / "lmcache"
+    stand_in.write_text(f"#!/usr/bin/env python3\nimport json, sys\n"
+                        f"open({str(capture)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    subprocess.run(["bash", str(EXAMPLES / "mp-server.sh")], check=True, timeout=30,
+                   env=dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                            **env))
+    return json.loads(capture.read_text())  # type: ignore[no-any-return]
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_mp_server_script_builds_a_valid_adapter_config(tmp_path: Path) -> None:
+    drives = f"{tmp_path / 'nvme0'},{tmp_path / 'nvme1'}"
+    argv = mp_server_command(tmp_path, CACHE_DIR=drives, MAX_SIZE_GB="7", PORT="6000")
+    assert argv[0] == "server" and option(argv, "--port") == "6000"
+    assert option(argv, "--chunk-size") == "256"
+    adapter = json.loads(option(argv, "--l2-adapter"))
+    assert (adapter["type"], adapter["module_path"], adapter["class_name"]) == (
+        "plugin", "lmcache_nvme_backend", "NVMeL2Adapter")
+    settings = NVMeL2AdapterConfig.from_dict(adapter["adapter_params"]).settings
+    assert settings.paths == (tmp_path / "nvme0", tmp_path / "nvme1")
+    assert settings.max_size_gb == 7
+
+
+def test_mp_server_script_defaults_match_the_docs(tmp_path: Path) -> None:
+    argv = mp_server_command(tmp_path, CACHE_DIR=str(tmp_path / "c"))
+    assert option(argv, "--port") == "5555" and option(argv, "--http-port") == "8080"
+    params = json.loads(option(argv, "--l2-adapter"))["adapter_params"]
+    assert params["max_size_gb"] == 500 and params["min_free_gb"] == 1
+
+
+def bash_blocks(markdown: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", markdown, flags=re.S)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_launch_recipe_commands_parse(recipe: Path) -> None:
+    text = recipe.read_text()
+    assert "LMCACHE_TRACK_USAGE=false" in text, "recipes keep telemetry off"
+    blocks = bash_blocks(text)
+    assert blocks, f"{recipe.name} has no bash block"
+    for block in blocks:
+        subprocess.run(["bash", "-n"], input=block, text=True, check=True, timeout=10)
+        for raw in re.findall(r"--kv-transfer-config '(.*?)'", block, flags=re.S):
+            transfer: dict[str, Any] = json.loads(raw)
+            assert transfer["kv_connector"] in ("LMCacheConnectorV1", "LMCacheMPConnector")
+            assert transfer["kv_role"] == "kv_both"
+        for config_file in re.findall(r"LMCACHE_CONFIG_FILE=(\S+)", block):
+            assert (ROOT / config_file).is_file(), f"{recipe.name}: {config_file} is missing"
+        for script in re.findall(r"(examples/\S+\.sh)", block):
+            assert (ROOT / script).is_file(), f"{recipe.name}: {script} is missing"
+
+
+def test_prometheus_snippet_scrapes_the_ports_the_examples_use() -> None:
+    scrape = yaml.safe_load((EXAMPLES / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {job["job_name"]: [t for group in job["static_configs"] for t in group["targets"]]
+               for job in scrape}
+    worker_port = yaml.safe_load((EXAMPLES / "lmcache-nvme.yaml").read_text())[
+        "extra_config"]["nvme.metrics_port"]
+    worker_ports = [int(t.rsplit(":", 1)[1]) for t in targets["lmcache-nvme-vllm-workers"]]
+    assert worker_ports[0] == worker_port
+    assert worker_ports == list(range(worker_port, worker_port + len(worker_ports)))
+    assert targets["lmcache-mp-server"] == ["127.0.0.1:8080"]  # mp-server.sh's HTTP_PORT
