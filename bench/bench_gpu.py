@@ -87,15 +87,13 @@ class Variant:
 def build_variants(names: list[str], store: Any, chunks: Any, args: argparse.Namespace,
                    nbytes: int, torch: Any) -> tuple[list[Variant], dict[str, str]]:
     from lmcache_nvme_backend.gpu_harness import HostTier, make_reader, release_all
+    from lmcache_nvme_backend.gpu_select import GpuProbe, PathDecision, select_read_path
     from lmcache_nvme_backend.kvikio_io import (
-        PATH_HOST_BOUNCE,
-        GpuProbe,
         KvikioPayloadReader,
-        PathDecision,
         PayloadRead,
         PosixTensorPayloadReader,
-        select_read_path,
     )
+    from lmcache_nvme_backend.stats import PATH_HOST_BOUNCE
 
     device = args.device
     pool_bytes = int(args.pool_mb * 2**20)
@@ -232,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch = require_gpu(args.cpu_dry_run)
     from lmcache_nvme_backend.config import NVMeSettings
     from lmcache_nvme_backend.gpu_harness import write_chunks
-    from lmcache_nvme_backend.kvikio_io import GpuProbe
+    from lmcache_nvme_backend.gpu_select import GpuProbe
     from lmcache_nvme_backend.store import ChunkStore
 
     names = [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # LMCache multiprocess server with the NVMe tier as its L2 (NVMeL2Adapter).
-# vLLM connects with LMCacheMPConnector (see examples/vllm-recipes.md); SGLang through
-# LMCache's linker.  adapter_params take the nvme.<name> settings without the prefix
+# vLLM connects with LMCacheMPConnector (see examples/vllm-recipes.md); SGLang with
+# --enable-lmcache --lmcache-config-file examples/sglang-lmcache.yaml (examples/sglang-recipe.md).  adapter_params take the nvme.<name> settings without the prefix
 # (docs/configuration.md); a bad value stops the server at start with the field named.
 #
 #   CACHE_DIR=/mnt/nvme0/lmcache MAX_SIZE_GB=500 examples/mp-server.sh

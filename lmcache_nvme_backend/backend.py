@@ -29,7 +29,8 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import NVMeConfigError, NVMeSettings
-from .kvikio_io import PATH_POSIX, GpuChunkReader, build_gpu_reader, chunk_bytes_of
+from .gpu_reader import GpuChunkReader, build_gpu_reader
+from .gpu_select import chunk_bytes_of
 from .memory_objects import (
     allocate_for,
     chunk_write_for,
@@ -40,6 +41,7 @@ from .memory_objects import (
     served_prefix,
 )
 from .metrics import TierObserver
+from .stats import PATH_POSIX
 from .store import ChunkStore
 
 if TYPE_CHECKING:

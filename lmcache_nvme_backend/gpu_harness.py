@@ -21,12 +21,10 @@ from lmcache.v1.memory_allocators.gpu_memory_allocator import GPUMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from .format import TensorMeta
-from .kvikio_io import (
-    GpuBufferPool,
-    GpuChunkReader,
-    PathDecision,
-    PayloadReader,
-)
+from .gpu_pool import GpuBufferPool
+from .gpu_reader import GpuChunkReader
+from .gpu_select import PathDecision
+from .kvikio_io import PayloadReader
 from .memory_objects import allocate_for, host_view, release_from_host_tier
 from .store import ChunkStore, SubmitResult
 

@@ -50,6 +50,7 @@ def save_manifest(index_dir: Path, entries: list[IndexEntry], file_mode: int,
     final = index_dir / MANIFEST_NAME
     tmp = index_dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
+    os.fchmod(fd, file_mode)  # exactly file_mode, whatever the umask
     with os.fdopen(fd, "w") as f:
         meta_docs = ",".join(m.to_json().decode() for m in metas)
         f.write(f'{{"version":{MANIFEST_VERSION},"metas":[{meta_docs}],"entries":[')

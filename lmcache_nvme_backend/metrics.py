@@ -6,8 +6,8 @@ counters when someone asks for them, so the hot path never touches prometheus_cl
 * Every open tier (an ``NVMeBackend``, ``NVMeConnector`` or ``NVMeL2Adapter``) is
   exported through one collector in prometheus_client's default registry, labelled
   with its adapter and cache directory.  Whatever already serves that registry in the
-  process shows the tier's metrics with no setting: LMCache's multiprocess server on
-  its ``--prometheus-port``, LMCache's internal API server ``/metrics``.
+  process shows the tier's metrics with no setting: LMCache's multiprocess server's
+  ``/metrics`` on its ``--http-port``, LMCache's internal API server ``/metrics``.
 * ``nvme.metrics_port`` also serves the registry on a port of its own (for vLLM
   workers, which serve none): the first free port from the one configured, so each
   tensor-parallel rank on a node gets its own.

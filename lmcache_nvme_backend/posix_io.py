@@ -214,6 +214,7 @@ class PosixIOEngine:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
         fd = os.open(path, flags | (_O_DIRECT if direct else 0), mode)
         try:
+            os.fchmod(fd, mode)  # exactly nvme.file_mode: open() would apply the umask
             if not direct:
                 pad = bytes(padded_length(len(payload)) - len(payload))
                 _pwritev_full(fd, [header, payload, pad], 0)

@@ -346,7 +346,7 @@ class ChunkStore:
         self.stats.add("read_failures", results.count(False))
         return results
 
-    # -- reads done outside the store (GPU path, kvikio_io.py) ---------------
+    # -- reads done outside the store (GPU path, gpu_reader.py) --------------
 
     def plan_reads(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives (None: not indexed, unreadable header, or its path is down)."""
@@ -377,7 +377,9 @@ class ChunkStore:
         checksum; anything wrong is a miss and the file goes to quarantine.
         """
         root = self.roots[plan.root]
-        if isinstance(error, FileNotFoundError):
+        if isinstance(error, (FileNotFoundError, PermissionError)):
+            # Gone, or not ours to read (another user's file in a shared tree): a miss
+            # for this key, not a sign that the drive is failing.
             self._forget(plan.digest)
             return False
         if error is not None and not isinstance(error, ShortFileError):

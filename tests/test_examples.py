@@ -83,8 +83,12 @@ def engine_ids() -> Iterator[list[str]]:
 def test_lmcache_yaml_round_trips_through_a_real_engine(example: Path, tmp_path: Path,
                                                         engine_ids: list[str]) -> None:
     """Only the path and sizes change: store, push out of host memory, load back."""
-    config = load_config(example, {"max_local_cpu_size": 0.5, "extra_config": {
-        "nvme.path": str(tmp_path / "cache"), "nvme.max_size_gb": 1, "nvme.min_free_gb": 0}})
+    # SGLang's in-process mode moves KV layer by layer (use_layerwise); the copying CPU
+    # connector moves whole chunks. The tier sees the same stores and loads either way.
+    config = load_config(example, {"max_local_cpu_size": 0.5, "use_layerwise": False,
+                                   "extra_config": {"nvme.path": str(tmp_path / "cache"),
+                                                    "nvme.max_size_gb": 1,
+                                                    "nvme.min_free_gb": 0}})
     engine_ids.append(f"example-{example.stem}")
     kv_shape = (2, 2, config.chunk_size, 4, 32)
     engine, connector = build_engine(config, instance_id=engine_ids[-1], kv_shape=kv_shape)

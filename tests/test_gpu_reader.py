@@ -33,17 +33,13 @@ from lmcache_nvme_backend.gpu_harness import (
     release_all,
     write_chunks,
 )
+from lmcache_nvme_backend.gpu_reader import GpuChunkReader
+from lmcache_nvme_backend.gpu_select import PathDecision
 from lmcache_nvme_backend.gpusum import host_checksum
-from lmcache_nvme_backend.kvikio_io import (
-    PATH_HOST_BOUNCE,
-    PATH_KVIKIO_COMPAT,
-    GpuChunkReader,
-    PathDecision,
-    PayloadRead,
-    PosixTensorPayloadReader,
-)
+from lmcache_nvme_backend.kvikio_io import PayloadRead, PosixTensorPayloadReader
 from lmcache_nvme_backend.layout import key_digest, namespace_id
 from lmcache_nvme_backend.memory_objects import device_payload, is_device_object
+from lmcache_nvme_backend.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT
 from lmcache_nvme_backend.store import ChunkStore
 
 SIZE = 3 * 65536 + 2048  # not a multiple of 4 KiB

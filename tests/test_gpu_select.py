@@ -22,21 +22,23 @@ from lmcache_nvme_backend.format import (
     encode_header,
     max_key_bytes,
 )
+from lmcache_nvme_backend.gpu_select import (
+    GpuProbe,
+    check_pool_size,
+    chunk_bytes_of,
+    select_read_path,
+)
 from lmcache_nvme_backend.gpusum import (
     DeviceWeights,
     device_checksum,
     host_checksum,
     to_unsigned,
 )
-from lmcache_nvme_backend.kvikio_io import (
+from lmcache_nvme_backend.stats import (
     PATH_HOST_BOUNCE,
     PATH_KVIKIO_COMPAT,
     PATH_KVIKIO_GDS,
     PATH_POSIX,
-    GpuProbe,
-    check_pool_size,
-    chunk_bytes_of,
-    select_read_path,
 )
 
 GDS_READY = GpuProbe(cuda_devices=1, kvikio_version="26.10.0", libcufile_version="1.20",

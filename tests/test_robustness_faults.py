@@ -110,6 +110,8 @@ class FlakyEngine(PosixIOEngine):
             elif self.mode == "short":
                 from lmcache_nvme_backend.posix_io import ShortFileError
                 req.error = ShortFileError(errno.EIO, "injected short read")
+            elif self.mode == "eacces":
+                req.error = PermissionError(errno.EACCES, "injected permission denied")
 
 
 @pytest.mark.parametrize("mode", ["eio", "short"])
@@ -130,6 +132,30 @@ def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str) -> N
         else:  # a short file is quarantined, never served
             assert store.stats.get("invalid_files") == 1
             assert read(store, "a", SIZE) is None
+    finally:
+        store.close()
+
+
+def test_unreadable_files_are_misses_and_never_take_the_path_out_of_service(
+        tmp_path: Path) -> None:
+    """Another user's files in a shared tree: each is a miss, the drive stays in service."""
+    store = open_store(tmp_path / "c")
+    try:
+        keys = [f"k{i}" for i in range(store_mod.ROOT_ERROR_LIMIT + 2)]
+        for key in keys:
+            put(store, key)
+        assert store.flush(10)
+        good = store._engine
+        store._engine = FlakyEngine(store.settings.task_size_bytes, store._io_pool)
+        FlakyEngine.mode = "eacces"
+        assert all(read(store, key, SIZE) is None for key in keys)
+        store._engine = good
+        assert all(root.healthy for root in store.roots)
+        assert store.stats.get("read_failures") == len(keys)
+        assert not store.contains(keys[0])  # forgotten, like a vanished file
+        put(store, "fresh")
+        assert store.flush(10)
+        assert read(store, "fresh", SIZE) == payload_for("fresh", SIZE)
     finally:
         store.close()
 

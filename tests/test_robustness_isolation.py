@@ -28,14 +28,15 @@ CHUNK = 256
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("umask", [0o022, 0o077])
 @pytest.mark.parametrize("mode", [None, 0o640])
-def test_chunk_and_manifest_files_are_private_by_default(tmp_path: Path,
-                                                         mode: int | None) -> None:
+def test_chunk_and_manifest_files_are_private_by_default(tmp_path: Path, mode: int | None,
+                                                         umask: int) -> None:
     params: dict[str, object] = {"path": str(tmp_path / "c"), "max_size_gb": 0.1,
                                  "min_free_gb": 0, "manifest_interval_s": 0}
     if mode is not None:
         params["file_mode"] = oct(mode)
-    old_umask = os.umask(0o022)
+    old_umask = os.umask(umask)
     try:
         store = ChunkStore(NVMeSettings.from_params(params))
         store.submit("a", "m", meta_for(4096), memoryview(payload_for("a", 4096)), lambda: None)

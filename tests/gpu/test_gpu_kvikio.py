@@ -14,18 +14,12 @@ import torch
 
 from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
 from lmcache_nvme_backend.format import HEADER_SIZE
+from lmcache_nvme_backend.gpu_pool import GpuBufferPool
+from lmcache_nvme_backend.gpu_reader import build_gpu_reader
+from lmcache_nvme_backend.gpu_select import KVIKIO_PATHS, GpuProbe, PathDecision, select_read_path
 from lmcache_nvme_backend.gpusum import DeviceWeights, device_checksum, host_checksum, to_unsigned
-from lmcache_nvme_backend.kvikio_io import (
-    KVIKIO_PATHS,
-    PATH_HOST_BOUNCE,
-    PATH_KVIKIO_GDS,
-    GpuBufferPool,
-    GpuProbe,
-    KvikioPayloadReader,
-    PathDecision,
-    build_gpu_reader,
-    select_read_path,
-)
+from lmcache_nvme_backend.kvikio_io import KvikioPayloadReader
+from lmcache_nvme_backend.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS
 from lmcache_nvme_backend.store import ChunkStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

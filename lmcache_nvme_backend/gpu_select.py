@@ -1,0 +1,173 @@
+"""Which read path a CUDA worker uses, decided from plain facts about the machine.
+
+``select_read_path`` turns ``nvme.gds_mode``, the destination device and a
+``GpuProbe`` (kvikio importable? compat mode? libcufile? a GPU?) into a
+``PathDecision``: ``kvikio-gds``, ``kvikio-compat``, ``host-bounce`` or ``posix``
+(docs/gpu.md).  ``nvme.gds_mode: on`` turns each reason not to use GDS into an
+``NVMeConfigError`` that names the key.  Nothing here needs a GPU, so every branch
+is tested on CPU machines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import MIB, NVMeConfigError
+from .format import padded_length
+from .stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT, PATH_KVIKIO_GDS, PATH_POSIX
+
+logger = logging.getLogger("lmcache_nvme_backend")
+
+KVIKIO_PATHS = (PATH_KVIKIO_GDS, PATH_KVIKIO_COMPAT)
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """Facts about the GPU I/O stack, detected once (``detect``) or written by a test."""
+
+    cuda_devices: int = 0  # GPUs torch can use; 0 when CUDA is not usable
+    cuda_error: str | None = None  # why CUDA is not usable
+    kvikio_version: str | None = None  # None: kvikio cannot be imported
+    kvikio_error: str | None = None
+    libcufile_version: str | None = None  # None: kvikio cannot load libcufile
+    compat_mode_preferred: bool | None = None  # kvikio's verdict; None without kvikio
+    compat_mode_setting: str | None = None  # kvikio's compat_mode setting (KVIKIO_COMPAT_MODE)
+    nvidia_fs: bool = False  # the nvidia-fs kernel module is loaded
+
+    @classmethod
+    def detect(cls) -> GpuProbe:
+        """Ask torch and kvikio; never raises (a failure is a fact like any other)."""
+        cuda_devices, cuda_error = 0, None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                cuda_devices = torch.cuda.device_count()
+            else:
+                cuda_error = ("torch.cuda.is_available() is False (torch CUDA build: "
+                              f"{torch.version.cuda or 'none'})")
+        except Exception as exc:  # a broken torch install is a fact too
+            cuda_error = f"torch: {exc}"
+        kv_version = kv_error = cufile = setting = None
+        compat: bool | None = None
+        try:
+            import kvikio
+            import kvikio.defaults
+
+            kv_version = str(getattr(kvikio, "__version__", "?"))
+        except Exception as exc:
+            kv_error = str(exc) or type(exc).__name__
+        if kv_version is not None:
+            try:
+                import kvikio.cufile_driver
+
+                found = kvikio.cufile_driver.libcufile_version()
+                if found and tuple(found) != (0, 0):
+                    cufile = ".".join(str(p) for p in found)
+            except Exception as exc:
+                logger.debug("kvikio cannot load libcufile: %s", exc)
+            try:
+                compat = bool(kvikio.defaults.is_compat_mode_preferred())
+                raw = kvikio.defaults.get("compat_mode")
+                setting = getattr(raw, "name", str(raw))
+            except Exception as exc:
+                logger.debug("kvikio compat mode query failed: %s", exc)
+                compat = True
+        return cls(cuda_devices=cuda_devices, cuda_error=cuda_error, kvikio_version=kv_version,
+                   kvikio_error=kv_error, libcufile_version=cufile,
+                   compat_mode_preferred=compat, compat_mode_setting=setting,
+                   nvidia_fs=os.path.exists("/proc/driver/nvidia-fs/version"))
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    """The read path chosen, why, and (``nvme.gds_mode: on``) why it must not start."""
+
+    path: str
+    reason: str
+    refusal: str | None = None
+
+
+def is_cuda_device(dst_device: str) -> bool:
+    return str(dst_device).startswith("cuda")
+
+
+def select_read_path(mode: str, dst_device: str, pool_bytes: int,
+                     probe: GpuProbe) -> PathDecision:
+    """Pure decision: which path reads chunks for this worker, under ``nvme.gds_mode``."""
+    strict = mode == "on"
+    if not is_cuda_device(dst_device):
+        refusal = (f"nvme.gds_mode: 'on' but this LMCache worker's device is '{dst_device}', so "
+                   "there is no GPU to read into. Set nvme.gds_mode to 'auto' (or 'off') on "
+                   "CPU-only workers.") if strict else None
+        return PathDecision(PATH_POSIX, f"destination device is {dst_device}", refusal)
+    if pool_bytes <= 0:
+        refusal = ("nvme.gpu_pool_mb: 0 leaves no GPU memory to read into, but nvme.gds_mode is "
+                   "'on'. Give the pool room (e.g. 2048) or set nvme.gds_mode to 'auto'."
+                   ) if strict else None
+        return PathDecision(PATH_POSIX, "nvme.gpu_pool_mb is 0: chunks are served in host "
+                            "memory and LMCache copies them to the GPU", refusal)
+    if mode == "off":
+        return PathDecision(PATH_HOST_BOUNCE, "nvme.gds_mode is 'off'")
+    no_gpu = probe.cuda_devices <= 0
+    problems: list[str] = []
+    if no_gpu:
+        problems.append(f"no usable CUDA GPU ({probe.cuda_error or 'no device'})")
+    if probe.kvikio_version is None:
+        problems.append(f"kvikio cannot be imported ({probe.kvikio_error or 'not installed'}; "
+                        "pip install kvikio-cu13)")
+    elif probe.libcufile_version is None:
+        problems.append("kvikio cannot load libcufile, so there is no cuFile (install "
+                        "nvidia-cufile / the GDS packages)")
+    elif probe.compat_mode_preferred:
+        problems.append(
+            f"kvikio reports compat mode (compat_mode={probe.compat_mode_setting}), so cuFile/"
+            f"GDS will not be used (nvidia-fs module loaded: "
+            f"{'yes' if probe.nvidia_fs else 'no'}; in a container /run/udev must be "
+            "mounted; KVIKIO_COMPAT_MODE must not be ON)")
+    if strict:
+        if problems:
+            return PathDecision(PATH_KVIKIO_GDS, "nvme.gds_mode is 'on'", refusal=(
+                "nvme.gds_mode: 'on' (strict) but " + "; ".join(problems) + ". Fix the GDS "
+                "setup (lmcache-nvme doctor checks each part), or set nvme.gds_mode to 'auto' "
+                "to accept kvikio's compat mode or the host path."))
+        return PathDecision(PATH_KVIKIO_GDS, f"cuFile {probe.libcufile_version} with GDS "
+                            "(nvme.gds_mode 'on')")
+    if no_gpu or probe.kvikio_version is None:
+        return PathDecision(PATH_HOST_BOUNCE, "; ".join(problems))
+    if problems:
+        return PathDecision(PATH_KVIKIO_COMPAT, "; ".join(problems))
+    return PathDecision(PATH_KVIKIO_GDS, f"cuFile {probe.libcufile_version}, kvikio "
+                        f"{probe.kvikio_version}, compat mode off")
+
+
+def chunk_bytes_of(metadata: Any) -> int | None:
+    """Bytes of one full KV chunk for LMCache's metadata (None when it does not say)."""
+    shape = getattr(metadata, "kv_shape", None)
+    dtype = getattr(metadata, "kv_dtype", None)
+    if not shape or dtype is None:
+        return None
+    size = int(getattr(dtype, "itemsize", 0) or 0)
+    for dim in shape:
+        size *= int(dim)
+    return size or None
+
+
+def check_pool_size(pool_bytes: int, chunk_bytes: int | None, free_bytes: int | None,
+                    key_prefix: str = "nvme.") -> None:
+    """Refuse pool sizes that cannot work; the message names the key and the fix."""
+    key = f"{key_prefix}gpu_pool_mb"
+    if chunk_bytes and pool_bytes < padded_length(chunk_bytes):
+        need = -(-padded_length(chunk_bytes) // MIB)
+        raise NVMeConfigError(
+            f"{key}: {pool_bytes / MIB:g} MiB cannot hold one KV chunk of this model "
+            f"({chunk_bytes / MIB:.1f} MiB). Set it to at least {need} (several chunks: a "
+            "retrieve reads a whole prefix at once), or to 0 to serve chunks in host memory.")
+    if free_bytes is not None and pool_bytes > free_bytes:
+        raise NVMeConfigError(
+            f"{key}: {pool_bytes / MIB:g} MiB is more than the {free_bytes / MIB:.0f} MiB of "
+            "GPU memory free now. Lower it: the model, its KV cache and LMCache need that "
+            "memory too.")
