@@ -123,24 +123,28 @@ class StoreStats:
 
     def observe(self, histogram: str, seconds: float) -> None:
         """Add one latency observation to ``histogram`` (one of ``HISTOGRAMS``)."""
-        slot = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
         with self._lock:
-            self._buckets[histogram][slot] += 1
-            self._sums[histogram] += seconds
+            self._observe(histogram, seconds)
+
+    def _observe(self, histogram: str, seconds: float) -> None:
+        self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self._sums[histogram] += seconds
 
     def record_read(self, path: str, chunks: int, nbytes: int, seconds: float) -> None:
         """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total."""
-        self.add(path_counter(path, "chunks"), chunks)
-        self.add(path_counter(path, "bytes"), nbytes)
-        self.add(path_counter(path, "seconds"), seconds)
-        self.observe(read_latency(path), seconds)
+        with self._lock:
+            self._counts[path_counter(path, "chunks")] += chunks
+            self._counts[path_counter(path, "bytes")] += nbytes
+            self._counts[path_counter(path, "seconds")] += seconds  # type: ignore[assignment]
+            self._observe(read_latency(path), seconds)
 
     def record_write(self, nbytes: int, seconds: float) -> None:
         """One chunk file written and published."""
-        self.add("writes_completed")
-        self.add("write_bytes", nbytes)
-        self.add("write_seconds", seconds)
-        self.observe(WRITE_LATENCY, seconds)
+        with self._lock:
+            self._counts["writes_completed"] += 1
+            self._counts["write_bytes"] += nbytes
+            self._counts["write_seconds"] += seconds  # type: ignore[assignment]
+            self._observe(WRITE_LATENCY, seconds)
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         with self._lock:

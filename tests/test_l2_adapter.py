@@ -6,7 +6,7 @@ import argparse
 import os
 import select
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +67,19 @@ def load_adapter(path: Path, **params: Any) -> NVMeL2Adapter:
     return adapter
 
 
+AdapterFactory = Callable[..., NVMeL2Adapter]
+
+
 @pytest.fixture
-def adapters() -> Iterator[list[NVMeL2Adapter]]:
+def open_adapter() -> Iterator[AdapterFactory]:
+    """``load_adapter`` whose adapters are closed at the end of the test."""
     made: list[NVMeL2Adapter] = []
-    yield made
+
+    def factory(path: Path, **params: Any) -> NVMeL2Adapter:
+        made.append(load_adapter(path, **params))
+        return made[-1]
+
+    yield factory
     for adapter in made:
         adapter.close()
 
@@ -203,9 +212,8 @@ def test_event_fds_are_distinct_and_closed(tmp_path: Path) -> None:
 
 
 def test_store_lookup_load_round_trip_is_byte_exact(tmp_path: Path,
-                                                    adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path)
-    adapters.append(adapter)
+                                                    open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path)
     keys, objs = make_keys(6), make_objs(6, seed=1)
     result = store(adapter, keys, objs)
     assert result.is_successful() and result.bytes_transferred() == 6 * CHUNK_BYTES
@@ -225,9 +233,8 @@ def test_store_lookup_load_round_trip_is_byte_exact(tmp_path: Path,
 
 
 def test_duplicate_store_succeeds_without_rewriting(tmp_path: Path,
-                                                    adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path)
-    adapters.append(adapter)
+                                                    open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path)
     keys, objs = make_keys(3), make_objs(3, seed=2)
     assert store(adapter, keys, objs).is_successful()
     again = store(adapter, keys, make_objs(3, seed=3))
@@ -239,9 +246,8 @@ def test_duplicate_store_succeeds_without_rewriting(tmp_path: Path,
 
 
 def test_usage_is_accounted_through_the_base_class(tmp_path: Path,
-                                                   adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path, max_size_gb=0.5)
-    adapters.append(adapter)
+                                                   open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path, max_size_gb=0.5)
     stored: list[list[ObjectKey]] = []
     deleted: list[list[ObjectKey]] = []
 
@@ -274,9 +280,8 @@ def test_usage_is_accounted_through_the_base_class(tmp_path: Path,
     assert lookup(adapter, salted) == [False, True]
 
 
-def test_salt_isolates_chunks(tmp_path: Path, adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path)
-    adapters.append(adapter)
+def test_salt_isolates_chunks(tmp_path: Path, open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path)
     (alice,) = make_keys(1, salt="alice")
     (bob,) = make_keys(1, salt="bob")
     assert store(adapter, [alice], make_objs(1, seed=6)).is_successful()
@@ -284,11 +289,10 @@ def test_salt_isolates_chunks(tmp_path: Path, adapters: list[NVMeL2Adapter]) -> 
 
 
 def test_eviction_honours_locks_and_notifies(tmp_path: Path,
-                                            adapters: list[NVMeL2Adapter]) -> None:
+                                            open_adapter: AdapterFactory) -> None:
     size = file_size_for(CHUNK_BYTES)
     budget_gb = 4 * size / 1024**3  # room for exactly four chunks
-    adapter = load_adapter(tmp_path, max_size_gb=budget_gb)
-    adapters.append(adapter)
+    adapter = open_adapter(tmp_path, max_size_gb=budget_gb)
     first = make_keys(4)
     assert store(adapter, first, make_objs(4, seed=7)).is_successful()
     assert lookup(adapter, first[:1]) == [True]  # locks (pins) the first chunk
@@ -322,9 +326,8 @@ def test_restart_keeps_data_findable(tmp_path: Path) -> None:
 
 
 def test_corrupted_chunk_is_a_miss_never_served(tmp_path: Path,
-                                               adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path)
-    adapters.append(adapter)
+                                               open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path)
     keys, objs = make_keys(3), make_objs(3, seed=11)
     assert store(adapter, keys, objs).is_successful()
     path = adapter.store.roots[0].layout.chunk_path(
@@ -341,19 +344,17 @@ def test_corrupted_chunk_is_a_miss_never_served(tmp_path: Path,
     assert lookup(adapter, keys[1:2]) == [False]
 
 
-def test_wrong_layout_load_is_a_miss(tmp_path: Path, adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path)
-    adapters.append(adapter)
+def test_wrong_layout_load_is_a_miss(tmp_path: Path, open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path)
     keys = make_keys(1)
     assert store(adapter, keys, make_objs(1, seed=12)).is_successful()
     assert load(adapter, keys, make_objs(1, seed=None, nbytes=CHUNK_BYTES // 2)) == [False]
 
 
 def test_concurrent_controllers_are_safe(tmp_path: Path,
-                                        adapters: list[NVMeL2Adapter]) -> None:
+                                        open_adapter: AdapterFactory) -> None:
     """A store thread and a prefetch thread, as LMCache runs them, on one adapter."""
-    adapter = load_adapter(tmp_path)
-    adapters.append(adapter)
+    adapter = open_adapter(tmp_path)
     base_keys, base_objs = make_keys(4), make_objs(4, seed=13)
     assert store(adapter, base_keys, base_objs).is_successful()
     errors: list[BaseException] = []
@@ -396,19 +397,17 @@ def test_concurrent_controllers_are_safe(tmp_path: Path,
     assert lookup(adapter, make_keys(18, start=1000)) == [True] * 18
 
 
-def test_report_status(tmp_path: Path, adapters: list[NVMeL2Adapter]) -> None:
-    adapter = load_adapter(tmp_path, shared=True)
-    adapters.append(adapter)
+def test_report_status(tmp_path: Path, open_adapter: AdapterFactory) -> None:
+    adapter = open_adapter(tmp_path, shared=True)
     status = adapter.report_status()
     assert status["is_healthy"] is True and status["shared"] is True
     assert status["paths"] == [str(tmp_path)]
 
 
 def test_shared_mode_finds_chunks_another_server_wrote(tmp_path: Path,
-                                                       adapters: list[NVMeL2Adapter]) -> None:
-    one = load_adapter(tmp_path, shared=True)
-    two = load_adapter(tmp_path, shared=True)  # started before anything was stored
-    adapters += [one, two]
+                                                       open_adapter: AdapterFactory) -> None:
+    one = open_adapter(tmp_path, shared=True)
+    two = open_adapter(tmp_path, shared=True)  # started before anything was stored
     keys, objs = make_keys(3), make_objs(3, seed=14)
     assert store(one, keys, objs).is_successful()
     assert lookup(two, keys) == [True] * 3
