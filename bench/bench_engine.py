@@ -53,7 +53,7 @@ import yaml  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngine  # noqa: E402
 
-import lmcache_nvme_backend.cpu_harness as harness  # noqa: E402
+import lmcache_nvme_backend.testing.engine as harness  # noqa: E402
 
 CONFIG_NAMES = ("host-only", "local-disk", "nvme")
 BASELINE = "local-disk"

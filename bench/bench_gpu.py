@@ -86,14 +86,14 @@ class Variant:
 
 def build_variants(names: list[str], store: Any, chunks: Any, args: argparse.Namespace,
                    nbytes: int, torch: Any) -> tuple[list[Variant], dict[str, str]]:
-    from lmcache_nvme_backend.gpu_harness import HostTier, make_reader, release_all
-    from lmcache_nvme_backend.gpu_select import GpuProbe, PathDecision, select_read_path
-    from lmcache_nvme_backend.kvikio_io import (
+    from lmcache_nvme_backend.gpu.select import GpuProbe, PathDecision, select_read_path
+    from lmcache_nvme_backend.io.kvikio import (
         KvikioPayloadReader,
         PayloadRead,
         PosixTensorPayloadReader,
     )
-    from lmcache_nvme_backend.stats import PATH_HOST_BOUNCE
+    from lmcache_nvme_backend.store.stats import PATH_HOST_BOUNCE
+    from lmcache_nvme_backend.testing.gpu import HostTier, make_reader, release_all
 
     device = args.device
     pool_bytes = int(args.pool_mb * 2**20)
@@ -167,7 +167,7 @@ def gds_variant(use_gds: bool, store: Any, chunks: Any, args: argparse.Namespace
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.storage_backend.gds_backend import GdsBackend
 
-    from lmcache_nvme_backend.gpusum import (
+    from lmcache_nvme_backend.disk.gpusum import (
         DeviceWeights,
         device_checksum,
         host_checksum,
@@ -229,9 +229,9 @@ def gds_variant(use_gds: bool, store: Any, chunks: Any, args: argparse.Namespace
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch = require_gpu(args.cpu_dry_run)
     from lmcache_nvme_backend.config import NVMeSettings
-    from lmcache_nvme_backend.gpu_harness import write_chunks
-    from lmcache_nvme_backend.gpu_select import GpuProbe
-    from lmcache_nvme_backend.store import ChunkStore
+    from lmcache_nvme_backend.gpu.select import GpuProbe
+    from lmcache_nvme_backend.store.chunk_store import ChunkStore
+    from lmcache_nvme_backend.testing.gpu import write_chunks
 
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     for name in names:

@@ -30,7 +30,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from lmcache_nvme_backend.cpu_harness import (  # noqa: E402
+from lmcache_nvme_backend.testing.engine import (  # noqa: E402
     build_engine,
     destroy_engine,
     load_config,

@@ -27,7 +27,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import torch  # noqa: E402
 
-from lmcache_nvme_backend.cpu_harness import (  # noqa: E402
+from lmcache_nvme_backend.testing.engine import (  # noqa: E402
     CPU_TIER,
     build_engine,
     chunk_keys,

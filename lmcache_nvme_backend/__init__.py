@@ -24,22 +24,22 @@ __all__ = ["NVMeBackend", "NVMeConfigError", "NVMeConnector", "NVMeL2Adapter",
            "NVMeL2AdapterConfig", "NVMeSettings", "__version__"]
 
 if TYPE_CHECKING:
-    from .backend import NVMeBackend
-    from .connector import NVMeConnector
-    from .l2_adapter import NVMeL2Adapter, NVMeL2AdapterConfig
+    from .adapters.backend import NVMeBackend
+    from .adapters.connector import NVMeConnector
+    from .adapters.l2_adapter import NVMeL2Adapter, NVMeL2AdapterConfig
 
 
 def __getattr__(name: str) -> Any:
     if name == "NVMeBackend":
-        from .backend import NVMeBackend
+        from .adapters.backend import NVMeBackend
 
         return NVMeBackend
     if name in ("NVMeL2Adapter", "NVMeL2AdapterConfig"):
-        from . import l2_adapter
+        from .adapters import l2_adapter
 
         return getattr(l2_adapter, name)
     if name == "NVMeConnector":
-        from .connector import NVMeConnector
+        from .adapters.connector import NVMeConnector
 
         return NVMeConnector
     raise AttributeError(f"module 'lmcache_nvme_backend' has no attribute {name!r}")

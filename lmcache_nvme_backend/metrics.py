@@ -32,7 +32,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .stats import (
+from .store.stats import (
     READ_PATHS,
     WRITE_LATENCY,
     HistogramSnapshot,
@@ -41,7 +41,7 @@ from .stats import (
 )
 
 if TYPE_CHECKING:
-    from .store import ChunkStore
+    from .store.chunk_store import ChunkStore
 
 logger = logging.getLogger("lmcache_nvme_backend")  # LMCache's handler prints it
 

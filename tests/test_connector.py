@@ -15,8 +15,9 @@ import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
 
-from lmcache_nvme_backend.connector import NVMeConnector
-from lmcache_nvme_backend.cpu_harness import (
+from lmcache_nvme_backend.adapters.connector import NVMeConnector
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.testing.engine import (
     CPU_TIER,
     CopyingCPUConnector,
     build_engine,
@@ -31,7 +32,6 @@ from lmcache_nvme_backend.cpu_harness import (
     store_prompt,
     wait_until_in_tier,
 )
-from lmcache_nvme_backend.layout import key_digest, namespace_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -111,7 +111,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     import torch
-    from lmcache_nvme_backend.cpu_harness import (build_engine, chunk_keys, destroy_engine,
+    from lmcache_nvme_backend.testing.engine import (build_engine, chunk_keys, destroy_engine,
         evict_from_cpu, keys_in_tier, load_config, make_kv, make_prompt, retrieve_prompt,
         store_prompt, wait_until_in_tier)
     from test_connector import EXAMPLE_YAML, REMOTE_TIER, CHUNK, remote_overrides, connector_of

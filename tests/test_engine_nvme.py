@@ -14,8 +14,9 @@ import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
 
-from lmcache_nvme_backend.backend import NVMeBackend
-from lmcache_nvme_backend.cpu_harness import (
+from lmcache_nvme_backend.adapters.backend import NVMeBackend
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.testing.engine import (
     CPU_TIER,
     CopyingCPUConnector,
     build_engine,
@@ -31,7 +32,6 @@ from lmcache_nvme_backend.cpu_harness import (
     store_prompt,
     wait_until_in_tier,
 )
-from lmcache_nvme_backend.layout import key_digest, namespace_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -75,7 +75,7 @@ RESTART_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from lmcache_nvme_backend.cpu_harness import (CPU_TIER, build_engine, chunk_keys,
+from lmcache_nvme_backend.testing.engine import (CPU_TIER, build_engine, chunk_keys,
     destroy_engine, keys_in_tier, load_config, make_kv, make_prompt, retrieve_prompt)
 from test_engine_nvme import EXAMPLE_YAML, NUM_CHUNKS, CHUNK, example_config_overrides
 from pathlib import Path

@@ -24,8 +24,9 @@ import torch
 import yaml
 
 import lmcache_nvme_backend
+from lmcache_nvme_backend.adapters.l2_adapter import NVMeL2AdapterConfig
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.cpu_harness import (
+from lmcache_nvme_backend.testing.engine import (
     build_engine,
     chunk_keys,
     destroy_engine,
@@ -38,7 +39,6 @@ from lmcache_nvme_backend.cpu_harness import (
     store_prompt,
     wait_until_in_tier,
 )
-from lmcache_nvme_backend.l2_adapter import NVMeL2AdapterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

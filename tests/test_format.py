@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 import xxhash
 
-from lmcache_nvme_backend.format import (
+from lmcache_nvme_backend.disk.format import (
     ALIGNMENT,
     FORMAT_VERSION,
     HEADER_SIZE,

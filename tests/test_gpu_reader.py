@@ -19,10 +19,18 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 
-from lmcache_nvme_backend.backend import NVMeBackend
+from lmcache_nvme_backend.adapters.backend import NVMeBackend
+from lmcache_nvme_backend.adapters.memory_objects import device_payload, is_device_object
 from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
-from lmcache_nvme_backend.format import HEADER_SIZE, decode_header
-from lmcache_nvme_backend.gpu_harness import (
+from lmcache_nvme_backend.disk.format import HEADER_SIZE, decode_header
+from lmcache_nvme_backend.disk.gpusum import host_checksum
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.gpu.reader import GpuChunkReader
+from lmcache_nvme_backend.gpu.select import PathDecision
+from lmcache_nvme_backend.io.kvikio import PayloadRead, PosixTensorPayloadReader
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
+from lmcache_nvme_backend.store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT
+from lmcache_nvme_backend.testing.gpu import (
     NAMESPACE,
     HostTier,
     chunk_meta,
@@ -33,14 +41,6 @@ from lmcache_nvme_backend.gpu_harness import (
     release_all,
     write_chunks,
 )
-from lmcache_nvme_backend.gpu_reader import GpuChunkReader
-from lmcache_nvme_backend.gpu_select import PathDecision
-from lmcache_nvme_backend.gpusum import host_checksum
-from lmcache_nvme_backend.kvikio_io import PayloadRead, PosixTensorPayloadReader
-from lmcache_nvme_backend.layout import key_digest, namespace_id
-from lmcache_nvme_backend.memory_objects import device_payload, is_device_object
-from lmcache_nvme_backend.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT
-from lmcache_nvme_backend.store import ChunkStore
 
 SIZE = 3 * 65536 + 2048  # not a multiple of 4 KiB
 COMPAT = PathDecision(PATH_KVIKIO_COMPAT, "test")
@@ -353,7 +353,7 @@ def test_real_kvikio_reader_failing_without_cuda_falls_back(store: ChunkStore,
     host path serves the chunks."""
     defaults = pytest.importorskip("kvikio.defaults")
 
-    from lmcache_nvme_backend.kvikio_io import KvikioPayloadReader
+    from lmcache_nvme_backend.io.kvikio import KvikioPayloadReader
 
     payloads = KvikioPayloadReader(threads=3, task_size=MIB, strict=False)
     assert defaults.get("num_threads") == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
-from lmcache_nvme_backend.format import (
+from lmcache_nvme_backend.disk.format import (
     FLAG_GPU_CHECKSUM,
     HEADER_SIZE,
     FormatError,
@@ -22,19 +22,19 @@ from lmcache_nvme_backend.format import (
     encode_header,
     max_key_bytes,
 )
-from lmcache_nvme_backend.gpu_select import (
-    GpuProbe,
-    check_pool_size,
-    chunk_bytes_of,
-    select_read_path,
-)
-from lmcache_nvme_backend.gpusum import (
+from lmcache_nvme_backend.disk.gpusum import (
     DeviceWeights,
     device_checksum,
     host_checksum,
     to_unsigned,
 )
-from lmcache_nvme_backend.stats import (
+from lmcache_nvme_backend.gpu.select import (
+    GpuProbe,
+    check_pool_size,
+    chunk_bytes_of,
+    select_read_path,
+)
+from lmcache_nvme_backend.store.stats import (
     PATH_HOST_BOUNCE,
     PATH_KVIKIO_COMPAT,
     PATH_KVIKIO_GDS,

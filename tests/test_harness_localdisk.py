@@ -15,7 +15,7 @@ import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
 
-from lmcache_nvme_backend.cpu_harness import (
+from lmcache_nvme_backend.testing.engine import (
     CPU_TIER,
     CopyingCPUConnector,
     build_engine,

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from lmcache_nvme_backend.format import TensorMeta
-from lmcache_nvme_backend.index import ChunkIndex, IndexEntry
+from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.store.index import ChunkIndex, IndexEntry
 
 BUDGET = 10_000
 META = TensorMeta(shapes=((4,),), dtypes=("uint8",), fmt=1, nbytes=4)

@@ -29,15 +29,15 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.platform import consume_fd
 
 from lmcache_nvme_backend import NVMeConfigError
-from lmcache_nvme_backend.format import HEADER_SIZE, file_size_for
-from lmcache_nvme_backend.l2_adapter import (
+from lmcache_nvme_backend.adapters.l2_adapter import (
     NVMeL2Adapter,
     NVMeL2AdapterConfig,
     object_key_namespace,
     object_key_string,
     parse_object_key_string,
 )
-from lmcache_nvme_backend.layout import key_digest, namespace_id
+from lmcache_nvme_backend.disk.format import HEADER_SIZE, file_size_for
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 
 pytestmark = pytest.mark.timeout(120)
 

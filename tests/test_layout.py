@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from lmcache_nvme_backend.layout import (
+from lmcache_nvme_backend.disk.layout import (
     CHUNK_SUFFIX,
     ChunkLocation,
     RootLayout,
@@ -71,7 +71,7 @@ def test_key_digest_shape_for_hostile_keys(key: str) -> None:
 
 def test_key_digest_stable_across_processes() -> None:
     keys = ["a", "model@1@0@ff@bf16", "\u00e9"]
-    code = ("from lmcache_nvme_backend.layout import key_digest, namespace_id\n"
+    code = ("from lmcache_nvme_backend.disk.layout import key_digest, namespace_id\n"
             f"print(*[key_digest(k) + namespace_id(k) for k in {keys!r}])")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True,

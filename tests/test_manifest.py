@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_nvme_backend.format import TensorMeta
-from lmcache_nvme_backend.index import IndexEntry
-from lmcache_nvme_backend.manifest import MANIFEST_NAME, load_manifest, save_manifest
+from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.disk.manifest import MANIFEST_NAME, load_manifest, save_manifest
+from lmcache_nvme_backend.store.index import IndexEntry
 
 META_A = TensorMeta(shapes=((2, 4, 256, 512),), dtypes=("bfloat16",), fmt=1, nbytes=2097152)
 META_B = TensorMeta(shapes=((8,), (3, 3)), dtypes=("uint8", "float32"), fmt=5, nbytes=44)

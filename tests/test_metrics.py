@@ -16,9 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine_nvme import CHUNK, EXAMPLE_YAML, example_config_overrides
 
 from lmcache_nvme_backend import metrics
-from lmcache_nvme_backend.backend import NVMeBackend
+from lmcache_nvme_backend.adapters.backend import NVMeBackend
 from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
-from lmcache_nvme_backend.cpu_harness import (
+from lmcache_nvme_backend.metrics import PREFIX, TierObserver, metric_names, stats_line
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
+from lmcache_nvme_backend.store.stats import LATENCY_BUCKETS_S, READ_PATHS, StoreStats, path_counter
+from lmcache_nvme_backend.testing.engine import (
     CopyingCPUConnector,
     build_engine,
     chunk_keys,
@@ -32,9 +35,6 @@ from lmcache_nvme_backend.cpu_harness import (
     store_prompt,
     wait_until_in_tier,
 )
-from lmcache_nvme_backend.metrics import PREFIX, TierObserver, metric_names, stats_line
-from lmcache_nvme_backend.stats import LATENCY_BUCKETS_S, READ_PATHS, StoreStats, path_counter
-from lmcache_nvme_backend.store import ChunkStore
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

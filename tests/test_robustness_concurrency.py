@@ -28,8 +28,8 @@ import pytest
 from test_store import NS, meta_for, payload_for, read
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.format import file_size_for
-from lmcache_nvme_backend.store import ChunkStore
+from lmcache_nvme_backend.disk.format import file_size_for
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 PROCS = 4
 DURATION_S = 4.0

@@ -23,8 +23,8 @@ import pytest
 from test_store import NS, meta_for, payload_for, read
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.layout import RootLayout
-from lmcache_nvme_backend.store import ChunkStore
+from lmcache_nvme_backend.disk.layout import RootLayout
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 TRIALS = 60
 KEYS = 200

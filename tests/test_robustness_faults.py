@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from test_store import NS, meta_for, payload_for, read
 
-from lmcache_nvme_backend import store as store_mod
+from lmcache_nvme_backend.store import chunk_store as store_mod
 from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
-from lmcache_nvme_backend.posix_io import PosixIOEngine, ReadRequest
-from lmcache_nvme_backend.store import ChunkStore
+from lmcache_nvme_backend.io.posix import PosixIOEngine, ReadRequest
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,7 +108,7 @@ class FlakyEngine(PosixIOEngine):
             if self.mode == "eio":
                 req.error = OSError(errno.EIO, "injected EIO")
             elif self.mode == "short":
-                from lmcache_nvme_backend.posix_io import ShortFileError
+                from lmcache_nvme_backend.io.posix import ShortFileError
                 req.error = ShortFileError(errno.EIO, "injected short read")
             elif self.mode == "eacces":
                 req.error = PermissionError(errno.EACCES, "injected permission denied")

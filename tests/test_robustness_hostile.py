@@ -12,9 +12,9 @@ import pytest
 from test_store import meta_for, payload_for, read
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.format import HEADER_SIZE, encode_header
-from lmcache_nvme_backend.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store import ChunkStore, SubmitResult
+from lmcache_nvme_backend.disk.format import HEADER_SIZE, encode_header
+from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
+from lmcache_nvme_backend.store.chunk_store import ChunkStore, SubmitResult
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,8 @@ import torch
 from test_store import meta_for, payload_for
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.cpu_harness import (
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
+from lmcache_nvme_backend.testing.engine import (
     build_engine,
     destroy_engine,
     evict_from_cpu,
@@ -21,7 +22,6 @@ from lmcache_nvme_backend.cpu_harness import (
     make_prompt,
     wait_until_in_tier,
 )
-from lmcache_nvme_backend.store import ChunkStore
 
 EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme.yaml"
 CHUNK = 256

@@ -16,7 +16,7 @@ import pytest
 from test_store import meta_for
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.store import ChunkStore, SubmitResult
+from lmcache_nvme_backend.store.chunk_store import ChunkStore, SubmitResult
 
 SIZE = 256 * 1024
 

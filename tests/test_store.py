@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.format import HEADER_SIZE, TensorMeta, encode_header, file_size_for
-from lmcache_nvme_backend.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
+from lmcache_nvme_backend.disk.format import HEADER_SIZE, TensorMeta, encode_header, file_size_for
+from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
+from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
 
 NS = "test-model"
 CHUNK = 256 * 1024 + 123  # deliberately not a multiple of 4 KiB
@@ -247,7 +247,7 @@ def test_concurrent_writers_in_two_processes_publish_one_valid_file(tmp_path: Pa
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_store import put, NS
         from lmcache_nvme_backend.config import NVMeSettings
-        from lmcache_nvme_backend.store import ChunkStore
+        from lmcache_nvme_backend.store.chunk_store import ChunkStore
         store = ChunkStore(NVMeSettings.from_params({{"path": sys.argv[1], "max_size_gb": 1,
             "min_free_gb": 0, "manifest_interval_s": 0}}))
         for i in range(20):
@@ -340,7 +340,7 @@ CRASH_WRITER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from test_store import put
     from lmcache_nvme_backend.config import NVMeSettings
-    from lmcache_nvme_backend.store import ChunkStore
+    from lmcache_nvme_backend.store.chunk_store import ChunkStore
     store = ChunkStore(NVMeSettings.from_params({"path": sys.argv[1], "max_size_gb": 1,
         "min_free_gb": 0, "manifest_interval_s": 0.05, "write_threads": 2}))
     put(store, "crash-0", 3 * 1024 * 1024 + 7)

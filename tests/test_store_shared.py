@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.format import TensorMeta, file_size_for
-from lmcache_nvme_backend.index import IndexEntry
-from lmcache_nvme_backend.layout import key_digest, namespace_id
-from lmcache_nvme_backend.store import ChunkRead, ChunkStore, ChunkWrite
+from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
+from lmcache_nvme_backend.store.index import IndexEntry
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from lmcache_nvme_backend.format import TensorMeta
-from lmcache_nvme_backend.writeback import ReadPriorityGate, WriteBackQueue, WriteJob
+from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.store.writeback import ReadPriorityGate, WriteBackQueue, WriteJob
 
 CAPACITY = 1000
 JOIN_S = 10  # generous bound so a broken implementation fails instead of hanging

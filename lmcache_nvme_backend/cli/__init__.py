@@ -20,7 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import bench, doctor, gc, inspect, verify
+from . import doctor, gc, inspect, verify
+from .bench import command as bench
 from .common import CLIError
 
 __all__ = ["build_parser", "main"]

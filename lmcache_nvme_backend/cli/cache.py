@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..layout import MARKER_NAME, RootLayout, namespace_id
-from ..manifest import MANIFEST_NAME, ManifestRecord, load_manifest
+from ..disk.layout import MARKER_NAME, RootLayout, namespace_id
+from ..disk.manifest import MANIFEST_NAME, ManifestRecord, load_manifest
 from .common import CLIError
 
 _NS_ID_RE = re.compile(r"^[0-9a-f]{16}$")

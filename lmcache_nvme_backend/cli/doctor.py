@@ -21,8 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..format import ALIGNMENT
-from ..posix_io import probe_direct_io
+from ..disk.format import ALIGNMENT
+from ..io.posix import probe_direct_io
 from .common import GIB, MountInfo, mount_for, nearest_existing, non_negative_float, print_json
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"

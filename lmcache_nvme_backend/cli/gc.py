@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..layout import STALE_TEMP_S
+from ..disk.layout import STALE_TEMP_S
 from .cache import CacheFile, CacheRoot, lru_order, relative, same_file
 from .common import GIB, CLIError, human_bytes, non_negative_float, positive_float, print_json
 

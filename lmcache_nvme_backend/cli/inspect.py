@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..layout import TEMP_INFIX
+from ..disk.layout import TEMP_INFIX
 from .cache import CacheRoot
 from .common import human_bytes, print_json
 

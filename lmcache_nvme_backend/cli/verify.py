@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..format import FormatError, decode_header, payload_checksum
-from ..layout import key_digest, namespace_id
-from ..posix_io import AlignedBuffer, PosixIOEngine, ReadRequest, probe_direct_io
+from ..disk.format import FormatError, decode_header, payload_checksum
+from ..disk.layout import key_digest, namespace_id
+from ..io.posix import AlignedBuffer, PosixIOEngine, ReadRequest, probe_direct_io
 from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import MIB, Progress, human_bytes, positive_int, print_json
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.format import TensorMeta
-from lmcache_nvme_backend.layout import key_digest, namespace_id
-from lmcache_nvme_backend.store import ChunkRead, ChunkStore
+from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore
 
 CHUNK = 64 * 1024
 NAMESPACES = ("model-a", "model-b")

@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 from cli_support import RunCLI
 
-from lmcache_nvme_backend.cli.bench_engine import BenchConfig
-from lmcache_nvme_backend.cli.fio import assign_files, build_jobfile, choose_fio_mem, fio_shape
+from lmcache_nvme_backend.cli.bench.fio import (
+    assign_files,
+    build_jobfile,
+    choose_fio_mem,
+    fio_shape,
+)
+from lmcache_nvme_backend.cli.bench.iobench import BenchConfig
 
 SMALL = ("--bs", "256k", "--size", "4M")
 

@@ -18,8 +18,8 @@ from cli_support import (
     read_chunk,
 )
 
-from lmcache_nvme_backend.format import file_size_for
-from lmcache_nvme_backend.layout import RootLayout
+from lmcache_nvme_backend.disk.format import file_size_for
+from lmcache_nvme_backend.disk.layout import RootLayout
 
 
 def test_budget_removes_least_recently_used_first(run_cli: RunCLI, cache_dir: Path) -> None:

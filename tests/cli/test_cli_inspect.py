@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cli_support import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
 
-from lmcache_nvme_backend.format import file_size_for
+from lmcache_nvme_backend.disk.format import file_size_for
 
 
 def test_inspect_counts_every_namespace(run_cli: RunCLI, cache_dir: Path) -> None:

@@ -16,7 +16,7 @@ from cli_support import (
     read_chunk,
 )
 
-from lmcache_nvme_backend.format import HEADER_SIZE
+from lmcache_nvme_backend.disk.format import HEADER_SIZE
 
 
 def flip_payload_bit(path: Path) -> None:

@@ -6,7 +6,7 @@
 #     bash tests/gpu/prepare_wheels.sh
 #
 # then copy `.whl` to the GPU machine with the checkout (docs/gpu.md).  The list
-# was derived from an import trace of lmcache_nvme_backend.backend, LMCache's
+# was derived from an import trace of lmcache_nvme_backend.adapters.backend, LMCache's
 # GdsBackend/allocators and kvikio, minus what a stock CUDA 13 / torch image
 # already has.  One version per package; --no-deps.
 set -euo pipefail

@@ -43,7 +43,7 @@ export LD_LIBRARY_PATH="/tmp/cuda-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   python3 -c "import torch, kvikio, lmcache, lmcache_nvme_backend as m; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available()); \
 print('kvikio', kvikio.__version__); print('lmcache import ok'); \
-from lmcache_nvme_backend.gpu_select import GpuProbe; print(GpuProbe.detect())"
+from lmcache_nvme_backend.gpu.select import GpuProbe; print(GpuProbe.detect())"
 } 2>&1 | tee "$OUT/env.txt"
 
 export NVME_GPU_TEST_DIR=${NVME_GPU_TEST_DIR:-/var/tmp/nvme-gpu-tests}

@@ -13,14 +13,19 @@ import pytest
 import torch
 
 from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
-from lmcache_nvme_backend.format import HEADER_SIZE
-from lmcache_nvme_backend.gpu_pool import GpuBufferPool
-from lmcache_nvme_backend.gpu_reader import build_gpu_reader
-from lmcache_nvme_backend.gpu_select import KVIKIO_PATHS, GpuProbe, PathDecision, select_read_path
-from lmcache_nvme_backend.gpusum import DeviceWeights, device_checksum, host_checksum, to_unsigned
-from lmcache_nvme_backend.kvikio_io import KvikioPayloadReader
-from lmcache_nvme_backend.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS
-from lmcache_nvme_backend.store import ChunkStore
+from lmcache_nvme_backend.disk.format import HEADER_SIZE
+from lmcache_nvme_backend.disk.gpusum import (
+    DeviceWeights,
+    device_checksum,
+    host_checksum,
+    to_unsigned,
+)
+from lmcache_nvme_backend.gpu.pool import GpuBufferPool
+from lmcache_nvme_backend.gpu.reader import build_gpu_reader
+from lmcache_nvme_backend.gpu.select import KVIKIO_PATHS, GpuProbe, PathDecision, select_read_path
+from lmcache_nvme_backend.io.kvikio import KvikioPayloadReader
+from lmcache_nvme_backend.store.chunk_store import ChunkStore
+from lmcache_nvme_backend.store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (see docs/gpu.md)")
@@ -76,7 +81,7 @@ def test_probe_and_auto_decision_agree(probe: GpuProbe) -> None:
 
 
 def test_kvikio_reads_straight_into_the_cuda_pool(store: ChunkStore, probe: GpuProbe) -> None:
-    from lmcache_nvme_backend.gpu_harness import (
+    from lmcache_nvme_backend.testing.gpu import (
         HostTier,
         in_pool,
         make_reader,
@@ -108,8 +113,8 @@ def test_kvikio_reads_straight_into_the_cuda_pool(store: ChunkStore, probe: GpuP
 
 
 def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) -> None:
-    from lmcache_nvme_backend.gpu_harness import HostTier, make_reader, release_all, write_chunks
-    from lmcache_nvme_backend.layout import key_digest, namespace_id
+    from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+    from lmcache_nvme_backend.testing.gpu import HostTier, make_reader, release_all, write_chunks
 
     decision = kvikio_decision(probe)
     chunks = write_chunks(store, 2, SIZE)
@@ -139,7 +144,7 @@ def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) 
 
 
 def test_host_bounce_into_cuda(store: ChunkStore) -> None:
-    from lmcache_nvme_backend.gpu_harness import (
+    from lmcache_nvme_backend.testing.gpu import (
         HostTier,
         make_reader,
         object_bytes,
@@ -161,8 +166,8 @@ def test_host_bounce_into_cuda(store: ChunkStore) -> None:
 
 
 def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) -> None:
-    from lmcache_nvme_backend.gpu_harness import HostTier
-    from lmcache_nvme_backend.memory_objects import allocate_for, host_view
+    from lmcache_nvme_backend.adapters.memory_objects import allocate_for, host_view
+    from lmcache_nvme_backend.testing.gpu import HostTier
 
     pytest.importorskip("kvikio")
     strict = NVMeSettings.from_params({"path": str(store.settings.paths[0]), "max_size_gb": 1,
@@ -193,8 +198,8 @@ def test_backend_on_cuda_end_to_end_and_writes_from_gpu_memory(cache_dir: Path) 
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
 
-    from lmcache_nvme_backend.backend import NVMeBackend
-    from lmcache_nvme_backend.gpu_harness import (
+    from lmcache_nvme_backend.adapters.backend import NVMeBackend
+    from lmcache_nvme_backend.testing.gpu import (
         HostTier,
         chunk_meta,
         in_pool,

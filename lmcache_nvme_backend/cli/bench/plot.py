@@ -9,8 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .bench_engine import RunResult
-from .common import CLIError, short_size
+from ..common import CLIError, short_size
+from .iobench import RunResult
 
 LAT_KEYS = ("p50", "p90", "p99", "p99.9")
 

@@ -36,10 +36,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .config import MIB, NVMeConfigError, NVMeSettings
-from .format import HEADER_SIZE, FormatError, TensorMeta, decode_header, padded_length
-from .gpu_pool import GpuBufferPool
-from .gpu_select import (
+from ..config import MIB, NVMeConfigError, NVMeSettings
+from ..disk.format import HEADER_SIZE, FormatError, TensorMeta, decode_header, padded_length
+from ..disk.gpusum import DeviceWeights, device_checksum, to_unsigned
+from ..io.kvikio import KvikioPayloadReader, PayloadRead, PayloadReader
+from ..io.posix import PosixIOEngine, ShortFileError
+from ..store.chunk_store import ChunkRead, ChunkStore, ReadPlan
+from ..store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS, PATH_POSIX
+from .pool import GpuBufferPool
+from .select import (
     KVIKIO_PATHS,
     GpuProbe,
     PathDecision,
@@ -47,11 +52,6 @@ from .gpu_select import (
     is_cuda_device,
     select_read_path,
 )
-from .gpusum import DeviceWeights, device_checksum, to_unsigned
-from .kvikio_io import KvikioPayloadReader, PayloadRead, PayloadReader
-from .posix_io import PosixIOEngine, ShortFileError
-from .stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS, PATH_POSIX
-from .store import ChunkRead, ChunkStore, ReadPlan
 
 if TYPE_CHECKING:
     import torch

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import ALIGNMENT, HEADER_SIZE, padded_length
+from ..disk.format import ALIGNMENT, HEADER_SIZE, padded_length
 
 logger = logging.getLogger(__name__)
 

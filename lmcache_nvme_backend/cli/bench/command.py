@@ -19,20 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..format import file_size_for
-from ..posix_io import probe_direct_io
-from .bench_engine import (
-    RW_MODES,
-    WRITE_MODES,
-    BenchConfig,
-    DirStats,
-    EngineBench,
-    RunResult,
-    Workspace,
-    check_gpu_destination,
-    drop_page_cache,
-)
-from .common import (
+from ...disk.format import file_size_for
+from ...io.posix import probe_direct_io
+from ..common import (
     GIB,
     MIB,
     CLIError,
@@ -44,6 +33,17 @@ from .common import (
     short_size,
     size_arg,
     size_list_arg,
+)
+from .iobench import (
+    RW_MODES,
+    WRITE_MODES,
+    BenchConfig,
+    DirStats,
+    EngineBench,
+    RunResult,
+    Workspace,
+    check_gpu_destination,
+    drop_page_cache,
 )
 
 DEFAULT_SWEEP_THREADS = [1, 2, 4, 8, 16]

@@ -19,8 +19,8 @@ from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from .format import TensorMeta
-from .store import ChunkRead, ChunkStore, ChunkWrite
+from ..disk.format import TensorMeta
+from ..store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
 
 if TYPE_CHECKING:
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend

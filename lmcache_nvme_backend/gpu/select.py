@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import MIB, NVMeConfigError
-from .format import padded_length
-from .stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT, PATH_KVIKIO_GDS, PATH_POSIX
+from ..config import MIB, NVMeConfigError
+from ..disk.format import padded_length
+from ..store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT, PATH_KVIKIO_GDS, PATH_POSIX
 
 logger = logging.getLogger("lmcache_nvme_backend")
 

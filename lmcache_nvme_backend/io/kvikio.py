@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .format import HEADER_SIZE
+from ..disk.format import HEADER_SIZE
 
 if TYPE_CHECKING:
     import torch

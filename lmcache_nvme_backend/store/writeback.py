@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .format import TensorMeta
+from ..disk.format import TensorMeta
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .format import TensorMeta
+from ..disk.format import TensorMeta
 
 
 @dataclass

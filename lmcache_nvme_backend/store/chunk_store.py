@@ -37,8 +37,8 @@ from pathlib import Path
 
 import xxhash
 
-from .config import NVMeConfigError, NVMeSettings
-from .format import (
+from ..config import NVMeConfigError, NVMeSettings
+from ..disk.format import (
     ChunkHeader,
     FormatError,
     TensorMeta,
@@ -49,11 +49,11 @@ from .format import (
     payload_checksum,
     text_bytes,
 )
-from .gpusum import host_checksum
+from ..disk.gpusum import host_checksum
+from ..disk.layout import MARKER_NAME, RootLayout, key_digest, namespace_id
+from ..disk.manifest import load_manifest, save_manifest
+from ..io.posix import PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
 from .index import ChunkIndex, IndexEntry
-from .layout import MARKER_NAME, RootLayout, key_digest, namespace_id
-from .manifest import load_manifest, save_manifest
-from .posix_io import PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
 from .stats import PATH_POSIX, StoreStats
 from .writeback import ReadPriorityGate, WriteBackQueue, WriteJob
 

@@ -8,9 +8,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .config import MIB
-from .format import TensorMeta, padded_length
-from .memory_objects import fit_to_payload
+from ..adapters.memory_objects import fit_to_payload
+from ..config import MIB
+from ..disk.format import TensorMeta, padded_length
 
 if TYPE_CHECKING:
     import torch

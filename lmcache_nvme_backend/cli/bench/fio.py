@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..format import HEADER_SIZE
-from .bench_engine import BenchConfig, DirStats, RunResult
-from .common import CLIError
+from ...disk.format import HEADER_SIZE
+from ..common import CLIError
+from .iobench import BenchConfig, DirStats, RunResult
 
 HUGE_PAGE = 2 * 1024 * 1024
 HUGETLB_SYSFS = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")

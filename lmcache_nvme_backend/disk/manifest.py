@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..store.index import IndexEntry
 from .format import FormatError, TensorMeta
-from .index import IndexEntry
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """What ``lmcache-nvme bench`` measures: the backend's own I/O engine on real chunk files.
 
-Every timed I/O goes through :class:`~lmcache_nvme_backend.posix_io.PosixIOEngine`
+Every timed I/O goes through :class:`~lmcache_nvme_backend.io.posix.PosixIOEngine`
 (``write_chunk`` + the store's atomic rename for writes, ``read_chunks`` for
 reads) on files in the backend's chunk format (4 KiB header, aligned padded
-payload, sharded directories from :class:`~lmcache_nvme_backend.layout.RootLayout`),
-with page-aligned :class:`~lmcache_nvme_backend.posix_io.AlignedBuffer` memory.
+payload, sharded directories from :class:`~lmcache_nvme_backend.disk.layout.RootLayout`),
+with page-aligned :class:`~lmcache_nvme_backend.io.posix.AlignedBuffer` memory.
 
 Vocabulary (``docs/cli.md`` has the long form):
 
@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from ..format import HEADER_SIZE, TensorMeta, decode_header, encode_header, file_size_for
-from ..format import payload_checksum as compute_checksum
-from ..layout import RootLayout, key_digest, namespace_id
-from ..posix_io import AlignedBuffer, PosixIOEngine, ReadRequest
-from .common import MIB, CLIError, Progress
+from ...disk.format import HEADER_SIZE, TensorMeta, decode_header, encode_header, file_size_for
+from ...disk.format import payload_checksum as compute_checksum
+from ...disk.layout import RootLayout, key_digest, namespace_id
+from ...io.posix import AlignedBuffer, PosixIOEngine, ReadRequest
+from ..common import MIB, CLIError, Progress
 
 READ_MODES = ("read", "randread")
 WRITE_MODES = ("write", "randwrite")

@@ -41,13 +41,13 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .config import NVMeConfigError, NVMeSettings
-from .format import file_size_for
-from .index import IndexEntry
-from .layout import key_digest
+from ..config import NVMeConfigError, NVMeSettings
+from ..disk.format import file_size_for
+from ..disk.layout import key_digest
+from ..metrics import TierObserver
+from ..store.chunk_store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
+from ..store.index import IndexEntry
 from .memory_objects import host_view, tensor_meta_of
-from .metrics import TierObserver
-from .store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc

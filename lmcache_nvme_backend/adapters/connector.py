@@ -32,11 +32,11 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from .config import NVMeConfigError, NVMeSettings
-from .format import FormatError, decode_header
+from ..config import NVMeConfigError, NVMeSettings
+from ..disk.format import FormatError, decode_header
+from ..metrics import TierObserver
+from ..store.chunk_store import ChunkStore
 from .memory_objects import chunk_write_for, read_into_host_objects, served_prefix
-from .metrics import TierObserver
-from .store import ChunkStore
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig

@@ -28,9 +28,12 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .config import NVMeConfigError, NVMeSettings
-from .gpu_reader import GpuChunkReader, build_gpu_reader
-from .gpu_select import chunk_bytes_of
+from ..config import NVMeConfigError, NVMeSettings
+from ..gpu.reader import GpuChunkReader, build_gpu_reader
+from ..gpu.select import chunk_bytes_of
+from ..metrics import TierObserver
+from ..store.chunk_store import ChunkStore
+from ..store.stats import PATH_POSIX
 from .memory_objects import (
     allocate_for,
     chunk_write_for,
@@ -40,9 +43,6 @@ from .memory_objects import (
     release_from_host_tier,
     served_prefix,
 )
-from .metrics import TierObserver
-from .stats import PATH_POSIX
-from .store import ChunkStore
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig

@@ -20,13 +20,13 @@ import torch
 from lmcache.v1.memory_allocators.gpu_memory_allocator import GPUMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from .format import TensorMeta
-from .gpu_pool import GpuBufferPool
-from .gpu_reader import GpuChunkReader
-from .gpu_select import PathDecision
-from .kvikio_io import PayloadReader
-from .memory_objects import allocate_for, host_view, release_from_host_tier
-from .store import ChunkStore, SubmitResult
+from ..adapters.memory_objects import allocate_for, host_view, release_from_host_tier
+from ..disk.format import TensorMeta
+from ..gpu.pool import GpuBufferPool
+from ..gpu.reader import GpuChunkReader
+from ..gpu.select import PathDecision
+from ..io.kvikio import PayloadReader
+from ..store.chunk_store import ChunkStore, SubmitResult
 
 NAMESPACE = "gpu-harness-model"
 
