@@ -94,7 +94,8 @@ def test_remote_tier_round_trip_through_the_engine(engine_factory: Any, tmp_path
 def test_bad_settings_leave_the_engine_without_the_tier(engine_factory: Any,
                                                        tmp_path: Path) -> None:
     """LMCache only logs connector errors; the engine still runs (our log line names the key)."""
-    config = load_config(EXAMPLE_YAML, {"extra_config": {"nvme.path": str(tmp_path),
+    config = load_config(EXAMPLE_YAML, {"max_local_cpu_size": 0.5,
+                                        "extra_config": {"nvme.path": str(tmp_path),
                                                          "nvme.max_size_gb": -3}})
     engine, _ = build_engine(config, instance_id="bad-settings")
     try:
