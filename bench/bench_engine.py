@@ -381,6 +381,7 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    harness.disable_telemetry()
     args = parse_args(argv)
     if args.workdir is None:
         with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:

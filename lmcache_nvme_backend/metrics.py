@@ -293,7 +293,7 @@ class TierObserver:
         """Observe ``store`` as configured by its settings; ``stats`` is the adapter's."""
         settings = store.settings
         return cls(adapter, [str(p) for p in settings.paths], settings.metrics_port,
-                   settings.stats_log_interval_s, stats, store.stats.histograms)
+                   settings.stats_log_interval_s, stats, store.histograms)
 
     def _log_loop(self, interval_s: float) -> None:
         previous = self.source.stats()

@@ -200,8 +200,7 @@ def test_shared_lookup_rejects_foreign_files(engine_factory: Any, tmp_path: Path
     engine, _ = engine_factory(tmp_path / "nvme")
     conn = connector_of(engine)
     keys = chunk_keys(engine, make_prompt(CHUNK, seed=5))
-    root = conn.store.roots[0]
-    path = root.layout.chunk_path(namespace_id(keys[0].model_name),
+    path = conn.store.layouts[0].chunk_path(namespace_id(keys[0].model_name),
                                   key_digest(keys[0].to_string()))
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a chunk file" * 512)

@@ -140,7 +140,7 @@ def test_corrupted_chunk_is_never_served_through_the_engine(
     wait_until_in_tier(engine, "nvme", keys, timeout_s=60)
     evict_from_cpu(engine, keys)
     store = backend.store
-    victim = store.roots[0].layout.chunk_path(namespace_id(keys[3].model_name),
+    victim = store.layouts[0].chunk_path(namespace_id(keys[3].model_name),
                                               key_digest(keys[3].to_string()))
     with open(victim, "r+b") as f:
         f.seek(4096 + 12345)
@@ -176,6 +176,5 @@ def test_async_lookup_and_prefetch_hooks(make_engine: EngineFactory, tmp_path: P
     for i, obj in enumerate(objs):
         assert torch.equal(obj.tensor, kv[:, :, i * CHUNK : (i + 1) * CHUNK])
         obj.ref_count_down()
-    digests = [key_digest(k.to_string()) for k in keys]
-    with backend.store._lock:
-        assert all(backend.store._index.get(d).pins == 0 for d in digests)  # type: ignore[union-attr]
+    entries = [backend.store.entry(k.to_string()) for k in keys]
+    assert all(e is not None and e.pins == 0 for e in entries)

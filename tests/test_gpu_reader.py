@@ -54,7 +54,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
 def store(tmp_path: Path) -> Iterator[ChunkStore]:
     s = ChunkStore(NVMeSettings.from_params({"path": str(tmp_path / "cache"), "max_size_gb": 0.2,
                                              "min_free_gb": 0, "manifest_interval_s": 0}))
-    s.record_gpu_checksums = True
+    s.set_gpu_checksums(True)
     yield s
     s.close()
 
@@ -81,7 +81,7 @@ def reader(store: ChunkStore) -> Iterator[ReaderFactory]:
 
 
 def chunk_file(store: ChunkStore, key: str) -> Path:
-    return store.roots[0].layout.chunk_path(namespace_id(NAMESPACE), key_digest(key))
+    return store.layouts[0].chunk_path(namespace_id(NAMESPACE), key_digest(key))
 
 
 def counters(store: ChunkStore, *names: str) -> list[float]:
@@ -94,7 +94,7 @@ def test_writer_records_the_checksum_the_gpu_path_checks(store: ChunkStore) -> N
     for key, payload in zip(chunks.keys, chunks.payloads, strict=True):
         header = decode_header(chunk_file(store, key).read_bytes()[:HEADER_SIZE])
         assert header.gpu_checksum == host_checksum(payload)
-    assert store.stats.get("gpu_checksums_recorded") == 2
+    assert store.counter("gpu_checksums_recorded") == 2
 
 
 def test_kvikio_path_serves_verified_pool_objects(store: ChunkStore,
@@ -145,7 +145,7 @@ def test_corrupt_payload_is_a_counted_quarantined_miss(store: ChunkStore,
 
 def test_file_without_gpu_checksum_is_verified_on_the_host(store: ChunkStore,
                                                            reader: ReaderFactory) -> None:
-    store.record_gpu_checksums = False  # written before the GPU path was on
+    store.set_gpu_checksums(False)  # written before the GPU path was on
     chunks = write_chunks(store, 2, SIZE)
     objs = reader().read(chunks.keys, chunks.metas)
     assert [object_bytes(o) for o in objs if o] == chunks.payloads
@@ -173,7 +173,7 @@ def test_pool_exhaustion_in_host_bounce_serves_host_objects(store: ChunkStore,
     objs = r.read(chunks.keys, chunks.metas)
     assert [object_bytes(o) for o in objs if o] == chunks.payloads
     assert [in_pool(r.pool, o) for o in objs if o] == [True, False]
-    assert store.stats.get("gpu_pool_fallbacks") == 1
+    assert store.counter("gpu_pool_fallbacks") == 1
     release_all(objs)
 
 
@@ -189,13 +189,13 @@ def test_pool_takes_back_objects_only_the_host_tier_holds(store: ChunkStore,
     second = r.read(chunks.keys[1:2], chunks.metas[1:2])[0]
     assert second is not None and in_pool(r.pool, second)  # the pool reclaimed the slot
     assert chunks.keys[0] not in host.hot_cache
-    assert store.stats.get("gpu_pool_fallbacks") == 0
+    assert store.counter("gpu_pool_fallbacks") == 0
     # an object still in use (or pinned) is never taken back
     host.keep(chunks.keys[1], second)
     third = r.read(chunks.keys[2:3], chunks.metas[2:3])[0]
     assert third is not None and not in_pool(r.pool, third)
     assert chunks.keys[1] in host.hot_cache and object_bytes(second) == chunks.payloads[1]
-    assert store.stats.get("gpu_pool_fallbacks") == 1
+    assert store.counter("gpu_pool_fallbacks") == 1
     release_all([second, third])
     host.remove(chunks.keys[1])
 
@@ -236,7 +236,7 @@ def test_vanished_and_truncated_files_are_misses(store: ChunkStore,
     objs = reader().read(chunks.keys, chunks.metas)
     assert objs[0] is None and objs[1] is None and objs[2] is not None
     assert not store.contains(chunks.keys[0]) and not store.contains(chunks.keys[1])
-    assert store.stats.get("quarantined_files") == 1  # the truncated one
+    assert store.counter("quarantined_files") == 1  # the truncated one
     release_all(objs)
 
 
@@ -301,7 +301,7 @@ def test_cuda_worker_without_a_gpu_uses_host_bounce_end_to_end(tmp_path: Path) -
                           local_cpu_backend=host, loop=asyncio.new_event_loop())  # type: ignore[arg-type]
     try:
         assert backend.read_path == PATH_HOST_BOUNCE
-        assert backend.store.record_gpu_checksums is False  # the host path verifies with xxh3
+        assert backend.store.gpu_checksums is False  # the host path verifies with xxh3
         keys = [lmcache_key(i) for i in range(3)]
         objs = []
         for i, _ in enumerate(keys):

@@ -87,12 +87,6 @@ def test_touch_moves_to_most_recent(full: ChunkIndex) -> None:
     assert order(full) == ["b", "c", "a"]
 
 
-def test_add_oldest_goes_first(full: ChunkIndex, entry: MakeEntry) -> None:
-    full.add_oldest(entry("old", 10))
-    assert order(full) == ["old", "a", "b", "c"]
-    assert full.used_bytes(0) == 9010
-
-
 def test_entries_walks_every_root(index: ChunkIndex, entry: MakeEntry) -> None:
     index.add(entry("x", root=1))
     index.add(entry("a"))

@@ -228,7 +228,7 @@ def test_store_lookup_load_round_trip_is_byte_exact(tmp_path: Path,
     # files: one per chunk, header + aligned payload, in the model's namespace
     ns = namespace_id("org/model")
     for key in keys:
-        path = adapter.store.roots[0].layout.chunk_path(ns, key_digest(object_key_string(key)))
+        path = adapter.store.layouts[0].chunk_path(ns, key_digest(object_key_string(key)))
         assert path.stat().st_size == file_size_for(CHUNK_BYTES) == HEADER_SIZE + CHUNK_BYTES
 
 
@@ -330,7 +330,7 @@ def test_corrupted_chunk_is_a_miss_never_served(tmp_path: Path,
     adapter = open_adapter(tmp_path)
     keys, objs = make_keys(3), make_objs(3, seed=11)
     assert store(adapter, keys, objs).is_successful()
-    path = adapter.store.roots[0].layout.chunk_path(
+    path = adapter.store.layouts[0].chunk_path(
         namespace_id("org/model"), key_digest(object_key_string(keys[1])))
     with open(path, "r+b") as f:
         f.seek(HEADER_SIZE + 1000)

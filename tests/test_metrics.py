@@ -19,6 +19,7 @@ from lmcache_nvme_backend import metrics
 from lmcache_nvme_backend.adapters.backend import NVMeBackend
 from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
 from lmcache_nvme_backend.metrics import PREFIX, TierObserver, metric_names, stats_line
+from lmcache_nvme_backend.store import Counter
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
 from lmcache_nvme_backend.store.stats import LATENCY_BUCKETS_S, READ_PATHS, StoreStats, path_counter
 from lmcache_nvme_backend.testing.engine import (
@@ -167,7 +168,7 @@ def test_each_tier_has_its_own_labels_and_leaves_the_registry_on_close(tmp_path:
     observers = [TierObserver.for_store(f"Tier{i}", s, s.stats_snapshot)
                  for i, s in enumerate(stores)]
     try:
-        stores[0].stats.add("hits", 3)
+        stores[0].count(Counter.HITS, 3)
         samples = registry_samples()
         assert value(samples, f"{PREFIX}_hits_total", tmp_path / "a", adapter="Tier0") == 3
         assert value(samples, f"{PREFIX}_hits_total", tmp_path / "b", adapter="Tier1") == 0
@@ -186,7 +187,7 @@ def test_each_tier_has_its_own_labels_and_leaves_the_registry_on_close(tmp_path:
 def test_latency_histogram_buckets_are_cumulative() -> None:
     stats = StoreStats()
     for seconds in (0.0001, 0.003, 0.003, 20.0):
-        stats.observe("write", seconds)
+        stats.record_write(0, seconds)
     hist = stats.histograms()["write"]
     cumulative = dict(hist.cumulative())
     assert hist.count == 4 and hist.sum_s == pytest.approx(20.0061)
@@ -235,8 +236,8 @@ def test_stats_log_interval_logs_periodic_lines(tmp_path: Path) -> None:
                                     stats_log_interval_s=0.05))
     observer = TierObserver.for_store("NVMeBackend", store, store.stats_snapshot)
     try:
-        store.stats.add("lookups", 4)
-        store.stats.add("hits", 4)
+        store.count(Counter.LOOKUPS, 4)
+        store.count(Counter.HITS, 4)
         deadline = time.monotonic() + 10
         while not any("4/4 lookups hit" in line for line in lines) and \
                 time.monotonic() < deadline:

@@ -108,14 +108,14 @@ def test_sigkill_at_random_points_never_serves_a_bad_chunk(tmp_path: Path) -> No
                 total_found += 1
                 assert store.tensor_meta(key) == meta_for(size_of(key))
                 assert read(store, key, size_of(key)) == data_of(key)
-            assert store.stats.get("invalid_files") == 0
-            assert store.stats.get("checksum_failures") == 0
+            assert store.counter("invalid_files") == 0
+            assert store.counter("checksum_failures") == 0
             # every published key is found (the budget is never reached, so nothing is
             # evicted), except ones the writer itself removed afterwards
             lost = [k for k in published if not store.contains(k)
                     and int(k.rsplit("-", 1)[1]) % 13 != 7]
             assert not lost, (trial, fsync, sorted(lost)[:5])
-            assert store.stats.get("evictions") == 0
+            assert store.counter("evictions") == 0
             total_published += len(published)
         finally:
             store.close()

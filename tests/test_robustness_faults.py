@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from test_store import NS, meta_for, payload_for, read
 
-from lmcache_nvme_backend.store import chunk_store as store_mod
 from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
 from lmcache_nvme_backend.io.posix import PosixIOEngine, ReadRequest
+from lmcache_nvme_backend.store import roots as roots_mod
+from lmcache_nvme_backend.store import writer as writer_mod
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,8 +64,8 @@ def test_free_space_guard_evicts_before_the_filesystem_fills(small_fs: Path) -> 
             put(store, f"k{i}")
             assert store.flush(10)
         assert store.contains("k11") and not store.contains("k0")
-        assert store.stats.get("evictions") > 0
-        assert store.stats.get("write_failures") == 0
+        assert store.counter("evictions") > 0
+        assert store.counter("write_failures") == 0
     finally:
         store.close()
 
@@ -73,7 +74,7 @@ def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
         small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Another tenant fills the filesystem between the free-space check and the write:
     # the guard sees plenty of room, the write itself gets ENOSPC.
-    monkeypatch.setattr(store_mod, "_free_bytes", lambda path: 1 << 40)
+    monkeypatch.setattr(writer_mod, "free_bytes", lambda path: 1 << 40)
     store = open_store(small_fs / "cache")
     try:
         keys = [f"k{i}" for i in range(12)]  # 12 MiB into 8 MiB: must hit ENOSPC
@@ -83,8 +84,8 @@ def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
         stored = [k for k in keys if store.contains(k)]
         assert stored, "nothing fit at all"
         assert len(stored) < len(keys)
-        assert store.stats.get("capacity_drops") == len(keys) - len(stored)
-        assert store.stats.get("write_failures") == 0
+        assert store.counter("capacity_drops") == len(keys) - len(stored)
+        assert store.counter("write_failures") == 0
         assert not temp_files(small_fs)
         for f in (small_fs / "cache" / "ns").rglob("*.kv"):
             assert f.stat().st_size % 4096 == 0
@@ -97,13 +98,24 @@ def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
     assert not temp_files(small_fs)
 
 
-class FlakyEngine(PosixIOEngine):
-    """Injects EIO or a short read into chosen reads."""
+class FlakyReads:
+    """Injects EIO, a short read or EACCES into every read of a store's engine."""
 
     mode = "eio"
 
+    def __init__(self, engine: PosixIOEngine) -> None:
+        self.engine = engine
+        self.real = engine.read_chunks
+
+    def __enter__(self) -> FlakyReads:
+        self.engine.read_chunks = self.read_chunks  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.read_chunks = self.real  # type: ignore[method-assign]
+
     def read_chunks(self, requests: list[ReadRequest]) -> None:
-        super().read_chunks(requests)
+        self.real(requests)
         for req in requests:
             if self.mode == "eio":
                 req.error = OSError(errno.EIO, "injected EIO")
@@ -120,17 +132,14 @@ def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str) -> N
     try:
         put(store, "a")
         assert store.flush(10)
-        flaky = FlakyEngine(store.settings.task_size_bytes, store._io_pool)
-        FlakyEngine.mode = mode
-        good = store._engine
-        store._engine = flaky
-        assert read(store, "a", SIZE) is None
-        assert store.stats.get("read_failures") == 1
-        store._engine = good
+        FlakyReads.mode = mode
+        with FlakyReads(store.io_engine):
+            assert read(store, "a", SIZE) is None
+            assert store.counter("read_failures") == 1
         if mode == "eio":  # the file is intact: served again once the drive answers
             assert read(store, "a", SIZE) == payload_for("a", SIZE)
         else:  # a short file is quarantined, never served
-            assert store.stats.get("invalid_files") == 1
+            assert store.counter("invalid_files") == 1
             assert read(store, "a", SIZE) is None
     finally:
         store.close()
@@ -141,17 +150,15 @@ def test_unreadable_files_are_misses_and_never_take_the_path_out_of_service(
     """Another user's files in a shared tree: each is a miss, the drive stays in service."""
     store = open_store(tmp_path / "c")
     try:
-        keys = [f"k{i}" for i in range(store_mod.ROOT_ERROR_LIMIT + 2)]
+        keys = [f"k{i}" for i in range(roots_mod.ROOT_ERROR_LIMIT + 2)]
         for key in keys:
             put(store, key)
         assert store.flush(10)
-        good = store._engine
-        store._engine = FlakyEngine(store.settings.task_size_bytes, store._io_pool)
-        FlakyEngine.mode = "eacces"
-        assert all(read(store, key, SIZE) is None for key in keys)
-        store._engine = good
-        assert all(root.healthy for root in store.roots)
-        assert store.stats.get("read_failures") == len(keys)
+        FlakyReads.mode = "eacces"
+        with FlakyReads(store.io_engine):
+            assert all(read(store, key, SIZE) is None for key in keys)
+        assert all(root.healthy for root in store.describe_roots())
+        assert store.counter("read_failures") == len(keys)
         assert not store.contains(keys[0])  # forgotten, like a vanished file
         put(store, "fresh")
         assert store.flush(10)
@@ -161,7 +168,7 @@ def test_unreadable_files_are_misses_and_never_take_the_path_out_of_service(
 
 
 def test_read_only_remount_then_recovery(small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_mod, "ROOT_RETRY_S", 0.3)
+    monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 0.3)
     store = open_store(small_fs / "cache")
     try:
         put(store, "before")
@@ -171,7 +178,7 @@ def test_read_only_remount_then_recovery(small_fs: Path, monkeypatch: pytest.Mon
             put(store, f"ro-{i}")
         assert store.flush(10)
         assert not any(store.contains(f"ro-{i}") for i in range(5))
-        assert store.stats.get("write_failures") == 5
+        assert store.counter("write_failures") == 5
         # a miss or a hit, never a wrong byte, never a crash
         assert read(store, "before", SIZE) in (None, payload_for("before", SIZE))
         subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
@@ -207,26 +214,29 @@ def test_directory_deleted_at_run_time(tmp_path: Path) -> None:
 
 def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_mod, "ROOT_RETRY_S", 3600)
+    monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 3600)
     bad_root, good_root = tmp_path / "bad", tmp_path / "good"
-    store = open_store(bad_root, good_root)
+    # One writer: with one per path, a second write can be in flight on the failing path
+    # when it goes out of service, and the failure count would depend on timing.
+    store = open_store(bad_root, good_root, write_threads=1)
     try:
-        real_write = store._engine.write_chunk
+        real_write = store.io_engine.write_chunk
 
         def failing_write(path: Path, *args: object, **kw: object) -> None:
             if bad_root in path.parents:
                 raise OSError(errno.EIO, "injected EIO")
             real_write(path, *args, **kw)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(store._engine, "write_chunk", failing_write)
+        monkeypatch.setattr(store.io_engine, "write_chunk", failing_write)
         keys = [f"k{i}" for i in range(30)]
         for key in keys:
             put(store, key, 4096)
         assert store.flush(10)
         snap = store.stats_snapshot()
         assert snap["roots_offline"] == 1
-        assert not store.roots[0].healthy and store.roots[1].healthy
-        assert store.stats.get("write_failures") == 3  # then the path is skipped
+        roots = store.describe_roots()
+        assert not roots[0].healthy and roots[1].healthy
+        assert store.counter("write_failures") == 3  # then the path is skipped
         stored = [k for k in keys if store.contains(k)]
         assert len(stored) == 27
         for key in stored:

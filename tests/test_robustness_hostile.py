@@ -138,7 +138,7 @@ def test_absurd_headers_are_misses_without_large_allocations(tmp_path: Path, cas
             assert store.tensor_meta(key) is None
             assert read(store, key, 4096) is None
             assert not store.contains(key)
-            assert store.stats.get("invalid_files") == 1
+            assert store.counter("invalid_files") == 1
         finally:
             store.close()
         _, peak = tracemalloc.get_traced_memory()

@@ -28,20 +28,20 @@ def test_slow_drive_drops_are_counted_and_queue_stays_in_budget(tmp_path: Path,
     store = ChunkStore(NVMeSettings.from_params({
         "path": str(tmp_path / "c"), "max_size_gb": 1, "min_free_gb": 0,
         "manifest_interval_s": 0, "write_queue_mb": 1, "queue_full_policy": policy}))
-    real_write = store._engine.write_chunk
+    real_write = store.io_engine.write_chunk
 
     def slow_write(*args: object, **kw: object) -> None:
         time.sleep(0.01)  # a drive far slower than the submit loop
         real_write(*args, **kw)  # type: ignore[arg-type]
 
-    store._engine.write_chunk = slow_write  # type: ignore[method-assign]
+    store.io_engine.write_chunk = slow_write  # type: ignore[method-assign]
     peak = 0
     stop = threading.Event()
 
     def sample() -> None:
         nonlocal peak
         while not stop.is_set():
-            peak = max(peak, store._queue.bytes_held)
+            peak = max(peak, store.usage()["queue_bytes"])
             time.sleep(0.0005)
 
     sampler = threading.Thread(target=sample)
@@ -58,7 +58,7 @@ def test_slow_drive_drops_are_counted_and_queue_stays_in_budget(tmp_path: Path,
         stop.set()
         sampler.join()
         store.close()
-    capacity = store._queue.capacity
+    capacity = store.settings.write_queue_bytes
     assert peak <= capacity
     stats = store.stats_snapshot()
     queued = results.count(SubmitResult.QUEUED)

@@ -64,7 +64,7 @@ def read(store: ChunkStore, key: str, size: int = CHUNK) -> bytes | None:
 
 
 def chunk_file(store: ChunkStore, key: str) -> Path:
-    return store.roots[0].layout.chunk_path(namespace_id(NS), key_digest(key))
+    return store.layouts[0].chunk_path(namespace_id(NS), key_digest(key))
 
 
 def files_on_disk(root: Path) -> list[Path]:
@@ -77,7 +77,7 @@ def test_round_trip_is_byte_exact(make_store: StoreFactory) -> None:
     assert store.flush(10)
     assert store.contains("a")
     assert read(store, "a") == payload_for("a")
-    assert store.stats.get("read_bytes") == CHUNK
+    assert store.counter("read_bytes") == CHUNK
 
 
 def test_restart_finds_chunks_and_metadata(make_store: StoreFactory) -> None:
@@ -141,10 +141,10 @@ def test_damaged_file_is_a_counted_quarantined_miss(
     path = chunk_file(store, "a")
     damage(path)
     assert read(store, "a") is None
-    assert store.stats.get(counter) == 1
-    assert store.stats.get("quarantined_files") == 1
+    assert store.counter(counter) == 1
+    assert store.counter("quarantined_files") == 1
     assert not path.exists()
-    assert len(list(store.roots[0].layout.quarantine_dir.iterdir())) == 1
+    assert len(list(store.layouts[0].quarantine_dir.iterdir())) == 1
     assert not store.contains("a")
 
 
@@ -155,7 +155,7 @@ def test_wrong_key_file_is_never_served(make_store: StoreFactory) -> None:
     store.flush(10)
     os.replace(chunk_file(store, "a"), chunk_file(store, "b"))
     assert read(store, "b") is None
-    assert store.stats.get("invalid_files") == 1
+    assert store.counter("invalid_files") == 1
 
 
 def test_absurd_length_header_is_rejected_without_allocation(
@@ -169,7 +169,7 @@ def test_absurd_length_header_is_rejected_without_allocation(
     store = make_store()
     assert store.contains("huge")  # listed by the directory scan, not yet validated
     assert store.tensor_meta("huge") is None
-    assert store.stats.get("invalid_files") == 1
+    assert store.counter("invalid_files") == 1
     assert not store.contains("huge")
 
 
@@ -188,12 +188,12 @@ def test_capacity_is_enforced_in_lru_order_and_pins_are_kept(make_store: StoreFa
     for i in range(5, 12):
         put(store, f"k{i}")
         store.flush(10)
-        on_disk = sum(p.stat().st_size for p in files_on_disk(store.roots[0].layout.root))
+        on_disk = sum(p.stat().st_size for p in files_on_disk(store.layouts[0].root))
         assert on_disk <= store.settings.max_size_bytes + per_file
         assert store.usage()["used_bytes"] <= store.settings.max_size_bytes
     assert store.contains("k1")  # pinned: survived every eviction
     assert read(store, "k1") == payload_for("k1")
-    assert store.stats.get("evictions") >= 7
+    assert store.counter("evictions") >= 7
 
 
 def test_pinned_chunks_block_writes_rather_than_being_evicted(make_store: StoreFactory) -> None:
@@ -206,7 +206,7 @@ def test_pinned_chunks_block_writes_rather_than_being_evicted(make_store: StoreF
     put(store, "c")
     store.flush(10)
     assert not store.contains("c")
-    assert store.stats.get("capacity_drops") == 1
+    assert store.counter("capacity_drops") == 1
     assert store.contains("a") and store.contains("b")
 
 
@@ -217,8 +217,8 @@ def test_duplicate_puts_write_once(make_store: StoreFactory) -> None:
     store.flush(10)
     assert put(store, "a") is SubmitResult.DUPLICATE
     assert second is SubmitResult.DUPLICATE
-    assert store.stats.get("writes_completed") == 1
-    assert len(files_on_disk(store.roots[0].layout.root)) == 1
+    assert store.counter("writes_completed") == 1
+    assert len(files_on_disk(store.layouts[0].root)) == 1
 
 
 def test_concurrent_puts_of_one_key(make_store: StoreFactory) -> None:
@@ -238,7 +238,7 @@ def test_concurrent_puts_of_one_key(make_store: StoreFactory) -> None:
     store.flush(10)
     assert results.count(SubmitResult.QUEUED) == 1
     assert read(store, "same") == payload_for("same")
-    assert len(files_on_disk(store.roots[0].layout.root)) == 1
+    assert len(files_on_disk(store.layouts[0].root)) == 1
 
 
 def test_concurrent_writers_in_two_processes_publish_one_valid_file(tmp_path: Path) -> None:
@@ -261,7 +261,7 @@ def test_concurrent_writers_in_two_processes_publish_one_valid_file(tmp_path: Pa
                                                  "max_size_gb": 1, "min_free_gb": 0}))
     try:
         assert all(read(store, f"shared-{i}") == payload_for(f"shared-{i}") for i in range(20))
-        assert not list(store.roots[0].layout.iter_temp_files())
+        assert not list(store.layouts[0].iter_temp_files())
     finally:
         store.close()
 
@@ -272,14 +272,14 @@ class BlockedWrites:
     def __init__(self, store: ChunkStore) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
-        original = store._engine.write_chunk
+        original = store.io_engine.write_chunk
 
         def blocked(*args: object, **kwargs: object) -> None:
             self.started.release()
             self.release.wait(30)
             original(*args, **kwargs)  # type: ignore[arg-type]
 
-        store._engine.write_chunk = blocked  # type: ignore[method-assign]
+        store.io_engine.write_chunk = blocked  # type: ignore[method-assign]
 
 
 def test_full_queue_drops_and_counts_without_blocking(make_store: StoreFactory) -> None:
@@ -290,7 +290,7 @@ def test_full_queue_drops_and_counts_without_blocking(make_store: StoreFactory) 
     assert blocked.started.acquire(timeout=10)  # the writer holds "a"; the drive is "stuck"
     assert put(store, "b", size) is SubmitResult.QUEUED
     assert put(store, "c", size) is SubmitResult.QUEUE_FULL  # returns at once while stuck
-    assert store.stats.get("queue_full_drops") == 1
+    assert store.counter("queue_full_drops") == 1
     assert not store.is_pending("c")
     blocked.release.set()
     store.flush(10)
@@ -315,7 +315,7 @@ def test_wait_policy_waits_for_room(make_store: StoreFactory) -> None:
     assert outcome == [SubmitResult.QUEUED]
     store.flush(10)
     assert read(store, "b", size) == payload_for("b", size)
-    assert store.stats.get("queue_full_waits") == 1
+    assert store.counter("queue_full_waits") == 1
 
 
 def test_release_is_called_once_for_every_outcome(make_store: StoreFactory) -> None:
@@ -376,7 +376,7 @@ def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial:
         for key in keys:
             assert store.tensor_meta(key) == meta_for(size)
             assert read(store, key, size) == payload_for(key, size)
-        assert store.stats.get("invalid_files") == 0
+        assert store.counter("invalid_files") == 0
     finally:
         store.close()
 
@@ -386,7 +386,8 @@ def test_writer_threads_yield_cpu_to_the_engine(make_store: StoreFactory) -> Non
     put(store, "a")
     put(store, "b")
     store.flush(10)
-    assert all(os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == 10 for t in store._writers)
+    assert all(os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == 10
+               for t in store.writer_threads)
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0
 
 
@@ -395,11 +396,11 @@ def test_default_is_one_writer_per_path(tmp_path: Path) -> None:
         "path": [str(tmp_path / "d0"), str(tmp_path / "d1"), str(tmp_path / "d2")],
         "max_size_gb": 0.05, "min_free_gb": 0, "manifest_interval_s": 0}))
     try:
-        assert len(store._writers) == 3
+        assert len(store.writer_threads) == 3
         for i in range(12):
             put(store, f"spread-{i}")
         store.flush(10)
-        per_root = [len(files_on_disk(root.layout.root)) for root in store.roots]
+        per_root = [len(files_on_disk(layout.root)) for layout in store.layouts]
         assert sum(per_root) == 12 and all(per_root)  # rendezvous placement uses every path
         assert all(read(store, f"spread-{i}") == payload_for(f"spread-{i}") for i in range(12))
     finally:

@@ -55,7 +55,7 @@ def test_lookup_equals_contains_without_shared_mode(tmp_path: Path,
     put(a, "k1")
     assert a.lookup("k1", "model")
     assert not b.lookup("k1", "model")  # b's index was built before a wrote
-    assert b.stats.get("shared_adopted") == 0
+    assert b.counter("shared_adopted") == 0
 
 
 def test_shared_lookup_adopts_chunks_another_store_wrote(tmp_path: Path,
@@ -68,7 +68,7 @@ def test_shared_lookup_adopts_chunks_another_store_wrote(tmp_path: Path,
     assert not c.lookup("k1", "other-model")  # files are looked for in the key's namespace
     assert not b.contains("k1")
     assert b.lookup("k1", "model", pin=True)
-    assert b.stats.get("shared_adopted") == 1
+    assert b.counter("shared_adopted") == 1
     assert b.tensor_meta("k1") == META
     assert read(b, "k1") == payload
     assert b.usage()["used_bytes"] == file_size_for(NBYTES)
@@ -85,7 +85,7 @@ def test_shared_lookup_forgets_files_another_store_evicted(tmp_path: Path,
     assert b.lookup("k1", "model")
     assert a.remove("k1")  # the other process evicts it
     assert not b.lookup("k1", "model")
-    assert b.stats.get("shared_vanished") == 1
+    assert b.counter("shared_vanished") == 1
     assert b.usage()["entries"] == 0
     # and a read racing the removal is a miss, not an error
     put(a, "k2")
@@ -99,12 +99,12 @@ def test_shared_lookup_rejects_a_file_naming_another_key(tmp_path: Path,
     a = ChunkStore(settings(tmp_path, shared=True))
     stores.append(a)
     put(a, "k1")
-    src = a.roots[0].layout.chunk_path(namespace_id("model"), key_digest("k1"))
-    dst = a.roots[0].layout.chunk_path(namespace_id("model"), key_digest("k2"))
+    src = a.layouts[0].chunk_path(namespace_id("model"), key_digest("k1"))
+    dst = a.layouts[0].chunk_path(namespace_id("model"), key_digest("k2"))
     dst.parent.mkdir(parents=True, exist_ok=True)
     os.link(src, dst)  # a file under k2's name whose header says k1
     assert not a.lookup("k2", "model")
-    assert not dst.exists() and a.stats.get("invalid_files") == 1
+    assert not dst.exists() and a.counter("invalid_files") == 1
 
 
 def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
@@ -122,7 +122,7 @@ def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
     assert store.remove("b")
     assert [e.digest for e in removed[-1]] == [key_digest("b")]
     assert removed[-1][0].size == file_size_for(NBYTES)
-    os.unlink(store.roots[0].layout.chunk_path(namespace_id("model"), key_digest("c")))
+    os.unlink(store.layouts[0].chunk_path(namespace_id("model"), key_digest("c")))
     assert read(store, "c") is None  # the vanished file leaves the index, listeners hear it
     assert [e.digest for e in removed[-1]] == [key_digest("c")]
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lmcache_nvme_backend.disk.format import TensorMeta
-from lmcache_nvme_backend.store.writeback import ReadPriorityGate, WriteBackQueue, WriteJob
+from lmcache_nvme_backend.store.writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
 
 CAPACITY = 1000
 JOIN_S = 10  # generous bound so a broken implementation fails instead of hanging
@@ -53,15 +53,15 @@ class Worker(threading.Thread):
         return self.result
 
 
-MakeJob = Callable[[str, int], WriteJob]
+MakeJob = Callable[[str, int], ChunkWrite]
 
 
 @pytest.fixture
 def job() -> MakeJob:
-    def make(digest: str, nbytes: int) -> WriteJob:
+    def make(name: str, nbytes: int) -> ChunkWrite:
         meta = TensorMeta(shapes=((nbytes,),), dtypes=("uint8",), fmt=1, nbytes=nbytes)
-        return WriteJob(digest=digest, key=f"key-{digest}", namespace="ns", ns_id="0" * 16,
-                        meta=meta, payload=memoryview(bytes(nbytes)), release=lambda: None)
+        return ChunkWrite(key=name, namespace="ns", meta=meta, payload=memoryview(bytes(nbytes)),
+                          release=lambda: None)
 
     return make
 
@@ -90,33 +90,33 @@ def test_job_nbytes_is_payload_length(job: MakeJob) -> None:
 
 
 def test_offer_within_capacity(queue: WriteBackQueue, job: MakeJob) -> None:
-    assert queue.offer(job("a", 400), wait_s=0)
-    assert queue.offer(job("b", 600), wait_s=0)  # exactly at capacity
+    assert queue.offer_many([job("a", 400)], wait_s=0)[0]
+    assert queue.offer_many([job("b", 600)], wait_s=0)[0]  # exactly at capacity
     assert (queue.bytes_held, queue.depth) == (1000, 2)
 
 
 def test_offer_beyond_capacity_fails_at_once(queue: WriteBackQueue, job: MakeJob) -> None:
-    assert queue.offer(job("a", 600), wait_s=0)
-    assert not queue.offer(job("b", 401), wait_s=0)
+    assert queue.offer_many([job("a", 600)], wait_s=0)[0]
+    assert not queue.offer_many([job("b", 401)], wait_s=0)[0]
     assert (queue.bytes_held, queue.depth) == (600, 1)
     assert not cond_of(queue).waiting.is_set()  # it did not block to find out
-    assert queue.offer(job("c", 400), wait_s=0)  # a smaller one still fits
+    assert queue.offer_many([job("c", 400)], wait_s=0)[0]  # a smaller one still fits
 
 
 def test_job_larger_than_capacity_is_never_accepted(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
-    assert not queue.offer(job("huge", CAPACITY + 1), wait_s=0)
+    assert not queue.offer_many([job("huge", CAPACITY + 1)], wait_s=0)[0]
     assert (queue.bytes_held, queue.depth) == (0, 0)
 
 
 def test_waiting_offer_succeeds_when_space_is_freed(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
     first = job("a", 800)
-    assert queue.offer(first, wait_s=0)
+    assert queue.offer_many([first], wait_s=0)[0]
     assert queue.take() is first  # taken, but its bytes stay held until done()
     assert queue.bytes_held == 800
     second = job("b", 500)
-    offerer = Worker(lambda: queue.offer(second, wait_s=60))
+    offerer = Worker(lambda: queue.offer_many([second], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     assert queue.depth == 0  # still blocked: nothing enqueued yet
@@ -129,7 +129,7 @@ def test_waiting_offer_succeeds_when_space_is_freed(queue: WriteBackQueue,
 def test_take_is_fifo(queue: WriteBackQueue, job: MakeJob) -> None:
     jobs = [job(str(i), 10 * (i + 1)) for i in range(5)]
     for j in jobs:
-        assert queue.offer(j, wait_s=0)
+        assert queue.offer_many([j], wait_s=0)[0]
     assert [queue.take() for _ in jobs] == jobs
     assert queue.depth == 0 and queue.bytes_held == sum(j.nbytes for j in jobs)
 
@@ -139,15 +139,15 @@ def test_take_blocks_until_a_job_arrives(queue: WriteBackQueue, job: MakeJob) ->
     taker.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     j = job("a", 1)
-    assert queue.offer(j, wait_s=0)
+    assert queue.offer_many([j], wait_s=0)[0]
     assert taker.finish() is j
 
 
 def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
     assert queue.wait_empty(0)  # empty from the start
     a, b = job("a", 100), job("b", 200)
-    queue.offer(a, wait_s=0)
-    queue.offer(b, wait_s=0)
+    queue.offer_many([a], wait_s=0)
+    queue.offer_many([b], wait_s=0)
     assert queue.wait_empty(0) is False
     queue.take()
     queue.take()
@@ -160,7 +160,7 @@ def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
 
 def test_wait_empty_wakes_on_done(queue: WriteBackQueue, job: MakeJob) -> None:
     a = job("a", 100)
-    queue.offer(a, wait_s=0)
+    queue.offer_many([a], wait_s=0)
     queue.take()
     waiter = Worker(lambda: queue.wait_empty(60))
     waiter.start()
@@ -172,7 +172,7 @@ def test_wait_empty_wakes_on_done(queue: WriteBackQueue, job: MakeJob) -> None:
 def test_close_returns_untaken_jobs(queue: WriteBackQueue, job: MakeJob) -> None:
     a, b, c = job("a", 1), job("b", 2), job("c", 3)
     for j in (a, b, c):
-        queue.offer(j, wait_s=0)
+        queue.offer_many([j], wait_s=0)
     assert queue.take() is a
     assert queue.close() == [b, c]
     assert queue.depth == 0
@@ -183,8 +183,8 @@ def test_close_returns_untaken_jobs(queue: WriteBackQueue, job: MakeJob) -> None
 
 def test_offer_after_close_is_refused(queue: WriteBackQueue, job: MakeJob) -> None:
     queue.close()
-    assert queue.offer(job("a", 1), wait_s=0) is False
-    assert queue.offer(job("b", 1), wait_s=60) is False
+    assert queue.offer_many([job("a", 1)], wait_s=0)[0] is False
+    assert queue.offer_many([job("b", 1)], wait_s=60)[0] is False
     assert queue.depth == 0
 
 
@@ -197,17 +197,18 @@ def test_close_wakes_blocked_take(queue: WriteBackQueue) -> None:
 
 
 def test_close_wakes_blocked_offer(queue: WriteBackQueue, job: MakeJob) -> None:
-    queue.offer(job("a", CAPACITY), wait_s=0)
-    offerer = Worker(lambda: queue.offer(job("b", 1), wait_s=60))
+    queue.offer_many([job("a", CAPACITY)], wait_s=0)
+    offerer = Worker(lambda: queue.offer_many([job("b", 1)], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
-    assert [j.digest for j in queue.close()] == ["a"]
+    assert [j.key for j in queue.close()] == ["a"]
     assert offerer.finish() is False
 
 
 def test_offer_wait_expires(queue: WriteBackQueue, job: MakeJob) -> None:
-    queue.offer(job("a", CAPACITY), wait_s=0)
-    assert queue.offer(job("b", 1), wait_s=0.01) is False  # returns although nothing freed
+    queue.offer_many([job("a", CAPACITY)], wait_s=0)
+    # returns although nothing freed
+    assert queue.offer_many([job("b", 1)], wait_s=0.01)[0] is False
     assert queue.depth == 1
 
 

@@ -3,7 +3,7 @@
 This module only translates: LMCache keys become key strings and namespaces,
 memory objects become host buffers plus tensor metadata, and the store's
 results become what LMCache's storage manager expects.  Storage decisions live
-in ``store.py``.
+in ``store/``.
 
 Configuration (LMCache YAML)::
 
@@ -18,12 +18,10 @@ Configuration (LMCache YAML)::
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
@@ -31,16 +29,13 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from ..config import NVMeConfigError, NVMeSettings
 from ..gpu.reader import GpuChunkReader, build_gpu_reader
 from ..gpu.select import chunk_bytes_of
-from ..metrics import TierObserver
-from ..store.chunk_store import ChunkStore
-from ..store.stats import PATH_POSIX
+from ..store import ChunkStore, Counter, ReadPath
+from ._common import announce, key_and_namespace, keys_and_namespaces, loading
 from .memory_objects import (
-    allocate_for,
     chunk_write_for,
-    host_view,
+    host_memory,
     is_device_object,
     read_into_host_objects,
-    release_from_host_tier,
     served_prefix,
 )
 
@@ -49,8 +44,7 @@ if TYPE_CHECKING:
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-# The package logger carries LMCache's formatting; every module logs through it.
-logger = init_logger("lmcache_nvme_backend")
+TIER = "NVMe tier"
 
 
 class NVMeBackend(StoragePluginInterface):
@@ -66,7 +60,7 @@ class NVMeBackend(StoragePluginInterface):
     ) -> None:
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
-        try:
+        with loading(TIER, "LMCache keeps running without the NVMe tier until this is fixed."):
             if local_cpu_backend is None:
                 raise NVMeConfigError(
                     "local_cpu: the NVMe tier stages chunks in LMCache's host memory tier; "
@@ -74,18 +68,10 @@ class NVMeBackend(StoragePluginInterface):
             settings = NVMeSettings.from_extra_config(config.extra_config if config else None)
             self.store = ChunkStore(settings)
             self._gpu = self._build_gpu_path(settings, dst_device, metadata, local_cpu_backend)
-        except NVMeConfigError as exc:
-            # LMCache's plugin launcher only logs constructor errors; say plainly what happened.
-            logger.error("NVMe tier NOT loaded: %s LMCache keeps running without the NVMe "
-                         "tier until this is fixed.", exc)
-            raise
         self.local_cpu_backend: LocalCPUBackend = local_cpu_backend
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvme-get")
-        self._observer = TierObserver.for_store("NVMeBackend", self.store, self.stats)
-        logger.info("NVMe tier ready: %s, budget %.1f GiB, direct I/O on %d of %d path(s), "
-                    "read path %s.", ", ".join(str(p) for p in settings.paths),
-                    settings.max_size_gb, sum(r.direct for r in self.store.roots),
-                    len(self.store.roots), self.read_path)
+        self._observer = announce("NVMeBackend", TIER, self.store, self.stats,
+                                  f", read path {self.read_path}")
 
     def __str__(self) -> str:
         return "NVMeBackend"
@@ -94,13 +80,11 @@ class NVMeBackend(StoragePluginInterface):
                         metadata: LMCacheMetadata | None,
                         local_cpu_backend: LocalCPUBackend) -> GpuChunkReader | None:
         """The GPU read path for a CUDA ``dst_device`` (docs/gpu.md); None: host objects."""
-        self.read_path = PATH_POSIX
+        self.read_path = ReadPath.POSIX
         try:
-            decision, reader = build_gpu_reader(
-                self.store, settings, dst_device,
-                alloc_host=functools.partial(allocate_for, local_cpu_backend),
-                host_view=host_view, chunk_bytes=chunk_bytes_of(metadata),
-                reclaim=functools.partial(release_from_host_tier, local_cpu_backend))
+            decision, reader = build_gpu_reader(self.store, settings, dst_device,
+                                                host=host_memory(local_cpu_backend),
+                                                chunk_bytes=chunk_bytes_of(metadata))
         except BaseException:
             self.store.close()
             raise
@@ -110,15 +94,10 @@ class NVMeBackend(StoragePluginInterface):
     # -- lookups -------------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return self.store.lookup(key.to_string(), key.model_name, pin=pin)
+        return self.store.lookup(*key_and_namespace(key), pin=pin)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        hits = 0
-        for key in keys:
-            if not self.store.lookup(key.to_string(), key.model_name, pin=pin):
-                break
-            hits += 1
-        return hits
+        return self.store.lookup_prefix(keys_and_namespaces(keys), pin=pin)
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:
@@ -150,7 +129,7 @@ class NVMeBackend(StoragePluginInterface):
     ) -> None:
         """Queue the chunks for write-back; never waits for the drive."""
         if copies := sum(is_device_object(obj) for obj in objs):
-            self.store.stats.add("device_write_copies", copies)
+            self.store.count(Counter.DEVICE_WRITE_COPIES, copies)
         self.store.submit_many([chunk_write_for(key, obj, on_complete_callback)
                                 for key, obj in zip(keys, objs, strict=True)])
 

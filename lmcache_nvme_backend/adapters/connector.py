@@ -27,22 +27,19 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, List  # noqa: UP035 (a method is named list)
 
-from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from ..config import NVMeConfigError, NVMeSettings
-from ..disk.format import FormatError, decode_header
-from ..metrics import TierObserver
-from ..store.chunk_store import ChunkStore
+from ..config import NVMeSettings
+from ._common import announce, key_and_namespace, keys_and_namespaces, open_store
 from .memory_objects import chunk_write_for, read_into_host_objects, served_prefix
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-logger = init_logger("lmcache_nvme_backend")
+TIER = "NVMe remote connector"
 
 
 class NVMeConnector(RemoteConnector):
@@ -51,20 +48,14 @@ class NVMeConnector(RemoteConnector):
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: LocalCPUBackend,
                  config: LMCacheEngineConfig | None = None, **_: Any) -> None:
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
-        try:
-            settings = NVMeSettings.from_extra_config(config.extra_config if config else None)
-            self.store = ChunkStore(settings)
-        except NVMeConfigError as exc:
-            logger.error("NVMe remote connector NOT loaded: %s", exc)
-            raise
-        self.settings = settings
+        self.store = open_store(TIER, lambda: NVMeSettings.from_extra_config(
+            config.extra_config if config else None))
+        self.settings = self.store.settings
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="nvme-remote")
-        self._observer = TierObserver.for_store("NVMeConnector", self.store, self.stats)
-        logger.info("NVMe remote connector ready: %s, budget %.1f GiB%s.",
-                    ", ".join(str(p) for p in settings.paths), settings.max_size_gb,
-                    ", shared mode" if settings.shared else "")
+        self._observer = announce("NVMeConnector", TIER, self.store, self.stats,
+                                  ", shared mode" if self.settings.shared else "")
 
     def __repr__(self) -> str:
         return f"<NVMeConnector {', '.join(str(p) for p in self.settings.paths)}>"
@@ -72,7 +63,7 @@ class NVMeConnector(RemoteConnector):
     # -- lookups -------------------------------------------------------------
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self.store.lookup(key.to_string(), key.model_name)
+        return self.store.lookup(*key_and_namespace(key))
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return self.exists_sync(key)
@@ -82,12 +73,7 @@ class NVMeConnector(RemoteConnector):
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         """Number of leading keys that are stored (prefix hit)."""
-        hits = 0
-        for key in keys:
-            if not self.exists_sync(key):
-                break
-            hits += 1
-        return hits
+        return self.store.lookup_prefix(keys_and_namespaces(keys))
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:
@@ -142,22 +128,14 @@ class NVMeConnector(RemoteConnector):
         return await loop.run_in_executor(self._executor, self._list_keys)
 
     def _list_keys(self) -> List[str]:  # noqa: UP006
-        keys: List[str] = []  # noqa: UP006
-        for root in self.store.roots:
-            for loc in root.layout.iter_chunks():
-                try:
-                    with open(loc.path, "rb") as f:
-                        keys.append(decode_header(f.read(4096)).key)
-                except (OSError, FormatError):
-                    continue
-        return keys
+        return list(self.store.iter_keys())
 
     def support_ping(self) -> bool:
         return True
 
     async def ping(self) -> int:
         """0 while at least one cache directory is in service."""
-        return 0 if any(r.healthy for r in self.store.roots) else 1
+        return 0 if self.store.healthy() else 1
 
     def stats(self) -> dict[str, float]:
         return self.store.stats_snapshot()

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap
-from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
@@ -44,9 +43,8 @@ from lmcache.v1.platform import create_event_notifier
 from ..config import NVMeConfigError, NVMeSettings
 from ..disk.format import file_size_for
 from ..disk.layout import key_digest
-from ..metrics import TierObserver
-from ..store.chunk_store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
-from ..store.index import IndexEntry
+from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
+from ._common import announce, logger, open_store
 from .memory_objects import host_view, tensor_meta_of
 
 if TYPE_CHECKING:
@@ -54,7 +52,7 @@ if TYPE_CHECKING:
     from lmcache.v1.distributed.internal_api import L1MemoryDesc
     from lmcache.v1.memory_management import MemoryObj
 
-logger = init_logger("lmcache_nvme_backend")
+TIER = "NVMe L2 adapter"
 
 #: Writer threads per path when ``write_threads`` is 0.  The server is a process of its
 #: own (its writers take no core from the inference engine) and LMCache keeps each L1
@@ -139,6 +137,17 @@ class _StoreTask:
     refused: bool = False
 
 
+def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSettings:
+    """The validated settings, with the server's default of four writers per path."""
+    if not isinstance(config, NVMeL2AdapterConfig):
+        config = NVMeL2AdapterConfig.from_dict(dict(config))
+    settings = config.settings
+    if settings.write_threads == 0:
+        settings = dataclasses.replace(settings,
+                                       write_threads=WRITERS_PER_PATH * len(settings.paths))
+    return settings
+
+
 class NVMeL2Adapter(L2AdapterInterface):
     """LMCache L2 adapter persisting KV chunks as aligned files on NVMe drives."""
 
@@ -148,17 +157,8 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     def __init__(self, config: NVMeL2AdapterConfig | Mapping[str, Any],
                  l1_memory_desc: L1MemoryDesc | None = None) -> None:
-        try:
-            if not isinstance(config, NVMeL2AdapterConfig):
-                config = NVMeL2AdapterConfig.from_dict(dict(config))
-            settings = config.settings
-            if settings.write_threads == 0:
-                settings = dataclasses.replace(
-                    settings, write_threads=WRITERS_PER_PATH * len(settings.paths))
-            store = ChunkStore(settings)
-        except NVMeConfigError as exc:
-            logger.error("NVMe L2 adapter NOT loaded: %s", exc)
-            raise
+        store = open_store(TIER, lambda: _server_settings(config))
+        settings = store.settings
         super().__init__(max_capacity_bytes=settings.max_size_bytes)
         self.settings = settings
         self.store = store
@@ -183,12 +183,8 @@ class NVMeL2Adapter(L2AdapterInterface):
             self._total_bytes_used += recovered
         self._untracked_bytes = recovered
         store.add_removal_listener(self._on_removed)
-        self._observer = TierObserver.for_store("NVMeL2Adapter", store, self.stats)
-        logger.info("NVMe L2 adapter ready: %s, budget %.1f GiB, %d chunks found, direct I/O "
-                    "on %d of %d path(s)%s.", ", ".join(str(p) for p in settings.paths),
-                    settings.max_size_gb, store.usage()["entries"],
-                    sum(r.direct for r in store.roots), len(store.roots),
-                    ", shared mode" if settings.shared else "")
+        self._observer = announce("NVMeL2Adapter", TIER, store, self.stats,
+                                  ", shared mode" if settings.shared else "")
 
     # -- event fds -------------------------------------------------------------
 
@@ -386,7 +382,7 @@ class NVMeL2Adapter(L2AdapterInterface):
     def report_status(self) -> dict:
         snap = self.store.stats_snapshot()
         return {
-            "is_healthy": not self._closed and snap["roots_offline"] < len(self.store.roots),
+            "is_healthy": not self._closed and self.store.healthy(),
             "type": "NVMeL2Adapter",
             "paths": [str(p) for p in self.settings.paths],
             "shared": self.settings.shared,

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from ..disk.format import TensorMeta
-from ..store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
+from ..gpu.reader import HostMemory
+from ..store import ChunkRead, ChunkStore, ChunkWrite
 
 if TYPE_CHECKING:
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-logger = init_logger("lmcache_nvme_backend")
+logger = logging.getLogger("lmcache_nvme_backend")
 
 
 def allocate_for(local_cpu_backend: LocalCPUBackend, meta: TensorMeta) -> MemoryObj | None:
@@ -42,6 +43,13 @@ def allocate_for(local_cpu_backend: LocalCPUBackend, meta: TensorMeta) -> Memory
                        "miss.", meta.nbytes)
         return None
     return fit_to_payload(obj, meta.nbytes)
+
+
+def host_memory(local_cpu_backend: LocalCPUBackend) -> HostMemory:
+    """What the GPU read path needs of LMCache's host memory tier."""
+    return HostMemory(allocate=functools.partial(allocate_for, local_cpu_backend),
+                      view=host_view, fit=fit_to_payload,
+                      reclaim=functools.partial(release_from_host_tier, local_cpu_backend))
 
 
 def read_into_host_objects(store: ChunkStore, local_cpu_backend: LocalCPUBackend,

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..disk.format import FormatError, decode_header, payload_checksum
-from ..disk.layout import key_digest, namespace_id
-from ..io.posix import AlignedBuffer, PosixIOEngine, ReadRequest, probe_direct_io
+from ..disk.format import payload_checksum
+from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
+from ..io.posix import AlignedBuffer, PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
 from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import MIB, Progress, human_bytes, positive_int, print_json
 
@@ -89,34 +89,36 @@ class Verifier:
     def check(self, f: CacheFile) -> Outcome:
         out = Outcome(f)
         try:
-            st = os.lstat(f.path)
-            out.stat = st
+            out.stat = os.lstat(f.path)
             raw, size = self.engine.read_header(f.path, self.direct)
-            header = decode_header(raw)
-            if key_digest(header.key) != f.digest:
-                raise FormatError("the stored key does not hash to this file's name")
-            if namespace_id(header.namespace) != f.ns_id:
-                raise FormatError("the stored namespace does not match the directory")
-            if size != header.file_size:
-                raise FormatError(f"file is {size} bytes, its header implies "
-                                  f"{header.file_size}")
-            dest = self._buffer(header.payload_len)
-            req = ReadRequest(f.path, header.payload_len, dest, self.direct)
-            self.engine.read_chunks([req])
-            if req.error is not None:
-                raise req.error
-            if req.header != raw:
-                raise FileNotFoundError("replaced while being checked")
-            if payload_checksum(dest[: header.payload_len]) != header.payload_checksum:
-                raise FormatError("payload checksum mismatch")
-            out.payload_bytes = header.payload_len
+            expected = Expected(digest=f.digest, ns_id=f.ns_id, file_size=size)
+            verdict = judge_chunk(raw, expected)
+            if verdict.ok and verdict.header is not None:
+                verdict = self._check_payload(f, raw, verdict.header.payload_len, expected)
+            out.reason = None if verdict.ok else verdict.reason
+            if verdict.ok and verdict.header is not None:
+                out.payload_bytes = verdict.header.payload_len
         except FileNotFoundError:
             out.vanished = True
-        except FormatError as exc:
-            out.reason = str(exc)
         except OSError as exc:
             out.reason = f"read error: {exc.strerror or exc}"
         return out
+
+    def _check_payload(self, f: CacheFile, raw: bytes, payload_len: int,
+                       expected: Expected) -> Verdict:
+        """Read the whole file again (header with the payload) and judge it with its payload."""
+        dest = self._buffer(payload_len)
+        req = ReadRequest(f.path, payload_len, dest, self.direct)
+        self.engine.read_chunks([req])
+        if isinstance(req.error, ShortFileError):
+            return defect(Defect.SHORT, str(req.error))
+        if req.error is not None:
+            raise req.error
+        if req.header != raw:
+            raise FileNotFoundError("replaced while being checked")
+        return judge_chunk(req.header, expected,
+                           lambda header: payload_checksum(dest[:payload_len])
+                           == header.payload_checksum)
 
 
 def quarantine(root: CacheRoot, out: Outcome) -> str | None:
@@ -124,7 +126,7 @@ def quarantine(root: CacheRoot, out: Outcome) -> str | None:
     if out.stat is None or not same_file(out.file.path, out.stat):
         return None
     root.layout.quarantine_dir.mkdir(parents=True, exist_ok=True)
-    target = root.layout.quarantine_dir / f"{out.file.digest}.{time.time_ns()}.bad"
+    target = root.layout.quarantine_path(out.file.digest)
     try:
         os.rename(out.file.path, target)
     except OSError:

@@ -4,7 +4,7 @@
 
     <root>/LMCNVME                       marker: this directory is a cache root
     <root>/index/manifest.json           LRU order and tensor metadata (see manifest.py)
-    <root>/quarantine/                   files that failed validation, kept for inspection
+    <root>/quarantine/<d32>.<ns>.bad    files that failed validation, kept for inspection
     <root>/ns/<ns16>/NAMESPACE           the namespace's readable name
     <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  one chunk file
 
@@ -99,6 +99,10 @@ class RootLayout:
         """A temporary name unique to this host, process and thread."""
         suffix = f"{TEMP_INFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}"
         return final.with_name(final.name + suffix)
+
+    def quarantine_path(self, digest: str) -> Path:
+        """Where a chunk file that failed validation is moved (a unique name per move)."""
+        return self.quarantine_dir / f"{digest}.{time.time_ns()}.bad"
 
     def namespace_name_file(self, ns_id: str) -> Path:
         return self.namespaces_dir / ns_id / "NAMESPACE"

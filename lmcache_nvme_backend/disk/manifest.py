@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from ..store.index import IndexEntry
 from .format import FormatError, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,17 @@ class ManifestRecord:
     meta: TensorMeta | None
 
 
-def save_manifest(index_dir: Path, entries: list[IndexEntry], file_mode: int,
+class ManifestRow(Protocol):
+    """What the manifest keeps of one indexed chunk (the store's index entries have it)."""
+
+    digest: str
+    ns_id: str
+    size: int
+    last_access_ns: int
+    meta: TensorMeta | None
+
+
+def save_manifest(index_dir: Path, entries: Sequence[ManifestRow], file_mode: int,
                   batch: int = 4096) -> None:
     """Write the entries (LRU order) of one root.
 

@@ -8,7 +8,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..adapters.memory_objects import fit_to_payload
 from ..config import MIB
 from ..disk.format import TensorMeta, padded_length
 
@@ -32,15 +31,18 @@ class GpuBufferPool:
     the caller serves the chunk in host memory instead.
     """
 
-    def __init__(self, size: int, device: str, *, register: bool = False,
+    def __init__(self, size: int, device: str, *,
+                 fit: Callable[[MemoryObj, int], MemoryObj | None], register: bool = False,
                  reclaim: Callable[[Any, MemoryObj], bool] | None = None,
                  max_reclaims: int = 64) -> None:
+        """``fit`` sizes an allocated object to a payload (``memory_objects.fit_to_payload``)."""
         from lmcache.v1.memory_allocators.gpu_memory_allocator import GPUMemoryAllocator
 
         self.size = size
         self.allocator = GPUMemoryAllocator(size, device=device, align_bytes=4096)
         self.tensor: torch.Tensor = self.allocator.tensor
         self.device = self.tensor.device
+        self._fit = fit
         self._reclaim = reclaim
         self._max_reclaims = max_reclaims
         self._lock = threading.Lock()
@@ -61,7 +63,7 @@ class GpuBufferPool:
         obj = self._allocate(meta)
         if obj is None and self._reclaim is not None and self._reclaim_some():
             obj = self._allocate(meta)
-        if obj is None or (obj := fit_to_payload(obj, meta.nbytes)) is None:
+        if obj is None or (obj := self._fit(obj, meta.nbytes)) is None:
             return None
         with self._lock:
             self._lent[id(obj)] = (tag, obj)

@@ -28,6 +28,7 @@ module imports on any machine.
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import time
@@ -37,12 +38,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import MIB, NVMeConfigError, NVMeSettings
-from ..disk.format import HEADER_SIZE, FormatError, TensorMeta, decode_header, padded_length
+from ..disk.format import HEADER_SIZE, ChunkHeader, TensorMeta, padded_length
 from ..disk.gpusum import DeviceWeights, device_checksum, to_unsigned
+from ..disk.validate import Expected, judge_chunk
 from ..io.kvikio import KvikioPayloadReader, PayloadRead, PayloadReader
 from ..io.posix import PosixIOEngine, ShortFileError
-from ..store.chunk_store import ChunkRead, ChunkStore, ReadPlan
-from ..store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS, PATH_POSIX
+from ..store import ChunkRead, ChunkStore, Counter, ReadPath, ReadPlan
 from .pool import GpuBufferPool
 from .select import (
     KVIKIO_PATHS,
@@ -61,6 +62,29 @@ logger = logging.getLogger("lmcache_nvme_backend")
 
 # Fallback warnings: the first, then one every this many.
 WARN_EVERY = 1000
+
+
+class Outcome(enum.Enum):
+    """What became of one chunk read by kvikio."""
+
+    SERVED = "served"
+    BOUNCE = "bounce"  # verify (or read again) through the host path
+    MISS = "miss"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """How the GPU path gets and handles LMCache memory objects (the adapter supplies it).
+
+    ``allocate`` a host object for a chunk, ``view`` an object's bytes, ``fit`` an
+    object to a payload length, ``reclaim`` a pool object only LMCache's host
+    tier still holds (see ``GpuBufferPool``).
+    """
+
+    allocate: Callable[[TensorMeta], MemoryObj | None]
+    view: Callable[[MemoryObj], memoryview]
+    fit: Callable[[MemoryObj, int], MemoryObj | None]
+    reclaim: Callable[[Any, MemoryObj], bool] | None = None
 
 
 @dataclass
@@ -87,23 +111,22 @@ class GpuChunkReader:
     """Reads stored chunks into GPU pool memory objects by the chosen path."""
 
     def __init__(self, store: ChunkStore, decision: PathDecision, pool: GpuBufferPool,
-                 alloc_host: Callable[[TensorMeta], MemoryObj | None],
-                 host_view: Callable[[MemoryObj], memoryview],
-                 payload_reader: PayloadReader | None = None, strict: bool = False) -> None:
+                 host: HostMemory, payload_reader: PayloadReader | None = None,
+                 strict: bool = False) -> None:
         if decision.path in KVIKIO_PATHS and payload_reader is None:
             raise ValueError("a kvikio path needs a payload reader")
         self.store = store
         self.decision = decision
         self.pool = pool
         self.strict = strict
-        self._alloc_host = alloc_host
-        self._host_view = host_view
+        self._alloc_host = host.allocate
+        self._host_view = host.view
         self._payloads = payload_reader
         self._header_pool = ThreadPoolExecutor(max(2, store.settings.io_threads),
                                                thread_name_prefix="nvme-gpu-hdr")
         self._headers = PosixIOEngine(store.settings.task_size_bytes, self._header_pool)
         self._weights: DeviceWeights | None = None
-        self._warned: dict[str, int] = {}
+        self._warned: dict[Counter, int] = {}
 
     @property
     def path(self) -> str:
@@ -142,8 +165,7 @@ class GpuChunkReader:
                 continue
             obj = self.pool.allocate(plan.meta, tags[i])
             if obj is None:
-                self._note("gpu_pool_fallbacks", "GPU pool (nvme.gpu_pool_mb) is full; serving "
-                           "chunks in host memory")
+                self._note_pool_full()
                 batch.host.append(i)
                 continue
             length = self.pool.capacity_for(obj, plan.payload_len)
@@ -160,12 +182,12 @@ class GpuChunkReader:
         served_bytes = 0
         served = 0
         for job in jobs:
-            verdict = self._judge(job)
-            if verdict == "ok":
+            outcome = self._judge(job)
+            if outcome is Outcome.SERVED:
                 results[job.index] = job.obj
                 served += 1
                 served_bytes += job.plan.payload_len
-            elif verdict == "bounce":
+            elif outcome is Outcome.BOUNCE:
                 batch.bounce.append((job.index, job.obj))
             else:
                 job.obj.ref_count_down()
@@ -193,40 +215,39 @@ class GpuChunkReader:
         for job, (a, b) in zip(todo, sums, strict=True):
             job.sums = (to_unsigned(a), to_unsigned(b))
 
-    def _judge(self, job: _Job) -> str:
-        """'ok' (serve), 'bounce' (verify through the host path) or 'miss'."""
+    def _judge(self, job: _Job) -> Outcome:
+        """Serve the chunk, verify it through the host path, or count a miss."""
         plan, read = job.plan, job.read
         error = job.header_error or read.error
         if error is not None and not isinstance(error, OSError):
             # kvikio/cuFile failed (not the drive): the file may be fine
-            self._note("gpu_read_errors", f"kvikio read failed ({error})")
-            return "miss" if self.strict else "bounce"
+            self._note(Counter.GPU_READ_ERRORS, f"kvikio read failed ({error})")
+            return Outcome.MISS if self.strict else Outcome.BOUNCE
         if error is None and job.file_size < HEADER_SIZE + padded_length(plan.payload_len):
             error = ShortFileError(errno.EIO, "chunk file shorter than its payload",
                                    str(plan.path))
         if error is None and read.nread < plan.payload_len:
             error = ShortFileError(errno.EIO, "kvikio read short", str(plan.path))
         if error is None:
-            try:
-                if decode_header(job.header).gpu_checksum is None:
-                    self._note("gpu_unverified_fallbacks", "chunk files without a GPU checksum "
-                               "(written before the GPU path was on) are verified on the host")
-                    return "bounce"
-            except FormatError:
-                pass  # complete_read rejects it with the reason
+            verdict = judge_chunk(job.header, Expected())  # decode only: complete_read judges
+            if verdict.header is not None and verdict.header.gpu_checksum is None:
+                self._note(Counter.GPU_UNVERIFIED_FALLBACKS, "chunk files without a GPU "
+                           "checksum (written before the GPU path was on) are verified on the "
+                           "host")
+                return Outcome.BOUNCE
         mismatch = False
 
-        def payload_ok(header: Any) -> bool:
+        def payload_ok(header: ChunkHeader) -> bool:
             nonlocal mismatch
             mismatch = header.gpu_checksum != job.sums
             return not mismatch
 
-        ok = self.store.complete_read(plan, job.header, error, payload_ok)
+        ok = self.store.complete_read(plan, job.header, error, payload_ok).ok
         if mismatch:
-            self.store.stats.add("gpu_checksum_failures")
+            self.store.count(Counter.GPU_CHECKSUM_FAILURES)
         if not ok:
-            self.store.stats.add("read_failures")
-        return "ok" if ok else "miss"
+            self.store.count(Counter.READ_FAILURES)
+        return Outcome.SERVED if ok else Outcome.MISS
 
     # -- host read + device copy -------------------------------------------------
 
@@ -264,8 +285,7 @@ class GpuChunkReader:
             if gpu_obj is None:
                 gpu_obj = self.pool.allocate(meta, tags[i])
             if gpu_obj is None:
-                self._note("gpu_pool_fallbacks", "GPU pool (nvme.gpu_pool_mb) is full; serving "
-                           "chunks in host memory")
+                self._note_pool_full()
                 results[i] = host  # served, in host memory: LMCache copies it as usual
                 continue
             self.pool.slot(gpu_obj, meta.nbytes).copy_(self._host_bytes(host, meta.nbytes),
@@ -278,7 +298,7 @@ class GpuChunkReader:
             torch.cuda.current_stream(self.pool.device).synchronize()
         for host in copies:
             host.ref_count_down()
-        self._account(PATH_HOST_BOUNCE, count, served_bytes, time.perf_counter() - started)
+        self._account(ReadPath.HOST_BOUNCE, count, served_bytes, time.perf_counter() - started)
 
     def _host_bytes(self, host: MemoryObj, nbytes: int) -> torch.Tensor:
         """The payload of a host object as a uint8 tensor (pinned, when LMCache's is)."""
@@ -309,19 +329,23 @@ class GpuChunkReader:
 
     # -- bookkeeping ---------------------------------------------------------------
 
-    def _account(self, path: str, chunks: int, nbytes: int, seconds: float) -> None:
-        self.store.stats.record_read(path, chunks, nbytes, seconds)
+    def _account(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
+        self.store.record_read(path, chunks, nbytes, seconds)
         if chunks:
             logger.debug("NVMe tier: %s read %d chunks, %.1f MiB at %.2f GB/s", path, chunks,
                          nbytes / MIB, nbytes / max(seconds, 1e-9) / 1e9)
 
-    def _note(self, counter: str, message: str) -> None:
+    def _note_pool_full(self) -> None:
+        self._note(Counter.GPU_POOL_FALLBACKS,
+                   "GPU pool (nvme.gpu_pool_mb) is full; serving chunks in host memory")
+
+    def _note(self, counter: Counter, message: str) -> None:
         """Count a fallback and log it (the first time, then every WARN_EVERY times)."""
-        self.store.stats.add(counter)
+        self.store.count(counter)
         seen = self._warned.get(counter, 0)
         self._warned[counter] = seen + 1
         if seen % WARN_EVERY == 0:
-            logger.warning("NVMe tier: %s (%s = %d).", message, counter, seen + 1)
+            logger.warning("NVMe tier: %s (%s = %d).", message, counter.value, seen + 1)
 
     def gauges(self) -> dict[str, float]:
         return {"gpu_pool_bytes": float(self.pool.size),
@@ -337,10 +361,8 @@ def build_gpu_reader(
     settings: NVMeSettings,
     dst_device: str,
     *,
-    alloc_host: Callable[[TensorMeta], MemoryObj | None],
-    host_view: Callable[[MemoryObj], memoryview],
+    host: HostMemory,
     chunk_bytes: int | None = None,
-    reclaim: Callable[[Any, MemoryObj], bool] | None = None,
     probe: GpuProbe | None = None,
     payload_reader: PayloadReader | None = None,
 ) -> tuple[PathDecision, GpuChunkReader | None]:
@@ -354,7 +376,7 @@ def build_gpu_reader(
     decision = select_read_path(settings.gds_mode, dst_device, settings.gpu_pool_bytes, probe)
     if decision.refusal:
         raise NVMeConfigError(decision.refusal)
-    if decision.path == PATH_POSIX:
+    if decision.path == ReadPath.POSIX:
         if is_cuda_device(dst_device):
             logger.info("NVMe tier read path: %s (%s).", decision.path, decision.reason)
         return decision, None
@@ -369,13 +391,14 @@ def build_gpu_reader(
         payload_reader = KvikioPayloadReader(settings.kvikio_threads,
                                              settings.kvikio_task_size_bytes,
                                              strict=settings.gds_mode == "on")
-    pool = GpuBufferPool(settings.gpu_pool_bytes, dst_device, reclaim=reclaim,
-                         register=decision.path == PATH_KVIKIO_GDS and probe.cuda_devices > 0)
-    reader = GpuChunkReader(store, decision, pool, alloc_host, host_view, payload_reader,
+    pool = GpuBufferPool(settings.gpu_pool_bytes, dst_device, fit=host.fit,
+                         reclaim=host.reclaim,
+                         register=decision.path == ReadPath.KVIKIO_GDS and probe.cuda_devices > 0)
+    reader = GpuChunkReader(store, decision, pool, host, payload_reader,
                             strict=settings.gds_mode == "on")
     # Files written from now on carry the checksum the GPU path verifies.
-    store.record_gpu_checksums = kvikio_path
-    log = logger.info if decision.path == PATH_KVIKIO_GDS else logger.warning
+    store.set_gpu_checksums(kvikio_path)
+    log = logger.info if decision.path == ReadPath.KVIKIO_GDS else logger.warning
     log("NVMe tier read path: %s into a %d MiB GPU pool on %s (%s).", decision.path,
         settings.gpu_pool_bytes // MIB, dst_device, decision.reason)
     return decision, reader

@@ -17,11 +17,11 @@ from typing import Any
 
 from ..config import MIB, NVMeConfigError
 from ..disk.format import padded_length
-from ..store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT, PATH_KVIKIO_GDS, PATH_POSIX
+from ..store import ReadPath
 
 logger = logging.getLogger("lmcache_nvme_backend")
 
-KVIKIO_PATHS = (PATH_KVIKIO_GDS, PATH_KVIKIO_COMPAT)
+KVIKIO_PATHS = (ReadPath.KVIKIO_GDS, ReadPath.KVIKIO_COMPAT)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class GpuProbe:
 class PathDecision:
     """The read path chosen, why, and (``nvme.gds_mode: on``) why it must not start."""
 
-    path: str
+    path: ReadPath
     reason: str
     refusal: str | None = None
 
@@ -103,15 +103,15 @@ def select_read_path(mode: str, dst_device: str, pool_bytes: int,
         refusal = (f"nvme.gds_mode: 'on' but this LMCache worker's device is '{dst_device}', so "
                    "there is no GPU to read into. Set nvme.gds_mode to 'auto' (or 'off') on "
                    "CPU-only workers.") if strict else None
-        return PathDecision(PATH_POSIX, f"destination device is {dst_device}", refusal)
+        return PathDecision(ReadPath.POSIX, f"destination device is {dst_device}", refusal)
     if pool_bytes <= 0:
         refusal = ("nvme.gpu_pool_mb: 0 leaves no GPU memory to read into, but nvme.gds_mode is "
                    "'on'. Give the pool room (e.g. 2048) or set nvme.gds_mode to 'auto'."
                    ) if strict else None
-        return PathDecision(PATH_POSIX, "nvme.gpu_pool_mb is 0: chunks are served in host "
+        return PathDecision(ReadPath.POSIX, "nvme.gpu_pool_mb is 0: chunks are served in host "
                             "memory and LMCache copies them to the GPU", refusal)
     if mode == "off":
-        return PathDecision(PATH_HOST_BOUNCE, "nvme.gds_mode is 'off'")
+        return PathDecision(ReadPath.HOST_BOUNCE, "nvme.gds_mode is 'off'")
     no_gpu = probe.cuda_devices <= 0
     problems: list[str] = []
     if no_gpu:
@@ -130,17 +130,17 @@ def select_read_path(mode: str, dst_device: str, pool_bytes: int,
             "mounted; KVIKIO_COMPAT_MODE must not be ON)")
     if strict:
         if problems:
-            return PathDecision(PATH_KVIKIO_GDS, "nvme.gds_mode is 'on'", refusal=(
+            return PathDecision(ReadPath.KVIKIO_GDS, "nvme.gds_mode is 'on'", refusal=(
                 "nvme.gds_mode: 'on' (strict) but " + "; ".join(problems) + ". Fix the GDS "
                 "setup (lmcache-nvme doctor checks each part), or set nvme.gds_mode to 'auto' "
                 "to accept kvikio's compat mode or the host path."))
-        return PathDecision(PATH_KVIKIO_GDS, f"cuFile {probe.libcufile_version} with GDS "
+        return PathDecision(ReadPath.KVIKIO_GDS, f"cuFile {probe.libcufile_version} with GDS "
                             "(nvme.gds_mode 'on')")
     if no_gpu or probe.kvikio_version is None:
-        return PathDecision(PATH_HOST_BOUNCE, "; ".join(problems))
+        return PathDecision(ReadPath.HOST_BOUNCE, "; ".join(problems))
     if problems:
-        return PathDecision(PATH_KVIKIO_COMPAT, "; ".join(problems))
-    return PathDecision(PATH_KVIKIO_GDS, f"cuFile {probe.libcufile_version}, kvikio "
+        return PathDecision(ReadPath.KVIKIO_COMPAT, "; ".join(problems))
+    return PathDecision(ReadPath.KVIKIO_GDS, f"cuFile {probe.libcufile_version}, kvikio "
                         f"{probe.kvikio_version}, compat mode off")
 
 

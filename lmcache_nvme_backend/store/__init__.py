@@ -1,1 +1,16 @@
-"""store"""
+"""The chunk store (layer 3): index, capacity, write-back, validation on read, recovery.
+
+``ChunkStore`` is the entry point; the adapters, the GPU reader and tools use
+only what this package exports.
+"""
+
+from .chunk_store import ChunkStore
+from .index import IndexEntry
+from .reads import ChunkRead, ReadPlan
+from .roots import RootInfo
+from .stats import Counter, ReadPath
+from .writeback import ChunkWrite
+from .writer import SubmitResult
+
+__all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "Counter", "IndexEntry", "ReadPath",
+           "ReadPlan", "RootInfo", "SubmitResult"]

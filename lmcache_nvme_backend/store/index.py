@@ -2,7 +2,7 @@
 
 Capacity is accounted in real bytes on disk (header and padding included) per
 root, and space for a write is reserved before the write starts, so the byte
-budget is never exceeded.  The index holds no lock of its own: the chunk store
+budget is never exceeded.  The index holds no lock of its own: ``catalog.py``
 serialises access with one lock and never holds it across I/O.
 """
 
@@ -59,11 +59,6 @@ class ChunkIndex:
         self._entries[entry.digest] = entry
         self._lru[entry.root][entry.digest] = None
         self._used[entry.root] += entry.size
-
-    def add_oldest(self, entry: IndexEntry) -> None:
-        """Insert an entry as least recently used (recovered files of unknown recency)."""
-        self.add(entry)
-        self._lru[entry.root].move_to_end(entry.digest, last=False)
 
     def remove(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)

@@ -1,68 +1,89 @@
-"""Counters and latency histograms of the NVMe tier, and their ``stats()`` snapshot."""
+"""Counters and latency histograms of the NVMe tier, and their ``stats()`` snapshot.
+
+Every counter has a name in :class:`Counter`, so a misspelt counter is a type
+error, not a ``KeyError`` at run time; the snapshot keys (what ``stats()`` and
+the Prometheus exporter show) are the counters' values.
+"""
 
 from __future__ import annotations
 
 import bisect
+import enum
 import threading
-from collections import Counter
 from dataclasses import dataclass
 
-# Where a chunk read went (docs/gpu.md): host memory through the POSIX engine,
-# GPU memory through kvikio (GDS or kvikio's compat mode), or GPU memory through
-# a host read and a device copy.  Each has _chunks, _bytes and _seconds counters
-# and a _gbps gauge in the snapshot.
-READ_PATHS = ("posix", "kvikio-gds", "kvikio-compat", "host-bounce")
+
+class ReadPath(str, enum.Enum):
+    """Where a chunk read went (docs/gpu.md).
+
+    Host memory through the POSIX engine, GPU memory through kvikio (GDS or
+    kvikio's compat mode), or GPU memory through a host read and a device copy.
+    Each has ``_chunks``, ``_bytes`` and ``_seconds`` counters and a ``_gbps``
+    gauge in the snapshot.  Members compare equal to their values.
+    """
+
+    POSIX = "posix"
+    KVIKIO_GDS = "kvikio-gds"
+    KVIKIO_COMPAT = "kvikio-compat"
+    HOST_BOUNCE = "host-bounce"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+READ_PATHS = tuple(ReadPath)
+# Temporary aliases while the tests move to ReadPath.
 PATH_POSIX, PATH_KVIKIO_GDS, PATH_KVIKIO_COMPAT, PATH_HOST_BOUNCE = READ_PATHS
 
 
-def path_counter(path: str, what: str) -> str:
+def path_counter(path: ReadPath | str, what: str) -> str:
     """``path_<path>_<what>`` with dashes as underscores, e.g. ``path_kvikio_gds_bytes``."""
-    return f"path_{path.replace('-', '_')}_{what}"
+    return f"path_{str(path).replace('-', '_')}_{what}"
 
 
-_PATH_COUNTERS = tuple(path_counter(p, w) for p in READ_PATHS
-                       for w in ("chunks", "bytes", "seconds"))
-_GPU_COUNTERS = (
-    "gpu_checksum_failures",     # GPU checksum mismatch on the GPU path (also checksum_failures)
-    "gpu_unverified_fallbacks",  # files without a GPU checksum, read through host-bounce
-    "gpu_pool_fallbacks",        # GPU pool exhausted: served in host memory instead
-    "gpu_read_errors",           # kvikio raised or read short
-    "gpu_checksums_recorded",    # chunk files written with a GPU checksum
-    "device_write_copies",       # GPU memory objects copied to host memory for write-back
-)
+class Counter(enum.Enum):
+    """Every counter the tier moves; the value is its key in the ``stats()`` snapshot."""
 
-# Every counter the store moves, so a snapshot always lists all of them.
-COUNTERS = (
-    "lookups",
-    "hits",
-    "misses",
-    "read_chunks",
-    "read_bytes",
-    "read_seconds",
-    "read_failures",
-    "writes_enqueued",
-    "writes_completed",
-    "write_bytes",
-    "write_seconds",
-    "write_failures",
-    "duplicate_puts",
-    "queue_full_drops",
-    "queue_full_waits",
-    "capacity_drops",
-    "oversize_drops",
-    "evictions",
-    "evicted_bytes",
-    "checksum_failures",
-    "invalid_files",
-    "quarantined_files",
-    "recovered_entries",
-    "removed_temp_files",
-    *_PATH_COUNTERS,
-    *_GPU_COUNTERS,
-    "shared_adopted",
-    "shared_vanished",
-)
+    LOOKUPS = "lookups"
+    HITS = "hits"
+    MISSES = "misses"
+    READ_CHUNKS = "read_chunks"
+    READ_BYTES = "read_bytes"
+    READ_SECONDS = "read_seconds"
+    READ_FAILURES = "read_failures"
+    WRITES_ENQUEUED = "writes_enqueued"
+    WRITES_COMPLETED = "writes_completed"
+    WRITE_BYTES = "write_bytes"
+    WRITE_SECONDS = "write_seconds"
+    WRITE_FAILURES = "write_failures"
+    DUPLICATE_PUTS = "duplicate_puts"
+    QUEUE_FULL_DROPS = "queue_full_drops"
+    QUEUE_FULL_WAITS = "queue_full_waits"
+    CAPACITY_DROPS = "capacity_drops"
+    OVERSIZE_DROPS = "oversize_drops"
+    EVICTIONS = "evictions"
+    EVICTED_BYTES = "evicted_bytes"
+    CHECKSUM_FAILURES = "checksum_failures"
+    INVALID_FILES = "invalid_files"
+    QUARANTINED_FILES = "quarantined_files"
+    RECOVERED_ENTRIES = "recovered_entries"
+    REMOVED_TEMP_FILES = "removed_temp_files"
+    SHARED_ADOPTED = "shared_adopted"
+    SHARED_VANISHED = "shared_vanished"
+    # GPU read path
+    GPU_CHECKSUM_FAILURES = "gpu_checksum_failures"  # also counted in checksum_failures
+    GPU_UNVERIFIED_FALLBACKS = "gpu_unverified_fallbacks"  # no GPU checksum: host-bounce
+    GPU_POOL_FALLBACKS = "gpu_pool_fallbacks"  # GPU pool exhausted: served in host memory
+    GPU_READ_ERRORS = "gpu_read_errors"  # kvikio raised or read short
+    GPU_CHECKSUMS_RECORDED = "gpu_checksums_recorded"  # chunk files written with one
+    DEVICE_WRITE_COPIES = "device_write_copies"  # GPU objects copied to host for write-back
 
+
+_PATH_COUNTERS = tuple(path_counter(p, w) for p in ReadPath for w in ("chunks", "bytes",
+                                                                       "seconds"))
 
 # Upper bounds (seconds) of the latency histogram buckets: a 2 MiB chunk from a fast
 # drive takes well under a millisecond, a batch of large chunks from a busy one seconds.
@@ -72,12 +93,12 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 WRITE_LATENCY = "write"
 
 
-def read_latency(path: str) -> str:
+def read_latency(path: ReadPath | str) -> str:
     """Name of the read latency histogram of one read path."""
     return f"read_{path}"
 
 
-HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in READ_PATHS))
+HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
 
 
 @dataclass(frozen=True)
@@ -111,39 +132,33 @@ class StoreStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
+        self._counts: dict[str, float] = dict.fromkeys(
+            [c.value for c in Counter] + list(_PATH_COUNTERS), 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
 
-    def add(self, name: str, amount: float = 1) -> None:
-        if name not in self._counts:
-            raise KeyError(f"unknown counter {name}")
+    def add(self, counter: Counter, amount: float = 1) -> None:
         with self._lock:
-            self._counts[name] += amount  # type: ignore[assignment]
-
-    def observe(self, histogram: str, seconds: float) -> None:
-        """Add one latency observation to ``histogram`` (one of ``HISTOGRAMS``)."""
-        with self._lock:
-            self._observe(histogram, seconds)
+            self._counts[counter.value] += amount
 
     def _observe(self, histogram: str, seconds: float) -> None:
         self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         self._sums[histogram] += seconds
 
-    def record_read(self, path: str, chunks: int, nbytes: int, seconds: float) -> None:
+    def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
         """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total."""
         with self._lock:
             self._counts[path_counter(path, "chunks")] += chunks
             self._counts[path_counter(path, "bytes")] += nbytes
-            self._counts[path_counter(path, "seconds")] += seconds  # type: ignore[assignment]
+            self._counts[path_counter(path, "seconds")] += seconds
             self._observe(read_latency(path), seconds)
 
     def record_write(self, nbytes: int, seconds: float) -> None:
         """One chunk file written and published."""
         with self._lock:
-            self._counts["writes_completed"] += 1
-            self._counts["write_bytes"] += nbytes
-            self._counts["write_seconds"] += seconds  # type: ignore[assignment]
+            self._counts[Counter.WRITES_COMPLETED.value] += 1
+            self._counts[Counter.WRITE_BYTES.value] += nbytes
+            self._counts[Counter.WRITE_SECONDS.value] += seconds
             self._observe(WRITE_LATENCY, seconds)
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
@@ -151,14 +166,15 @@ class StoreStats:
             return {name: HistogramSnapshot(tuple(self._buckets[name]), self._sums[name])
                     for name in HISTOGRAMS}
 
-    def get(self, name: str) -> float:
+    def get(self, counter: Counter | str) -> float:
+        """One counter's value (by member, or by its snapshot key such as a path counter)."""
         with self._lock:
-            return self._counts[name]
+            return self._counts[counter.value if isinstance(counter, Counter) else counter]
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             snap: dict[str, float] = dict(self._counts)
-        for path in READ_PATHS:
+        for path in ReadPath:
             seconds = snap[path_counter(path, "seconds")]
             snap[path_counter(path, "gbps")] = \
                 snap[path_counter(path, "bytes")] / seconds / 1e9 if seconds > 0 else 0.0

@@ -7,29 +7,43 @@ until the write finishes), so its bound is a memory bound.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..disk.format import TensorMeta
+from ..disk.layout import key_digest, namespace_id
 
 
-@dataclass
-class WriteJob:
-    """One chunk waiting to be persisted.  ``release`` runs exactly once when the job ends."""
+@dataclass(frozen=True, eq=False)
+class ChunkWrite:
+    """One chunk to persist.
 
-    digest: str
+    ``payload`` stays valid until the store calls ``release``, which it does
+    exactly once whatever happens to the write; ``on_persisted`` runs after the
+    chunk file is published.
+    """
+
     key: str
     namespace: str
-    ns_id: str
     meta: TensorMeta
     payload: memoryview
     release: Callable[[], None]
     on_persisted: Callable[[], None] | None = None
-    enqueued_at: float = field(default_factory=time.monotonic)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Names the chunk file (``layout.key_digest`` of the key)."""
+        return key_digest(self.key)
+
+    @functools.cached_property
+    def ns_id(self) -> str:
+        """Names the namespace directory."""
+        return namespace_id(self.namespace)
 
     @property
     def nbytes(self) -> int:
@@ -45,7 +59,7 @@ class WriteBackQueue:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._jobs: deque[WriteJob] = deque()
+        self._jobs: deque[ChunkWrite] = deque()
         self._bytes = 0
         self._closed = False
         lock = threading.Lock()
@@ -63,7 +77,7 @@ class WriteBackQueue:
         with self._cond:
             return len(self._jobs)
 
-    def offer_many(self, jobs: list[WriteJob], wait_s: float) -> list[bool]:
+    def offer_many(self, jobs: list[ChunkWrite], wait_s: float) -> list[bool]:
         """Enqueue each job if there is room, waiting up to ``wait_s`` in all for it.
 
         Returns, per job, whether it was enqueued.  Writers are woken once for
@@ -86,18 +100,14 @@ class WriteBackQueue:
                 accepted.append(fits)
         return accepted
 
-    def offer(self, job: WriteJob, wait_s: float) -> bool:
-        """Enqueue one job; see ``offer_many``."""
-        return self.offer_many([job], wait_s)[0]
-
-    def take(self) -> WriteJob | None:
+    def take(self) -> ChunkWrite | None:
         """Next job, blocking; None once the queue is closed and empty."""
         with self._cond:
             while not self._jobs and not self._closed:
                 self._has_jobs.wait()
             return self._jobs.popleft() if self._jobs else None
 
-    def done(self, job: WriteJob) -> None:
+    def done(self, job: ChunkWrite) -> None:
         with self._cond:
             self._bytes -= job.nbytes
             self._cond.notify_all()
@@ -113,7 +123,7 @@ class WriteBackQueue:
                 self._cond.wait(remaining)
             return True
 
-    def close(self) -> list[WriteJob]:
+    def close(self) -> list[ChunkWrite]:
         """Stop accepting jobs; return the ones never taken (the caller ends them)."""
         with self._cond:
             self._closed = True

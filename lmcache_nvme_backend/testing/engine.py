@@ -17,38 +17,44 @@ Layout of the KV tensors used throughout: ``MemoryFormat.KV_2LTD``, i.e.
 shape LMCache allocates for one chunk (``LMCacheMetadata.get_shapes``).  Token
 ``t`` of a prompt lives at index ``t`` of the token dimension.
 
-Importing this module sets the no-telemetry environment variables before it
-imports LMCache.
+Scripts call :func:`disable_telemetry` before they build an engine (LMCache reads
+the variables when it starts a telemetry context, not at import); the test
+suite's ``conftest.py`` does the same.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import torch
+import yaml
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
+
+#: Environment that turns off LMCache's and vLLM's usage telemetry and LMCache's banner.
 NO_TELEMETRY_ENV: dict[str, str] = {
     "LMCACHE_TRACK_USAGE": "false",
     "DO_NOT_TRACK": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "LMCACHE_DISABLE_BANNER": "1",
 }
-for _name, _value in NO_TELEMETRY_ENV.items():
-    os.environ.setdefault(_name, _value)
 
-import time  # noqa: E402
-from collections.abc import Mapping, Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.gpu_connector import GPUConnectorInterface  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface  # noqa: E402
+def disable_telemetry() -> None:
+    """Set :data:`NO_TELEMETRY_ENV` in this process (values already set are kept)."""
+    for name, value in NO_TELEMETRY_ENV.items():
+        os.environ.setdefault(name, value)
+
 
 #: Name under which LMCache registers its host-memory tier.
 CPU_TIER = "LocalCPUBackend"

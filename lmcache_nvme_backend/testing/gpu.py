@@ -10,7 +10,6 @@ Imports torch and LMCache.
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 from lmcache.v1.memory_allocators.gpu_memory_allocator import GPUMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from ..adapters.memory_objects import allocate_for, host_view, release_from_host_tier
+from ..adapters.memory_objects import host_memory
 from ..disk.format import TensorMeta
 from ..gpu.pool import GpuBufferPool
 from ..gpu.reader import GpuChunkReader
@@ -111,11 +110,11 @@ def in_pool(pool: GpuBufferPool, obj: MemoryObj) -> bool:
 def make_reader(store: ChunkStore, decision: PathDecision, device: str, pool_bytes: int,
                 host: HostTier, payload_reader: PayloadReader | None = None,
                 strict: bool = False, register: bool = False) -> GpuChunkReader:
-    pool = GpuBufferPool(pool_bytes, device, register=register,
-                         reclaim=functools.partial(release_from_host_tier, host))
-    return GpuChunkReader(store, decision, pool,
-                          alloc_host=functools.partial(allocate_for, host),
-                          host_view=host_view, payload_reader=payload_reader, strict=strict)
+    glue = host_memory(host)  # HostTier stands in for LMCache's LocalCPUBackend
+    pool = GpuBufferPool(pool_bytes, device, fit=glue.fit, register=register,
+                         reclaim=glue.reclaim)
+    return GpuChunkReader(store, decision, pool, glue, payload_reader=payload_reader,
+                          strict=strict)
 
 
 def release_all(objs: Sequence[MemoryObj | None]) -> None:

@@ -45,7 +45,7 @@ def probe() -> GpuProbe:
 def store(cache_dir: Path) -> Iterator[ChunkStore]:
     s = ChunkStore(NVMeSettings.from_params({"path": str(cache_dir), "max_size_gb": 1,
                                              "min_free_gb": 0, "manifest_interval_s": 0}))
-    s.record_gpu_checksums = True
+    s.set_gpu_checksums(True)
     yield s
     s.close()
 
@@ -118,7 +118,7 @@ def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) 
 
     decision = kvikio_decision(probe)
     chunks = write_chunks(store, 2, SIZE)
-    path = store.roots[0].layout.chunk_path(namespace_id("gpu-harness-model"),
+    path = store.layouts[0].chunk_path(namespace_id("gpu-harness-model"),
                                             key_digest(chunks.keys[0]))
     fd = os.open(path, os.O_RDWR)
     try:
@@ -136,8 +136,8 @@ def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) 
     try:
         objs = reader.read(chunks.keys, chunks.metas)
         assert objs[0] is None and objs[1] is not None
-        assert store.stats.get("gpu_checksum_failures") == 1
-        assert store.stats.get("quarantined_files") == 1
+        assert store.counter("gpu_checksum_failures") == 1
+        assert store.counter("quarantined_files") == 1
         release_all(objs)
     finally:
         reader.close()
@@ -159,14 +159,14 @@ def test_host_bounce_into_cuda(store: ChunkStore) -> None:
         objs = reader.read(chunks.keys, chunks.metas)
         assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
         assert [object_bytes(o) for o in objs if o] == chunks.payloads
-        assert store.stats.get("path_host_bounce_chunks") == 4
+        assert store.counter("path_host_bounce_chunks") == 4
         release_all(objs)
     finally:
         reader.close()
 
 
 def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) -> None:
-    from lmcache_nvme_backend.adapters.memory_objects import allocate_for, host_view
+    from lmcache_nvme_backend.adapters.memory_objects import host_memory
     from lmcache_nvme_backend.testing.gpu import HostTier
 
     pytest.importorskip("kvikio")
@@ -176,20 +176,21 @@ def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) ->
     expected = select_read_path("on", DEVICE, strict.gpu_pool_bytes, probe)
     if expected.refusal:
         with pytest.raises(NVMeConfigError, match=r"^nvme\.gds_mode: 'on' \(strict\) but"):
-            build_gpu_reader(store, strict, DEVICE, probe=probe, host_view=host_view,
-                             alloc_host=lambda meta: allocate_for(host, meta))  # type: ignore[arg-type]
+            build_gpu_reader(store, strict, DEVICE, probe=probe,
+                             host=host_memory(host))  # type: ignore[arg-type]
         print(f"strict mode refused, as it should here: {expected.refusal}")
     else:
         decision, reader = build_gpu_reader(store, strict, DEVICE, probe=probe,
-                                            host_view=host_view,
-                                            alloc_host=lambda meta: allocate_for(host, meta))  # type: ignore[arg-type]
+                                            host=host_memory(host))  # type: ignore[arg-type]
         assert decision.path == PATH_KVIKIO_GDS and reader is not None
         reader.close()
 
 
 def test_pool_registration_failure_is_not_fatal() -> None:
+    from lmcache_nvme_backend.adapters.memory_objects import fit_to_payload
+
     pytest.importorskip("kvikio")
-    pool = GpuBufferPool(16 * MIB, DEVICE, register=True)
+    pool = GpuBufferPool(16 * MIB, DEVICE, fit=fit_to_payload, register=True)
     print(f"cuFile registration of the pool: {pool.registered}")
     pool.close()
 

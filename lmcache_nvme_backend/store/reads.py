@@ -1,0 +1,205 @@
+"""Reading chunk files: headers for metadata, payloads into host buffers, and the judgement.
+
+Every read, whoever performs it (``read_into`` here, the GPU reader with
+kvikio), ends in :meth:`ChunkReader.complete`: the I/O outcome is classified
+(gone or unreadable: a miss and the entry is forgotten; a drive error: counted
+against the root; a short file: invalid), then ``disk.validate`` judges header
+and payload.  A chunk is served only on a good verdict; an invalid file is
+forgotten, counted and moved to quarantine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..disk.format import ChunkHeader, TensorMeta, payload_checksum
+from ..disk.layout import key_digest
+from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
+from ..io.posix import PosixIOEngine, ReadRequest, ShortFileError
+from .catalog import Catalog
+from .roots import Roots, RootState, quarantine_file
+from .stats import Counter, ReadPath, StoreStats
+from .writeback import ReadPriorityGate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """One chunk to read: its key and a writable host buffer of at least its payload length."""
+
+    key: str
+    dest: memoryview
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Where a stored chunk lives, for a reader outside the store (the GPU path)."""
+
+    key: str
+    digest: str
+    path: Path
+    payload_len: int
+    meta: TensorMeta
+    direct: bool
+    root: int
+
+
+class ChunkReader:
+    """Reads and judges chunk files for one store."""
+
+    def __init__(self, catalog: Catalog, roots: Roots, engine: PosixIOEngine,
+                 pool: ThreadPoolExecutor, gate: ReadPriorityGate, stats: StoreStats) -> None:
+        self._catalog = catalog
+        self._roots = roots
+        self.engine = engine
+        self._pool = pool
+        self._gate = gate
+        self._stats = stats
+
+    # -- headers -------------------------------------------------------------
+
+    def judge_header(self, root: RootState, path: Path, key: str) -> Verdict | None:
+        """The verdict on a chunk file's header for ``key``; None when there is no such file.
+
+        An invalid file is rejected here (quarantined); an unreadable one is skipped.
+        """
+        try:
+            raw, size = self.engine.read_header(path, root.direct)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.debug("NVMe tier: cannot read %s: %s", path, exc)
+            return None
+        verdict = judge_chunk(raw, Expected(key=key, file_size=size))
+        if not verdict.ok:
+            self.reject(root, key_digest(key), path, verdict)
+        return verdict
+
+    def tensor_meta(self, key: str) -> TensorMeta | None:
+        """Allocation metadata of a stored chunk (read from its header if not yet known)."""
+        digest = key_digest(key)
+        entry = self._catalog.entry(digest)
+        if entry is None or entry.meta is not None:
+            return None if entry is None else entry.meta
+        root = self._roots[entry.root]
+        path = root.layout.chunk_path(entry.ns_id, digest)
+        verdict = self.judge_header(root, path, key)
+        if verdict is None:
+            self.forget(digest)
+            return None
+        if verdict.header is None or not verdict.ok:
+            return None
+        self._catalog.learn_meta(digest, verdict.header.tensor_meta)
+        return verdict.header.tensor_meta
+
+    # -- payloads ------------------------------------------------------------
+
+    def plan(self, keys: Sequence[str]) -> list[ReadPlan | None]:
+        """Where each chunk lives (None: not indexed, unreadable header, or its path is down)."""
+        for key in keys:
+            self.tensor_meta(key)  # a chunk recovered from disk learns its meta here
+        digests = [key_digest(key) for key in keys]
+        plans: list[ReadPlan | None] = []
+        for key, digest, entry in zip(keys, digests, self._catalog.entries(digests),
+                                      strict=True):
+            if entry is None or entry.meta is None or not self._roots.healthy(entry.root):
+                plans.append(None)
+                continue
+            root = self._roots[entry.root]
+            plans.append(ReadPlan(key, digest, root.layout.chunk_path(entry.ns_id, digest),
+                                  entry.meta.nbytes, entry.meta, root.direct, root.index))
+        return plans
+
+    def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
+        """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
+
+        A buffer is only reported filled after the header names the same key
+        and the payload checksum matches, so a False buffer may hold garbage
+        and must not be used.
+        """
+        results = [False] * len(reads)
+        plans = self.plan([read.key for read in reads])
+        todo = [(i, plan, ReadRequest(plan.path, plan.payload_len, reads[i].dest, plan.direct))
+                for i, plan in enumerate(plans) if plan is not None]
+        if not todo:
+            self._stats.add(Counter.READ_FAILURES, len(reads))
+            return results
+        started = time.perf_counter()
+        with self._gate.reading():
+            self.engine.read_chunks([req for _, _, req in todo])
+        elapsed = time.perf_counter() - started
+        self._stats.add(Counter.READ_SECONDS, elapsed)
+
+        def judge(item: tuple[int, ReadPlan, ReadRequest]) -> bool:
+            _, plan, req = item
+            return self.complete(plan, req.header, req.error,
+                                 lambda header: host_payload_ok(req, header)).ok
+
+        # Checksumming releases the GIL: verify the chunks of a batch in parallel.
+        served_bytes = 0
+        for (i, plan, _), ok in zip(todo, self._pool.map(judge, todo), strict=True):
+            results[i] = ok
+            if ok:
+                served_bytes += plan.payload_len
+        self._stats.record_read(ReadPath.POSIX, results.count(True), served_bytes, elapsed)
+        self._stats.add(Counter.READ_FAILURES, results.count(False))
+        return results
+
+    def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
+                 payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
+        """Judge one read (done here or by another reader), with its counters and quarantine.
+
+        ``payload_ok(header)`` says whether the payload that landed matches the
+        header's checksum.  A miss caused by the file system (gone, not ours to
+        read, a drive error) is a verdict without a header and is not quarantined.
+        """
+        root = self._roots[plan.root]
+        if isinstance(error, (FileNotFoundError, PermissionError)):
+            # Gone, or not ours to read (another user's file in a shared tree): a miss
+            # for this key, not a sign that the drive is failing.
+            self.forget(plan.digest)
+            return defect(Defect.NOT_A_CHUNK, f"unreadable: {error}")
+        if error is not None and not isinstance(error, ShortFileError):
+            self._roots.record_error(root, error)
+            return defect(Defect.NOT_A_CHUNK, f"I/O error: {error}")
+        if error is not None:
+            verdict = defect(Defect.SHORT, str(error))
+        else:
+            verdict = judge_chunk(header, Expected(key=plan.key, payload_len=plan.payload_len),
+                                  payload_ok)
+        if not verdict.ok:
+            if verdict.defect is Defect.CHECKSUM:
+                self._stats.add(Counter.CHECKSUM_FAILURES)
+            self.reject(root, plan.digest, plan.path, verdict)
+            return verdict
+        root.consecutive_errors = 0
+        self._stats.add(Counter.READ_CHUNKS)
+        self._stats.add(Counter.READ_BYTES, plan.payload_len)
+        return verdict
+
+    # -- bad files -----------------------------------------------------------
+
+    def reject(self, root: RootState, digest: str, path: Path, verdict: Verdict) -> None:
+        """A file failed validation: forget it and move it to quarantine."""
+        self._stats.add(Counter.INVALID_FILES)
+        logger.warning("NVMe tier: not serving %s: %s; quarantined.", path, verdict.reason)
+        self.forget(digest)
+        if quarantine_file(root, digest, path):
+            self._stats.add(Counter.QUARANTINED_FILES)
+
+    def forget(self, digest: str) -> None:
+        """Drop an index entry whose file is gone or bad (the listeners hear of it)."""
+        entry = self._catalog.remove(digest)
+        if entry is not None:
+            self._catalog.notify_removed([entry])
+
+
+def host_payload_ok(req: ReadRequest, header: ChunkHeader) -> bool:
+    """Whether the payload read into host memory matches the header's xxh3 checksum."""
+    return payload_checksum(req.dest[: req.payload_len]) == header.payload_checksum

@@ -1,0 +1,294 @@
+"""Writing chunks: admission, the write-back threads, reservation and eviction, publishing.
+
+A store call only registers and enqueues (``submit_many``); writer threads take
+each chunk from the byte-bounded queue, yield to reads in flight, pick the root
+(rendezvous hashing over healthy roots), reserve the file's bytes against that
+root's budget (evicting least recently used, unpinned chunks, and more while the
+filesystem is below ``nvme.min_free_gb``), write
+``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place.  Only then is the
+chunk indexed, and only then is its host memory released.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..config import NVMeSettings
+from ..disk.format import encode_header, file_size_for, max_key_bytes, payload_checksum, text_bytes
+from ..disk.gpusum import host_checksum
+from ..io.posix import PosixIOEngine
+from .catalog import Catalog
+from .index import IndexEntry
+from .roots import Roots, RootState, unlink_quietly
+from .stats import Counter, StoreStats
+from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
+
+logger = logging.getLogger(__name__)
+
+WRITER_NICE = 10
+
+
+class SubmitResult(enum.Enum):
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"
+    QUEUE_FULL = "queue_full"
+    OVERSIZE = "oversize"
+    CLOSED = "closed"
+
+
+class ChunkWriter:
+    """Admission and write-back of one store."""
+
+    def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots,
+                 engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats) -> None:
+        self.settings = settings
+        self._catalog = catalog
+        self._roots = roots
+        self.engine = engine
+        self._gate = gate
+        self._stats = stats
+        self._queue = WriteBackQueue(settings.write_queue_bytes)
+        self._closed = False
+        self._known_namespaces: set[tuple[int, str]] = set()
+        # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
+        self.record_gpu_checksums = False
+        self.threads = [
+            threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
+            for i in range(settings.write_threads or len(roots))
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    @property
+    def queue_bytes(self) -> int:
+        return self._queue.bytes_held
+
+    # -- admission -------------------------------------------------------------
+
+    def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
+        """Queue chunks for persistence without waiting for the drive.
+
+        Each ``payload`` must stay valid until its ``release`` is called; the store
+        calls every ``release`` exactly once, whatever the result (immediately for
+        a chunk that is not queued).  One lock round and one writer wake-up serve
+        the whole batch, which keeps the engine's store path short.
+        """
+        if bad := next((w for w in writes if w.meta.nbytes != w.nbytes), None):
+            for w in writes:
+                w.release()
+            raise ValueError(f"tensor metadata says {bad.meta.nbytes} bytes, payload has "
+                             f"{bad.nbytes}")
+        results = [self._admission(w) for w in writes]
+        admitted = [i for i, r in enumerate(results) if r is SubmitResult.QUEUED]
+        fresh = self._catalog.register([writes[i] for i in admitted], time.time_ns())
+        for i, is_new in zip(admitted, fresh, strict=True):
+            if not is_new:
+                results[i] = SubmitResult.DUPLICATE
+        jobs = {i: writes[i] for i, is_new in zip(admitted, fresh, strict=True) if is_new}
+        if jobs:
+            self._enqueue(jobs, results)
+        for w, result in zip(writes, results, strict=True):
+            if result is not SubmitResult.QUEUED:
+                w.release()
+        self._stats.add(Counter.DUPLICATE_PUTS, results.count(SubmitResult.DUPLICATE))
+        return results
+
+    def _admission(self, write: ChunkWrite) -> SubmitResult:
+        if self._closed:
+            return SubmitResult.CLOSED
+        budget = self._catalog.budgets[0]
+        too_big = file_size_for(write.nbytes) > budget or write.nbytes > self._queue.capacity
+        if too_big or len(text_bytes(write.key)) > max_key_bytes(write.namespace, write.meta):
+            if not self._stats.get(Counter.OVERSIZE_DROPS):
+                logger.warning(
+                    "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
+                    "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
+                    "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", write.nbytes,
+                    self._queue.capacity, budget)
+            self._stats.add(Counter.OVERSIZE_DROPS)
+            return SubmitResult.OVERSIZE
+        return SubmitResult.QUEUED
+
+    def _enqueue(self, jobs: dict[int, ChunkWrite], results: list[SubmitResult]) -> None:
+        """Offer the jobs to the queue; mark the ones it refuses in ``results``."""
+        wait = self.settings.queue_full_policy == "wait"
+        if wait and self._queue.bytes_held + sum(j.nbytes for j in jobs.values()) > \
+                self._queue.capacity:
+            self._stats.add(Counter.QUEUE_FULL_WAITS)
+        accepted = self._queue.offer_many(list(jobs.values()), wait_s=1e9 if wait else 0.0)
+        refused = [(i, job) for (i, job), ok in zip(jobs.items(), accepted, strict=True)
+                   if not ok]
+        self._stats.add(Counter.WRITES_ENQUEUED, len(jobs) - len(refused))
+        if not refused:
+            return
+        self._catalog.end_pending(job.digest for _, job in refused)
+        for i, _ in refused:
+            results[i] = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
+        if not self._closed:
+            self._stats.add(Counter.QUEUE_FULL_DROPS, len(refused))
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued write has finished (persisted or dropped)."""
+        return self._queue.wait_empty(timeout_s)
+
+    # -- write-back ------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        _lower_thread_cpu_priority()
+        while (job := self._queue.take()) is not None:
+            try:
+                self._gate.wait_for_readers()
+                self._persist(job)
+            except Exception:  # a writer thread must survive anything one job does
+                logger.exception("NVMe tier: unexpected error persisting %s", job.key)
+                self._stats.add(Counter.WRITE_FAILURES)
+            finally:
+                self._catalog.end_pending([job.digest])
+                self._end_job(job)
+
+    def _persist(self, job: ChunkWrite) -> None:
+        root = self._roots.choose(job.digest)
+        if root is None:
+            self._stats.add(Counter.WRITE_FAILURES)
+            return
+        size = file_size_for(job.nbytes)
+        if not self._reserve(root, size):
+            self._stats.add(Counter.CAPACITY_DROPS)
+            return
+        final = root.layout.chunk_path(job.ns_id, job.digest)
+        tmp = root.layout.temp_path(final)
+        published = False
+        started = time.perf_counter()
+        try:
+            self._prepare_dir(root, job, final.parent)
+            gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
+            header = encode_header(job.key, job.namespace, job.meta, job.nbytes,
+                                   payload_checksum(job.payload), gpu_checksum=gpu_sum)
+            if gpu_sum is not None:
+                self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+            self._write_file(root, tmp, header, job.payload)
+            os.rename(tmp, final)
+            published = True
+            if self.settings.fsync == "full":
+                _fsync_dir(final.parent)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # A full filesystem is not a failing drive: drop this write, keep serving.
+                self._stats.add(Counter.CAPACITY_DROPS)
+            else:
+                self._stats.add(Counter.WRITE_FAILURES)
+                self._roots.record_error(root, exc)
+            unlink_quietly(tmp)
+        finally:
+            if published:
+                self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size,
+                                                 job.meta, time.time_ns()), reserved=size)
+            else:
+                self._catalog.release(root.index, size)
+        if published:
+            root.consecutive_errors = 0
+            self._stats.record_write(job.nbytes, time.perf_counter() - started)
+            if job.on_persisted is not None:
+                job.on_persisted()
+
+    def _write_file(self, root: RootState, tmp: Path, header: bytes, payload: memoryview) -> None:
+        def write() -> None:
+            self.engine.write_chunk(tmp, header, payload, direct=root.direct,
+                                    mode=self.settings.file_mode,
+                                    sync_data=self.settings.fsync != "none")
+
+        try:
+            write()
+        except FileExistsError:
+            # Left by a dead writer that had this thread's host, pid and thread id.
+            unlink_quietly(tmp)
+            write()
+
+    def _prepare_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        if (root.index, job.ns_id) not in self._known_namespaces:
+            name_file = root.layout.namespace_name_file(job.ns_id)
+            if not name_file.exists():
+                name_file.write_bytes(text_bytes(job.namespace) + b"\n")
+            self._known_namespaces.add((root.index, job.ns_id))
+
+    def _end_job(self, job: ChunkWrite) -> None:
+        try:
+            job.release()
+        finally:
+            self._queue.done(job)
+
+    # -- capacity --------------------------------------------------------------
+
+    def _reserve(self, root: RootState, size: int) -> bool:
+        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space."""
+        victims = self._catalog.reserve(root.index, size)
+        if victims is None:
+            return False
+        self.evict(victims)
+        while free_bytes(root.layout.root) - size < self.settings.min_free_bytes:
+            oldest = self._catalog.pop_oldest_unpinned(root.index)
+            if oldest is None:
+                self._catalog.release(root.index, size)
+                return False
+            self.evict([oldest])
+        return True
+
+    def evict(self, victims: list[IndexEntry]) -> None:
+        """Delete the files of entries already taken out of the index, and say so."""
+        for victim in victims:
+            self.unlink(victim)
+            self._stats.add(Counter.EVICTIONS)
+            self._stats.add(Counter.EVICTED_BYTES, victim.size)
+        self._catalog.notify_removed(victims)
+
+    def unlink(self, entry: IndexEntry) -> None:
+        unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id, entry.digest))
+
+    # -- shutdown --------------------------------------------------------------
+
+    def close(self, timeout_s: float) -> None:
+        """Finish queued writes (up to ``timeout_s``), drop the rest, stop the threads."""
+        self._closed = True
+        if not self.flush(timeout_s):
+            logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
+                           "rest.", timeout_s)
+        for job in self._queue.close():
+            self._catalog.end_pending([job.digest])
+            self._end_job(job)
+        for t in self.threads:
+            t.join()
+
+
+def _lower_thread_cpu_priority() -> None:
+    """Make the calling writer thread yield the CPU to the inference engine's threads.
+
+    On Linux a thread is a task with its own nice value; write-back is background
+    work and should never take a core from the engine when the host is busy.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError) as exc:
+        logger.debug("could not lower the writer thread's priority: %s", exc)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
