@@ -2,7 +2,7 @@
 
 Commands, one module each:
 
-* ``bench``   fio-style benchmark of the backend's I/O engine (``bench.py``, ``fio.py``)
+* ``bench``   fio-style benchmark of the backend's I/O engine (the ``bench`` package)
 * ``doctor``  checks a path and the GPU/GDS stack (``doctor.py``)
 * ``inspect`` lists and sizes a cache directory (``inspect.py``)
 * ``verify``  decodes every header and checks every payload checksum (``verify.py``)
@@ -20,8 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import doctor, gc, inspect, verify
-from .bench import command as bench
+from . import bench, doctor, gc, inspect, verify
 from .common import CLIError
 
 __all__ = ["build_parser", "main"]

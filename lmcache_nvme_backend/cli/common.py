@@ -18,10 +18,8 @@ GIB = 1024**3
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": 1024**4, "p": 1024**5}
 
-# Exit statuses shared by the commands (argparse itself exits 2 on usage errors).
-EXIT_OK = 0
+# Exit status of a CLIError (argparse itself exits 2 on usage errors).
 EXIT_PROBLEM = 1
-EXIT_USAGE = 2
 
 
 class CLIError(Exception):
@@ -133,15 +131,6 @@ def print_json(doc: Any, out: TextIO | None = None) -> None:
     (out or sys.stdout).write("\n")
 
 
-def existing_dir(path: Path, what: str = "PATH") -> Path:
-    """The path, or a ``CLIError`` when it is missing or not a directory."""
-    if not path.exists():
-        raise CLIError(f"{what} '{path}' does not exist")
-    if not path.is_dir():
-        raise CLIError(f"{what} '{path}' is not a directory")
-    return path
-
-
 class Progress:
     """A one-line progress bar on stderr, drawn at most a few times a second.
 
@@ -161,10 +150,6 @@ class Progress:
         self.stream = stream or sys.stderr
         self._started = time.monotonic()
         self._last_draw = 0.0
-
-    def set_label(self, label: str) -> None:
-        self.label = label
-        self._draw(force=True)
 
     def update(self, amount: float) -> None:
         self.done += amount

@@ -2,8 +2,9 @@
 
 Single runs, ``--sweep`` over threads x queue depth (with a tuning
 recommendation), and ``--vs-fio`` (fio with the same parameters on the same
-files, interleaved repetitions, ratio of medians).  See ``bench_engine`` for
-what is measured and ``docs/cli.md`` for the user's view.
+files, interleaved repetitions, ratio of medians).  This module holds the
+arguments and runs the configurations; ``iobench.py`` says what is measured,
+``report.py`` prints it, and ``docs/cli.md`` is the user's view.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import itertools
 import os
 import platform
 import shutil
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,22 +34,12 @@ from ..common import (
     size_arg,
     size_list_arg,
 )
-from .iobench import (
-    RW_MODES,
-    WRITE_MODES,
-    BenchConfig,
-    DirStats,
-    EngineBench,
-    RunResult,
-    Workspace,
-    check_gpu_destination,
-    drop_page_cache,
-)
+from . import report
+from .iobench import EngineBench, Workspace, drop_page_cache
+from .model import RW_MODES, WRITE_MODES, BenchConfig, RunResult
 
 DEFAULT_SWEEP_THREADS = [1, 2, 4, 8, 16]
 DEFAULT_SWEEP_IODEPTH = [1, 4, 16]
-# A configuration within this fraction of the best bandwidth counts as "as good".
-RECOMMEND_WITHIN = 0.95
 MAX_BUFFER_BYTES = 8 * GIB
 
 
@@ -191,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     _validate(args, parser)
     if args.dest == "gpu":
+        from .gpu_reads import check_gpu_destination
+
         check_gpu_destination()
     if args.plot is not None:
         from .plot import require_matplotlib
@@ -248,8 +240,8 @@ def run(args: argparse.Namespace) -> int:
             groups.append(runs)
     finally:
         ws.close()
-    medians = [_median_run(runs) for runs in groups]
-    recommendation = _recommend(medians) if args.sweep else None
+    medians = [report.median_run(runs) for runs in groups]
+    recommendation = report.recommend(medians) if args.sweep else None
     if args.plot is not None:
         from .plot import plot_runs, plot_sweep
 
@@ -258,23 +250,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             plot_runs(groups[0], [], args.plot, where)
     if args.json:
-        doc: dict[str, Any] = {"command": "bench", "where": where, "repeat": repeat,
-                               "results": [{"config": m.config.label(),
-                                            "median": m.to_json(),
-                                            "runs": [r.to_json() for r in runs]}
-                                           for m, runs in zip(medians, groups, strict=True)]}
-        if recommendation is not None:
-            doc["recommendation"] = recommendation
-        if args.plot is not None:
-            doc["plot"] = str(args.plot)
-        print_json(doc)
+        print_json(report.results_doc(where, repeat, medians, groups, recommendation,
+                                      args.plot))
         return 0
     if args.sweep:
-        _print_sweep(medians, groups, where)
+        report.print_sweep(medians, groups, where)
         assert recommendation is not None
-        _print_recommendation(recommendation, medians[0].config)
+        report.print_recommendation(recommendation)
     else:
-        _print_summary("lmcache-nvme", groups[0], where)
+        report.print_summary("lmcache-nvme", groups[0], where)
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
@@ -330,150 +314,22 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench, 
                 theirs.append(run_fio(fio_binary, jobfile, cfg, shape))
                 if cfg.writes and cfg.rw != "rw":
                     ws.remove_files(files)
-    comparison = _compare(ours, theirs)
+    comparison = report.compare(ours, theirs)
     if args.plot is not None:
         from .plot import plot_runs
 
         plot_runs(ours, theirs, args.plot, where)
     version = fio_version(fio_binary)
+    if args.json:
+        fio = {"version": version, "numjobs": shape.numjobs, "iodepth": shape.iodepth,
+               "ioengine": shape.ioengine, "mem": shape.mem, "mem_note": mem_note,
+               "jobfile": jobfile.read_text()}
+        print_json(report.vs_fio_doc(where, repeat, cfg, fio, ours, theirs, comparison,
+                                     args.plot))
+        return 0
     fio_desc = (f"{version}, numjobs={shape.numjobs} iodepth={shape.iodepth} "
                 f"ioengine={shape.ioengine} mem={shape.mem} (total queue depth {shape.total})")
-    if args.json:
-        doc: dict[str, Any] = {
-            "command": "bench", "mode": "vs-fio", "where": where, "repeat": repeat,
-            "config": cfg.label(),
-            "fio": {"version": version, "numjobs": shape.numjobs, "iodepth": shape.iodepth,
-                    "ioengine": shape.ioengine, "mem": shape.mem, "mem_note": mem_note,
-                    "jobfile": jobfile.read_text()},
-            "ours": [r.to_json() for r in ours], "fio_runs": [r.to_json() for r in theirs],
-            "comparison": comparison}
-        if args.plot is not None:
-            doc["plot"] = str(args.plot)
-        print_json(doc)
-        return 0
-    _print_summary("lmcache-nvme", ours, where)
-    print()
-    _print_summary("fio", theirs, where, header=f"fio: {fio_desc}")
-    print()
-    print(f"lmcache-nvme vs fio, {repeat} interleaved repetitions, queue depth "
-          f"{cfg.in_flight()} each:")
-    print(f"  {'direction':<9} {'ours MiB/s':>11} {'fio MiB/s':>10} {'ratio of medians':>17} "
-          f"{'paired median':>14}")
-    for direction, c in comparison.items():
-        print(f"  {direction:<9} {c['ours_median_mib_s']:>11.0f} {c['fio_median_mib_s']:>10.0f} "
-              f"{c['ratio_of_medians']:>16.2f}x {c['median_paired_ratio']:>13.2f}x")
+    report.print_vs_fio(ours, theirs, where, fio_desc, repeat, cfg, comparison)
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
-
-
-def _compare(ours: list[RunResult], theirs: list[RunResult]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for direction in ours[0].dirs:
-        a = [r.dirs[direction].bw_bytes for r in ours]
-        b = [r.dirs[direction].bw_bytes for r in theirs if direction in r.dirs]
-        if not b:
-            continue
-        paired = [x / y for x, y in zip(a, b, strict=False) if y > 0]
-        out[direction] = {
-            "ours_mib_s": [round(x / MIB, 1) for x in a],
-            "fio_mib_s": [round(x / MIB, 1) for x in b],
-            "ours_median_mib_s": statistics.median(a) / MIB,
-            "fio_median_mib_s": statistics.median(b) / MIB,
-            "ratio_of_medians": statistics.median(a) / statistics.median(b),
-            "median_paired_ratio": statistics.median(paired) if paired else float("nan"),
-        }
-    return out
-
-
-# -- text output ----------------------------------------------------------------------
-
-
-def _median_run(runs: list[RunResult]) -> RunResult:
-    ordered = sorted(runs, key=lambda r: r.bw_bytes())
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def _fmt_dir(d: DirStats) -> list[str]:
-    lat = d.lat_ms
-    lines = [f"  {d.direction}: IOPS={d.iops:.1f}, BW={d.bw_bytes / MIB:.0f}MiB/s "
-             f"({d.bw_bytes / 1e9:.2f}GB/s)({d.bytes / MIB:.0f}MiB/{d.seconds:.3f}s)"]
-    if lat:
-        parts = [f"{k}={lat[k]:.2f}" for k in ("p50", "p90", "p99", "p99.9", "max", "mean")
-                 if k in lat]
-        lines.append("    lat (ms): " + ", ".join(parts))
-    return lines
-
-
-def _print_summary(tool: str, runs: list[RunResult], where: str,
-                   header: str | None = None) -> None:
-    median = _median_run(runs)
-    c = median.config
-    if header is None:
-        header = (f"{tool}: rw={c.rw}, bs={short_size(c.bs)}, size={short_size(c.nchunks * c.bs)}"
-                  f", threads={c.threads}, iodepth={c.iodepth}, callers={c.callers}, task_size="
-                  f"{short_size(c.task_size)}, direct={int(c.direct)}, dest={c.dest}"
-                  f" (up to {c.in_flight()} I/Os in flight)")
-        print(header)
-        print(f"  path: {where}")
-        print(f"  files: {c.nchunks} chunk files of {short_size(c.bs)} payload + 4KiB header")
-    else:
-        print(header)
-    if len(runs) > 1:
-        for direction in median.dirs:
-            each = ", ".join(f"{r.dirs[direction].bw_bytes / MIB:.0f}" for r in runs
-                             if direction in r.dirs)
-            print(f"  {direction} MiB/s of {len(runs)} runs: {each} (median run below)")
-    for d in median.dirs.values():
-        for line in _fmt_dir(d):
-            print(line)
-
-
-def _print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str) -> None:
-    c = medians[0].config
-    print(f"lmcache-nvme bench sweep: rw={c.rw}, bs={short_size(c.bs)}, "
-          f"size={short_size(c.nchunks * c.bs)}, direct={int(c.direct)}, dest={c.dest}, "
-          f"{len(groups[0])} run(s) per point (median)")
-    print(f"  path: {where}")
-    direction = "read" if c.reads else "write"
-    print(f"  {'threads':>7} {'iodepth':>7} {'task':>6} {'MiB/s':>8} {'GB/s':>6} {'IOPS':>8} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9}")
-    for m in medians:
-        d = m.dirs[direction]
-        iodepth = str(m.config.iodepth) if m.config.reads else "-"
-        print(f"  {m.config.threads:>7} {iodepth:>7} {short_size(m.config.task_size):>6} "
-              f"{m.bw_bytes() / MIB:>8.0f} {m.bw_bytes() / 1e9:>6.2f} {d.iops:>8.1f} "
-              f"{d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
-              f"{d.lat_ms.get('p99.9', 0):>9.2f}")
-
-
-def _recommend(medians: list[RunResult]) -> dict[str, Any]:
-    """Fewest threads (then best task size) within 95 % of the best mean bandwidth.
-
-    Bandwidth is averaged over the swept batch sizes, so the pick serves small
-    and large batches, not only the largest.
-    """
-    by_setting: dict[tuple[int, int], list[float]] = {}
-    for m in medians:
-        by_setting.setdefault((m.config.threads, m.config.task_size), []).append(m.bw_bytes())
-    score = {k: statistics.mean(v) for k, v in by_setting.items()}
-    best = max(score.values())
-    good = [k for k, v in score.items() if v >= RECOMMEND_WITHIN * best]
-    threads = min(t for t, _ in good)
-    task = max((k for k in good if k[0] == threads), key=lambda k: score[k])[1]
-    first = medians[0].config
-    key = "io_threads" if first.reads else "write_threads"
-    settings: dict[str, float | int] = {f"nvme.{key}": threads,
-                                        "nvme.task_size_mb": round(task / MIB, 3)}
-    return {"settings": settings, "mean_bw_gb_s": round(score[(threads, task)] / 1e9, 3),
-            "best_mean_bw_gb_s": round(best / 1e9, 3), "within": RECOMMEND_WITHIN}
-
-
-def _print_recommendation(rec: dict[str, Any], cfg: BenchConfig) -> None:
-    print()
-    print(f"Recommended settings (fewest threads within {rec['within'] * 100:.0f}% of the best "
-          f"bandwidth, {rec['mean_bw_gb_s']:.2f} of {rec['best_mean_bw_gb_s']:.2f} GB/s averaged "
-          "over the swept batch sizes);")
-    print("paste under extra_config in the LMCache YAML (bare names in adapter_params):")
-    for k, v in rec["settings"].items():
-        print(f"{k}: {v:g}")

@@ -25,7 +25,7 @@ from typing import Any
 
 from ...disk.format import HEADER_SIZE
 from ..common import CLIError
-from .iobench import BenchConfig, DirStats, RunResult
+from .model import BenchConfig, DirStats, RunResult
 
 HUGE_PAGE = 2 * 1024 * 1024
 HUGETLB_SYSFS = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import CLIError, short_size
-from .iobench import RunResult
+from .model import RunResult
 
 LAT_KEYS = ("p50", "p90", "p99", "p99.9")
 

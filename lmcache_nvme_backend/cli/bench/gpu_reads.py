@@ -1,0 +1,84 @@
+"""``bench --dest gpu``: reads straight into CUDA tensors through kvikio.
+
+kvikio uses cuFile/GPUDirect Storage when the stack allows it and its compat
+mode (POSIX reads through a bounce buffer) otherwise; ``lmcache-nvme doctor``
+says which.  torch and kvikio are imported only here, and only for this mode.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...disk.format import HEADER_SIZE
+from ...io.posix import PosixIOEngine
+from ..common import CLIError, Progress
+from .model import BenchConfig, Timed, read_batches
+
+
+def check_gpu_destination() -> None:
+    """Raise a ``CLIError`` that says what is missing when ``--dest gpu`` cannot run."""
+    problems = []
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            build = torch.version.cuda or "none (CPU-only build)"
+            problems.append(f"no CUDA GPU is visible to torch (torch {torch.__version__}, "
+                            f"CUDA build: {build}, torch.cuda.is_available() is False)")
+    except ImportError:
+        problems.append("torch is not installed")
+    try:
+        import kvikio  # noqa: F401
+    except Exception as exc:
+        problems.append(f"kvikio cannot be imported ({exc}); pip install kvikio-cu13")
+    if problems:
+        raise CLIError("--dest gpu needs a CUDA GPU and kvikio: " + "; ".join(problems)
+                       + ". Use --dest host here, and run `lmcache-nvme doctor PATH` on the "
+                       "GPU machine.")
+
+
+def timed_gpu_reads(paths: list[Path], cfg: BenchConfig, threads: int,
+                    progress: Progress) -> Timed:
+    """kvikio (cuFile/GDS, or kvikio's compat mode) straight into CUDA tensors.
+
+    The header is read on the host (the engine's ``read_header``), the
+    payload by kvikio into a CUDA tensor, with no host copy.
+    """
+    import kvikio  # availability checked by check_gpu_destination
+    import kvikio.defaults
+    import torch
+
+    try:
+        kvikio.defaults.set("num_threads", threads)
+        kvikio.defaults.set("task_size", cfg.task_size)
+    except Exception:  # another kvikio version: keep its defaults
+        pass
+    bufs = [torch.empty(cfg.bs, dtype=torch.uint8, device="cuda")
+            for _ in range(cfg.iodepth)]
+    timed = Timed()
+    with ThreadPoolExecutor(1) as unused_pool:
+        header_engine = PosixIOEngine(cfg.task_size, unused_pool)
+        started = time.perf_counter()
+        for batch in read_batches(len(paths), cfg, started):
+            t0 = time.perf_counter()
+            files = []
+            futures = []
+            for j, i in enumerate(batch):
+                header_engine.read_header(paths[i], cfg.direct)
+                f = kvikio.CuFile(paths[i], "r")
+                files.append(f)
+                futures.append(f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE))
+            for fut, f in zip(futures, files, strict=True):
+                got = fut.get()
+                f.close()
+                if got != cfg.bs:
+                    raise CLIError(f"kvikio read {got} of {cfg.bs} bytes")
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            timed.latencies.extend([t1 - t0] * len(batch))
+            timed.nbytes += cfg.bs * len(batch)
+            progress.advance(cfg.bs * len(batch))
+        timed.seconds = time.perf_counter() - started
+    return timed

@@ -1,0 +1,190 @@
+"""What ``lmcache-nvme bench`` prints: text and JSON reports, the comparison with fio,
+and the tuning recommendation of a ``--sweep``.
+
+Every function here works on finished ``RunResult`` records (``model.py``);
+nothing here runs I/O.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..common import MIB, short_size
+from .model import BenchConfig, DirStats, RunResult
+
+# A configuration within this fraction of the best bandwidth counts as "as good".
+RECOMMEND_WITHIN = 0.95
+
+
+def median_run(runs: list[RunResult]) -> RunResult:
+    """The run of median total bandwidth (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r.bw_bytes())
+    return ordered[(len(ordered) - 1) // 2]
+
+
+# -- sweep recommendation ---------------------------------------------------------------
+
+
+def recommend(medians: list[RunResult]) -> dict[str, Any]:
+    """Fewest threads (then best task size) within 95 % of the best mean bandwidth.
+
+    Bandwidth is averaged over the swept batch sizes, so the pick serves small
+    and large batches, not only the largest.
+    """
+    by_setting: dict[tuple[int, int], list[float]] = {}
+    for m in medians:
+        by_setting.setdefault((m.config.threads, m.config.task_size), []).append(m.bw_bytes())
+    score = {k: statistics.mean(v) for k, v in by_setting.items()}
+    best = max(score.values())
+    good = [k for k, v in score.items() if v >= RECOMMEND_WITHIN * best]
+    threads = min(t for t, _ in good)
+    task = max((k for k in good if k[0] == threads), key=lambda k: score[k])[1]
+    first = medians[0].config
+    key = "io_threads" if first.reads else "write_threads"
+    settings: dict[str, float | int] = {f"nvme.{key}": threads,
+                                        "nvme.task_size_mb": round(task / MIB, 3)}
+    return {"settings": settings, "mean_bw_gb_s": round(score[(threads, task)] / 1e9, 3),
+            "best_mean_bw_gb_s": round(best / 1e9, 3), "within": RECOMMEND_WITHIN}
+
+
+# -- comparison with fio ----------------------------------------------------------------
+
+
+def compare(ours: list[RunResult], theirs: list[RunResult]) -> dict[str, dict[str, Any]]:
+    """Per direction: both tools' bandwidths, their medians, and the ratios ours / fio."""
+    out: dict[str, dict[str, Any]] = {}
+    for direction in ours[0].dirs:
+        a = [r.dirs[direction].bw_bytes for r in ours]
+        b = [r.dirs[direction].bw_bytes for r in theirs if direction in r.dirs]
+        if not b:
+            continue
+        paired = [x / y for x, y in zip(a, b, strict=False) if y > 0]
+        out[direction] = {
+            "ours_mib_s": [round(x / MIB, 1) for x in a],
+            "fio_mib_s": [round(x / MIB, 1) for x in b],
+            "ours_median_mib_s": statistics.median(a) / MIB,
+            "fio_median_mib_s": statistics.median(b) / MIB,
+            "ratio_of_medians": statistics.median(a) / statistics.median(b),
+            "median_paired_ratio": statistics.median(paired) if paired else float("nan"),
+        }
+    return out
+
+
+# -- JSON -------------------------------------------------------------------------------
+
+
+def results_doc(where: str, repeat: int, medians: list[RunResult],
+                groups: list[list[RunResult]], recommendation: dict[str, Any] | None,
+                plot: Path | None) -> dict[str, Any]:
+    """The ``--json`` document of a single run or a sweep."""
+    doc: dict[str, Any] = {"command": "bench", "where": where, "repeat": repeat,
+                           "results": [{"config": m.config.label(),
+                                        "median": m.to_json(),
+                                        "runs": [r.to_json() for r in runs]}
+                                       for m, runs in zip(medians, groups, strict=True)]}
+    if recommendation is not None:
+        doc["recommendation"] = recommendation
+    if plot is not None:
+        doc["plot"] = str(plot)
+    return doc
+
+
+def vs_fio_doc(where: str, repeat: int, cfg: BenchConfig, fio: dict[str, Any],
+               ours: list[RunResult], theirs: list[RunResult],
+               comparison: dict[str, dict[str, Any]], plot: Path | None) -> dict[str, Any]:
+    """The ``--json`` document of ``--vs-fio``; ``fio`` describes fio's version and shape."""
+    doc: dict[str, Any] = {
+        "command": "bench", "mode": "vs-fio", "where": where, "repeat": repeat,
+        "config": cfg.label(), "fio": fio,
+        "ours": [r.to_json() for r in ours], "fio_runs": [r.to_json() for r in theirs],
+        "comparison": comparison}
+    if plot is not None:
+        doc["plot"] = str(plot)
+    return doc
+
+
+# -- text -------------------------------------------------------------------------------
+
+
+def _fmt_dir(d: DirStats) -> list[str]:
+    lat = d.lat_ms
+    lines = [f"  {d.direction}: IOPS={d.iops:.1f}, BW={d.bw_bytes / MIB:.0f}MiB/s "
+             f"({d.bw_bytes / 1e9:.2f}GB/s)({d.bytes / MIB:.0f}MiB/{d.seconds:.3f}s)"]
+    if lat:
+        parts = [f"{k}={lat[k]:.2f}" for k in ("p50", "p90", "p99", "p99.9", "max", "mean")
+                 if k in lat]
+        lines.append("    lat (ms): " + ", ".join(parts))
+    return lines
+
+
+def print_summary(tool: str, runs: list[RunResult], where: str,
+                  header: str | None = None) -> None:
+    """fio-style summary of one configuration's runs (the median run in detail)."""
+    median = median_run(runs)
+    c = median.config
+    if header is None:
+        header = (f"{tool}: rw={c.rw}, bs={short_size(c.bs)}, size={short_size(c.nchunks * c.bs)}"
+                  f", threads={c.threads}, iodepth={c.iodepth}, callers={c.callers}, task_size="
+                  f"{short_size(c.task_size)}, direct={int(c.direct)}, dest={c.dest}"
+                  f" (up to {c.in_flight()} I/Os in flight)")
+        print(header)
+        print(f"  path: {where}")
+        print(f"  files: {c.nchunks} chunk files of {short_size(c.bs)} payload + 4KiB header")
+    else:
+        print(header)
+    if len(runs) > 1:
+        for direction in median.dirs:
+            each = ", ".join(f"{r.dirs[direction].bw_bytes / MIB:.0f}" for r in runs
+                             if direction in r.dirs)
+            print(f"  {direction} MiB/s of {len(runs)} runs: {each} (median run below)")
+    for d in median.dirs.values():
+        for line in _fmt_dir(d):
+            print(line)
+
+
+def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str) -> None:
+    """One table row per swept configuration (its median run)."""
+    c = medians[0].config
+    print(f"lmcache-nvme bench sweep: rw={c.rw}, bs={short_size(c.bs)}, "
+          f"size={short_size(c.nchunks * c.bs)}, direct={int(c.direct)}, dest={c.dest}, "
+          f"{len(groups[0])} run(s) per point (median)")
+    print(f"  path: {where}")
+    direction = "read" if c.reads else "write"
+    print(f"  {'threads':>7} {'iodepth':>7} {'task':>6} {'MiB/s':>8} {'GB/s':>6} {'IOPS':>8} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9}")
+    for m in medians:
+        d = m.dirs[direction]
+        iodepth = str(m.config.iodepth) if m.config.reads else "-"
+        print(f"  {m.config.threads:>7} {iodepth:>7} {short_size(m.config.task_size):>6} "
+              f"{m.bw_bytes() / MIB:>8.0f} {m.bw_bytes() / 1e9:>6.2f} {d.iops:>8.1f} "
+              f"{d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
+              f"{d.lat_ms.get('p99.9', 0):>9.2f}")
+
+
+def print_recommendation(rec: dict[str, Any]) -> None:
+    """The sweep's recommended settings, as YAML lines to paste."""
+    print()
+    print(f"Recommended settings (fewest threads within {rec['within'] * 100:.0f}% of the best "
+          f"bandwidth, {rec['mean_bw_gb_s']:.2f} of {rec['best_mean_bw_gb_s']:.2f} GB/s averaged "
+          "over the swept batch sizes);")
+    print("paste under extra_config in the LMCache YAML (bare names in adapter_params):")
+    for k, v in rec["settings"].items():
+        print(f"{k}: {v:g}")
+
+
+def print_vs_fio(ours: list[RunResult], theirs: list[RunResult], where: str, fio_desc: str,
+                 repeat: int, cfg: BenchConfig, comparison: dict[str, dict[str, Any]]) -> None:
+    """Both tools' summaries, then the table of bandwidth ratios."""
+    print_summary("lmcache-nvme", ours, where)
+    print()
+    print_summary("fio", theirs, where, header=f"fio: {fio_desc}")
+    print()
+    print(f"lmcache-nvme vs fio, {repeat} interleaved repetitions, queue depth "
+          f"{cfg.in_flight()} each:")
+    print(f"  {'direction':<9} {'ours MiB/s':>11} {'fio MiB/s':>10} {'ratio of medians':>17} "
+          f"{'paired median':>14}")
+    for direction, c in comparison.items():
+        print(f"  {direction:<9} {c['ours_median_mib_s']:>11.0f} {c['fio_median_mib_s']:>10.0f} "
+              f"{c['ratio_of_medians']:>16.2f}x {c['median_paired_ratio']:>13.2f}x")
