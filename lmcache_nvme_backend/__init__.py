@@ -8,9 +8,11 @@ LMCache loads the plugin classes from this package by name::
 and likewise ``NVMeConnector`` (``remote_storage_plugins``) and ``NVMeL2Adapter``
 (``lmcache server --l2-adapter``, type ``plugin``).
 
-The storage core (``format``, ``layout``, ``posix_io``, ``store``) does not
-import LMCache or torch; the adapters are imported lazily so that the core and
-the settings can be used (and tested) on their own.
+The names in ``__all__`` are the public Python API (``docs/api.md``), stable
+from 0.2 on: the settings, the chunk store for tools that read or fill a cache
+directory, and the three adapters.  The storage core (``disk``, ``io``,
+``store``) imports neither LMCache nor torch; the adapters are imported only
+when first used.
 """
 
 from __future__ import annotations
@@ -18,28 +20,43 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import NVMeConfigError, NVMeSettings
+from .disk.format import TensorMeta
+from .store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
 
 __version__ = "0.1.0"
-__all__ = ["NVMeBackend", "NVMeConfigError", "NVMeConnector", "NVMeL2Adapter",
-           "NVMeL2AdapterConfig", "NVMeSettings", "__version__"]
+__all__ = [
+    "ChunkRead",
+    "ChunkStore",
+    "ChunkWrite",
+    "NVMeBackend",
+    "NVMeConfigError",
+    "NVMeConnector",
+    "NVMeL2Adapter",
+    "NVMeL2AdapterConfig",
+    "NVMeSettings",
+    "SubmitResult",
+    "TensorMeta",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .adapters.backend import NVMeBackend
     from .adapters.connector import NVMeConnector
     from .adapters.l2_adapter import NVMeL2Adapter, NVMeL2AdapterConfig
 
+_ADAPTERS = {
+    "NVMeBackend": "backend",
+    "NVMeConnector": "connector",
+    "NVMeL2Adapter": "l2_adapter",
+    "NVMeL2AdapterConfig": "l2_adapter",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "NVMeBackend":
-        from .adapters.backend import NVMeBackend
+    """Import an adapter (and with it LMCache and torch) when it is first asked for."""
+    module = _ADAPTERS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmcache_nvme_backend' has no attribute {name!r}")
+    import importlib
 
-        return NVMeBackend
-    if name in ("NVMeL2Adapter", "NVMeL2AdapterConfig"):
-        from .adapters import l2_adapter
-
-        return getattr(l2_adapter, name)
-    if name == "NVMeConnector":
-        from .adapters.connector import NVMeConnector
-
-        return NVMeConnector
-    raise AttributeError(f"module 'lmcache_nvme_backend' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".adapters.{module}", __name__), name)

@@ -32,6 +32,8 @@ from lmcache_nvme_backend import NVMeConfigError
 from lmcache_nvme_backend.adapters.l2_adapter import (
     NVMeL2Adapter,
     NVMeL2AdapterConfig,
+)
+from lmcache_nvme_backend.adapters.object_keys import (
     object_key_namespace,
     object_key_string,
     parse_object_key_string,

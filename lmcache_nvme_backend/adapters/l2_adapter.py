@@ -46,6 +46,7 @@ from ..disk.layout import key_digest
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
 from .memory_objects import host_view, tensor_meta_of
+from .object_keys import object_key_namespace, object_key_string
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -62,36 +63,6 @@ TIER = "NVMe L2 adapter"
 WRITERS_PER_PATH = 4
 #: Prefix of validation errors, so that a message names the JSON field to fix.
 PARAMS_PREFIX = "adapter_params."
-_SEP = "@"
-
-
-def object_key_string(key: ObjectKey) -> str:
-    """The chunk's key string: ``model@0xRANK@GROUP@HASH`` plus ``@salt`` when salted.
-
-    ``@`` cannot occur in a model name or a salt (``ObjectKey`` rejects it), so
-    the string is reversible (:func:`parse_object_key_string`).
-    """
-    base = (f"{key.model_name}{_SEP}{key.kv_rank:#010x}{_SEP}{key.object_group_id:x}"
-            f"{_SEP}{key.chunk_hash.hex()}")
-    return f"{base}{_SEP}{key.cache_salt}" if key.cache_salt else base
-
-
-def parse_object_key_string(text: str) -> ObjectKey | None:
-    """Inverse of :func:`object_key_string`; None for anything else."""
-    parts = text.split(_SEP)
-    if len(parts) not in (4, 5):
-        return None
-    try:
-        return ObjectKey(chunk_hash=bytes.fromhex(parts[3]), model_name=parts[0],
-                         kv_rank=int(parts[1], 16), object_group_id=int(parts[2], 16),
-                         cache_salt=parts[4] if len(parts) == 5 else "")
-    except ValueError:
-        return None
-
-
-def object_key_namespace(key: ObjectKey) -> str:
-    """Per-model, per-``cache_salt`` namespace (its own directory in each root)."""
-    return f"{key.model_name}{_SEP}{key.cache_salt}" if key.cache_salt else key.model_name
 
 
 class NVMeL2AdapterConfig(L2AdapterConfigBase):
@@ -301,13 +272,10 @@ class NVMeL2Adapter(L2AdapterInterface):
                     bitmap.set(i)
         except Exception:
             logger.exception("NVMe L2 adapter: lookup task %d failed", task_id)
-        with self._lock:
-            self._completed_lookups[task_id] = bitmap
-        self._lookup_efd.notify()
+        self._finish(self._completed_lookups, self._lookup_efd, task_id, bitmap)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._completed_lookups.pop(task_id, None)
+        return self._take(self._completed_lookups, task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Release the pins of a lookup (in memory only: it cannot fail)."""
@@ -343,13 +311,21 @@ class NVMeL2Adapter(L2AdapterInterface):
         loaded = [keys[i] for i in bitmap.get_indices_list()]
         if loaded:
             self._notify_keys_accessed(loaded)
-        with self._lock:
-            self._completed_loads[task_id] = bitmap
-        self._load_efd.notify()
+        self._finish(self._completed_loads, self._load_efd, task_id, bitmap)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._take(self._completed_loads, task_id)
+
+    def _finish(self, results: dict[L2TaskId, Bitmap], efd: Any, task_id: L2TaskId,
+                bitmap: Bitmap) -> None:
+        """Hand a finished lookup or load to LMCache: store its bitmap, signal its fd."""
         with self._lock:
-            return self._completed_loads.pop(task_id, None)
+            results[task_id] = bitmap
+        efd.notify()
+
+    def _take(self, results: dict[L2TaskId, Bitmap], task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return results.pop(task_id, None)
 
     # -- eviction and usage ----------------------------------------------------------
 

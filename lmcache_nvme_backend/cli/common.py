@@ -8,8 +8,11 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
+
+T = TypeVar("T")
 
 KIB = 1024
 MIB = 1024**2
@@ -55,22 +58,24 @@ def size_arg(text: str) -> int:
     return value
 
 
+def _converted(text: str, convert: Callable[[str], T], what: str) -> T:
+    """``convert(text)``, or the argparse error "'<text>' is not <what>"."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    value = _converted(text, int, "a whole number")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _finite_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    value = _converted(text, float, "a number")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
     return value

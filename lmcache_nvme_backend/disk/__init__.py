@@ -1,1 +1,7 @@
-"""disk"""
+"""On-disk truth (layer 1): the chunk file format, the directory layout, the manifest.
+
+``format`` encodes and decodes the 4 KiB header; ``validate`` is the one judge of a
+chunk file every reader uses; ``layout`` turns digests into paths; ``manifest``
+snapshots an index; ``gpusum`` is the checksum a GPU can compute where a payload
+lands.  Nothing here does I/O on chunk payloads or knows about LMCache.
+"""

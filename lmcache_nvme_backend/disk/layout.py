@@ -23,7 +23,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,20 +164,18 @@ def pid_alive(pid: int) -> bool:
 
 
 def _scandir_dirs(path: Path) -> Iterator[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    yield entry
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return
+    return _scandir(path, lambda entry: entry.is_dir(follow_symlinks=False))
 
 
 def _scandir_files(path: Path) -> Iterator[os.DirEntry[str]]:
+    return _scandir(path, lambda entry: entry.is_file(follow_symlinks=False))
+
+
+def _scandir(path: Path, keep: Callable[[os.DirEntry[str]], bool]
+             ) -> Iterator[os.DirEntry[str]]:
+    """Entries of ``path`` that ``keep`` accepts; a missing or unreadable directory is empty."""
     try:
         with os.scandir(path) as it:
-            for entry in it:
-                if entry.is_file(follow_symlinks=False):
-                    yield entry
+            yield from (entry for entry in it if keep(entry))
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return

@@ -12,8 +12,10 @@ import enum
 import threading
 from dataclasses import dataclass
 
+from ..config import StrChoice
 
-class ReadPath(str, enum.Enum):
+
+class ReadPath(StrChoice):
     """Where a chunk read went (docs/gpu.md).
 
     Host memory through the POSIX engine, GPU memory through kvikio (GDS or
@@ -26,12 +28,6 @@ class ReadPath(str, enum.Enum):
     KVIKIO_GDS = "kvikio-gds"
     KVIKIO_COMPAT = "kvikio-compat"
     HOST_BOUNCE = "host-bounce"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 READ_PATHS = tuple(ReadPath)

@@ -1,0 +1,41 @@
+"""Names of the multiprocess server's chunks: an ``ObjectKey`` as a key string and namespace.
+
+The key string is the same reversible ``model@rank@group@hash[@salt]`` form
+LMCache's ``fs`` L2 adapter uses for file names; the namespace is the model (and
+``cache_salt``), so every model and salt gets its own directory.
+"""
+
+from __future__ import annotations
+
+from lmcache.v1.distributed.api import ObjectKey
+
+_SEP = "@"
+
+
+def object_key_string(key: ObjectKey) -> str:
+    """The chunk's key string: ``model@0xRANK@GROUP@HASH`` plus ``@salt`` when salted.
+
+    ``@`` cannot occur in a model name or a salt (``ObjectKey`` rejects it), so
+    the string is reversible (:func:`parse_object_key_string`).
+    """
+    base = (f"{key.model_name}{_SEP}{key.kv_rank:#010x}{_SEP}{key.object_group_id:x}"
+            f"{_SEP}{key.chunk_hash.hex()}")
+    return f"{base}{_SEP}{key.cache_salt}" if key.cache_salt else base
+
+
+def parse_object_key_string(text: str) -> ObjectKey | None:
+    """Inverse of :func:`object_key_string`; None for anything else."""
+    parts = text.split(_SEP)
+    if len(parts) not in (4, 5):
+        return None
+    try:
+        return ObjectKey(chunk_hash=bytes.fromhex(parts[3]), model_name=parts[0],
+                         kv_rank=int(parts[1], 16), object_group_id=int(parts[2], 16),
+                         cache_salt=parts[4] if len(parts) == 5 else "")
+    except ValueError:
+        return None
+
+
+def object_key_namespace(key: ObjectKey) -> str:
+    """Per-model, per-``cache_salt`` namespace (its own directory in each root)."""
+    return f"{key.model_name}{_SEP}{key.cache_salt}" if key.cache_salt else key.model_name
