@@ -15,7 +15,7 @@ reversible ``model@rank@group@hash[@salt]`` form LMCache's ``fs`` adapter uses
 for file names) in the namespace ``model`` or ``model@salt``; L1 memory objects
 become host buffers; the store's callbacks become completed tasks and event-fd
 signals.  Storage decisions (placement, capacity, eviction, write-back,
-validation, recovery) live in ``store.py``.
+validation, recovery) live in ``store/``.
 
 Threads: the interface is called by LMCache's store and prefetch controller
 threads.  Every ``submit_*`` returns at once; stores are queued to the store's
