@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ...disk.format import TensorMeta, decode_header, encode_header
+from ...disk.format import TensorMeta, encode_header
 from ...disk.format import payload_checksum as compute_checksum
 from ...disk.layout import RootLayout, key_digest, namespace_id
+from ...disk.validate import Expected, judge_chunk
 from ...io.posix import AlignedBuffer, PosixIOEngine, ReadRequest
 from ..common import MIB, CLIError, Progress
 from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
@@ -332,7 +333,9 @@ class EngineBench:
 
 
 def _check_chunk(req: ReadRequest) -> None:
-    header = decode_header(req.header)
-    if compute_checksum(req.dest[: req.payload_len]) != header.payload_checksum:
-        raise CLIError(f"payload checksum mismatch in {req.path}: the bench file changed "
-                       "under the benchmark or the drive returned wrong data")
+    verdict = judge_chunk(req.header, Expected(payload_len=req.payload_len),
+                          lambda header: compute_checksum(req.dest[: req.payload_len])
+                          == header.payload_checksum)
+    if not verdict.ok:
+        raise CLIError(f"{verdict.reason} in {req.path}: the bench file changed under the "
+                       "benchmark or the drive returned wrong data")
