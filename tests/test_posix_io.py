@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_nvme_backend.io import posix as posix_io
 from lmcache_nvme_backend.disk.format import HEADER_SIZE, TensorMeta, encode_header, padded_length
+from lmcache_nvme_backend.io import posix as posix_io
 from lmcache_nvme_backend.io.posix import (
     AlignedBuffer,
     PosixIOEngine,
