@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.paths import BENCH_DIR
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu.py"
+SCRIPT = BENCH_DIR / "bench_gpu.py"
 ENV = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
 
