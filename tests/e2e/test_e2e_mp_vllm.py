@@ -34,7 +34,7 @@ from support.process import child_env, module_command
 from support.vllm_env import VLLMUnavailable, ensure_vllm_python
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 DRIVER = "support.e2e_vllm_driver"  # run by the vLLM environment's python
 CHUNK = 256

@@ -56,6 +56,7 @@ def test_bad_config_raises_naming_the_key(tmp_path: Path, extra: Any, message: s
         NVMeBackend(dst_device="cpu", config=config, local_cpu_backend=object())  # type: ignore
 
 
+@pytest.mark.slow
 def test_launcher_failure_is_visible_to_the_user(tmp_path: Path) -> None:
     """LMCache's launcher swallows the exception; the error log line must say what to fix."""
     # LMCache's plugin launcher with nvme.max_size_gb: -1 (support/launcher_child.py)

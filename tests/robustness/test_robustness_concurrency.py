@@ -28,6 +28,7 @@ from support.shared_tree import bytes_on_disk as _bytes_on_disk
 from support.stores import StoreFactory
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_four_processes_share_one_tree(tmp_path: Path, open_store: StoreFactory) -> None:
     cache = tmp_path / "cache"

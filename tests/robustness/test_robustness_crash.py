@@ -28,6 +28,7 @@ from lmcache_nvme_backend.disk.layout import RootLayout
 TRIALS = 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_sigkill_at_random_points_never_serves_a_bad_chunk(tmp_path: Path,
                                                            open_store: StoreFactory) -> None:
