@@ -87,7 +87,7 @@ def restart(cache_dir: Path) -> None:
     try:
         tokens = make_prompt(NUM_CHUNKS * CHUNK, seed=11)
         keys = chunk_keys(engine, tokens)
-        backend: Any = engine.storage_manager.storage_backends["nvme"]  # type: ignore[union-attr]
+        backend: Any = engine.storage_manager.storage_backends["nvme"]
         report: dict[str, Any] = {"in_cpu": keys_in_tier(engine, CPU_TIER, keys),
                                   "in_nvme": keys_in_tier(engine, "nvme", keys)}
         got = retrieve_prompt(engine, tokens, connector)
