@@ -1,4 +1,9 @@
-"""Test-wide environment: no telemetry, no banner, before anything imports LMCache."""
+"""Test-wide environment and fixtures.
+
+The environment (no telemetry, no banner) is set before anything imports LMCache.
+Fixtures: ``cache_dir`` (where a test's cache goes) and ``open_store`` (the one store
+factory).  Markers: ``gpu`` is given to every test under tests/gpu here.
+"""
 
 import os
 
@@ -6,3 +11,45 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+from support import stores  # noqa: E402
+
+from lmcache_nvme_backend.store.chunk_store import ChunkStore  # noqa: E402
+
+GPU_DIR = Path(__file__).resolve().parent / "gpu"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if GPU_DIR in item.path.parents:
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    """The cache root of a test: ``tmp_path / "cache"``, not created.  tests/gpu puts it on
+    ``$NVME_GPU_TEST_DIR``; tests/cli fills it with chunk files."""
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def open_store(tmp_path: Path) -> Iterator[stores.StoreFactory]:
+    """``open_store(*paths, **params)``: a ChunkStore on ``paths`` (default:
+    ``tmp_path / "cache"``) with the test defaults of ``support.stores`` updated by
+    ``params`` (None: the package's default).  Every store it opened is closed at
+    teardown (closing one again is a no-op)."""
+    opened: list[ChunkStore] = []
+
+    def factory(*paths: Path | str, **params: Any) -> ChunkStore:
+        store = stores.open_store(*(paths or (tmp_path / "cache",)), **params)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        store.close()

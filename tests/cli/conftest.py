@@ -6,11 +6,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_support import RunCLI, cache_keys, open_store, write_chunks
+from support.cli import RunCLI, cache_keys, write_chunks
+from support.stores import StoreFactory
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +36,9 @@ def run_cli(cli_command: list[str]) -> RunCLI:
 
 
 @pytest.fixture
-def cache_dir(tmp_path: Path) -> Iterator[Path]:
+def cache_dir(cache_dir: Path, open_store: StoreFactory) -> Path:
     """A cache root written by a real ChunkStore: two namespaces of five chunks each."""
-    root = tmp_path / "cache"
-    store = open_store(root)
+    store = open_store(cache_dir)
     write_chunks(store, cache_keys())
     store.close()
-    yield root
+    return cache_dir

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_support import RunCLI
+from support.cli import RunCLI
 
 from lmcache_nvme_backend.cli.bench.fio import (
     assign_files,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli_support import RunCLI
+from support.cli import RunCLI
 
 EXIT_FOR = {"pass": 0, "skip": 0, "warn": 1, "fail": 2}
 

@@ -6,17 +6,17 @@ import json
 import os
 from pathlib import Path
 
-from cli_support import (
+from support.cli import (
     CHUNK,
     KEYS_PER_NAMESPACE,
     NAMESPACES,
     RunCLI,
     cache_keys,
     chunk_path,
-    open_store,
     payload_for,
     read_chunk,
 )
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import file_size_for
 from lmcache_nvme_backend.disk.layout import RootLayout
@@ -34,7 +34,8 @@ def test_budget_removes_least_recently_used_first(run_cli: RunCLI, cache_dir: Pa
     assert survivors == [key for _ns, key in cache_keys()[-keep:]]
 
 
-def test_clear_namespace_while_a_store_serves(run_cli: RunCLI, cache_dir: Path) -> None:
+def test_clear_namespace_while_a_store_serves(run_cli: RunCLI, cache_dir: Path,
+                                             open_store: StoreFactory) -> None:
     store = open_store(cache_dir)
     try:
         proc = run_cli("gc", cache_dir, "--namespace", NAMESPACES[0])

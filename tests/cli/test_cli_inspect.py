@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli_support import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
+from support.cli import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
 
 from lmcache_nvme_backend.disk.format import file_size_for
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli_support import (
+from support.cli import (
     KEYS_PER_NAMESPACE,
     NAMESPACES,
     RunCLI,
     cache_keys,
     chunk_path,
-    open_store,
     payload_for,
     read_chunk,
 )
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import HEADER_SIZE
 
@@ -35,8 +35,8 @@ def test_verify_passes_an_intact_cache(run_cli: RunCLI, cache_dir: Path) -> None
     assert root["bad"] == []
 
 
-def test_verify_reports_then_quarantines_damaged_files(run_cli: RunCLI,
-                                                       cache_dir: Path) -> None:
+def test_verify_reports_then_quarantines_damaged_files(run_cli: RunCLI, cache_dir: Path,
+                                                       open_store: StoreFactory) -> None:
     (ns, flipped), (ns2, truncated) = cache_keys()[0], cache_keys()[-1]
     flip_payload_bit(chunk_path(cache_dir, ns, flipped))
     with open(chunk_path(cache_dir, ns2, truncated), "r+b") as f:
@@ -65,8 +65,8 @@ def test_verify_reports_then_quarantines_damaged_files(run_cli: RunCLI,
         store.close()
 
 
-def test_quarantine_while_a_store_serves_the_directory(run_cli: RunCLI,
-                                                       cache_dir: Path) -> None:
+def test_quarantine_while_a_store_serves_the_directory(run_cli: RunCLI, cache_dir: Path,
+                                                       open_store: StoreFactory) -> None:
     store = open_store(cache_dir)
     try:
         ns, key = cache_keys()[3]

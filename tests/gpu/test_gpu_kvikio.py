@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
 from lmcache_nvme_backend.disk.format import HEADER_SIZE
@@ -42,12 +42,11 @@ def probe() -> GpuProbe:
 
 
 @pytest.fixture
-def store(cache_dir: Path) -> Iterator[ChunkStore]:
-    s = ChunkStore(NVMeSettings.from_params({"path": str(cache_dir), "max_size_gb": 1,
-                                             "min_free_gb": 0, "manifest_interval_s": 0}))
+def store(cache_dir: Path, open_store: StoreFactory) -> ChunkStore:
+    """A store on ``cache_dir`` that records GPU checksums, closed at teardown."""
+    s = open_store(cache_dir)
     s.set_gpu_checksums(True)
-    yield s
-    s.close()
+    return s
 
 
 def kvikio_decision(probe: GpuProbe) -> PathDecision:

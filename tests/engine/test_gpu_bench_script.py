@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.paths import BENCH_DIR
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu.py"
+SCRIPT = BENCH_DIR / "bench_gpu.py"
 ENV = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
 
@@ -26,6 +27,7 @@ def test_without_a_gpu_it_says_so_and_measures_nothing(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cpu_dry_run_exercises_every_variant(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"

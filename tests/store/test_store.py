@@ -5,74 +5,28 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.chunks import CHUNK, NS, files_on_disk, meta_for, payload_for, put, read
+from support.process import child_env, module_command
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.disk.format import HEADER_SIZE, TensorMeta, encode_header, file_size_for
+from lmcache_nvme_backend.disk.format import HEADER_SIZE, encode_header, file_size_for
 from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
+from lmcache_nvme_backend.store.chunk_store import ChunkStore, ChunkWrite, SubmitResult
 
-NS = "test-model"
-CHUNK = 256 * 1024 + 123  # deliberately not a multiple of 4 KiB
-
-
-def payload_for(key: str, size: int = CHUNK) -> bytes:
-    """Deterministic, key-specific bytes, so a wrong chunk can never look right."""
-    seed = key.encode() * (size // max(1, len(key)) + 1)
-    return bytes(b ^ (i * 31 & 0xFF) for i, b in enumerate(seed[:size]))
-
-
-def meta_for(size: int) -> TensorMeta:
-    return TensorMeta(shapes=((size,),), dtypes=("uint8",), fmt=1, nbytes=size)
-
-
-StoreFactory = Callable[..., ChunkStore]
-
-
-@pytest.fixture
-def make_store(tmp_path: Path) -> Iterator[StoreFactory]:
-    opened: list[ChunkStore] = []
-
-    def factory(**overrides: object) -> ChunkStore:
-        params: dict[str, object] = {"path": str(tmp_path / "cache"), "max_size_gb": 0.05,
-                                     "min_free_gb": 0, "manifest_interval_s": 0}
-        params.update(overrides)
-        store = ChunkStore(NVMeSettings.from_params(params))
-        opened.append(store)
-        return store
-
-    yield factory
-    for store in opened:
-        store.close()
-
-
-def put(store: ChunkStore, key: str, size: int = CHUNK) -> SubmitResult:
-    data = payload_for(key, size)
-    return store.submit(key, NS, meta_for(size), memoryview(data), release=lambda: None)
-
-
-def read(store: ChunkStore, key: str, size: int = CHUNK) -> bytes | None:
-    dest = bytearray(size + 8192)
-    ok = store.read_into([ChunkRead(key, memoryview(dest))])[0]
-    return bytes(dest[:size]) if ok else None
+SMALL = 0.05  # GiB: the budget of this module's stores unless a test sets its own
 
 
 def chunk_file(store: ChunkStore, key: str) -> Path:
     return store.layouts[0].chunk_path(namespace_id(NS), key_digest(key))
 
 
-def files_on_disk(root: Path) -> list[Path]:
-    return [p for p in (root / "ns").rglob("*") if p.is_file() and p.name != "NAMESPACE"]
-
-
-def test_round_trip_is_byte_exact(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_round_trip_is_byte_exact(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL)
     assert put(store, "a") is SubmitResult.QUEUED
     assert store.flush(10)
     assert store.contains("a")
@@ -80,35 +34,35 @@ def test_round_trip_is_byte_exact(make_store: StoreFactory) -> None:
     assert store.counter("read_bytes") == CHUNK
 
 
-def test_restart_finds_chunks_and_metadata(make_store: StoreFactory) -> None:
-    first = make_store()
+def test_restart_finds_chunks_and_metadata(open_store: StoreFactory) -> None:
+    first = open_store(max_size_gb=SMALL)
     for key in ("a", "b", "c"):
         put(first, key)
     first.close()
-    second = make_store()
+    second = open_store(max_size_gb=SMALL)
     assert all(second.contains(k) for k in ("a", "b", "c"))
     assert second.tensor_meta("b") == meta_for(CHUNK)
     assert read(second, "b") == payload_for("b")
 
 
-def test_restart_without_manifest_reads_headers(make_store: StoreFactory, tmp_path: Path) -> None:
-    first = make_store()
+def test_restart_without_manifest_reads_headers(open_store: StoreFactory, tmp_path: Path) -> None:
+    first = open_store(max_size_gb=SMALL)
     put(first, "a")
     first.close()
     (tmp_path / "cache" / "index" / "manifest.json").unlink()
-    second = make_store()
+    second = open_store(max_size_gb=SMALL)
     assert second.contains("a")
     assert second.tensor_meta("a") == meta_for(CHUNK)
     assert read(second, "a") == payload_for("a")
 
 
-def test_read_of_a_recovered_chunk_needs_no_prior_meta_lookup(make_store: StoreFactory,
+def test_read_of_a_recovered_chunk_needs_no_prior_meta_lookup(open_store: StoreFactory,
                                                              tmp_path: Path) -> None:
-    first = make_store()
+    first = open_store(max_size_gb=SMALL)
     put(first, "a")
     first.close()
     (tmp_path / "cache" / "index" / "manifest.json").unlink()
-    assert read(make_store(), "a") == payload_for("a")
+    assert read(open_store(max_size_gb=SMALL), "a") == payload_for("a")
 
 
 def corrupt_payload_bit(path: Path) -> None:
@@ -134,8 +88,8 @@ def replace_with_foreign_bytes(path: Path) -> None:
     ids=["bit-flip", "truncated", "foreign"],
 )
 def test_damaged_file_is_a_counted_quarantined_miss(
-        make_store: StoreFactory, damage: Callable[[Path], None], counter: str) -> None:
-    store = make_store()
+        open_store: StoreFactory, damage: Callable[[Path], None], counter: str) -> None:
+    store = open_store(max_size_gb=SMALL)
     put(store, "a")
     store.flush(10)
     path = chunk_file(store, "a")
@@ -148,8 +102,8 @@ def test_damaged_file_is_a_counted_quarantined_miss(
     assert not store.contains("a")
 
 
-def test_wrong_key_file_is_never_served(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_wrong_key_file_is_never_served(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL)
     put(store, "a")
     put(store, "b")
     store.flush(10)
@@ -159,23 +113,23 @@ def test_wrong_key_file_is_never_served(make_store: StoreFactory) -> None:
 
 
 def test_absurd_length_header_is_rejected_without_allocation(
-        make_store: StoreFactory, tmp_path: Path) -> None:
+        open_store: StoreFactory, tmp_path: Path) -> None:
     """A recovered file whose header claims a huge payload never reaches an allocation."""
     layout = RootLayout(tmp_path / "cache")
     path = layout.chunk_path(namespace_id(NS), key_digest("huge"))
     path.parent.mkdir(parents=True)
     huge = 1 << 35
     path.write_bytes(encode_header("huge", NS, meta_for(huge), huge, 0) + bytes(4096))
-    store = make_store()
+    store = open_store(max_size_gb=SMALL)
     assert store.contains("huge")  # listed by the directory scan, not yet validated
     assert store.tensor_meta("huge") is None
     assert store.counter("invalid_files") == 1
     assert not store.contains("huge")
 
 
-def test_capacity_is_enforced_in_lru_order_and_pins_are_kept(make_store: StoreFactory) -> None:
+def test_capacity_is_enforced_in_lru_order_and_pins_are_kept(open_store: StoreFactory) -> None:
     per_file = file_size_for(CHUNK)
-    store = make_store(max_size_gb=(per_file * 4) / 1024**3)
+    store = open_store(max_size_gb=(per_file * 4) / 1024**3)
     for key in ("k0", "k1", "k2", "k3"):
         put(store, key)
         store.flush(10)  # publish in this order, so LRU order is k0..k3
@@ -196,8 +150,8 @@ def test_capacity_is_enforced_in_lru_order_and_pins_are_kept(make_store: StoreFa
     assert store.counter("evictions") >= 7
 
 
-def test_pinned_chunks_block_writes_rather_than_being_evicted(make_store: StoreFactory) -> None:
-    store = make_store(max_size_gb=(file_size_for(CHUNK) * 2) / 1024**3)
+def test_pinned_chunks_block_writes_rather_than_being_evicted(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=(file_size_for(CHUNK) * 2) / 1024**3)
     put(store, "a")
     put(store, "b")
     store.flush(10)
@@ -210,8 +164,8 @@ def test_pinned_chunks_block_writes_rather_than_being_evicted(make_store: StoreF
     assert store.contains("a") and store.contains("b")
 
 
-def test_duplicate_puts_write_once(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_duplicate_puts_write_once(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL)
     assert put(store, "a") is SubmitResult.QUEUED
     second = put(store, "a")
     store.flush(10)
@@ -221,8 +175,8 @@ def test_duplicate_puts_write_once(make_store: StoreFactory) -> None:
     assert len(files_on_disk(store.layouts[0].root)) == 1
 
 
-def test_concurrent_puts_of_one_key(make_store: StoreFactory) -> None:
-    store = make_store(write_threads=4)
+def test_concurrent_puts_of_one_key(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL, write_threads=4)
     results: list[SubmitResult] = []
     barrier = threading.Barrier(8)
 
@@ -241,24 +195,14 @@ def test_concurrent_puts_of_one_key(make_store: StoreFactory) -> None:
     assert len(files_on_disk(store.layouts[0].root)) == 1
 
 
-def test_concurrent_writers_in_two_processes_publish_one_valid_file(tmp_path: Path) -> None:
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_store import put, NS
-        from lmcache_nvme_backend.config import NVMeSettings
-        from lmcache_nvme_backend.store.chunk_store import ChunkStore
-        store = ChunkStore(NVMeSettings.from_params({{"path": sys.argv[1], "max_size_gb": 1,
-            "min_free_gb": 0, "manifest_interval_s": 0}}))
-        for i in range(20):
-            put(store, f"shared-{{i}}")
-        store.close()
-    """)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cache")])
+def test_concurrent_writers_in_two_processes_publish_one_valid_file(
+        tmp_path: Path, open_store: StoreFactory) -> None:
+    # each child puts shared-0 .. shared-19 (support/store_child.py)
+    procs = [subprocess.Popen(module_command("support.store_child", "writer",
+                                             tmp_path / "cache"), env=child_env())
              for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    store = ChunkStore(NVMeSettings.from_params({"path": str(tmp_path / "cache"),
-                                                 "max_size_gb": 1, "min_free_gb": 0}))
+    store = open_store(tmp_path / "cache", manifest_interval_s=None)
     try:
         assert all(read(store, f"shared-{i}") == payload_for(f"shared-{i}") for i in range(20))
         assert not list(store.layouts[0].iter_temp_files())
@@ -282,9 +226,9 @@ class BlockedWrites:
         store.io_engine.write_chunk = blocked  # type: ignore[method-assign]
 
 
-def test_full_queue_drops_and_counts_without_blocking(make_store: StoreFactory) -> None:
+def test_full_queue_drops_and_counts_without_blocking(open_store: StoreFactory) -> None:
     size = 1024 * 1024
-    store = make_store(write_queue_mb=2.5, write_threads=1)
+    store = open_store(max_size_gb=SMALL, write_queue_mb=2.5, write_threads=1)
     blocked = BlockedWrites(store)
     assert put(store, "a", size) is SubmitResult.QUEUED
     assert blocked.started.acquire(timeout=10)  # the writer holds "a"; the drive is "stuck"
@@ -299,9 +243,10 @@ def test_full_queue_drops_and_counts_without_blocking(make_store: StoreFactory) 
     assert not store.contains("c")
 
 
-def test_wait_policy_waits_for_room(make_store: StoreFactory) -> None:
+def test_wait_policy_waits_for_room(open_store: StoreFactory) -> None:
     size = 1024 * 1024
-    store = make_store(write_queue_mb=1.5, write_threads=1, queue_full_policy="wait")
+    store = open_store(max_size_gb=SMALL, write_queue_mb=1.5, write_threads=1,
+                       queue_full_policy="wait")
     blocked = BlockedWrites(store)
     put(store, "a", size)
     assert blocked.started.acquire(timeout=10)
@@ -318,8 +263,8 @@ def test_wait_policy_waits_for_room(make_store: StoreFactory) -> None:
     assert store.counter("queue_full_waits") == 1
 
 
-def test_release_is_called_once_for_every_outcome(make_store: StoreFactory) -> None:
-    store = make_store(write_queue_mb=0.5)
+def test_release_is_called_once_for_every_outcome(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL, write_queue_mb=0.5)
     released: list[str] = []
     data = payload_for("a")
 
@@ -335,28 +280,13 @@ def test_release_is_called_once_for_every_outcome(make_store: StoreFactory) -> N
     assert sorted(released) == ["a", "a", "b"]
 
 
-CRASH_WRITER = textwrap.dedent("""
-    import sys, itertools
-    sys.path.insert(0, sys.argv[2])
-    from test_store import put
-    from lmcache_nvme_backend.config import NVMeSettings
-    from lmcache_nvme_backend.store.chunk_store import ChunkStore
-    store = ChunkStore(NVMeSettings.from_params({"path": sys.argv[1], "max_size_gb": 1,
-        "min_free_gb": 0, "manifest_interval_s": 0.05, "write_threads": 2}))
-    put(store, "crash-0", 3 * 1024 * 1024 + 7)
-    store.flush(30)  # at least one chunk is published before the kill
-    print("writing", flush=True)
-    for i in itertools.count(1):
-        put(store, f"crash-{i}", 3 * 1024 * 1024 + 7)
-""")
-
-
 @pytest.mark.parametrize("trial", range(3))
-def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial: int) -> None:
+def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial: int,
+                                                          open_store: StoreFactory) -> None:
     cache = tmp_path / "cache"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CRASH_WRITER, str(cache), str(Path(__file__).parent)],
-        stdout=subprocess.PIPE, text=True)
+    # the child publishes crash-0, says "writing", then puts crash-1, crash-2, ... (3 MiB + 7)
+    proc = subprocess.Popen(module_command("support.store_child", "crash-writer", cache),
+                            stdout=subprocess.PIPE, text=True, env=child_env())
     assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
     threading.Event().wait(0.2 + 0.15 * trial)
     proc.send_signal(signal.SIGKILL)
@@ -364,8 +294,7 @@ def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial:
     layout = RootLayout(cache)
     assert not any(p.name.endswith(".kv") and p.stat().st_size % 4096
                    for p in files_on_disk(cache))
-    store = ChunkStore(NVMeSettings.from_params({"path": str(cache), "max_size_gb": 1,
-                                                 "min_free_gb": 0}))
+    store = open_store(cache, manifest_interval_s=None)
     try:
         assert not list(layout.iter_temp_files())  # the dead writer's temp files are gone
         size = 3 * 1024 * 1024 + 7
@@ -381,8 +310,8 @@ def test_sigkill_mid_write_back_leaves_only_intact_chunks(tmp_path: Path, trial:
         store.close()
 
 
-def test_writer_threads_yield_cpu_to_the_engine(make_store: StoreFactory) -> None:
-    store = make_store(write_threads=2)
+def test_writer_threads_yield_cpu_to_the_engine(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL, write_threads=2)
     put(store, "a")
     put(store, "b")
     store.flush(10)
@@ -391,10 +320,8 @@ def test_writer_threads_yield_cpu_to_the_engine(make_store: StoreFactory) -> Non
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0
 
 
-def test_default_is_one_writer_per_path(tmp_path: Path) -> None:
-    store = ChunkStore(NVMeSettings.from_params({
-        "path": [str(tmp_path / "d0"), str(tmp_path / "d1"), str(tmp_path / "d2")],
-        "max_size_gb": 0.05, "min_free_gb": 0, "manifest_interval_s": 0}))
+def test_default_is_one_writer_per_path(tmp_path: Path, open_store: StoreFactory) -> None:
+    store = open_store(tmp_path / "d0", tmp_path / "d1", tmp_path / "d2", max_size_gb=SMALL)
     try:
         assert len(store.writer_threads) == 3
         for i in range(12):
@@ -408,9 +335,9 @@ def test_default_is_one_writer_per_path(tmp_path: Path) -> None:
 
 
 def test_submit_many_dedupes_within_a_batch_and_drops_what_does_not_fit(
-        make_store: StoreFactory) -> None:
+        open_store: StoreFactory) -> None:
     size = 1024 * 1024
-    store = make_store(write_queue_mb=2.5, write_threads=1)
+    store = open_store(max_size_gb=SMALL, write_queue_mb=2.5, write_threads=1)
     blocked = BlockedWrites(store)
     released: list[str] = []
 

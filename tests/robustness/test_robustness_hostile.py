@@ -9,12 +9,12 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from test_store import meta_for, payload_for, read
+from support.chunks import meta_for, payload_for, read
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.disk.format import HEADER_SIZE, encode_header
 from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store.chunk_store import ChunkStore, SubmitResult
+from lmcache_nvme_backend.store.chunk_store import SubmitResult
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,12 +25,11 @@ HOSTILE = [
 ]
 
 
-def open_store(path: Path) -> ChunkStore:
-    return ChunkStore(NVMeSettings.from_params({"path": str(path), "max_size_gb": 0.1,
-                                                "min_free_gb": 0, "manifest_interval_s": 0}))
+CAPACITY_GB = 0.1
 
 
-def test_hostile_keys_and_model_names_stay_inside_the_root(tmp_path: Path) -> None:
+def test_hostile_keys_and_model_names_stay_inside_the_root(tmp_path: Path,
+                                                           open_store: StoreFactory) -> None:
     root = tmp_path / "cache"
     layout = RootLayout(root)
     for name in HOSTILE:
@@ -38,7 +37,7 @@ def test_hostile_keys_and_model_names_stay_inside_the_root(tmp_path: Path) -> No
             p = layout.chunk_path(namespace_id(ns), key_digest(name)).resolve()
             assert root.resolve() in p.parents
             assert p.name.isascii() and "\x00" not in str(p)
-    store = open_store(root)
+    store = open_store(root, max_size_gb=CAPACITY_GB)
     try:
         stored = []
         for i, name in enumerate(HOSTILE):
@@ -59,9 +58,10 @@ def test_hostile_keys_and_model_names_stay_inside_the_root(tmp_path: Path) -> No
         assert p.resolve().is_relative_to(root.resolve())
 
 
-def test_symlinks_and_foreign_files_are_ignored_never_followed(tmp_path: Path) -> None:
+def test_symlinks_and_foreign_files_are_ignored_never_followed(
+        tmp_path: Path, open_store: StoreFactory) -> None:
     root = tmp_path / "cache"
-    store = open_store(root)
+    store = open_store(root, max_size_gb=CAPACITY_GB)
     data = payload_for("victim", 8192)
     store.submit("victim", "m", meta_for(8192), memoryview(data), lambda: None)
     store.flush(10)
@@ -86,7 +86,7 @@ def test_symlinks_and_foreign_files_are_ignored_never_followed(tmp_path: Path) -
     (real.parent / "README.txt").write_text("not ours")
     (root / "ns" / "stray-file").write_bytes(b"x")
 
-    store = open_store(root)
+    store = open_store(root, max_size_gb=CAPACITY_GB)
     try:
         assert not store.contains("victim") and not store.contains("other")
         assert read(store, "victim", 8192) is None
@@ -118,7 +118,8 @@ def _with_fixed_field(header: bytes, fmt: str, offset: int, value: int) -> bytes
 
 
 @pytest.mark.parametrize("case", ["huge_length", "version_2", "huge_key_len", "huge_meta_len"])
-def test_absurd_headers_are_misses_without_large_allocations(tmp_path: Path, case: str) -> None:
+def test_absurd_headers_are_misses_without_large_allocations(tmp_path: Path, case: str,
+                                                             open_store: StoreFactory) -> None:
     root = tmp_path / "cache"
     key = "k"
     good = encode_header(key, "m", meta_for(4096), 4096, 0)
@@ -133,7 +134,7 @@ def test_absurd_headers_are_misses_without_large_allocations(tmp_path: Path, cas
     _plant(root, key, header)
     tracemalloc.start()
     try:
-        store = open_store(root)
+        store = open_store(root, max_size_gb=CAPACITY_GB)
         try:
             assert store.tensor_meta(key) is None
             assert read(store, key, 4096) is None

@@ -19,81 +19,25 @@ own in-memory index and its own byte budget):
 from __future__ import annotations
 
 import multiprocessing
-import random
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-from test_store import NS, meta_for, payload_for, read
-
-from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.disk.format import file_size_for
-from lmcache_nvme_backend.store.chunk_store import ChunkStore
-
-PROCS = 4
-DURATION_S = 4.0
-KEYS = 48
-TOTAL_BUDGET = 2 * 2**20
-SIZES = (4096, 65_536 + 17, 150_000)
-MAX_FILE = file_size_for(max(SIZES))
+from support.shared_tree import MAX_FILE, PROCS, TOTAL_BUDGET, worker
+from support.shared_tree import bytes_on_disk as _bytes_on_disk
+from support.stores import StoreFactory
 
 
-def size_of(i: int) -> int:
-    return SIZES[i % len(SIZES)]
-
-
-DATA = {i: payload_for(f"shared-{i}", size_of(i)) for i in range(KEYS)}
-
-
-def _worker(path: str, seed: int, conn: Connection) -> None:
-    rng = random.Random(seed)
-    store = ChunkStore(NVMeSettings.from_params({
-        "path": path, "max_size_gb": TOTAL_BUDGET / PROCS / 2**30, "min_free_gb": 0,
-        "manifest_interval_s": 0.2, "io_threads": 2}))
-    served = wrong = 0
-    deadline = time.monotonic() + DURATION_S
-    while time.monotonic() < deadline:
-        i = rng.randrange(KEYS)
-        key = f"shared-{i}"
-        op = rng.random()
-        if op < 0.45:
-            store.submit(key, NS, meta_for(size_of(i)), memoryview(DATA[i]), release=lambda: None)
-        elif op < 0.9:
-            if store.contains(key) and store.tensor_meta(key) is not None:
-                got = read(store, key, size_of(i))
-                if got is not None:
-                    served += 1
-                    wrong += got != DATA[i]
-        elif op < 0.95:
-            store.remove(key)
-        else:
-            store.flush(1)
-    store.close()
-    conn.send((served, wrong, store.stats_snapshot()))
-
-
-def _bytes_on_disk(root: Path) -> int:
-    total = 0
-    for p in (root / "ns").rglob("*"):
-        try:
-            if p.is_file() and p.name != "NAMESPACE":
-                total += p.stat().st_size
-        except OSError:
-            pass  # removed or renamed while walking
-    return total
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_four_processes_share_one_tree(tmp_path: Path) -> None:
+def test_four_processes_share_one_tree(tmp_path: Path, open_store: StoreFactory) -> None:
     cache = tmp_path / "cache"
-    ChunkStore(NVMeSettings.from_params({"path": str(cache), "max_size_gb": 0.01,
-                                        "min_free_gb": 0})).close()
+    open_store(cache, max_size_gb=0.01, manifest_interval_s=None).close()
     ctx = multiprocessing.get_context("fork")
     pipes, procs = [], []
     for n in range(PROCS):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(str(cache), n, child))
+        proc = ctx.Process(target=worker, args=(str(cache), n, child))
         proc.start()
         child.close()
         pipes.append(parent)

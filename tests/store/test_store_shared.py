@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
@@ -19,19 +17,6 @@ pytestmark = pytest.mark.timeout(60)
 
 NBYTES = 64 * 1024
 META = TensorMeta(shapes=((NBYTES,),), dtypes=("uint8",), fmt=1, nbytes=NBYTES)
-
-
-def settings(path: Path, **extra: Any) -> NVMeSettings:
-    return NVMeSettings.from_params({"path": str(path), "max_size_gb": 1, "min_free_gb": 0,
-                                     "manifest_interval_s": 0, **extra})
-
-
-@pytest.fixture
-def stores() -> Iterator[list[ChunkStore]]:
-    made: list[ChunkStore] = []
-    yield made
-    for store in made:
-        store.close()
 
 
 def put(store: ChunkStore, key: str, ns: str = "model", fill: int = 1) -> bytes:
@@ -48,10 +33,9 @@ def read(store: ChunkStore, key: str) -> bytes | None:
 
 
 def test_lookup_equals_contains_without_shared_mode(tmp_path: Path,
-                                                    stores: list[ChunkStore]) -> None:
-    a = ChunkStore(settings(tmp_path))
-    b = ChunkStore(settings(tmp_path))
-    stores += [a, b]
+                                                    open_store: StoreFactory) -> None:
+    a = open_store(tmp_path)
+    b = open_store(tmp_path)
     put(a, "k1")
     assert a.lookup("k1", "model")
     assert not b.lookup("k1", "model")  # b's index was built before a wrote
@@ -59,11 +43,10 @@ def test_lookup_equals_contains_without_shared_mode(tmp_path: Path,
 
 
 def test_shared_lookup_adopts_chunks_another_store_wrote(tmp_path: Path,
-                                                         stores: list[ChunkStore]) -> None:
-    a = ChunkStore(settings(tmp_path, shared=True))
-    b = ChunkStore(settings(tmp_path, shared=True))
-    c = ChunkStore(settings(tmp_path, shared=True))
-    stores += [a, b, c]
+                                                         open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True)
+    b = open_store(tmp_path, shared=True)
+    c = open_store(tmp_path, shared=True)
     payload = put(a, "k1", fill=7)
     assert not c.lookup("k1", "other-model")  # files are looked for in the key's namespace
     assert not b.contains("k1")
@@ -77,10 +60,9 @@ def test_shared_lookup_adopts_chunks_another_store_wrote(tmp_path: Path,
 
 
 def test_shared_lookup_forgets_files_another_store_evicted(tmp_path: Path,
-                                                          stores: list[ChunkStore]) -> None:
-    a = ChunkStore(settings(tmp_path, shared=True))
-    b = ChunkStore(settings(tmp_path, shared=True))
-    stores += [a, b]
+                                                          open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True)
+    b = open_store(tmp_path, shared=True)
     put(a, "k1")
     assert b.lookup("k1", "model")
     assert a.remove("k1")  # the other process evicts it
@@ -95,9 +77,8 @@ def test_shared_lookup_forgets_files_another_store_evicted(tmp_path: Path,
 
 
 def test_shared_lookup_rejects_a_file_naming_another_key(tmp_path: Path,
-                                                         stores: list[ChunkStore]) -> None:
-    a = ChunkStore(settings(tmp_path, shared=True))
-    stores.append(a)
+                                                         open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True)
     put(a, "k1")
     src = a.layouts[0].chunk_path(namespace_id("model"), key_digest("k1"))
     dst = a.layouts[0].chunk_path(namespace_id("model"), key_digest("k2"))
@@ -108,10 +89,9 @@ def test_shared_lookup_rejects_a_file_naming_another_key(tmp_path: Path,
 
 
 def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
-                                                      stores: list[ChunkStore]) -> None:
+                                                      open_store: StoreFactory) -> None:
     budget_gb = 2 * file_size_for(NBYTES) / 1024**3
-    store = ChunkStore(settings(tmp_path, max_size_gb=budget_gb))
-    stores.append(store)
+    store = open_store(tmp_path, max_size_gb=budget_gb)
     removed: list[list[IndexEntry]] = []
     store.add_removal_listener(removed.append)
     store.add_removal_listener(lambda entries: 1 / 0)  # a failing listener is contained
@@ -128,9 +108,8 @@ def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
 
 
 def test_submit_release_and_persisted_callbacks(tmp_path: Path,
-                                                stores: list[ChunkStore]) -> None:
-    store = ChunkStore(settings(tmp_path))
-    stores.append(store)
+                                                open_store: StoreFactory) -> None:
+    store = open_store(tmp_path)
     events: list[str] = []
     payload = memoryview(b"x" * NBYTES)
     store.submit_many([ChunkWrite("k", "model", META, payload,

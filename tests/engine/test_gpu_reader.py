@@ -18,10 +18,11 @@ import pytest
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend.adapters.backend import NVMeBackend
 from lmcache_nvme_backend.adapters.memory_objects import device_payload, is_device_object
-from lmcache_nvme_backend.config import MIB, NVMeConfigError, NVMeSettings
+from lmcache_nvme_backend.config import MIB, NVMeConfigError
 from lmcache_nvme_backend.disk.format import HEADER_SIZE, decode_header
 from lmcache_nvme_backend.disk.gpusum import host_checksum
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
@@ -51,12 +52,11 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[ChunkStore]:
-    s = ChunkStore(NVMeSettings.from_params({"path": str(tmp_path / "cache"), "max_size_gb": 0.2,
-                                             "min_free_gb": 0, "manifest_interval_s": 0}))
+def store(open_store: StoreFactory) -> ChunkStore:
+    """A store on ``tmp_path / "cache"`` that records GPU checksums, closed at teardown."""
+    s = open_store(max_size_gb=0.2)
     s.set_gpu_checksums(True)
-    yield s
-    s.close()
+    return s
 
 
 ReaderFactory = Callable[..., GpuChunkReader]

@@ -13,21 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
-from test_store import meta_for
+from support.chunks import meta_for
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.store.chunk_store import ChunkStore, SubmitResult
+from lmcache_nvme_backend.store.chunk_store import SubmitResult
 
 SIZE = 256 * 1024
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["drop", "wait"])
-def test_slow_drive_drops_are_counted_and_queue_stays_in_budget(tmp_path: Path,
-                                                                policy: str) -> None:
-    store = ChunkStore(NVMeSettings.from_params({
-        "path": str(tmp_path / "c"), "max_size_gb": 1, "min_free_gb": 0,
-        "manifest_interval_s": 0, "write_queue_mb": 1, "queue_full_policy": policy}))
+def test_slow_drive_drops_are_counted_and_queue_stays_in_budget(tmp_path: Path, policy: str,
+                                                                open_store: StoreFactory
+                                                                ) -> None:
+    store = open_store(tmp_path / "c", write_queue_mb=1, queue_full_policy=policy)
     real_write = store.io_engine.write_chunk
 
     def slow_write(*args: object, **kw: object) -> None:

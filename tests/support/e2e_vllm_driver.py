@@ -1,4 +1,5 @@
-"""Driver for tests/test_e2e_mp_vllm.py, run by the python of the vLLM environment.
+"""Driver for tests/e2e/test_e2e_mp_vllm.py, run by the python of the vLLM environment
+as ``python -m support.e2e_vllm_driver`` (tests/ on ``PYTHONPATH``).
 
 ``build-model OUT``: a tiny random-weight Llama (2 layers, hidden 128, 4 heads,
 2 KV heads) and a byte-level BPE tokenizer trained here, saved with

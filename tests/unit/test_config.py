@@ -15,11 +15,6 @@ from lmcache_nvme_backend.config import GIB, MIB, NVMeConfigError, NVMeSettings
 
 
 @pytest.fixture
-def cache_dir(tmp_path: Path) -> Path:
-    return tmp_path / "cache"
-
-
-@pytest.fixture
 def extra(cache_dir: Path) -> dict[str, Any]:
     """A minimal valid extra_config, to be extended or broken per test."""
     return {"nvme.path": str(cache_dir), "nvme.max_size_gb": 10}

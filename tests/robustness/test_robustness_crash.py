@@ -10,59 +10,28 @@ after reopening, and nothing corrupt or partial may ever be served.
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
 import os
 import random
 import signal
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-from test_store import NS, meta_for, payload_for, read
+from support.chunks import meta_for, read
+from support.crash_trials import KEYS, data_of, size_of
+from support.crash_trials import writer as _writer
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.disk.layout import RootLayout
-from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 TRIALS = 60
-KEYS = 200
-SIZES = (4096, 70_000, 300_001, 1_048_576 + 5)
 
 
-def size_of(key: str) -> int:
-    return SIZES[int(key.rsplit("-", 1)[1]) % len(SIZES)]
-
-
-@functools.cache
-def data_of(key: str) -> bytes:
-    return payload_for(key, size_of(key))  # built once, before forking
-
-
-def _writer(path: str, fsync: str, threads: int, conn: Connection) -> None:
-    store = ChunkStore(NVMeSettings.from_params({
-        "path": path, "max_size_gb": 1, "min_free_gb": 0, "manifest_interval_s": 0.01,
-        "write_threads": threads, "fsync": fsync, "io_threads": 2}))
-    conn.send("ready")
-    i = 0
-    while i < KEYS:
-        key = f"t-{i}"
-        data = data_of(key)
-        store.submit(key, NS, meta_for(len(data)), memoryview(data), release=lambda: None,
-                     on_persisted=lambda k=key: conn.send(k))  # type: ignore[misc]
-        if i % 8 == 7:
-            store.flush(5)
-        if i % 13 == 12:  # evictions and removals race with the kill too
-            store.remove(f"t-{i - 5}")
-        i += 1
-    store.flush(30)
-    conn.send("done")
-    time.sleep(60)
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_sigkill_at_random_points_never_serves_a_bad_chunk(tmp_path: Path) -> None:
+def test_sigkill_at_random_points_never_serves_a_bad_chunk(tmp_path: Path,
+                                                           open_store: StoreFactory) -> None:
     rng = random.Random(1234)
     ctx = multiprocessing.get_context("fork")
     total_published = total_found = 0
@@ -93,9 +62,7 @@ def test_sigkill_at_random_points_never_serves_a_bad_chunk(tmp_path: Path) -> No
         parent.close()
         assert proc.exitcode == -signal.SIGKILL
 
-        store = ChunkStore(NVMeSettings.from_params({
-            "path": str(cache), "max_size_gb": 1, "min_free_gb": 0,
-            "manifest_interval_s": 0}))
+        store = open_store(cache)
         try:
             assert not list(RootLayout(cache).iter_temp_files())
             for loc in RootLayout(cache).iter_chunks():

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_store import NS, meta_for, payload_for, read
+from support.chunks import NS, meta_for, payload_for, read
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
+from lmcache_nvme_backend.config import NVMeConfigError
 from lmcache_nvme_backend.io.posix import PosixIOEngine, ReadRequest
 from lmcache_nvme_backend.store import roots as roots_mod
 from lmcache_nvme_backend.store import writer as writer_mod
@@ -28,13 +29,6 @@ SIZE = MIB - 100
 def put(store: ChunkStore, key: str, size: int = SIZE) -> object:
     return store.submit(key, NS, meta_for(size), memoryview(payload_for(key, size)),
                         release=lambda: None)
-
-
-def open_store(*paths: Path, **extra: object) -> ChunkStore:
-    params: dict[str, object] = {"path": [str(p) for p in paths], "max_size_gb": 1,
-                                 "min_free_gb": 0, "manifest_interval_s": 0}
-    params.update(extra)
-    return ChunkStore(NVMeSettings.from_params(params))
 
 
 @pytest.fixture
@@ -57,7 +51,8 @@ def temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if ".tmp-" in p.name]
 
 
-def test_free_space_guard_evicts_before_the_filesystem_fills(small_fs: Path) -> None:
+def test_free_space_guard_evicts_before_the_filesystem_fills(small_fs: Path,
+                                                             open_store: StoreFactory) -> None:
     store = open_store(small_fs / "cache")
     try:
         for i in range(12):  # 12 MiB into 8 MiB
@@ -71,7 +66,7 @@ def test_free_space_guard_evicts_before_the_filesystem_fills(small_fs: Path) -> 
 
 
 def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
-        small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        small_fs: Path, monkeypatch: pytest.MonkeyPatch, open_store: StoreFactory) -> None:
     # Another tenant fills the filesystem between the free-space check and the write:
     # the guard sees plenty of room, the write itself gets ENOSPC.
     monkeypatch.setattr(writer_mod, "free_bytes", lambda path: 1 << 40)
@@ -127,7 +122,8 @@ class FlakyReads:
 
 
 @pytest.mark.parametrize("mode", ["eio", "short"])
-def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str) -> None:
+def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str,
+                                                 open_store: StoreFactory) -> None:
     store = open_store(tmp_path / "c")
     try:
         put(store, "a")
@@ -146,7 +142,7 @@ def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str) -> N
 
 
 def test_unreadable_files_are_misses_and_never_take_the_path_out_of_service(
-        tmp_path: Path) -> None:
+        tmp_path: Path, open_store: StoreFactory) -> None:
     """Another user's files in a shared tree: each is a miss, the drive stays in service."""
     store = open_store(tmp_path / "c")
     try:
@@ -167,7 +163,8 @@ def test_unreadable_files_are_misses_and_never_take_the_path_out_of_service(
         store.close()
 
 
-def test_read_only_remount_then_recovery(small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_only_remount_then_recovery(small_fs: Path, monkeypatch: pytest.MonkeyPatch,
+                                         open_store: StoreFactory) -> None:
     monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 0.3)
     store = open_store(small_fs / "cache")
     try:
@@ -192,7 +189,7 @@ def test_read_only_remount_then_recovery(small_fs: Path, monkeypatch: pytest.Mon
         store.close()
 
 
-def test_directory_deleted_at_run_time(tmp_path: Path) -> None:
+def test_directory_deleted_at_run_time(tmp_path: Path, open_store: StoreFactory) -> None:
     cache = tmp_path / "c"
     store = open_store(cache)
     try:
@@ -213,7 +210,8 @@ def test_directory_deleted_at_run_time(tmp_path: Path) -> None:
 
 
 def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  open_store: StoreFactory) -> None:
     monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 3600)
     bad_root, good_root = tmp_path / "bad", tmp_path / "good"
     # One writer: with one per path, a second write can be in flight on the failing path
@@ -245,7 +243,8 @@ def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
         store.close()
 
 
-def test_startup_on_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
+def test_startup_on_unusable_path_is_a_clear_error(tmp_path: Path,
+                                                   open_store: StoreFactory) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(NVMeConfigError, match="not a directory"):

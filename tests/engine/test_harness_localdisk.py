@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
+from support.paths import EXAMPLE_YAML
 
 from lmcache_nvme_backend.testing.engine import (
     CPU_TIER,
@@ -36,7 +37,6 @@ from lmcache_nvme_backend.testing.engine import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 CHUNK = 256
-EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme.yaml"
 
 EngineFactory = Callable[..., tuple[LMCacheEngine, CopyingCPUConnector]]
 

@@ -1,4 +1,5 @@
-"""Helpers of the command-line tests: a real cache written by ChunkStore, and its keys."""
+"""Helpers of the command-line tests: the cache the ``cache_dir`` fixture of tests/cli
+writes with a real ChunkStore, its keys, and the type of the ``run_cli`` fixture."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.disk.format import TensorMeta
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore
@@ -28,15 +28,6 @@ def cache_keys() -> list[tuple[str, str]]:
     """(namespace, key) of every chunk the ``cache_dir`` fixture writes."""
     return [(ns, f"{ns}@256@0@{i:04x}@bfloat16") for ns in NAMESPACES
             for i in range(KEYS_PER_NAMESPACE)]
-
-
-def settings_for(path: Path) -> NVMeSettings:
-    return NVMeSettings.from_params({"path": str(path), "max_size_gb": 1, "min_free_gb": 0,
-                                     "manifest_interval_s": 0})
-
-
-def open_store(path: Path) -> ChunkStore:
-    return ChunkStore(settings_for(path))
 
 
 def write_chunks(store: ChunkStore, items: list[tuple[str, str]]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
+from support.engines import CHUNK, EXAMPLE_YAML, NUM_CHUNKS, example_config_overrides
+from support.process import child_env, module_command
 
 from lmcache_nvme_backend.adapters.backend import NVMeBackend
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
@@ -35,18 +36,7 @@ from lmcache_nvme_backend.testing.engine import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-CHUNK = 256
-NUM_CHUNKS = 10
-EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme.yaml"
-
 EngineFactory = Callable[[Path], tuple[LMCacheEngine, CopyingCPUConnector]]
-
-
-def example_config_overrides(cache_dir: Path) -> dict[str, Any]:
-    """The example YAML as a user copies it, with only the cache path and sizes for a test box."""
-    return {"max_local_cpu_size": 0.5,
-            "extra_config": {"nvme.path": str(cache_dir), "nvme.max_size_gb": 1,
-                             "nvme.min_free_gb": 0}}
 
 
 @pytest.fixture
@@ -69,32 +59,6 @@ def nvme_backend(engine: LMCacheEngine) -> NVMeBackend:
     backend = engine.storage_manager.storage_backends[lower_tier_name(engine)]
     assert isinstance(backend, NVMeBackend)
     return backend
-
-
-RESTART_SCRIPT = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import torch
-from lmcache_nvme_backend.testing.engine import (CPU_TIER, build_engine, chunk_keys,
-    destroy_engine, keys_in_tier, load_config, make_kv, make_prompt, retrieve_prompt)
-from test_engine_nvme import EXAMPLE_YAML, NUM_CHUNKS, CHUNK, example_config_overrides
-from pathlib import Path
-config = load_config(EXAMPLE_YAML, example_config_overrides(Path(sys.argv[2])))
-engine, connector = build_engine(config, instance_id="restarted")
-try:
-    tokens = make_prompt(NUM_CHUNKS * CHUNK, seed=11)
-    keys = chunk_keys(engine, tokens)
-    backend = engine.storage_manager.storage_backends["nvme"]
-    report = {"in_cpu": keys_in_tier(engine, CPU_TIER, keys),
-              "in_nvme": keys_in_tier(engine, "nvme", keys)}
-    got = retrieve_prompt(engine, tokens, connector)
-    report["hit_tokens"] = int(got.ret_mask.sum())
-    report["identical"] = bool(torch.equal(got.kv, make_kv(connector, len(tokens), seed=12)))
-    report["read_chunks"] = backend.stats()["read_chunks"]
-    print(json.dumps(report))
-finally:
-    destroy_engine("restarted")
-"""
 
 
 def test_store_evict_retrieve_and_restart(make_engine: EngineFactory, tmp_path: Path) -> None:
@@ -120,9 +84,10 @@ def test_store_evict_retrieve_and_restart(make_engine: EngineFactory, tmp_path: 
     assert stats["checksum_failures"] == 0 and stats["invalid_files"] == 0
     destroy_engine(f"{test_store_evict_retrieve_and_restart.__name__}-0")
 
-    proc = subprocess.run(
-        [sys.executable, "-c", RESTART_SCRIPT, str(Path(__file__).parent), str(cache_dir)],
-        capture_output=True, text=True, timeout=180, check=True)
+    # a new engine in a new process on the same directory (support/engine_child.py)
+    proc = subprocess.run(module_command("support.engine_child", "restart", cache_dir),
+                          capture_output=True, text=True, timeout=180, check=True,
+                          env=child_env())
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"in_cpu": 0, "in_nvme": NUM_CHUNKS, "hit_tokens": NUM_CHUNKS * CHUNK,
                       "identical": True, "read_chunks": NUM_CHUNKS}

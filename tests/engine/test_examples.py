@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from support.paths import EXAMPLES_DIR, REPO_ROOT
 
 import lmcache_nvme_backend
 from lmcache_nvme_backend.adapters.l2_adapter import NVMeL2AdapterConfig
@@ -40,8 +41,8 @@ from lmcache_nvme_backend.testing.engine import (
     wait_until_in_tier,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+ROOT = REPO_ROOT
+EXAMPLES = EXAMPLES_DIR
 LMCACHE_YAMLS = sorted(p for p in EXAMPLES.glob("*.yaml")
                        if "extra_config" in yaml.safe_load(p.read_text()))
 RECIPES = sorted(EXAMPLES.glob("*.md"))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_store import meta_for, payload_for
+from support.chunks import meta_for, payload_for
+from support.paths import EXAMPLE_YAML
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.config import NVMeSettings
-from lmcache_nvme_backend.store.chunk_store import ChunkStore
 from lmcache_nvme_backend.testing.engine import (
     build_engine,
     destroy_engine,
@@ -23,7 +23,6 @@ from lmcache_nvme_backend.testing.engine import (
     wait_until_in_tier,
 )
 
-EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme.yaml"
 CHUNK = 256
 
 
@@ -31,14 +30,12 @@ CHUNK = 256
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 @pytest.mark.parametrize("mode", [None, 0o640])
 def test_chunk_and_manifest_files_are_private_by_default(tmp_path: Path, mode: int | None,
-                                                         umask: int) -> None:
-    params: dict[str, object] = {"path": str(tmp_path / "c"), "max_size_gb": 0.1,
-                                 "min_free_gb": 0, "manifest_interval_s": 0}
-    if mode is not None:
-        params["file_mode"] = oct(mode)
+                                                         umask: int,
+                                                         open_store: StoreFactory) -> None:
     old_umask = os.umask(umask)
-    try:
-        store = ChunkStore(NVMeSettings.from_params(params))
+    try:  # file_mode None: the default mode
+        store = open_store(tmp_path / "c", max_size_gb=0.1,
+                           file_mode=None if mode is None else oct(mode))
         store.submit("a", "m", meta_for(4096), memoryview(payload_for("a", 4096)), lambda: None)
         store.flush(10)
         store.close()

@@ -7,7 +7,7 @@
    L1), with a fresh vLLM: the hit can only come from our files (the adapter's
    ``read_chunks`` counts them).
 
-vLLM runs from its own environment (``tests/vllm_cpu_env.py`` explains why);
+vLLM runs from its own environment (``tests/support/vllm_env.py`` explains why);
 the model and tokenizer are built locally.  Every process is started and
 stopped here, each with a time limit.
 """
@@ -29,13 +29,14 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_cpu_env import VLLMUnavailable, ensure_vllm_python
+from support.paths import MP_SERVER_SCRIPT
+from support.process import child_env, module_command
+from support.vllm_env import VLLMUnavailable, ensure_vllm_python
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-DRIVER = Path(__file__).with_name("e2e_vllm_driver.py")
-MP_SERVER_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "mp-server.sh"
+DRIVER = "support.e2e_vllm_driver"  # run by the vLLM environment's python
 CHUNK = 256
 FULL_CHUNK_TOKENS = 512  # 700-token prompt: two full chunks
 LOGPROB_TOLERANCE = 0.05  # bf16
@@ -64,8 +65,8 @@ def vllm_python() -> Path:
 @pytest.fixture(scope="module")
 def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(vllm_python), str(DRIVER), "build-model", str(out)], check=True,
-                   timeout=300, env=dict(os.environ, **ENV), capture_output=True)
+    subprocess.run(module_command(DRIVER, "build-model", out, python=vllm_python), check=True,
+                   timeout=300, env=child_env(**ENV), capture_output=True)
     return out
 
 
@@ -138,11 +139,11 @@ def servers() -> Iterator[list[Server]]:
 
 def run_vllm(python: Path, model: Path, server: Server, phase: str, log: Path
              ) -> dict[str, Any]:
-    cmd = [str(python), str(DRIVER), "run", "--model", str(model), "--port", str(server.port),
-           "--http", server.http, "--phase", phase]
+    cmd = module_command(DRIVER, "run", "--model", model, "--port", str(server.port),
+                         "--http", server.http, "--phase", phase, python=python)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, **ENV), start_new_session=True)
+                                env=child_env(**ENV), start_new_session=True)
         try:
             proc.wait(timeout=VLLM_RUN_S)
         except subprocess.TimeoutExpired:

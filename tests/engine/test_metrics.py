@@ -13,14 +13,15 @@ import pytest
 from lmcache.v1.cache_engine import LMCacheEngine
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
-from test_engine_nvme import CHUNK, EXAMPLE_YAML, example_config_overrides
+from support.engines import CHUNK, EXAMPLE_YAML, example_config_overrides
+from support.paths import DOCS_DIR
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend import metrics
 from lmcache_nvme_backend.adapters.backend import NVMeBackend
 from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
 from lmcache_nvme_backend.metrics import PREFIX, TierObserver, metric_names, stats_line
 from lmcache_nvme_backend.store import Counter
-from lmcache_nvme_backend.store.chunk_store import ChunkStore
 from lmcache_nvme_backend.store.stats import LATENCY_BUCKETS_S, READ_PATHS, StoreStats, path_counter
 from lmcache_nvme_backend.testing.engine import (
     CopyingCPUConnector,
@@ -132,8 +133,9 @@ def test_scraped_counters_follow_a_store_and_retrieve_through_the_engine(
     assert value(after, f"{PREFIX}_write_queue_chunks", cache_dir) == 0
 
 
-def test_every_counter_and_gauge_of_stats_is_exported(tmp_path: Path) -> None:
-    store = ChunkStore(NVMeSettings(paths=(tmp_path,), max_size_gb=1, min_free_gb=0))
+def test_every_counter_and_gauge_of_stats_is_exported(tmp_path: Path,
+                                                      open_store: StoreFactory) -> None:
+    store = open_store(tmp_path, manifest_interval_s=None)
     try:
         snapshot = store.stats_snapshot()
     finally:
@@ -157,14 +159,14 @@ def test_metric_names_follow_prometheus_conventions() -> None:
 
 
 def test_documented_metrics_match_the_exported_ones() -> None:
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    doc = (DOCS_DIR / "metrics.md").read_text()
     for name in metric_names():
         assert f"`{name}`" in doc, f"{name} is not documented in docs/metrics.md"
 
 
-def test_each_tier_has_its_own_labels_and_leaves_the_registry_on_close(tmp_path: Path) -> None:
-    stores = [ChunkStore(NVMeSettings(paths=(tmp_path / name,), max_size_gb=1, min_free_gb=0))
-              for name in ("a", "b")]
+def test_each_tier_has_its_own_labels_and_leaves_the_registry_on_close(
+        tmp_path: Path, open_store: StoreFactory) -> None:
+    stores = [open_store(tmp_path / name, manifest_interval_s=None) for name in ("a", "b")]
     observers = [TierObserver.for_store(f"Tier{i}", s, s.stats_snapshot)
                  for i, s in enumerate(stores)]
     try:
@@ -225,15 +227,15 @@ def test_the_stats_line_says_what_changed() -> None:
     assert all(path not in line for path in READ_PATHS[1:])
 
 
-def test_stats_log_interval_logs_periodic_lines(tmp_path: Path) -> None:
+def test_stats_log_interval_logs_periodic_lines(tmp_path: Path,
+                                                open_store: StoreFactory) -> None:
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     metrics.logger.addHandler(handler)
     level = metrics.logger.level
     metrics.logger.setLevel(logging.INFO)
-    store = ChunkStore(NVMeSettings(paths=(tmp_path,), max_size_gb=1, min_free_gb=0,
-                                    stats_log_interval_s=0.05))
+    store = open_store(tmp_path, manifest_interval_s=None, stats_log_interval_s=0.05)
     observer = TierObserver.for_store("NVMeBackend", store, store.stats_snapshot)
     try:
         store.count(Counter.LOOKUPS, 4)

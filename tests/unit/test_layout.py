@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import xxhash
+from support.process import child_env, module_command
 
 from lmcache_nvme_backend.disk.layout import (
     CHUNK_SUFFIX,
@@ -71,11 +71,10 @@ def test_key_digest_shape_for_hostile_keys(key: str) -> None:
 
 def test_key_digest_stable_across_processes() -> None:
     keys = ["a", "model@1@0@ff@bf16", "\u00e9"]
-    code = ("from lmcache_nvme_backend.disk.layout import key_digest, namespace_id\n"
-            f"print(*[key_digest(k) + namespace_id(k) for k in {keys!r}])")
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                         capture_output=True, text=True).stdout.split()
+    # the child prints key_digest(k) + namespace_id(k) of each key (support/store_child.py)
+    env = child_env(PYTHONHASHSEED="12345")
+    out = subprocess.run(module_command("support.store_child", "digests", *keys), env=env,
+                         check=True, capture_output=True, text=True).stdout.split()
     assert out == [key_digest(k) + namespace_id(k) for k in keys]
 
 

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +11,15 @@ from typing import Any
 import pytest
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine
+from support.engines import (
+    CHUNK,
+    REMOTE_EXAMPLE_YAML,
+    REMOTE_TIER,
+    connector_of,
+    remote_overrides,
+)
+from support.process import child_env, module_command
 
-from lmcache_nvme_backend.adapters.connector import NVMeConnector
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.testing.engine import (
     CPU_TIER,
@@ -35,24 +39,6 @@ from lmcache_nvme_backend.testing.engine import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CHUNK = 256
-REMOTE_TIER = "RemoteBackend-nvme"
-EXAMPLE_YAML = Path(__file__).resolve().parents[1] / "examples" / "lmcache-nvme-remote.yaml"
-
-
-def remote_overrides(cache_dir: Path, shared: bool = True) -> dict[str, Any]:
-    """The example YAML as a user copies it, with the path and sizes for a test box."""
-    return {"max_local_cpu_size": 0.5,
-            "extra_config": {"nvme.path": str(cache_dir), "nvme.max_size_gb": 1,
-                             "nvme.min_free_gb": 0, "nvme.shared": shared}}
-
-
-def connector_of(engine: LMCacheEngine) -> NVMeConnector:
-    backend: Any = storage_tiers(engine)[REMOTE_TIER]
-    conn = backend.connection._connector  # RemoteBackend -> InstrumentedRemoteConnector
-    assert isinstance(conn, NVMeConnector)
-    return conn
-
 
 @pytest.fixture
 def engine_factory(request: pytest.FixtureRequest) -> Iterator[Any]:
@@ -61,7 +47,7 @@ def engine_factory(request: pytest.FixtureRequest) -> Iterator[Any]:
     def make(cache_dir: Path, shared: bool = True) -> tuple[LMCacheEngine, CopyingCPUConnector]:
         instance_id = f"{request.node.name}-{len(ids)}"
         ids.append(instance_id)
-        config = load_config(EXAMPLE_YAML, remote_overrides(cache_dir, shared))
+        config = load_config(REMOTE_EXAMPLE_YAML, remote_overrides(cache_dir, shared))
         return build_engine(config, instance_id=instance_id)
 
     yield make
@@ -94,9 +80,9 @@ def test_remote_tier_round_trip_through_the_engine(engine_factory: Any, tmp_path
 def test_bad_settings_leave_the_engine_without_the_tier(engine_factory: Any,
                                                        tmp_path: Path) -> None:
     """LMCache only logs connector errors; the engine still runs (our log line names the key)."""
-    config = load_config(EXAMPLE_YAML, {"max_local_cpu_size": 0.5,
-                                        "extra_config": {"nvme.path": str(tmp_path),
-                                                         "nvme.max_size_gb": -3}})
+    config = load_config(REMOTE_EXAMPLE_YAML, {"max_local_cpu_size": 0.5,
+                                               "extra_config": {"nvme.path": str(tmp_path),
+                                                                "nvme.max_size_gb": -3}})
     engine, _ = build_engine(config, instance_id="bad-settings")
     try:
         backend: Any = storage_tiers(engine).get(REMOTE_TIER)
@@ -107,54 +93,16 @@ def test_bad_settings_leave_the_engine_without_the_tier(engine_factory: Any,
 
 # -- shared mode: two engines in two processes ---------------------------------------
 
-ENGINE_SCRIPT = textwrap.dedent("""
-    import json, sys, time
-    from pathlib import Path
-    sys.path.insert(0, sys.argv[1])
-    import torch
-    from lmcache_nvme_backend.testing.engine import (build_engine, chunk_keys, destroy_engine,
-        evict_from_cpu, keys_in_tier, load_config, make_kv, make_prompt, retrieve_prompt,
-        store_prompt, wait_until_in_tier)
-    from test_connector import EXAMPLE_YAML, REMOTE_TIER, CHUNK, remote_overrides, connector_of
-    role, cache_dir, seed = sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-    engine, connector = build_engine(load_config(EXAMPLE_YAML, remote_overrides(cache_dir)),
-                                     instance_id=role)
-    try:
-        tokens = make_prompt(6 * CHUNK, seed=seed)
-        keys = chunk_keys(engine, tokens)
-        conn = connector_of(engine)
-        if role == "writer":
-            store_prompt(engine, tokens, make_kv(connector, len(tokens), seed=seed + 1))
-            wait_until_in_tier(engine, REMOTE_TIER, keys, timeout_s=60)
-            print(json.dumps({"stored": len(keys)}), flush=True)
-        else:
-            print(json.dumps({"ready": conn.stats()["entries"]}), flush=True)
-            sys.stdin.readline()  # the writer has stored
-            got = retrieve_prompt(engine, tokens, connector)
-            expected = make_kv(connector, len(tokens), seed=seed + 1)
-            report = {"hit_tokens": int(got.ret_mask.sum()),
-                      "identical": bool(torch.equal(got.kv, expected)),
-                      "adopted": conn.stats()["shared_adopted"],
-                      "read_chunks": conn.stats()["read_chunks"]}
-            print(json.dumps(report), flush=True)
-            # another process evicts the files: this engine sees misses, never errors
-            sys.stdin.readline()
-            evict_from_cpu(engine, keys)
-            got = retrieve_prompt(engine, tokens, connector)
-            print(json.dumps({"hit_tokens_after_evict": int(got.ret_mask.sum()),
-                              "vanished": conn.stats().get("shared_vanished", 0)}), flush=True)
-    finally:
-        destroy_engine(role)
-""")
-
 
 def _engine_process(role: str, cache_dir: Path, seed: int) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
-               LMCACHE_LOG_LEVEL="WARNING")
+    """One engine of ``support/engine_child.py shared``: the writer stores a prompt; the
+    reader reports, and retrieves after each line it reads on stdin."""
+    env = child_env(PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
+                    LMCACHE_LOG_LEVEL="WARNING")
     return subprocess.Popen(
-        [sys.executable, "-c", ENGINE_SCRIPT, str(Path(__file__).parent), role, str(cache_dir),
-         str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env)
+        module_command("support.engine_child", "shared", role, cache_dir, str(seed)),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env)
 
 
 def _read_json(proc: subprocess.Popen[str]) -> dict[str, Any]:

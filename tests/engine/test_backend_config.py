@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lmcache.v1.config import LMCacheEngineConfig
+from support.process import child_env, module_command
 
 from lmcache_nvme_backend import NVMeBackend, NVMeConfigError
 
@@ -56,26 +56,13 @@ def test_bad_config_raises_naming_the_key(tmp_path: Path, extra: Any, message: s
         NVMeBackend(dst_device="cpu", config=config, local_cpu_backend=object())  # type: ignore
 
 
-LAUNCH_SCRIPT = """
-import asyncio, sys
-from collections import OrderedDict
-from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.storage_backend import storage_plugin_launcher
-config = LMCacheEngineConfig.from_dict({
-    "chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.1, "storage_plugins": ["nvme"],
-    "extra_config": {"storage_plugin.nvme.module_path": "lmcache_nvme_backend",
-                     "storage_plugin.nvme.class_name": "NVMeBackend",
-                     "nvme.path": sys.argv[1], "nvme.max_size_gb": -1}})
-backends = OrderedDict()
-storage_plugin_launcher(config, None, asyncio.new_event_loop(), object(), "cpu", backends)
-print("loaded backends:", list(backends))
-"""
-
-
+@pytest.mark.slow
 def test_launcher_failure_is_visible_to_the_user(tmp_path: Path) -> None:
     """LMCache's launcher swallows the exception; the error log line must say what to fix."""
-    proc = subprocess.run([sys.executable, "-c", LAUNCH_SCRIPT, str(tmp_path / "c")],
-                          capture_output=True, text=True, timeout=120, check=True)
+    # LMCache's plugin launcher with nvme.max_size_gb: -1 (support/launcher_child.py)
+    proc = subprocess.run(module_command("support.launcher_child", tmp_path / "c"),
+                          capture_output=True, text=True, timeout=120, check=True,
+                          env=child_env())
     assert "loaded backends: []" in proc.stdout
     error_lines = [line for line in proc.stderr.splitlines() if "NVMe tier NOT loaded" in line]
     assert len(error_lines) == 1
