@@ -92,7 +92,7 @@ def build_variants(names: list[str], store: Any, chunks: Any, args: argparse.Nam
         PayloadRead,
         PosixTensorPayloadReader,
     )
-    from lmcache_nvme_backend.store.stats import PATH_HOST_BOUNCE
+    from lmcache_nvme_backend.store import ReadPath
     from lmcache_nvme_backend.testing.gpu import HostTier, make_reader, release_all
 
     device = args.device
@@ -129,7 +129,8 @@ def build_variants(names: list[str], store: Any, chunks: Any, args: argparse.Nam
                                                strict=False)
                 built.append(reader_variant(name, decision, payloads))
             elif name == "host-bounce":
-                built.append(reader_variant(name, PathDecision(PATH_HOST_BOUNCE, "bench"), None))
+                bounce = PathDecision(ReadPath.HOST_BOUNCE, "bench")
+                built.append(reader_variant(name, bounce, None))
             elif name == "kvikio-raw":
                 payloads = PosixTensorPayloadReader() if args.cpu_dry_run else \
                     KvikioPayloadReader(args.threads, int(args.task_mb * 2**20), strict=False)

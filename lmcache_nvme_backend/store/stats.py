@@ -31,8 +31,6 @@ class ReadPath(StrChoice):
 
 
 READ_PATHS = tuple(ReadPath)
-# Temporary aliases while the tests move to ReadPath.
-PATH_POSIX, PATH_KVIKIO_GDS, PATH_KVIKIO_COMPAT, PATH_HOST_BOUNCE = READ_PATHS
 
 
 def path_counter(path: ReadPath | str, what: str) -> str:

@@ -29,8 +29,8 @@ from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.gpu.reader import GpuChunkReader
 from lmcache_nvme_backend.gpu.select import PathDecision
 from lmcache_nvme_backend.io.kvikio import PayloadRead, PosixTensorPayloadReader
+from lmcache_nvme_backend.store import ReadPath
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
-from lmcache_nvme_backend.store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_COMPAT
 from lmcache_nvme_backend.testing.gpu import (
     NAMESPACE,
     HostTier,
@@ -44,8 +44,8 @@ from lmcache_nvme_backend.testing.gpu import (
 )
 
 SIZE = 3 * 65536 + 2048  # not a multiple of 4 KiB
-COMPAT = PathDecision(PATH_KVIKIO_COMPAT, "test")
-BOUNCE = PathDecision(PATH_HOST_BOUNCE, "test")
+COMPAT = PathDecision(ReadPath.KVIKIO_COMPAT, "test")
+BOUNCE = PathDecision(ReadPath.HOST_BOUNCE, "test")
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                                    reason="checks the CPU-only behaviour")
@@ -300,7 +300,7 @@ def test_cuda_worker_without_a_gpu_uses_host_bounce_end_to_end(tmp_path: Path) -
     backend = NVMeBackend(dst_device="cuda:0", config=engine_config(tmp_path, gpu_pool_mb=8),
                           local_cpu_backend=host, loop=asyncio.new_event_loop())  # type: ignore[arg-type]
     try:
-        assert backend.read_path == PATH_HOST_BOUNCE
+        assert backend.read_path == ReadPath.HOST_BOUNCE
         assert backend.store.gpu_checksums is False  # the host path verifies with xxh3
         keys = [lmcache_key(i) for i in range(3)]
         objs = []

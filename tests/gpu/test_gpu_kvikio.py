@@ -24,8 +24,8 @@ from lmcache_nvme_backend.gpu.pool import GpuBufferPool
 from lmcache_nvme_backend.gpu.reader import build_gpu_reader
 from lmcache_nvme_backend.gpu.select import KVIKIO_PATHS, GpuProbe, PathDecision, select_read_path
 from lmcache_nvme_backend.io.kvikio import KvikioPayloadReader
+from lmcache_nvme_backend.store import ReadPath
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
-from lmcache_nvme_backend.store.stats import PATH_HOST_BOUNCE, PATH_KVIKIO_GDS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (see docs/gpu.md)")
@@ -93,7 +93,7 @@ def test_kvikio_reads_straight_into_the_cuda_pool(store: ChunkStore, probe: GpuP
     chunks = write_chunks(store, 6, SIZE)
     reader = make_reader(store, decision, DEVICE, 64 * MIB, HostTier(64 * MIB),
                          payload_reader=kvikio_reader(),
-                         register=decision.path == PATH_KVIKIO_GDS)
+                         register=decision.path == ReadPath.KVIKIO_GDS)
     try:
         objs = reader.read(chunks.keys, chunks.metas)
         assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
@@ -152,7 +152,7 @@ def test_host_bounce_into_cuda(store: ChunkStore) -> None:
     )
 
     chunks = write_chunks(store, 4, SIZE)
-    reader = make_reader(store, PathDecision(PATH_HOST_BOUNCE, "test"), DEVICE, 64 * MIB,
+    reader = make_reader(store, PathDecision(ReadPath.HOST_BOUNCE, "test"), DEVICE, 64 * MIB,
                          HostTier(64 * MIB))
     try:
         objs = reader.read(chunks.keys, chunks.metas)
@@ -181,7 +181,7 @@ def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) ->
     else:
         decision, reader = build_gpu_reader(store, strict, DEVICE, probe=probe,
                                             host=host_memory(host))  # type: ignore[arg-type]
-        assert decision.path == PATH_KVIKIO_GDS and reader is not None
+        assert decision.path == ReadPath.KVIKIO_GDS and reader is not None
         reader.close()
 
 

@@ -34,12 +34,7 @@ from lmcache_nvme_backend.gpu.select import (
     chunk_bytes_of,
     select_read_path,
 )
-from lmcache_nvme_backend.store.stats import (
-    PATH_HOST_BOUNCE,
-    PATH_KVIKIO_COMPAT,
-    PATH_KVIKIO_GDS,
-    PATH_POSIX,
-)
+from lmcache_nvme_backend.store import ReadPath
 
 GDS_READY = GpuProbe(cuda_devices=1, kvikio_version="26.10.0", libcufile_version="1.20",
                      compat_mode_preferred=False, compat_mode_setting="AUTO", nvidia_fs=True)
@@ -54,24 +49,24 @@ POOL = 1024 * MIB
 
 # (mode, dst_device, pool bytes, probe, expected path, refusal fragment or None)
 CASES: list[tuple[str, str, int, GpuProbe, str, str | None]] = [
-    ("auto", "cuda:0", POOL, GDS_READY, PATH_KVIKIO_GDS, None),
-    ("auto", "cuda:0", POOL, COMPAT, PATH_KVIKIO_COMPAT, None),
-    ("auto", "cuda:0", POOL, NO_CUFILE, PATH_KVIKIO_COMPAT, None),
-    ("auto", "cuda:0", POOL, NO_KVIKIO, PATH_HOST_BOUNCE, None),
-    ("auto", "cuda:0", POOL, NO_GPU, PATH_HOST_BOUNCE, None),
-    ("auto", "cuda:0", 0, GDS_READY, PATH_POSIX, None),
-    ("auto", "cpu", POOL, GDS_READY, PATH_POSIX, None),
-    ("off", "cuda:0", POOL, GDS_READY, PATH_HOST_BOUNCE, None),
-    ("off", "cuda:0", POOL, NO_KVIKIO, PATH_HOST_BOUNCE, None),
-    ("off", "cuda:0", 0, GDS_READY, PATH_POSIX, None),
-    ("off", "cpu", POOL, GpuProbe(), PATH_POSIX, None),
-    ("on", "cuda:0", POOL, GDS_READY, PATH_KVIKIO_GDS, None),
-    ("on", "cuda:0", POOL, COMPAT, PATH_KVIKIO_GDS, "kvikio reports compat mode"),
-    ("on", "cuda:0", POOL, NO_CUFILE, PATH_KVIKIO_GDS, "cannot load libcufile"),
-    ("on", "cuda:0", POOL, NO_KVIKIO, PATH_KVIKIO_GDS, "kvikio cannot be imported"),
-    ("on", "cuda:0", POOL, NO_GPU, PATH_KVIKIO_GDS, "no usable CUDA GPU"),
-    ("on", "cpu", POOL, GDS_READY, PATH_POSIX, "there is no GPU to read into"),
-    ("on", "cuda:0", 0, GDS_READY, PATH_POSIX, "nvme.gpu_pool_mb: 0"),
+    ("auto", "cuda:0", POOL, GDS_READY, ReadPath.KVIKIO_GDS, None),
+    ("auto", "cuda:0", POOL, COMPAT, ReadPath.KVIKIO_COMPAT, None),
+    ("auto", "cuda:0", POOL, NO_CUFILE, ReadPath.KVIKIO_COMPAT, None),
+    ("auto", "cuda:0", POOL, NO_KVIKIO, ReadPath.HOST_BOUNCE, None),
+    ("auto", "cuda:0", POOL, NO_GPU, ReadPath.HOST_BOUNCE, None),
+    ("auto", "cuda:0", 0, GDS_READY, ReadPath.POSIX, None),
+    ("auto", "cpu", POOL, GDS_READY, ReadPath.POSIX, None),
+    ("off", "cuda:0", POOL, GDS_READY, ReadPath.HOST_BOUNCE, None),
+    ("off", "cuda:0", POOL, NO_KVIKIO, ReadPath.HOST_BOUNCE, None),
+    ("off", "cuda:0", 0, GDS_READY, ReadPath.POSIX, None),
+    ("off", "cpu", POOL, GpuProbe(), ReadPath.POSIX, None),
+    ("on", "cuda:0", POOL, GDS_READY, ReadPath.KVIKIO_GDS, None),
+    ("on", "cuda:0", POOL, COMPAT, ReadPath.KVIKIO_GDS, "kvikio reports compat mode"),
+    ("on", "cuda:0", POOL, NO_CUFILE, ReadPath.KVIKIO_GDS, "cannot load libcufile"),
+    ("on", "cuda:0", POOL, NO_KVIKIO, ReadPath.KVIKIO_GDS, "kvikio cannot be imported"),
+    ("on", "cuda:0", POOL, NO_GPU, ReadPath.KVIKIO_GDS, "no usable CUDA GPU"),
+    ("on", "cpu", POOL, GDS_READY, ReadPath.POSIX, "there is no GPU to read into"),
+    ("on", "cuda:0", 0, GDS_READY, ReadPath.POSIX, "nvme.gpu_pool_mb: 0"),
 ]
 
 

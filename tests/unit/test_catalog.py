@@ -1,0 +1,118 @@
+"""store/catalog.py: the index, pending writes and removal listeners under one lock."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.store.catalog import Catalog
+from lmcache_nvme_backend.store.index import IndexEntry
+from lmcache_nvme_backend.store.writeback import ChunkWrite
+
+META = TensorMeta(shapes=((10,),), dtypes=("uint8",), fmt=1, nbytes=10)
+
+
+def entry(digest: str, size: int = 100, root: int = 0, t: int = 0) -> IndexEntry:
+    return IndexEntry(digest, "0" * 16, root, size, META, t)
+
+
+def write(key: str) -> ChunkWrite:
+    return ChunkWrite(key, "ns", META, memoryview(bytes(10)), release=lambda: None)
+
+
+@pytest.fixture
+def catalog() -> Catalog:
+    c = Catalog([1000, 1000])
+    for i, digest in enumerate(("a", "b", "c")):
+        c.publish(entry(digest, t=i), reserved=0)
+    return c
+
+
+def always(root: int) -> bool:
+    return True
+
+
+def test_a_hit_is_a_use_and_may_pin(catalog: Catalog) -> None:
+    assert catalog.lookup("a", always, now_ns=99, pin=True)
+    found = catalog.entry("a")
+    assert found is not None and found.last_access_ns == 99 and found.pins == 1
+    assert [e.digest for e in catalog.lru_entries(0, batch=2)] == ["b", "c", "a"]
+    assert not catalog.lookup("zz", always, now_ns=100)
+
+
+def test_an_entry_on_a_root_out_of_service_is_a_miss(catalog: Catalog) -> None:
+    assert not catalog.lookup("a", lambda root: root != 0, now_ns=1)
+    assert catalog.entry("a") is not None  # not forgotten: the root may come back
+
+
+def test_register_skips_keys_stored_or_queued(catalog: Catalog) -> None:
+    fresh, again = write("k1"), write("k1")
+    stored = ChunkWrite("x", "ns", META, memoryview(bytes(10)), release=lambda: None)
+    catalog.publish(entry(stored.digest), reserved=0)
+    assert catalog.register([fresh, again, stored], now_ns=5) == [True, False, False]
+    assert catalog.is_pending(fresh.digest)
+    catalog.end_pending([fresh.digest])
+    assert not catalog.is_pending(fresh.digest)
+    assert catalog.usage()["pending_writes"] == 0
+
+
+def test_reserve_evicts_lru_unpinned_and_publish_takes_the_reservation(catalog: Catalog
+                                                                       ) -> None:
+    catalog.pin("a")
+    victims = catalog.reserve(0, 800)  # 300 used + 800 > 1000: one victim, not pinned "a"
+    assert victims is not None and [v.digest for v in victims] == ["b"]
+    assert catalog.usage()["reserved_bytes"] == 800
+    catalog.publish(entry("new", size=800), reserved=800)
+    usage = catalog.usage()
+    assert usage["reserved_bytes"] == 0 and usage["used_bytes"] == 1000
+
+
+def test_reserve_refuses_what_pinned_chunks_block(catalog: Catalog) -> None:
+    for digest in ("a", "b", "c"):
+        catalog.pin(digest)
+    assert catalog.reserve(0, 800) is None
+    assert catalog.usage()["reserved_bytes"] == 0
+    assert catalog.pop_oldest_unpinned(0) is None
+
+
+def test_release_returns_a_reservation(catalog: Catalog) -> None:
+    assert catalog.reserve(1, 500) == []
+    catalog.release(1, 500)
+    assert catalog.usage()["reserved_bytes"] == 0
+
+
+def test_recovered_entries_over_the_budget_come_back_oldest_first() -> None:
+    c = Catalog([250])
+    over = c.add_recovered(0, [entry("old", t=1), entry("mid", t=2), entry("new", t=3)])
+    assert [e.digest for e in over] == ["old"]
+    assert c.used_bytes(0) == 200 and c.entry("old") is None
+
+
+def test_learn_meta_fills_in_a_recovered_entry() -> None:
+    c = Catalog([1000])
+    c.add_recovered(0, [IndexEntry("r", "0" * 16, 0, 100, None, 1)])
+    c.learn_meta("r", META)
+    found = c.entry("r")
+    assert found is not None and found.meta == META
+    c.learn_meta("gone", META)  # an entry removed meanwhile: nothing to do
+
+
+def test_a_failing_listener_never_breaks_the_others(catalog: Catalog,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    heard: list[list[str]] = []
+
+    def broken(entries: list[IndexEntry]) -> None:
+        raise RuntimeError("listener bug")
+
+    catalog.add_removal_listener(broken)
+    catalog.add_removal_listener(lambda entries: heard.append([e.digest for e in entries]))
+    removed = catalog.remove("a")
+    assert removed is not None
+    with caplog.at_level(logging.ERROR):
+        catalog.notify_removed([removed])
+    assert heard == [["a"]]
+    assert "removal listener failed" in caplog.text
+    catalog.notify_removed([])  # nothing removed: nobody is called
+    assert heard == [["a"]]
