@@ -12,6 +12,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
+import logging  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -53,3 +54,19 @@ def open_store(tmp_path: Path) -> Iterator[stores.StoreFactory]:
     yield factory
     for store in opened:
         store.close()
+
+
+@pytest.fixture
+def package_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """``caplog`` that also sees this package's records.
+
+    Once LMCache's ``init_logger`` has set up the ``lmcache_nvme_backend`` logger (any
+    adapter import does), its records no longer propagate to the root logger where
+    ``caplog`` listens, so whether ``caplog`` saw them would depend on test order.
+    """
+    logger = logging.getLogger("lmcache_nvme_backend")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -47,18 +47,18 @@ def test_placement_is_a_stable_ranking_of_healthy_roots(roots: Roots) -> None:
     assert min(per_root) > 60  # spread over all four (100 each on average)
 
 
-def test_a_root_out_of_service_loses_only_its_own_keys(roots: Roots,
-                                                       monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_a_root_out_of_service_loses_only_its_own_keys(
+        roots: Roots, monkeypatch: pytest.MonkeyPatch,
+        package_log: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 3600)
     digests = [key_digest(f"key-{i}") for i in range(200)]
     before = {d: roots.choose(d) for d in digests}
     failing = roots[2]
-    with caplog.at_level(logging.WARNING):
+    with package_log.at_level(logging.WARNING):
         for _ in range(roots_mod.ROOT_ERROR_LIMIT):
             roots.record_error(failing, OSError(5, "injected EIO"))
     assert not failing.healthy and not roots.healthy(2)
-    assert "taking" in caplog.text and "out of service" in caplog.text
+    assert "taking" in package_log.text and "out of service" in package_log.text
     after = {d: roots.choose(d) for d in digests}
     assert all(after[d] is before[d] for d in digests if before[d] is not failing)
     assert all(after[d] is not failing for d in digests)

@@ -100,7 +100,7 @@ def test_learn_meta_fills_in_a_recovered_entry() -> None:
 
 
 def test_a_failing_listener_never_breaks_the_others(catalog: Catalog,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+                                                    package_log: pytest.LogCaptureFixture) -> None:
     heard: list[list[str]] = []
 
     def broken(entries: list[IndexEntry]) -> None:
@@ -110,9 +110,9 @@ def test_a_failing_listener_never_breaks_the_others(catalog: Catalog,
     catalog.add_removal_listener(lambda entries: heard.append([e.digest for e in entries]))
     removed = catalog.remove("a")
     assert removed is not None
-    with caplog.at_level(logging.ERROR):
+    with package_log.at_level(logging.ERROR):
         catalog.notify_removed([removed])
     assert heard == [["a"]]
-    assert "removal listener failed" in caplog.text
+    assert "removal listener failed" in package_log.text
     catalog.notify_removed([])  # nothing removed: nobody is called
     assert heard == [["a"]]
