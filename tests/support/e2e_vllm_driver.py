@@ -84,6 +84,24 @@ def _adapter_status(http: str) -> dict[str, Any]:
     return adapter  # type: ignore[no-any-return]
 
 
+def _clear_l1(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Empty the server's L1, so that the next hit must come from the NVMe L2.
+
+    LMCache keeps an L1 object read-locked until its L2 store task completes and it
+    has processed the completion, which trails the adapter's own status a little: a
+    clear can find objects still locked.  Clear until L1 holds no object.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cleared = _http(f"{http}/cache/clear", {"tier": "l1", "force": False})
+        left = _http(f"{http}/status")["storage_manager"]["l1_manager"]["total_object_count"]
+        if left == 0:
+            return cleared  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"L1 still holds {left} objects after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -122,7 +140,7 @@ def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
                 raise TimeoutError(f"server did not persist the prompt: {status}")
             time.sleep(0.2)
         report["status_stored"] = status
-        report["clear"] = _http(f"{http}/cache/clear", {"tier": "l1", "force": False})
+        report["clear"] = _clear_l1(http)
     report["hit"] = ask(prompt)
     report["status_after"] = _adapter_status(http)
     return report
