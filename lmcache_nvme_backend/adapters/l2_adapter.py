@@ -124,7 +124,6 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     config_class_name = "NVMeL2AdapterConfig"
     _total_bytes_used: int  # the base class's usage counter
-    LOAD_WORKERS = 4
 
     def __init__(self, config: NVMeL2AdapterConfig | Mapping[str, Any],
                  l1_memory_desc: L1MemoryDesc | None = None) -> None:
@@ -146,7 +145,6 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-lookup")
-        self._load_pool = ThreadPoolExecutor(self.LOAD_WORKERS, thread_name_prefix="nvme-l2-load")
         # Chunks found on disk at start count toward usage; their keys are not known
         # until read, so they are accounted as one untracked amount.
         recovered = store.usage()["used_bytes"]
@@ -285,30 +283,28 @@ class NVMeL2Adapter(L2AdapterInterface):
     # -- load ----------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        task_id = self._new_task_id()
-        self._load_pool.submit(self._load, task_id, list(keys), list(objects))
-        return task_id
+        """Read each chunk into its L1 object; a bit is set only after its checksum matched.
 
-    def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        """Read each chunk into its L1 object; a bit is set only after the checksum matched."""
-        bitmap = Bitmap(len(keys))
+        The chunks go straight to the store's I/O threads; each is verified by the
+        thread that read it, and the last one completes the task.
+        """
+        task_id = self._new_task_id()
+        keys = list(keys)
         try:
-            wanted: list[int] = []
-            reads: list[ChunkRead] = []
-            for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-                key_str = object_key_string(key)
-                meta = self.store.tensor_meta(key_str)
-                if meta is None or meta.nbytes != obj.get_size():
-                    continue  # unknown here, or stored with another layout: a miss
-                wanted.append(i)
-                reads.append(ChunkRead(key_str, host_view(obj)))
-            served = self.store.read_into(reads) if reads else []
-            for i, ok in zip(wanted, served, strict=True):
-                if ok:
-                    bitmap.set(i)
+            reads = [ChunkRead(object_key_string(key), host_view(obj), length=obj.get_size())
+                     for key, obj in zip(keys, objects, strict=True)]
+            self.store.read_async(reads, lambda served: self._loaded(task_id, keys, served))
         except Exception:
             logger.exception("NVMe L2 adapter: load task %d failed", task_id)
-        loaded = [keys[i] for i in bitmap.get_indices_list()]
+            self._loaded(task_id, keys, [False] * len(keys))
+        return task_id
+
+    def _loaded(self, task_id: L2TaskId, keys: list[ObjectKey], served: list[bool]) -> None:
+        bitmap = Bitmap(len(keys))
+        for i, ok in enumerate(served):
+            if ok:
+                bitmap.set(i)
+        loaded = [key for key, ok in zip(keys, served, strict=True) if ok]
         if loaded:
             self._notify_keys_accessed(loaded)
         self._finish(self._completed_loads, self._load_efd, task_id, bitmap)
@@ -382,7 +378,6 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._closed = True
         self._observer.close()
         self._lookup_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
         self.store.close()
         self._store_efd.close()
         self._lookup_efd.close()

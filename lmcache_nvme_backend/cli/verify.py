@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..disk.format import payload_checksum
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
-from ..io.posix import AlignedBuffer, PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
+from ..io.buffers import AlignedBuffer
+from ..io.posix import PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
 from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import MIB, Progress, human_bytes, positive_int, print_json
 
@@ -116,9 +116,7 @@ class Verifier:
             raise req.error
         if req.header != raw:
             raise FileNotFoundError("replaced while being checked")
-        return judge_chunk(req.header, expected,
-                           lambda header: payload_checksum(dest[:payload_len])
-                           == header.payload_checksum)
+        return judge_chunk(req.header, expected, req.payload_matches)
 
 
 def quarantine(root: CacheRoot, out: Outcome) -> str | None:

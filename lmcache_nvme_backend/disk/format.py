@@ -1,4 +1,4 @@
-"""On-disk chunk file format (version 1).
+"""On-disk chunk file format (version 2; version 1 files are still read).
 
 One KV chunk is one file::
 
@@ -13,6 +13,13 @@ The header is self-validating: a header checksum covers every header byte, the
 payload checksum covers the payload, and the full cache key is stored so that a
 file found under the right name but holding another key is detected.  Decoding
 never allocates more than the fixed header size, whatever the lengths claim.
+
+Version 2 checksums the payload in blocks: the xxh3-64 of every ``BLOCK_SIZE``
+block (the last one may be shorter), and the header's payload checksum is the
+xxh3-64 of those digests (little-endian u64).  A reader hashes each block as soon
+as it lands, on the thread that read it, so verifying a chunk costs no pass over
+the payload after the last read.  Version 1 (one xxh3-64 over the whole payload)
+differs only in that field's meaning.
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ import functools
 import json
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
 MAGIC = b"LMCNVME\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writers write
+READABLE_VERSIONS = (1, 2)
+# Version 2: payload bytes per checksummed block (a reader's I/O pieces are multiples of it).
+BLOCK_SIZE = 1 << 20
 HEADER_SIZE = 4096
 ALIGNMENT = 4096
 # Largest payload any reader accepts; a header claiming more is corrupt.
@@ -100,10 +111,11 @@ class ChunkHeader:
     namespace: str
     tensor_meta: TensorMeta
     payload_len: int
-    payload_checksum: int
+    payload_checksum: int  # v2: xxh3-64 of the block digests; v1: xxh3-64 of the payload
     created_unix_ns: int
     # (sum_a, sum_b) of gpusum.host_checksum, when the writer recorded it
     gpu_checksum: tuple[int, int] | None = None
+    version: int = FORMAT_VERSION
 
     @property
     def file_size(self) -> int:
@@ -120,9 +132,27 @@ def file_size_for(payload_len: int) -> int:
     return HEADER_SIZE + padded_length(payload_len)
 
 
-def payload_checksum(payload: memoryview | bytes) -> int:
-    """The payload checksum stored in the header (xxh3-64)."""
-    return xxhash.xxh3_64_intdigest(payload)
+def block_digests(data: memoryview | bytes) -> list[int]:
+    """xxh3-64 of each ``BLOCK_SIZE`` block of ``data`` (the last block may be short).
+
+    ``data`` starts at a block boundary of the payload; the digests of all blocks,
+    in order, make the version 2 payload checksum (``combine_block_digests``).
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    return [xxhash.xxh3_64_intdigest(view[start : start + BLOCK_SIZE])
+            for start in range(0, len(view), BLOCK_SIZE)]
+
+
+def combine_block_digests(digests: Sequence[int]) -> int:
+    """The version 2 payload checksum: xxh3-64 of the block digests as little-endian u64."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def payload_checksum(payload: memoryview | bytes, version: int = FORMAT_VERSION) -> int:
+    """The payload checksum a header of ``version`` stores for ``payload``."""
+    if version == 1:
+        return xxhash.xxh3_64_intdigest(payload)
+    return combine_block_digests(block_digests(payload))
 
 
 def text_bytes(text: str) -> bytes:
@@ -143,12 +173,16 @@ def encode_header(
     checksum: int,
     created_unix_ns: int | None = None,
     gpu_checksum: tuple[int, int] | None = None,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
     """Build the 4 KiB header.  Raises ``FormatError`` when the strings do not fit.
 
-    ``gpu_checksum`` is optional: it is left out (flag clear) when the strings
-    leave less than its 16 bytes free.
+    ``checksum`` is ``payload_checksum(payload, version)``.  ``gpu_checksum`` is
+    optional: it is left out (flag clear) when the strings leave less than its 16
+    bytes free.  ``version`` 1 is only written to test readers of old caches.
     """
+    if version not in READABLE_VERSIONS:
+        raise FormatError(f"cannot write format version {version}")
     key_b, ns_b, meta_b = text_bytes(key), text_bytes(namespace), tensor_meta.to_json()
     if tensor_meta.nbytes != payload_len:
         raise FormatError(f"tensor metadata says {tensor_meta.nbytes} bytes, payload is "
@@ -165,7 +199,7 @@ def encode_header(
         gpu_checksum = None
     fixed = _FIXED.pack(
         MAGIC,
-        FORMAT_VERSION,
+        version,
         HEADER_SIZE,
         0 if gpu_checksum is None else FLAG_GPU_CHECKSUM,
         payload_len,
@@ -191,8 +225,9 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
      meta_len) = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise FormatError("bad magic: not a chunk file of this format")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"format version {version}, this reader understands {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise FormatError(f"format version {version}, this reader understands "
+                          f"{' and '.join(map(str, READABLE_VERSIONS))}")
     if header_size != HEADER_SIZE:
         raise FormatError(f"header size {header_size}, expected {HEADER_SIZE}")
     (stored,) = _HEADER_CHECKSUM.unpack_from(raw, _HEADER_CHECKSUM_OFFSET)
@@ -224,4 +259,5 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
         payload_checksum=checksum,
         created_unix_ns=created,
         gpu_checksum=gpu_checksum,
+        version=version,
     )

@@ -16,19 +16,20 @@ files and caller memory:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
-import mmap
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from ..disk.format import ALIGNMENT, HEADER_SIZE, padded_length
+from ..disk.format import ALIGNMENT, BLOCK_SIZE, HEADER_SIZE, padded_length
+from ..disk.format import block_digests as hash_blocks
+from .buffers import AlignedBuffer, is_aligned
+from .read_jobs import Latch, ReadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -36,52 +37,11 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # Linux transfers at most this many bytes in one read/write call.
-HUGE_PAGE = 2 * 1024 * 1024
 _MAX_IO_CALL = 0x7FFFF000 // ALIGNMENT * ALIGNMENT
 
 
 class ShortFileError(OSError):
     """The file ended before the bytes its header promises."""
-
-
-class AlignedBuffer:
-    """Page-aligned private anonymous memory (mmap), usable as an O_DIRECT buffer.
-
-    Buffers of 2 MiB and more start on a 2 MiB boundary and ask for transparent
-    huge pages: a direct read into 4 KiB pages needs one DMA segment per page,
-    and queues with a segment limit (virtio-blk: 254) split every 2 MiB read
-    into several requests.  Measured on a virtio disk: 2 MiB O_DIRECT reads at
-    queue depth 8 ran 2.4x faster into huge-page buffers (docs/cli.md).
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = max(ALIGNMENT, padded_length(size))
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if self.size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map = mmap.mmap(-1, self.size, flags=flags)
-            self._base = memoryview(self._map)
-            self.view = self._base
-            return
-        huge_span = -(-self.size // HUGE_PAGE) * HUGE_PAGE
-        self._map = mmap.mmap(-1, huge_span + HUGE_PAGE, flags=flags)
-        self._base = memoryview(self._map)
-        offset = -buffer_address(self._base) % HUGE_PAGE
-        self._map.madvise(mmap.MADV_HUGEPAGE, offset, huge_span)
-        self.view = self._base[offset : offset + self.size]
-
-    def close(self) -> None:
-        self.view.release()
-        self._base.release()
-        self._map.close()
-
-
-def buffer_address(buf: memoryview) -> int:
-    """Address of the first byte of a buffer (works for read-only buffers too)."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
-
-
-def is_aligned(buf: memoryview) -> bool:
-    return buffer_address(buf) % ALIGNMENT == 0
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -113,17 +73,16 @@ def probe_direct_io(directory: Path) -> bool:
         buf.close()
 
 
-@dataclass
-class ReadRequest:
-    """Read one chunk file: header into ``header`` bytes, payload into ``dest``."""
+@dataclass(frozen=True)
+class _Piece:
+    """One I/O of a read: payload bytes ``[start, start + length)`` land through ``bufs``."""
 
-    path: Path
-    payload_len: int
-    dest: memoryview
-    direct: bool
-    header: bytes = b""
-    error: BaseException | None = None
-    _copies: list[tuple[memoryview, memoryview]] = field(default_factory=list)
+    start: int
+    length: int
+    offset: int  # file offset of bufs[0]
+    bufs: list[memoryview]
+    copy: tuple[memoryview, memoryview] | None = None  # staged: (staging, dest) after the read
+    first: bool = False  # the header rides with it, and it checks the file's size
 
 
 class PosixIOEngine:
@@ -132,35 +91,59 @@ class PosixIOEngine:
     name = "posix"
 
     def __init__(self, task_size: int, pool: ThreadPoolExecutor) -> None:
-        """``pool`` runs the read pieces; its owner shuts it down."""
+        """``pool`` runs the read pieces and the write-side hashing; its owner shuts it down."""
         if task_size % ALIGNMENT:
             raise ValueError(f"task size {task_size} is not a multiple of {ALIGNMENT}")
         self.task_size = task_size
         self._pool = pool
         self._local = threading.local()
 
+    def warm_up(self, threads: int) -> None:
+        """Start ``threads`` pool threads and give each its staging buffers now.
+
+        A thread pool starts threads on demand and each thread maps its buffers on
+        first use; doing both at start keeps that cost off the first request.
+        """
+        ready = threading.Barrier(threads)
+
+        def prepare() -> None:
+            self._staging("header", HEADER_SIZE)
+            ready.wait(timeout=30)
+
+        for fut in [self._pool.submit(prepare) for _ in range(threads)]:
+            fut.result()
+
     # -- reads ---------------------------------------------------------------
 
-    def read_chunks(self, requests: list[ReadRequest]) -> None:
-        """Fill each request's ``header`` and ``dest``; failures land in ``request.error``.
+    def submit_reads(self, requests: Sequence[ReadRequest]) -> None:
+        """Start reading every request; each one's ``on_done`` runs when it is complete.
 
-        All pieces of all requests are issued at once on the pool, so a batch of
-        chunks (or one large chunk) keeps several I/Os in flight.  Each piece
-        opens the file itself: opening (a disk read when the inode cache is cold)
-        runs in parallel too, and a piece is one pool task, not two.
+        Every piece of every request goes to the pool at once, request by request,
+        so a batch keeps many I/Os in flight and the first chunks complete (and
+        are verified) while later ones are still being read.
         """
-        pieces: list[tuple[ReadRequest, Callable[[], None]]] = []
+        for req, pieces in self._plans(requests):
+            for piece in pieces:
+                self._pool.submit(self._run_piece, req, piece)
+
+    def read_chunks(self, requests: Sequence[ReadRequest]) -> None:
+        """Read the requests and wait; failures land in ``request.error``.
+
+        A batch of at most two pieces runs on the calling thread (no hand-off).
+        """
+        latch = Latch(len(requests))
         for req in requests:
-            try:
-                pieces.extend((req, piece) for piece in self._plan_read(req))
-            except ValueError as exc:
-                req.error = exc
-        self._run_pieces(pieces)
-        for req in requests:
-            if req.error is None:
-                for src, dst in req._copies:
-                    dst[:] = src
-            req._copies.clear()
+            req.on_done = _then(req.on_done, latch.count_down)
+        plans = self._plans(requests)
+        if sum(len(pieces) for _, pieces in plans) <= 2:
+            for req, pieces in plans:
+                for piece in pieces:
+                    self._run_piece(req, piece)
+        else:
+            for req, pieces in plans:
+                for piece in pieces:
+                    self._pool.submit(self._run_piece, req, piece)
+        latch.wait()
 
     def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
         """The raw header of a chunk file and the file's size."""
@@ -173,69 +156,136 @@ class PosixIOEngine:
         finally:
             os.close(fd)
 
-    def _plan_read(self, req: ReadRequest) -> list[Callable[[], None]]:
+    def _plans(self, requests: Sequence[ReadRequest]) -> list[tuple[ReadRequest, list[_Piece]]]:
+        plans = []
+        for req in requests:
+            try:
+                pieces = self._plan_read(req)
+            except ValueError as exc:
+                req.fail(exc)
+                _finish(req)
+                continue
+            req.expect_pieces([(piece.start, piece.length) for piece in pieces])
+            plans.append((req, pieces))
+        return plans
+
+    def _plan_read(self, req: ReadRequest) -> list[_Piece]:
         if len(req.dest) < req.payload_len:
             raise ValueError(f"destination holds {len(req.dest)} bytes, need {req.payload_len}")
-        need = HEADER_SIZE + (padded_length(req.payload_len) if req.direct else req.payload_len)
-        # (file offset, buffers) of each I/O; the header rides with the first payload piece
-        ios: list[tuple[int, list[memoryview]]] = []
+        pieces: list[_Piece] = []
         in_place, staged = _split_for_direct(req.dest, req.payload_len, req.direct)
         for offset in range(0, len(in_place), self.task_size):
-            ios.append((HEADER_SIZE + offset, [in_place[offset : offset + self.task_size]]))
+            view = in_place[offset : offset + self.task_size]
+            pieces.append(_Piece(offset, len(view), HEADER_SIZE + offset, [view]))
         if staged:
-            staging = AlignedBuffer(staged)
+            staging = AlignedBuffer(staged).view
             start = len(in_place)
             staged_io = padded_length(staged) if req.direct else staged
-            ios.append((HEADER_SIZE + start, [staging.view[:staged_io]]))
-            req._copies.append((staging.view[:staged], req.dest[start : start + staged]))
-        first = ios[0][1] if ios else []
+            pieces.append(_Piece(start, staged, HEADER_SIZE + start, [staging[:staged_io]],
+                                 copy=(staging[:staged], req.dest[start : start + staged])))
+        if not pieces:  # an empty payload: the header alone
+            pieces.append(_Piece(0, 0, HEADER_SIZE, []))
+        pieces[0] = dataclasses.replace(pieces[0], first=True)
+        return pieces
 
-        def header_and_first_piece() -> None:
+    def _run_piece(self, req: ReadRequest, piece: _Piece) -> None:
+        if req.error is None:
+            try:
+                self._transfer(req, piece)
+                if piece.copy is not None:
+                    src, dst = piece.copy
+                    dst[:] = src
+            except Exception as exc:  # a piece must always count down
+                req.fail(exc)
+        if req.piece_done(piece.start, piece.length):
+            _finish(req)
+
+    def _transfer(self, req: ReadRequest, piece: _Piece) -> None:
+        fd = _open_read(req.path, req.direct)
+        try:
+            if not piece.first:
+                _preadv_full(fd, piece.bufs, piece.offset)
+                return
+            need = HEADER_SIZE + (padded_length(req.payload_len) if req.direct
+                                  else req.payload_len)
+            if os.fstat(fd).st_size < need:
+                raise ShortFileError(errno.EIO, "chunk file shorter than its payload",
+                                     str(req.path))
             # the running thread's own buffer: no mmap/munmap (and TLB shootdown) per chunk
             head = self._staging("header", HEADER_SIZE)[:HEADER_SIZE]
-            fd = _open_read(req.path, req.direct)
-            try:
-                if os.fstat(fd).st_size < need:
-                    raise ShortFileError(errno.EIO, "chunk file shorter than its payload",
-                                         str(req.path))
-                _preadv_full(fd, [head, *first], 0)
-            finally:
-                os.close(fd)
+            _preadv_full(fd, [head, *piece.bufs], 0)
             req.header = bytes(head)
-
-        return [header_and_first_piece,
-                *(_reader(req, bufs, offset) for offset, bufs in ios[1:])]
+        finally:
+            os.close(fd)
 
     # -- writes --------------------------------------------------------------
 
     def write_chunk(self, path: Path, header: bytes, payload: memoryview, *, direct: bool,
                     mode: int, sync_data: bool) -> None:
-        """Create ``path`` (must not exist) holding header, payload and zero padding."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-        fd = os.open(path, flags | (_O_DIRECT if direct else 0), mode)
+        """Create ``path`` (must not exist) holding header, payload and zero padding.
+
+        The header goes out in one call with the first payload piece.
+        """
+        fd = _create(path, direct, mode)
         try:
-            os.fchmod(fd, mode)  # exactly nvme.file_mode: open() would apply the umask
-            if not direct:
-                pad = bytes(padded_length(len(payload)) - len(payload))
-                _pwritev_full(fd, [header, payload, pad], 0)
-            else:
-                head = self._staging("header", HEADER_SIZE)
-                head[:HEADER_SIZE] = header
-                in_place, staged = _split_for_direct(payload, len(payload), direct=True)
-                # the header goes out with the first payload piece, in one call
-                _pwritev_full(fd, [head[:HEADER_SIZE], in_place[: self.task_size]], 0)
-                for offset in range(self.task_size, len(in_place), self.task_size):
-                    _pwritev_full(fd, [in_place[offset : offset + self.task_size]],
-                                  HEADER_SIZE + offset)
-                if staged:
-                    tail = self._staging("write", padded_length(staged))
-                    tail[:staged] = payload[len(in_place) :]
-                    tail[staged : padded_length(staged)] = bytes(padded_length(staged) - staged)
-                    _pwritev_full(fd, [tail[: padded_length(staged)]], HEADER_SIZE + len(in_place))
+            self._write_payload(fd, payload, direct, header)
             if sync_data:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
+
+    def write_chunk_hashed(self, path: Path, payload: memoryview,
+                           header_for: Callable[[list[int]], bytes], *, direct: bool,
+                           mode: int, sync_data: bool) -> None:
+        """Create ``path``: the payload first, then the header ``header_for(block digests)``.
+
+        The payload's checksum blocks are hashed on the pool while this thread
+        writes them, so the first byte reaches the drive at once and the header,
+        which needs the digests, is written last (the file is published by the
+        caller's rename only after this returns).
+        """
+        group = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
+        hashing = [self._pool.submit(hash_blocks, payload[start : start + group])
+                   for start in range(0, len(payload), group)]
+        fd = _create(path, direct, mode)
+        try:
+            self._write_payload(fd, payload, direct, None)
+            header = header_for([digest for fut in hashing for digest in fut.result()])
+            if direct:
+                head = self._staging("header", HEADER_SIZE)
+                head[:HEADER_SIZE] = header
+                _pwritev_full(fd, [head[:HEADER_SIZE]], 0)
+            else:
+                _pwritev_full(fd, [header], 0)
+            if sync_data:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_payload(self, fd: int, payload: memoryview, direct: bool,
+                       header: bytes | None) -> None:
+        """Payload and zero padding, from file offset 4096 (from 0 with ``header`` first)."""
+        lead: list[bytes | memoryview] = [] if header is None else [header]
+        start = 0 if header is None else -HEADER_SIZE  # file offset of lead + payload, less 4096
+        if not direct:
+            pad = bytes(padded_length(len(payload)) - len(payload))
+            _pwritev_full(fd, [*lead, payload, pad], HEADER_SIZE + start)
+            return
+        if header is not None:
+            head = self._staging("header", HEADER_SIZE)
+            head[:HEADER_SIZE] = header
+            lead = [head[:HEADER_SIZE]]
+        in_place, staged = _split_for_direct(payload, len(payload), direct=True)
+        if lead or len(in_place):  # the header goes out with the first payload piece
+            _pwritev_full(fd, [*lead, in_place[: self.task_size]], HEADER_SIZE + start)
+        for offset in range(self.task_size, len(in_place), self.task_size):
+            _pwritev_full(fd, [in_place[offset : offset + self.task_size]],
+                          HEADER_SIZE + offset)
+        if staged:
+            tail = self._staging("write", padded_length(staged))
+            tail[:staged] = payload[len(in_place) :]
+            tail[staged : padded_length(staged)] = bytes(padded_length(staged) - staged)
+            _pwritev_full(fd, [tail[: padded_length(staged)]], HEADER_SIZE + len(in_place))
 
     # -- helpers -------------------------------------------------------------
 
@@ -249,16 +299,39 @@ class PosixIOEngine:
             buf = bufs[purpose] = AlignedBuffer(size)
         return buf.view
 
-    def _run_pieces(self, pieces: list[tuple[ReadRequest, Callable[[], None]]]) -> None:
-        if len(pieces) <= 2:
-            for req, piece in pieces:
-                _run_piece(req, piece)
-            return
-        futures: list[Future[None]] = [
-            self._pool.submit(_run_piece, req, piece) for req, piece in pieces
-        ]
-        for fut in futures:
-            fut.result()
+
+def _then(first: Callable[[ReadRequest], None] | None,
+          then: Callable[[], None]) -> Callable[[ReadRequest], None]:
+    def done(req: ReadRequest) -> None:
+        try:
+            if first is not None:
+                first(req)
+        finally:
+            then()
+
+    return done
+
+
+def _finish(req: ReadRequest) -> None:
+    """Hand a complete request to its ``on_done``; a failing callback never kills a thread."""
+    if req.on_done is None:
+        return
+    try:
+        req.on_done(req)
+    except Exception:
+        logger.exception("NVMe tier: read completion of %s failed", req.path)
+
+
+def _create(path: Path, direct: bool, mode: int) -> int:
+    """Create a new chunk file (never an existing one, never through a link) with ``mode``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+    fd = os.open(path, flags | (_O_DIRECT if direct else 0), mode)
+    try:
+        os.fchmod(fd, mode)  # exactly nvme.file_mode: open() would apply the umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _split_for_direct(buf: memoryview, length: int, direct: bool) -> tuple[memoryview, int]:
@@ -276,26 +349,6 @@ def _split_for_direct(buf: memoryview, length: int, direct: bool) -> tuple[memor
 def _open_read(path: Path, direct: bool) -> int:
     flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECT if direct else 0)
     return os.open(path, flags)
-
-
-def _run_piece(req: ReadRequest, piece: Callable[[], None]) -> None:
-    if req.error is not None:
-        return
-    try:
-        piece()
-    except OSError as exc:
-        req.error = exc
-
-
-def _reader(req: ReadRequest, bufs: list[memoryview], offset: int) -> Callable[[], None]:
-    def read() -> None:
-        fd = _open_read(req.path, req.direct)
-        try:
-            _preadv_full(fd, bufs, offset)
-        finally:
-            os.close(fd)
-
-    return read
 
 
 def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:

@@ -57,8 +57,7 @@ class ChunkStore:
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
         gate = ReadPriorityGate()
-        self._reader = ChunkReader(self._catalog, self._roots, engine, self._io_pool, gate,
-                                   self._stats)
+        self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, engine, gate,
                                    self._stats)
         self._shared = SharedTree(self._catalog, self._roots, self._reader, self._stats)
@@ -66,6 +65,7 @@ class ChunkStore:
         self._closed = False
         for root in self._roots:
             recover_root(root, self._catalog, self._stats, self._writer.evict)
+        engine.warm_up(settings.io_threads)
         self._writer.start()
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
                                          settings.manifest_interval_s)
@@ -174,7 +174,21 @@ class ChunkStore:
         A buffer is only reported filled after the header names the same key
         and the payload checksum matches, so a False buffer may hold garbage.
         """
+        if self._closed:
+            return [False] * len(reads)
         return self._reader.read_into(reads)
+
+    def read_async(self, reads: Sequence[ChunkRead],
+                   on_done: Callable[[list[bool]], None]) -> None:
+        """``read_into`` without waiting: ``on_done(served)`` runs when every chunk is judged.
+
+        Each chunk is verified by the I/O thread that completes it, and the last
+        one calls ``on_done`` (keep it short: it runs on that thread).
+        """
+        if self._closed:
+            on_done([False] * len(reads))
+            return
+        self._reader.read_async(reads, on_done)
 
     def plan_reads(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives, for a reader outside the store (the GPU path)."""

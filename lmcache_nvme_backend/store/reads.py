@@ -10,14 +10,15 @@ forgotten, counted and moved to quarantine.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..disk.format import ChunkHeader, TensorMeta, payload_checksum
+from ..disk.format import ChunkHeader, TensorMeta
 from ..disk.layout import key_digest
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io.posix import PosixIOEngine, ReadRequest, ShortFileError
@@ -31,10 +32,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChunkRead:
-    """One chunk to read: its key and a writable host buffer of at least its payload length."""
+    """One chunk to read: its key and a writable host buffer of at least its payload length.
+
+    ``length``, when given, is the payload length the caller's buffer layout needs;
+    a chunk stored with another length is a miss (and not a damaged file).
+    """
 
     key: str
     dest: memoryview
+    length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,11 +60,10 @@ class ChunkReader:
     """Reads and judges chunk files for one store."""
 
     def __init__(self, catalog: Catalog, roots: Roots, engine: PosixIOEngine,
-                 pool: ThreadPoolExecutor, gate: ReadPriorityGate, stats: StoreStats) -> None:
+                 gate: ReadPriorityGate, stats: StoreStats) -> None:
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
-        self._pool = pool
         self._gate = gate
         self._stats = stats
 
@@ -123,33 +128,41 @@ class ChunkReader:
         and the payload checksum matches, so a False buffer may hold garbage
         and must not be used.
         """
-        results = [False] * len(reads)
+        served: list[bool] = []
+        self._read(reads, served.extend, wait=True)
+        return served
+
+    def read_async(self, reads: Sequence[ChunkRead],
+                   on_done: Callable[[list[bool]], None]) -> None:
+        """``read_into`` without waiting: ``on_done(served)`` runs when the last chunk is judged.
+
+        It runs on an I/O thread (or here, when nothing can be read); it must be quick.
+        """
+        self._read(reads, on_done, wait=False)
+
+    def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
+              wait: bool) -> None:
         plans = self.plan([read.key for read in reads])
-        todo = [(i, plan, ReadRequest(plan.path, plan.payload_len, reads[i].dest, plan.direct))
-                for i, plan in enumerate(plans) if plan is not None]
-        if not todo:
-            self._stats.add(Counter.READ_FAILURES, len(reads))
-            return results
-        started = time.perf_counter()
-        with self._gate.reading():
-            self.engine.read_chunks([req for _, _, req in todo])
-        elapsed = time.perf_counter() - started
-        self._stats.add(Counter.READ_SECONDS, elapsed)
+        requests: list[ReadRequest] = []
+        batch = _Batch(len(reads), on_done, self._stats, self._gate)
+        for i, (read, plan) in enumerate(zip(reads, plans, strict=True)):
+            if plan is None or len(read.dest) < plan.payload_len or \
+                    read.length not in (None, plan.payload_len):
+                continue  # not stored here, or stored for another buffer layout: a miss
+            requests.append(ReadRequest(plan.path, plan.payload_len, read.dest, plan.direct,
+                                        on_done=functools.partial(self._judged, batch, i, plan)))
+        batch.start(len(requests))
+        if not requests:
+            return
+        if wait:
+            self.engine.read_chunks(requests)
+        else:
+            self.engine.submit_reads(requests)
 
-        def judge(item: tuple[int, ReadPlan, ReadRequest]) -> bool:
-            _, plan, req = item
-            return self.complete(plan, req.header, req.error,
-                                 lambda header: host_payload_ok(req, header)).ok
-
-        # Checksumming releases the GIL: verify the chunks of a batch in parallel.
-        served_bytes = 0
-        for (i, plan, _), ok in zip(todo, self._pool.map(judge, todo), strict=True):
-            results[i] = ok
-            if ok:
-                served_bytes += plan.payload_len
-        self._stats.record_read(ReadPath.POSIX, results.count(True), served_bytes, elapsed)
-        self._stats.add(Counter.READ_FAILURES, results.count(False))
-        return results
+    def _judged(self, batch: _Batch, index: int, plan: ReadPlan, req: ReadRequest) -> None:
+        """One chunk's read completed (on the thread that finished it): judge it at once."""
+        verdict = self.complete(plan, req.header, req.error, req.payload_matches)
+        batch.chunk_done(index, verdict.ok, plan.payload_len)
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
@@ -200,6 +213,44 @@ class ChunkReader:
             self._catalog.notify_removed([entry])
 
 
-def host_payload_ok(req: ReadRequest, header: ChunkHeader) -> bool:
-    """Whether the payload read into host memory matches the header's xxh3 checksum."""
-    return payload_checksum(req.dest[: req.payload_len]) == header.payload_checksum
+class _Batch:
+    """One read call: the result of each chunk, and the call's counters once all are judged."""
+
+    def __init__(self, size: int, on_done: Callable[[list[bool]], None], stats: StoreStats,
+                 gate: ReadPriorityGate) -> None:
+        self.served = [False] * size
+        self._on_done = on_done
+        self._stats = stats
+        self._gate = gate
+        self._left = self._issued = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._started = 0.0
+
+    def start(self, chunks: int) -> None:
+        """``chunks`` reads were issued (the rest of the batch is already a miss)."""
+        self._left = self._issued = chunks
+        self._started = time.perf_counter()
+        if chunks:
+            self._gate.begin_read()
+        else:
+            self._finish()
+
+    def chunk_done(self, index: int, ok: bool, nbytes: int) -> None:
+        with self._lock:
+            self.served[index] = ok
+            self._bytes += nbytes if ok else 0
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._gate.end_read()
+            self._finish()
+
+    def _finish(self) -> None:
+        served = self.served.count(True)
+        if self._issued:  # a batch of misses read nothing: no latency to record
+            elapsed = time.perf_counter() - self._started
+            self._stats.add(Counter.READ_SECONDS, elapsed)
+            self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed)
+        self._stats.add(Counter.READ_FAILURES, len(self.served) - served)
+        self._on_done(self.served)

@@ -142,17 +142,24 @@ class ReadPriorityGate:
         self._readers = 0
         self._cond = threading.Condition()
 
-    @contextmanager
-    def reading(self) -> Iterator[None]:
+    def begin_read(self) -> None:
+        """A read starts (pair with ``end_read``; an asynchronous read ends on another thread)."""
         with self._cond:
             self._readers += 1
+
+    def end_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        self.begin_read()
         try:
             yield
         finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
+            self.end_read()
 
     def wait_for_readers(self) -> bool:
         """Block while reads are in flight; True if the writer had to wait."""

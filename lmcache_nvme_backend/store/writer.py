@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import NVMeSettings
-from ..disk.format import encode_header, file_size_for, max_key_bytes, payload_checksum, text_bytes
+from ..disk.format import (
+    combine_block_digests,
+    encode_header,
+    file_size_for,
+    max_key_bytes,
+    text_bytes,
+)
 from ..disk.gpusum import host_checksum
 from ..io.posix import PosixIOEngine
 from .catalog import Catalog
@@ -57,6 +63,9 @@ class ChunkWriter:
         self._queue = WriteBackQueue(settings.write_queue_bytes)
         self._closed = False
         self._known_namespaces: set[tuple[int, str]] = set()
+        self._known_dirs: set[Path] = set()  # shard directories this writer has created
+        self._free = [FreeSpaceGuard(root.layout.root, settings.min_free_bytes)
+                      for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
         self.threads = [
@@ -169,13 +178,7 @@ class ChunkWriter:
         published = False
         started = time.perf_counter()
         try:
-            self._prepare_dir(root, job, final.parent)
-            gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
-            header = encode_header(job.key, job.namespace, job.meta, job.nbytes,
-                                   payload_checksum(job.payload), gpu_checksum=gpu_sum)
-            if gpu_sum is not None:
-                self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
-            self._write_file(root, tmp, header, job.payload)
+            self._write_file(root, job, tmp)
             os.rename(tmp, final)
             published = True
             if self.settings.fsync == "full":
@@ -184,10 +187,14 @@ class ChunkWriter:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 # A full filesystem is not a failing drive: drop this write, keep serving.
                 self._stats.add(Counter.CAPACITY_DROPS)
+                self._free[root.index].refresh()
             else:
                 self._stats.add(Counter.WRITE_FAILURES)
                 self._roots.record_error(root, exc)
             unlink_quietly(tmp)
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
         finally:
             if published:
                 self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size,
@@ -200,26 +207,48 @@ class ChunkWriter:
             if job.on_persisted is not None:
                 job.on_persisted()
 
-    def _write_file(self, root: RootState, tmp: Path, header: bytes, payload: memoryview) -> None:
-        def write() -> None:
-            self.engine.write_chunk(tmp, header, payload, direct=root.direct,
-                                    mode=self.settings.file_mode,
-                                    sync_data=self.settings.fsync != "none")
+    def _write_file(self, root: RootState, job: ChunkWrite, tmp: Path) -> None:
+        """Write the temp file: payload hashed while it is written, header (v2) last."""
+        def header_for(digests: list[int]) -> bytes:
+            gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
+            if gpu_sum is not None:
+                self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+            return encode_header(job.key, job.namespace, job.meta, job.nbytes,
+                                 combine_block_digests(digests), gpu_checksum=gpu_sum)
 
+        def write() -> None:
+            self.engine.write_chunk_hashed(tmp, job.payload, header_for, direct=root.direct,
+                                           mode=self.settings.file_mode,
+                                           sync_data=self.settings.fsync != "none")
+
+        self._prepare_dir(root, job, tmp.parent)
         try:
             write()
         except FileExistsError:
             # Left by a dead writer that had this thread's host, pid and thread id.
             unlink_quietly(tmp)
             write()
+        except FileNotFoundError:
+            # The directory was removed since this writer created it: make it again.
+            self._forget_dir(root, job, tmp.parent)
+            self._prepare_dir(root, job, tmp.parent)
+            write()
 
     def _prepare_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> None:
+        """Create the chunk's shard directory (and name its namespace) once per directory."""
+        if directory in self._known_dirs:
+            return
         directory.mkdir(parents=True, exist_ok=True)
         if (root.index, job.ns_id) not in self._known_namespaces:
             name_file = root.layout.namespace_name_file(job.ns_id)
             if not name_file.exists():
                 name_file.write_bytes(text_bytes(job.namespace) + b"\n")
             self._known_namespaces.add((root.index, job.ns_id))
+        self._known_dirs.add(directory)
+
+    def _forget_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> None:
+        self._known_dirs.discard(directory)
+        self._known_namespaces.discard((root.index, job.ns_id))
 
     def _end_job(self, job: ChunkWrite) -> None:
         try:
@@ -235,12 +264,14 @@ class ChunkWriter:
         if victims is None:
             return False
         self.evict(victims)
-        while free_bytes(root.layout.root) - size < self.settings.min_free_bytes:
+        guard = self._free[root.index]
+        while not guard.room_for(size):
             oldest = self._catalog.pop_oldest_unpinned(root.index)
             if oldest is None:
                 self._catalog.release(root.index, size)
                 return False
             self.evict([oldest])
+            guard.refresh()
         return True
 
     def evict(self, victims: list[IndexEntry]) -> None:
@@ -284,6 +315,46 @@ def _lower_thread_cpu_priority() -> None:
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+class FreeSpaceGuard:
+    """Keeps ``min_free`` bytes free on one root's filesystem without a ``statvfs`` per write.
+
+    The kernel is asked again after ``CHECK_BYTES`` were written or ``CHECK_S``
+    passed since it was last asked, and whenever the running estimate comes within
+    ``CHECK_BYTES`` of the floor, so near the floor every decision is exact.
+    """
+
+    CHECK_BYTES = 256 << 20
+    CHECK_S = 1.0
+
+    def __init__(self, path: Path, min_free: int) -> None:
+        self._path = path
+        self._min_free = min_free
+        self._lock = threading.Lock()
+        self._free = 0
+        self._written = 0
+        self._asked_at = -self.CHECK_S
+
+    def refresh(self) -> None:
+        """Ask the kernel now (after a deletion, or when a write found the disk full)."""
+        with self._lock:
+            self._asked_at = -self.CHECK_S
+
+    def room_for(self, size: int) -> bool:
+        """Whether ``size`` more bytes keep the floor; if so they are counted as written."""
+        with self._lock:
+            now = time.monotonic()
+            if (now - self._asked_at >= self.CHECK_S or self._written >= self.CHECK_BYTES
+                    or self._free - size - self.CHECK_BYTES < self._min_free):
+                self._free = free_bytes(self._path)
+                self._asked_at = now
+                self._written = 0
+            if self._free - size < self._min_free:
+                return False
+            self._free -= size
+            self._written += size
+            return True
 
 
 def _fsync_dir(path: Path) -> None:

@@ -15,7 +15,7 @@ from support.chunks import NS, meta_for, payload_for, read
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.config import NVMeConfigError
-from lmcache_nvme_backend.io.posix import PosixIOEngine, ReadRequest
+from lmcache_nvme_backend.io.posix import PosixIOEngine, ReadRequest, ShortFileError
 from lmcache_nvme_backend.store import roots as roots_mod
 from lmcache_nvme_backend.store import writer as writer_mod
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
@@ -94,31 +94,32 @@ def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
 
 
 class FlakyReads:
-    """Injects EIO, a short read or EACCES into every read of a store's engine."""
+    """Injects EIO, a short read or EACCES into every chunk read of a store's engine.
+
+    The bytes are really read; then the piece's transfer fails, as a drive or a
+    file system would report it, before the chunk is judged.
+    """
 
     mode = "eio"
 
     def __init__(self, engine: PosixIOEngine) -> None:
         self.engine = engine
-        self.real = engine.read_chunks
+        self.real = engine._transfer
 
     def __enter__(self) -> FlakyReads:
-        self.engine.read_chunks = self.read_chunks  # type: ignore[method-assign]
+        self.engine._transfer = self.transfer  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.engine.read_chunks = self.real  # type: ignore[method-assign]
+        self.engine._transfer = self.real  # type: ignore[method-assign]
 
-    def read_chunks(self, requests: list[ReadRequest]) -> None:
-        self.real(requests)
-        for req in requests:
-            if self.mode == "eio":
-                req.error = OSError(errno.EIO, "injected EIO")
-            elif self.mode == "short":
-                from lmcache_nvme_backend.io.posix import ShortFileError
-                req.error = ShortFileError(errno.EIO, "injected short read")
-            elif self.mode == "eacces":
-                req.error = PermissionError(errno.EACCES, "injected permission denied")
+    def transfer(self, req: ReadRequest, piece: object) -> None:
+        self.real(req, piece)  # type: ignore[arg-type]
+        if self.mode == "eio":
+            raise OSError(errno.EIO, "injected EIO")
+        if self.mode == "short":
+            raise ShortFileError(errno.EIO, "injected short read")
+        raise PermissionError(errno.EACCES, "injected permission denied")
 
 
 @pytest.mark.parametrize("mode", ["eio", "short"])
@@ -218,14 +219,14 @@ def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
     # when it goes out of service, and the failure count would depend on timing.
     store = open_store(bad_root, good_root, write_threads=1)
     try:
-        real_write = store.io_engine.write_chunk
+        real_write = store.io_engine.write_chunk_hashed
 
         def failing_write(path: Path, *args: object, **kw: object) -> None:
             if bad_root in path.parents:
                 raise OSError(errno.EIO, "injected EIO")
             real_write(path, *args, **kw)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(store.io_engine, "write_chunk", failing_write)
+        monkeypatch.setattr(store.io_engine, "write_chunk_hashed", failing_write)
         keys = [f"k{i}" for i in range(30)]
         for key in keys:
             put(store, key, 4096)

@@ -117,7 +117,8 @@ def _with_fixed_field(header: bytes, fmt: str, offset: int, value: int) -> bytes
     return bytes(raw)
 
 
-@pytest.mark.parametrize("case", ["huge_length", "version_2", "huge_key_len", "huge_meta_len"])
+@pytest.mark.parametrize("case", ["huge_length", "unknown_version", "huge_key_len",
+                                  "huge_meta_len"])
 def test_absurd_headers_are_misses_without_large_allocations(tmp_path: Path, case: str,
                                                              open_store: StoreFactory) -> None:
     root = tmp_path / "cache"
@@ -127,7 +128,7 @@ def test_absurd_headers_are_misses_without_large_allocations(tmp_path: Path, cas
         # offsets in format._FIXED "<8sHHIQQQHHH": version @8, payload_len @16, key_len @40,
         # meta_len @44 (header checksum left stale on purpose for some, fixed for none)
         "huge_length": encode_header(key, "m", meta_for(1 << 35), 1 << 35, 0),
-        "version_2": _with_fixed_field(good, "<H", 8, 2),
+        "unknown_version": _with_fixed_field(good, "<H", 8, 3),
         "huge_key_len": _with_fixed_field(good, "<H", 40, 0xFFFF),
         "huge_meta_len": _with_fixed_field(good, "<H", 44, 0xFFFF),
     }[case]

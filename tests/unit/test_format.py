@@ -1,4 +1,5 @@
-"""Chunk file header (format version 1): byte layout, round trip and rejection of bad input.
+"""Chunk file header (format version 2, and 1 for old caches): byte layout, round trip, block
+checksums and rejection of bad input.
 
 The field offsets used here are the ones ``docs/format.md`` specifies, so these tests also
 pin the on-disk format independently of the implementation's own struct definitions.
@@ -6,6 +7,7 @@ pin the on-disk format independently of the implementation's own struct definiti
 
 from __future__ import annotations
 
+import random
 import struct
 import tracemalloc
 
@@ -14,12 +16,15 @@ import xxhash
 
 from lmcache_nvme_backend.disk.format import (
     ALIGNMENT,
+    BLOCK_SIZE,
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
     MAX_PAYLOAD_BYTES,
     FormatError,
     TensorMeta,
+    block_digests,
+    combine_block_digests,
     decode_header,
     encode_header,
     file_size_for,
@@ -99,7 +104,7 @@ def test_header_bytes_follow_documented_layout() -> None:
     (magic, version, header_size, flags, payload_len, checksum, created, key_len, ns_len,
      meta_len) = FIXED.unpack_from(raw)
     assert magic == MAGIC == b"LMCNVME\x00"
-    assert (version, header_size, flags) == (FORMAT_VERSION, HEADER_SIZE, 0) == (1, 4096, 0)
+    assert (version, header_size, flags) == (FORMAT_VERSION, HEADER_SIZE, 0) == (2, 4096, 0)
     assert (payload_len, checksum, created) == (5000, 0xAABBCCDD, 777)
     key_b, ns_b, meta_b = KEY.encode(), NS.encode(), tm.to_json()
     assert (key_len, ns_len, meta_len) == (len(key_b), len(ns_b), len(meta_b))
@@ -122,10 +127,52 @@ def test_created_defaults_to_now() -> None:
     assert got.created_unix_ns > 1_600_000_000 * 10**9
 
 
-def test_payload_checksum_is_xxh3_64() -> None:
+def test_version_1_payload_checksum_is_xxh3_64() -> None:
     data = bytes(range(256)) * 3
-    assert payload_checksum(data) == xxhash.xxh3_64_intdigest(data)
-    assert payload_checksum(memoryview(data)) == payload_checksum(data)
+    assert payload_checksum(data, version=1) == xxhash.xxh3_64_intdigest(data)
+    assert payload_checksum(memoryview(data), version=1) == payload_checksum(data, version=1)
+
+
+@pytest.mark.parametrize("n", [0, 1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1,
+                               3 * BLOCK_SIZE + 17])
+def test_version_2_payload_checksum_is_xxh3_of_block_digests(n: int) -> None:
+    data = bytes((i * 131 + 7) & 0xFF for i in range(n))
+    blocks = [data[i : i + BLOCK_SIZE] for i in range(0, n, BLOCK_SIZE)]
+    digests = [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    assert block_digests(data) == digests
+    expected = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+    assert payload_checksum(data) == combine_block_digests(digests) == expected
+
+
+def test_block_digests_of_block_aligned_parts_combine_to_the_whole() -> None:
+    data = bytes((i * 7) & 0xFF for i in range(5 * BLOCK_SIZE + 100))
+    parts = [data[:2 * BLOCK_SIZE], data[2 * BLOCK_SIZE : 4 * BLOCK_SIZE], data[4 * BLOCK_SIZE:]]
+    assert combine_block_digests([d for part in parts for d in block_digests(part)]) == \
+        payload_checksum(data)
+
+
+def test_any_changed_byte_or_swapped_blocks_change_the_checksum() -> None:
+    data = bytearray(random.Random(3).randbytes(3 * BLOCK_SIZE))
+    reference = payload_checksum(bytes(data))
+    for offset in (0, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE - 1):
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x01
+        assert payload_checksum(bytes(flipped)) != reference
+    swapped = data[BLOCK_SIZE : 2 * BLOCK_SIZE] + data[:BLOCK_SIZE] + data[2 * BLOCK_SIZE:]
+    assert payload_checksum(bytes(swapped)) != reference
+
+
+def test_version_1_headers_still_decode() -> None:
+    raw = encode_header(KEY, NS, meta(10), 10, 99, version=1)
+    assert FIXED.unpack_from(raw)[1] == 1
+    got = decode_header(raw)
+    assert (got.version, got.payload_checksum, got.key) == (1, 99, KEY)
+    assert decode_header(encode_header(KEY, NS, meta(10), 10, 99)).version == 2
+
+
+def test_encode_refuses_unknown_versions() -> None:
+    with pytest.raises(FormatError, match="cannot write format version 3"):
+        encode_header(KEY, NS, meta(10), 10, 99, version=3)
 
 
 # -- sizes ------------------------------------------------------------------------------------
@@ -195,7 +242,7 @@ def test_decode_rejects_foreign_bytes(foreign: bytes) -> None:
         decode_header(foreign)
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
 def test_decode_rejects_other_version_even_with_valid_checksum(header: bytes,
                                                                version: int) -> None:
     forged = reseal(header, version=version)

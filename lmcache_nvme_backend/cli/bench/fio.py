@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ...disk.format import HEADER_SIZE
+from ...io.buffers import HUGE_PAGE
 from ..common import CLIError
 from .model import BenchConfig, DirStats, RunResult
 
-HUGE_PAGE = 2 * 1024 * 1024
 HUGETLB_SYSFS = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 FIO_RW = {"read": "read", "write": "write", "randread": "randread",
           "randwrite": "randwrite", "rw": "rw"}

@@ -4,7 +4,7 @@ Every timed I/O goes through :class:`~lmcache_nvme_backend.io.posix.PosixIOEngin
 (``write_chunk`` + the store's atomic rename for writes, ``read_chunks`` for
 reads) on files in the backend's chunk format (4 KiB header, aligned padded
 payload, sharded directories from :class:`~lmcache_nvme_backend.disk.layout.RootLayout`),
-with page-aligned :class:`~lmcache_nvme_backend.io.posix.AlignedBuffer` memory.
+with page-aligned :class:`~lmcache_nvme_backend.io.buffers.AlignedBuffer` memory.
 
 This module holds the bench workspace (``Workspace``) and the timed runs
 (``EngineBench``); ``model.py`` defines what a configuration and a result are
@@ -32,7 +32,8 @@ from ...disk.format import TensorMeta, encode_header
 from ...disk.format import payload_checksum as compute_checksum
 from ...disk.layout import RootLayout, key_digest, namespace_id
 from ...disk.validate import Expected, judge_chunk
-from ...io.posix import AlignedBuffer, PosixIOEngine, ReadRequest
+from ...io.buffers import AlignedBuffer
+from ...io.posix import PosixIOEngine, ReadRequest
 from ..common import MIB, CLIError, Progress
 from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
 
@@ -334,8 +335,7 @@ class EngineBench:
 
 def _check_chunk(req: ReadRequest) -> None:
     verdict = judge_chunk(req.header, Expected(payload_len=req.payload_len),
-                          lambda header: compute_checksum(req.dest[: req.payload_len])
-                          == header.payload_checksum)
+                          req.payload_matches)
     if not verdict.ok:
         raise CLIError(f"{verdict.reason} in {req.path}: the bench file changed under the "
                        "benchmark or the drive returned wrong data")
