@@ -40,6 +40,7 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -134,6 +135,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "(default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write settings, raw samples and summary as JSON")
+    parser.add_argument("--restarts", type=int, default=3,
+                        help="nvme only: fresh processes that reopen the tier after the run "
+                             "and time their first cold retrieve against later ones "
+                             "(default: %(default)s; 0 skips)")
+    parser.add_argument("--restart-child", type=str, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
     unknown = sorted(set(args.configs) - set(CONFIG_NAMES))
@@ -332,6 +338,17 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def restart_table(restarts: list[dict[str, Any]]) -> str:
+    """First cold retrieve after a restart against the same process's later cold retrieves."""
+    lines = ["| restart | tier open s | first retrieve GB/s | later retrieves GB/s (median) "
+             "| first / later |", "|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(restarts, 1):
+        later = statistics.median(r["later_gbps"])
+        lines.append(f"| {i} | {r['open_s']:.2f} | {r['first_gbps']:.2f} | {later:.2f} "
+                     f"| {r['first_gbps'] / later:.2f} |")
+    return "\n".join(lines)
+
+
 def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Build all engines, run the interleaved repetitions, and tear everything down."""
     runs: list[TierRun] = []
@@ -380,15 +397,66 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def restart_child(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
+    """In a fresh process: reopen the nvme tier and cold-retrieve prompts the run stored.
+
+    The first retrieve pays whatever a restart leaves to the first request; the
+    later ones (page cache dropped before each) are this process's steady state.
+    """
+    assert args.workdir is not None
+    started = time.perf_counter()
+    run = start_tier("nvme", args, args.workdir)
+    opened_s = time.perf_counter() - started
+    gbps: list[float] = []
+    try:
+        for seed in seeds:
+            tokens = harness.make_prompt(args.retrieve_tokens, seed=RETRIEVE_SEED_BASE + seed)
+            kv = harness.make_kv(run.connector, args.retrieve_tokens, seed=seed)
+            if args.drop_caches:
+                harness.drop_page_cache()
+            result = harness.retrieve_prompt(run.engine, tokens, run.connector)
+            if not bool(result.ret_mask.all()) or not torch.equal(result.kv, kv):
+                raise RuntimeError(f"restart: prompt {seed} came back wrong or missing "
+                                   f"({int(result.ret_mask.sum())} tokens hit)")
+            gbps.append(harness.kv_nbytes(kv) / result.seconds / GB)
+            harness.clear_cpu_tier(run.engine)
+    finally:
+        harness.destroy_engine(run.instance_id)
+    return {"open_s": opened_s, "first_gbps": gbps[0], "later_gbps": gbps[1:]}
+
+
+def measure_restarts(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """Run ``--restarts`` fresh processes on the nvme tier the run left behind."""
+    shape = ["--configs", "nvme", "--layers", str(args.layers), "--heads", str(args.heads),
+             "--head-size", str(args.head_size), "--chunk-size", str(args.chunk_size),
+             "--retrieve-tokens", str(args.retrieve_tokens), "--cpu-gb", str(args.cpu_gb),
+             "--disk-gb", str(args.disk_gb), "--workdir", str(workdir),
+             "--drop-caches" if args.drop_caches else "--no-drop-caches",
+             *(arg for name, value in args.nvme.items() for arg in ("--nvme", f"{name}={value}"))]
+    results = []
+    for i in range(args.restarts):
+        seeds = [(args.warmup_reps + i + k) % (args.warmup_reps + args.reps) for k in range(3)]
+        cmd = [sys.executable, __file__, *shape, "--restart-child", ",".join(map(str, seeds))]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"restart child failed: {proc.stderr[-2000:]}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     harness.disable_telemetry()
     args = parse_args(argv)
-    if args.workdir is None:
-        with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-            report = run_benchmark(args, Path(tmp))
-    else:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        report = run_benchmark(args, args.workdir)
+    if args.restart_child is not None:
+        seeds = [int(s) for s in args.restart_child.split(",")]
+        print(json.dumps(restart_child(args, seeds)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        report = run_benchmark(args, workdir)
+        if "nvme" in args.configs and args.restarts:
+            report["restarts"] = measure_restarts(args, workdir)
     mib = report["chunk_bytes"] / 2**20
     print(f"chunk {args.chunk_size} tokens = {mib:.1f} MiB; store prompt {args.store_tokens} "
           f"tokens x {args.stores} per rep; retrieve prompt {args.retrieve_tokens} tokens; "
@@ -397,6 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (f" ({report['page_cache_note']})" if report["page_cache_note"] else ""))
     print()
     print(markdown_table(report["summary"]))
+    if report.get("restarts"):
+        print()
+        print(restart_table(report["restarts"]))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 0
