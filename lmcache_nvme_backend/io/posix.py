@@ -107,11 +107,15 @@ class PosixIOEngine:
         ready = threading.Barrier(threads)
 
         def prepare() -> None:
-            self._staging("header", HEADER_SIZE)
+            self.prepare_thread()
             ready.wait(timeout=30)
 
         for fut in [self._pool.submit(prepare) for _ in range(threads)]:
             fut.result()
+
+    def prepare_thread(self) -> None:
+        """Map the calling thread's staging buffers now rather than on its first chunk."""
+        self._staging("header", HEADER_SIZE)
 
     # -- reads ---------------------------------------------------------------
 
@@ -239,18 +243,21 @@ class PosixIOEngine:
                            mode: int, sync_data: bool) -> None:
         """Create ``path``: the payload first, then the header ``header_for(block digests)``.
 
-        The payload's checksum blocks are hashed on the pool while this thread
-        writes them, so the first byte reaches the drive at once and the header,
-        which needs the digests, is written last (the file is published by the
-        caller's rename only after this returns).
+        Each piece's checksum blocks are hashed just before the piece is written, on
+        this thread (xxh3 runs at several GB/s and releases the GIL; a hand-off per
+        chunk to another thread costs more than it overlaps), and the header, which
+        needs every digest, is written last.  The caller publishes the file by
+        renaming it only after this returns.
         """
-        group = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
-        hashing = [self._pool.submit(hash_blocks, payload[start : start + group])
-                   for start in range(0, len(payload), group)]
+        digests: list[int] = []
+        piece = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
         fd = _create(path, direct, mode)
         try:
-            self._write_payload(fd, payload, direct, None)
-            header = header_for([digest for fut in hashing for digest in fut.result()])
+            for start in range(0, len(payload), piece):
+                view = payload[start : start + piece]
+                digests += hash_blocks(view)
+                self._write_payload(fd, view, direct, None, offset=start)
+            header = header_for(digests)
             if direct:
                 head = self._staging("header", HEADER_SIZE)
                 head[:HEADER_SIZE] = header
@@ -263,13 +270,17 @@ class PosixIOEngine:
             os.close(fd)
 
     def _write_payload(self, fd: int, payload: memoryview, direct: bool,
-                       header: bytes | None) -> None:
-        """Payload and zero padding, from file offset 4096 (from 0 with ``header`` first)."""
+                       header: bytes | None, offset: int = 0) -> None:
+        """``payload`` at payload offset ``offset`` (file offset ``4096 + offset``), zero padded
+        to 4 KiB when it ends the payload; with ``header``, the header first, in one call.
+
+        ``offset`` is a multiple of 4 KiB: a payload written in pieces pads only its last.
+        """
         lead: list[bytes | memoryview] = [] if header is None else [header]
-        start = 0 if header is None else -HEADER_SIZE  # file offset of lead + payload, less 4096
+        at = HEADER_SIZE + offset - sum(len(b) for b in lead)
         if not direct:
             pad = bytes(padded_length(len(payload)) - len(payload))
-            _pwritev_full(fd, [*lead, payload, pad], HEADER_SIZE + start)
+            _pwritev_full(fd, [*lead, payload, pad], at)
             return
         if header is not None:
             head = self._staging("header", HEADER_SIZE)
@@ -277,15 +288,16 @@ class PosixIOEngine:
             lead = [head[:HEADER_SIZE]]
         in_place, staged = _split_for_direct(payload, len(payload), direct=True)
         if lead or len(in_place):  # the header goes out with the first payload piece
-            _pwritev_full(fd, [*lead, in_place[: self.task_size]], HEADER_SIZE + start)
-        for offset in range(self.task_size, len(in_place), self.task_size):
-            _pwritev_full(fd, [in_place[offset : offset + self.task_size]],
-                          HEADER_SIZE + offset)
+            _pwritev_full(fd, [*lead, in_place[: self.task_size]], at)
+        for start in range(self.task_size, len(in_place), self.task_size):
+            _pwritev_full(fd, [in_place[start : start + self.task_size]],
+                          HEADER_SIZE + offset + start)
         if staged:
             tail = self._staging("write", padded_length(staged))
             tail[:staged] = payload[len(in_place) :]
             tail[staged : padded_length(staged)] = bytes(padded_length(staged) - staged)
-            _pwritev_full(fd, [tail[: padded_length(staged)]], HEADER_SIZE + len(in_place))
+            _pwritev_full(fd, [tail[: padded_length(staged)]],
+                          HEADER_SIZE + offset + len(in_place))
 
     # -- helpers -------------------------------------------------------------
 

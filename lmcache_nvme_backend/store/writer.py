@@ -153,6 +153,7 @@ class ChunkWriter:
 
     def _writer_loop(self) -> None:
         _lower_thread_cpu_priority()
+        self.engine.prepare_thread()
         while (job := self._queue.take()) is not None:
             try:
                 self._gate.wait_for_readers()
