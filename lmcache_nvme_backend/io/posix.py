@@ -16,10 +16,13 @@ files and caller memory:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
 import os
+import secrets
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,12 +32,18 @@ from pathlib import Path
 import numpy as np
 
 from ..disk.format import ALIGNMENT, HEADER_SIZE, padded_length
+from ..disk.layout import split_tree_path
+from ..disk.safe_fs import NotAChunkFile, create_beneath, kind_of, open_beneath
+
+__all__ = ["AlignedBuffer", "NotAChunkFile", "PosixIOEngine", "ReadRequest", "ShortFileError",
+           "create_for_write", "open_for_read", "probe_direct_io", "probe_direct_read"]
 
 logger = logging.getLogger(__name__)
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 # Linux transfers at most this many bytes in one read/write call.
 HUGE_PAGE = 2 * 1024 * 1024
 _MAX_IO_CALL = 0x7FFFF000 // ALIGNMENT * ALIGNMENT
@@ -84,33 +93,83 @@ def is_aligned(buf: memoryview) -> bool:
     return buffer_address(buf) % ALIGNMENT == 0
 
 
-def probe_direct_io(directory: Path) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers."""
+def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers.
+
+    The probe file has a random name, created ``O_EXCL | O_NOFOLLOW`` (a name planted in
+    the directory is skipped, never followed).  On a full filesystem (ENOSPC / EDQUOT:
+    no block or no inode for the probe) the answer comes from reading ``existing`` (a
+    regular file in the same filesystem, e.g. the cache marker) with O_DIRECT, which
+    needs no space; with no such file the answer is False (buffered I/O, always safe).
+    """
     if not _O_DIRECT:
         return False
-    probe = directory / f".odirect-probe-{os.getpid()}-{threading.get_ident()}"
     buf = AlignedBuffer(ALIGNMENT)
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC, 0o600)
-    except OSError as exc:
-        # Linux creates the file before it refuses O_DIRECT with EINVAL.
-        probe.unlink(missing_ok=True)
+        for _ in range(16):
+            probe = directory / f".odirect-probe-{os.getpid()}-{secrets.token_hex(8)}"
+            try:
+                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_DIRECT
+                             | _O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                # Linux creates the file before it refuses O_DIRECT with EINVAL.
+                _unlink_missing_ok(probe)
+                if exc.errno == errno.EINVAL:
+                    return False
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    return existing is not None and probe_direct_read(existing)
+                raise
+        else:
+            raise FileExistsError(errno.EEXIST, "no free probe file name", str(directory))
+        try:
+            os.pwrite(fd, buf.view, 0)
+            os.preadv(fd, [buf.view], 0)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return existing is not None and probe_direct_read(existing)
+            raise
+        finally:
+            os.close(fd)
+            _unlink_missing_ok(probe)
+    finally:
         buf.close()
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
+
+
+def probe_direct_read(path: Path) -> bool:
+    """Whether an existing regular file reads with O_DIRECT into an aligned buffer.
+
+    Writes nothing and needs no free space: what ``lmcache-nvme verify`` uses, and
+    the store's probe on a full filesystem.  A missing or unusable file is False.
+    """
+    if not _O_DIRECT:
+        return False
+    buf = AlignedBuffer(ALIGNMENT)
     try:
-        os.pwrite(fd, buf.view, 0)
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_DIRECT | _O_CLOEXEC)
+    except OSError:
+        buf.close()
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         os.preadv(fd, [buf.view], 0)
         return True
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
+    except OSError:
+        return False
     finally:
         os.close(fd)
-        probe.unlink(missing_ok=True)
         buf.close()
+
+
+def _unlink_missing_ok(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 @dataclass
@@ -164,7 +223,7 @@ class PosixIOEngine:
 
     def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
         """The raw header of a chunk file and the file's size."""
-        fd = _open_read(path, direct)
+        fd = open_for_read(path, direct)
         try:
             size = os.fstat(fd).st_size
             buf = self._staging("header", HEADER_SIZE)
@@ -193,7 +252,7 @@ class PosixIOEngine:
         def header_and_first_piece() -> None:
             # the running thread's own buffer: no mmap/munmap (and TLB shootdown) per chunk
             head = self._staging("header", HEADER_SIZE)[:HEADER_SIZE]
-            fd = _open_read(req.path, req.direct)
+            fd = open_for_read(req.path, req.direct)
             try:
                 if os.fstat(fd).st_size < need:
                     raise ShortFileError(errno.EIO, "chunk file shorter than its payload",
@@ -211,10 +270,8 @@ class PosixIOEngine:
     def write_chunk(self, path: Path, header: bytes, payload: memoryview, *, direct: bool,
                     mode: int, sync_data: bool) -> None:
         """Create ``path`` (must not exist) holding header, payload and zero padding."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-        fd = os.open(path, flags | (_O_DIRECT if direct else 0), mode)
+        fd = create_for_write(path, direct, mode)  # exactly nvme.file_mode, never a link
         try:
-            os.fchmod(fd, mode)  # exactly nvme.file_mode: open() would apply the umask
             if not direct:
                 pad = bytes(padded_length(len(payload)) - len(payload))
                 _pwritev_full(fd, [header, payload, pad], 0)
@@ -273,9 +330,67 @@ def _split_for_direct(buf: memoryview, length: int, direct: bool) -> tuple[memor
     return buf[:bulk], length - bulk
 
 
-def _open_read(path: Path, direct: bool) -> int:
-    flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-    return os.open(path, flags)
+def open_for_read(path: Path, direct: bool) -> int:
+    """Open a chunk file for reading; every read of a chunk file opens it here.
+
+    ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks the reader) and an ``fstat``
+    check: anything but a regular file raises :class:`NotAChunkFile`, which readers
+    treat as a miss, not a drive error.  A file in a cache tree's shard directory is
+    opened beneath its root without following a link in any component
+    (``disk/safe_fs.py``).
+    """
+    flags = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+    where = split_tree_path(path)
+    try:
+        if where is not None:
+            fd = open_beneath(where[0], where[1], flags | (_O_DIRECT if direct else 0))
+        else:
+            fd = os.open(path, flags | (_O_DIRECT if direct else 0))
+    except OSError as exc:
+        if isinstance(exc, NotAChunkFile):
+            raise
+        if exc.errno == errno.ELOOP:
+            raise NotAChunkFile(errno.ELOOP, "a symbolic link (never followed)",
+                                str(path)) from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR, errno.EINVAL):
+            # a socket (ENXIO), or O_DIRECT refused by a directory or a special file
+            try:
+                st = os.lstat(path)
+            except OSError:
+                raise exc from None
+            if not stat.S_ISREG(st.st_mode):
+                raise NotAChunkFile(exc.errno, f"a {kind_of(st.st_mode)}, not a chunk file",
+                                    str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not a chunk file",
+                            str(path))
+    return fd
+
+
+def create_for_write(path: Path, direct: bool, mode: int) -> int:
+    """Create a new chunk (temp) file with exactly ``mode`` for writing.
+
+    ``O_EXCL`` (never an existing file or link); in a cache tree's shard directory no
+    component is reached through a link (``NotAChunkFile``).
+    """
+    flags = os.O_WRONLY | (_O_DIRECT if direct else 0)
+    where = split_tree_path(path)
+    if where is not None:
+        return create_beneath(where[0], where[1], mode, flags)
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # open() applied the umask
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _run_piece(req: ReadRequest, piece: Callable[[], None]) -> None:
@@ -289,7 +404,7 @@ def _run_piece(req: ReadRequest, piece: Callable[[], None]) -> None:
 
 def _reader(req: ReadRequest, bufs: list[memoryview], offset: int) -> Callable[[], None]:
     def read() -> None:
-        fd = _open_read(req.path, req.direct)
+        fd = open_for_read(req.path, req.direct)
         try:
             _preadv_full(fd, bufs, offset)
         finally:

@@ -23,10 +23,19 @@ from pathlib import Path
 from ..config import NVMeSettings
 from ..disk.format import encode_header, file_size_for, max_key_bytes, payload_checksum, text_bytes
 from ..disk.gpusum import host_checksum
-from ..io.posix import PosixIOEngine
+from ..io.posix import NotAChunkFile, PosixIOEngine
 from .catalog import Catalog
 from .index import IndexEntry
-from .roots import Roots, RootState, unlink_quietly
+from .roots import (
+    Roots,
+    RootState,
+    note_full,
+    note_space,
+    prepare_chunk_dir,
+    publish_in_tree,
+    unlink_quietly,
+    write_namespace_file,
+)
 from .stats import Counter, StoreStats
 from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
 
@@ -176,7 +185,7 @@ class ChunkWriter:
             if gpu_sum is not None:
                 self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
             self._write_file(root, tmp, header, job.payload)
-            os.rename(tmp, final)
+            publish_in_tree(root.layout, tmp, final)
             published = True
             if self.settings.fsync == "full":
                 _fsync_dir(final.parent)
@@ -184,6 +193,12 @@ class ChunkWriter:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 # A full filesystem is not a failing drive: drop this write, keep serving.
                 self._stats.add(Counter.CAPACITY_DROPS)
+                note_full(root, exc)
+            elif isinstance(exc, NotAChunkFile):
+                # A link or file planted where the tree needs a directory: never followed,
+                # this write is dropped, the drive is fine.
+                self._stats.add(Counter.WRITE_FAILURES)
+                logger.warning("NVMe tier: not writing %s: %s", final, exc)
             else:
                 self._stats.add(Counter.WRITE_FAILURES)
                 self._roots.record_error(root, exc)
@@ -196,6 +211,7 @@ class ChunkWriter:
                 self._catalog.release(root.index, size)
         if published:
             root.consecutive_errors = 0
+            note_space(root)
             self._stats.record_write(job.nbytes, time.perf_counter() - started)
             if job.on_persisted is not None:
                 job.on_persisted()
@@ -214,11 +230,9 @@ class ChunkWriter:
             write()
 
     def _prepare_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        prepare_chunk_dir(root.layout, directory, self.settings.dir_mode)
         if (root.index, job.ns_id) not in self._known_namespaces:
-            name_file = root.layout.namespace_name_file(job.ns_id)
-            if not name_file.exists():
-                name_file.write_bytes(text_bytes(job.namespace) + b"\n")
+            write_namespace_file(root.layout, job.ns_id, job.namespace, self.settings.file_mode)
             self._known_namespaces.add((root.index, job.ns_id))
 
     def _end_job(self, job: ChunkWrite) -> None:
@@ -235,10 +249,11 @@ class ChunkWriter:
         if victims is None:
             return False
         self.evict(victims)
-        while free_bytes(root.layout.root) - size < self.settings.min_free_bytes:
+        while free_bytes(root.layout.root) - size < root.min_free_bytes:
             oldest = self._catalog.pop_oldest_unpinned(root.index)
             if oldest is None:
                 self._catalog.release(root.index, size)
+                note_full(root, None)
                 return False
             self.evict([oldest])
         return True
