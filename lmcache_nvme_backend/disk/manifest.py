@@ -156,7 +156,7 @@ def _records(doc: object) -> dict[str, ManifestRecord]:
         else:
             records[row[0]] = rec
     if skipped:
-        logger.warning("Manifest %d rows are not index rows; skipped (their chunks are "
+        logger.warning("Manifest: %d rows are not index rows; skipped (their chunks are "
                        "indexed from the directory).", skipped)
     return records
 

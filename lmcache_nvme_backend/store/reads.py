@@ -185,10 +185,12 @@ class ChunkReader:
         else:
             verdict = judge_chunk(header, Expected(key=plan.key, payload_len=plan.payload_len,
                                                    meta=plan.meta), payload_ok)
-        if verdict.defect is Defect.WRONG_META and verdict.header is not None:
-            # The index's metadata (from a manifest) disagrees with the file's header: the
-            # buffer was allocated for the wrong shapes.  A miss this time; the file is fine
-            # and the next read allocates from the header's metadata.
+        if verdict.defect in (Defect.WRONG_LENGTH, Defect.WRONG_META) and \
+                verdict.header is not None:
+            # The index (metadata from a manifest, or a key rewritten by another process)
+            # disagrees with the file's header, so the buffer was allocated for another
+            # payload.  A miss this time, not the file's fault: the next read allocates
+            # from the header's metadata and judges the file in full.
             self._catalog.learn_meta(plan.digest, verdict.header.tensor_meta, replace=True)
             return verdict
         if not verdict.ok:
