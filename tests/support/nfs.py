@@ -71,7 +71,7 @@ def nfs_mount(workdir: Path) -> Iterator[Path]:
                 pytest.skip(f"the user-space NFS server did not start: {tail}")
             time.sleep(0.2)
         r = subprocess.run(["mount", "-t", "nfs4", "-o", f"port={port},vers=4.1",
-                            f"127.0.0.1:/export", str(mnt)], capture_output=True, text=True,
+                            "127.0.0.1:/export", str(mnt)], capture_output=True, text=True,
                            timeout=60)
         if r.returncode != 0:
             has_client = "nfs" in _kernel_filesystems()
