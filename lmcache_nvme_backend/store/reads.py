@@ -10,6 +10,7 @@ forgotten, counted and moved to quarantine.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -172,9 +173,10 @@ class ChunkReader:
             # key, never followed or read, and not a sign that the drive is failing.
             self.not_a_chunk_file(plan.digest, error)
             return defect(Defect.NOT_A_CHUNK, str(error))
-        if isinstance(error, (FileNotFoundError, PermissionError)):
-            # Gone, or not ours to read (another user's file in a shared tree): a miss
-            # for this key, not a sign that the drive is failing.
+        if isinstance(error, (FileNotFoundError, PermissionError)) or \
+                getattr(error, "errno", None) == errno.ESTALE:
+            # Gone (ESTALE: removed by another NFS client), or not ours to read (another
+            # user's file in a shared tree): a miss for this key, not a failing drive.
             self.forget(plan.digest)
             return defect(Defect.NOT_A_CHUNK, f"unreadable: {error}")
         if error is not None and not isinstance(error, ShortFileError):
