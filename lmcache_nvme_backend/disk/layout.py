@@ -184,16 +184,16 @@ class RootLayout:
                             yield ns, shard1.name + shard2.name, entry
 
 
-def split_tree_path(path: Path) -> tuple[Path, str] | None:
+def split_tree_path(path: Path | str) -> tuple[str, str] | None:
     """(cache root, path below it) of a file in a shard directory
     (``<root>/ns/<ns16>/<aa>/<bb>/<name>``: chunk and temp files); None for any other path."""
-    parts = path.parts
-    if len(parts) < 7:
+    parts = os.fspath(path).rsplit("/", 5)
+    if len(parts) != 6 or not parts[0]:
         return None
-    tail = "/".join(parts[-5:])
+    tail = "/".join(parts[1:])
     if not _TREE_TAIL_RE.match(tail):
         return None
-    return Path(*parts[:-5]), tail
+    return parts[0], tail
 
 
 def this_host() -> str:

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,18 +99,48 @@ def use_openat2(enabled: bool) -> bool:
     return old
 
 
-def _unsafe(exc: OSError, root: Path, rel: str) -> OSError:
+def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
     """ELOOP (a link) or ENOTDIR (a file where a directory belongs) as ``NotAChunkFile``."""
     if exc.errno == errno.ELOOP:
         return NotAChunkFile(errno.ELOOP, "a symbolic link in the cache tree (never followed)",
-                             str(root / rel))
+                             str(Path(root) / rel))
     if exc.errno in (errno.ENOTDIR, errno.EXDEV):
-        return NotAChunkFile(exc.errno, "not a directory of the cache tree", str(root / rel))
+        return NotAChunkFile(exc.errno, "not a directory of the cache tree", str(Path(root) / rel))
     return exc
 
 
-def _open_root(root: Path) -> int:
+def _open_root(root: Path | str) -> int:
     return os.open(root, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_CLOEXEC)
+
+
+# One descriptor per cache root, opened on first use and kept: a read then costs one
+# openat2.  A root deleted meanwhile (its descriptor's directory has no link left) is
+# opened again by name.
+_ROOT_FDS: dict[str, int] = {}
+_ROOT_LOCK = threading.Lock()
+
+
+def _root_fd(root: Path | str, fresh: bool = False) -> int:
+    key = os.fspath(root)
+    with _ROOT_LOCK:
+        fd = _ROOT_FDS.get(key)
+        if fd is not None and not fresh:
+            return fd
+        new = _open_root(key)
+        _ROOT_FDS[key] = new
+        if fd is not None:
+            _STALE_FDS.append(fd)  # another thread may still be using it: left open
+        return new
+
+
+_STALE_FDS: list[int] = []
+
+
+def _root_deleted(fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
 
 
 def _walk_open(root_fd: int, parts: list[str], flags: int, mode: int) -> int:
@@ -135,38 +166,45 @@ def _check_rel(rel: str) -> list[str]:
     return parts
 
 
-def open_beneath(root: Path, rel: str, flags: int, mode: int = 0o600) -> int:
+def open_beneath(root: Path | str, rel: str, flags: int, mode: int = 0o600) -> int:
     """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``.
 
     A link (or a file where a directory belongs) raises :class:`NotAChunkFile`; other
     errors (ENOENT, EACCES, EEXIST, ENOSPC, ...) are raised as they come.
     """
     parts = _check_rel(rel)
-    root_fd = _open_root(root)
+    root_fd = _root_fd(root)
     try:
-        if _openat2.available:
-            try:
-                return _openat2(root_fd, "/".join(parts), flags | _O_CLOEXEC, mode)
-            except _Unavailable:
-                pass
-            except OSError as exc:
-                raise _unsafe(exc, root, rel) from None
+        return _open_at(root_fd, root, parts, flags, mode)
+    except FileNotFoundError:
+        if not _root_deleted(root_fd):
+            raise
+    return _open_at(_root_fd(root, fresh=True), root, parts, flags, mode)
+
+
+def _open_at(root_fd: int, root: Path | str, parts: list[str], flags: int, mode: int) -> int:
+    rel = "/".join(parts)
+    if _openat2.available:
         try:
-            return _walk_open(root_fd, parts, flags | _O_CLOEXEC, mode)
+            return _openat2(root_fd, rel, flags | _O_CLOEXEC, mode)
+        except _Unavailable:
+            pass
         except OSError as exc:
             raise _unsafe(exc, root, rel) from None
-    finally:
-        os.close(root_fd)
+    try:
+        return _walk_open(root_fd, parts, flags | _O_CLOEXEC, mode)
+    except OSError as exc:
+        raise _unsafe(exc, root, rel) from None
 
 
-def open_dir_beneath(root: Path, rel: str) -> int:
+def open_dir_beneath(root: Path | str, rel: str) -> int:
     """A descriptor (``O_RDONLY``) of the directory ``root / rel`` (``rel`` may be ``""``)."""
     if not rel:
         return os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     return open_beneath(root, rel, os.O_RDONLY | _O_DIRECTORY)
 
 
-def open_regular(root: Path, rel: str, flags: int = os.O_RDONLY) -> int:
+def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
     """Open an existing regular file for reading: ``O_NONBLOCK`` (a FIFO never blocks) and an
     ``fstat`` check; anything else raises :class:`NotAChunkFile`."""
     fd = open_beneath(root, rel, flags | _O_NONBLOCK)
@@ -178,7 +216,7 @@ def open_regular(root: Path, rel: str, flags: int = os.O_RDONLY) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not a regular file",
-                            str(root / rel))
+                            str(Path(root) / rel))
     return fd
 
 
@@ -193,7 +231,7 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def makedirs_beneath(root: Path, rel: str, mode: int) -> None:
+def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
     """Create the directories of ``rel`` below ``root`` with exactly ``mode`` (whatever the
     umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``."""
     parts = _check_rel(rel)
@@ -225,7 +263,7 @@ def makedirs_beneath(root: Path, rel: str, mode: int) -> None:
         os.close(fd)
 
 
-def create_beneath(root: Path, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
+def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
     """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
     ``mode``; returns its descriptor."""
     fd = open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode)
@@ -237,12 +275,12 @@ def create_beneath(root: Path, rel: str, mode: int, flags: int = os.O_WRONLY) ->
     return fd
 
 
-def _parent(root: Path, rel: str) -> tuple[int, str]:
+def _parent(root: Path | str, rel: str) -> tuple[int, str]:
     parts = _check_rel(rel)
     return open_dir_beneath(root, "/".join(parts[:-1])), parts[-1]
 
 
-def rename_beneath(root: Path, src_rel: str, dst_rel: str) -> None:
+def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
     """``rename`` within the tree; neither parent is reached through a link (and ``rename``
     itself never follows the names it moves)."""
     src_fd, src_name = _parent(root, src_rel)
@@ -256,7 +294,7 @@ def rename_beneath(root: Path, src_rel: str, dst_rel: str) -> None:
         os.close(src_fd)
 
 
-def unlink_beneath(root: Path, rel: str) -> None:
+def unlink_beneath(root: Path | str, rel: str) -> None:
     """``unlink`` within the tree (a link is removed, never its target)."""
     fd, name = _parent(root, rel)
     try:
@@ -265,7 +303,7 @@ def unlink_beneath(root: Path, rel: str) -> None:
         os.close(fd)
 
 
-def lstat_beneath(root: Path, rel: str) -> os.stat_result:
+def lstat_beneath(root: Path | str, rel: str) -> os.stat_result:
     """``lstat`` of an entry whose parents are reached without following links."""
     fd, name = _parent(root, rel)
     try:
@@ -274,7 +312,7 @@ def lstat_beneath(root: Path, rel: str) -> os.stat_result:
         os.close(fd)
 
 
-def scandir_beneath(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:
+def scandir_beneath(root: Path | str, rel: str) -> Iterator[os.DirEntry[str]]:
     """Entries of the directory ``root / rel`` (``""``: the root); a missing, unreadable or
     linked directory is empty.  Entries' ``is_dir``/``is_file`` must be asked with
     ``follow_symlinks=False``; their ``path`` is only the name."""
@@ -291,7 +329,7 @@ def scandir_beneath(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:
         os.close(fd)
 
 
-def read_small_file(root: Path, rel: str, limit: int) -> bytes:
+def read_small_file(root: Path | str, rel: str, limit: int) -> bytes:
     """At most ``limit`` bytes of a regular file (no link followed, a FIFO never waited on)."""
     fd = open_regular(root, rel)
     try:
@@ -308,7 +346,7 @@ def read_small_file(root: Path, rel: str, limit: int) -> bytes:
         os.close(fd)
 
 
-def remove_quietly(root: Path, rel: str) -> bool:
+def remove_quietly(root: Path | str, rel: str) -> bool:
     """Unlink within the tree; False when it was not there or could not be removed."""
     with contextlib.suppress(OSError, ValueError):
         unlink_beneath(root, rel)
