@@ -1,7 +1,8 @@
 """An NFS export served on this machine and mounted over loopback, for the shared-mode test.
 
 The server is NFS-Ganesha (``ganesha.nfsd``, Debian package ``nfs-ganesha-vfs``): a user-space
-server this fixture starts on a private port, NFSv4 only (no rpcbind), and stops at the end,
+server this fixture starts on a private port, NFSv4 over TCP only (no rpcbind needed), and
+stops at the end,
 so the test never touches a system-wide NFS server.  The kernel's NFS client mounts it.
 When any step is impossible (no server installed, not root, no NFS client in the kernel,
 the mount refused) the test is skipped with the reason.
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 _CONFIG = """
-NFS_CORE_PARAM {{ Protocols = 4; NFS_Port = {port}; Bind_addr = 127.0.0.1; }}
+NFS_CORE_PARAM {{ Protocols = 4; NFS_Port = {port}; Bind_addr = 127.0.0.1;
+                  Enable_UDP = false; Enable_NLM = false; Enable_RQUOTA = false; }}
 NFSV4 {{ Graceless = true; RecoveryBackend = fs; RecoveryRoot = "{recovery}"; }}
 EXPORT {{
   Export_Id = 714; Path = "{export}"; Pseudo = /export; Access_Type = RW;
@@ -67,8 +69,10 @@ def nfs_mount(workdir: Path) -> Iterator[Path]:
         deadline = time.monotonic() + 20
         while "NFS SERVER INITIALIZED" not in (log.read_text() if log.exists() else ""):
             if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text()[-500:] if log.exists() else ""
-                pytest.skip(f"the user-space NFS server did not start: {tail}")
+                lines = log.read_text().splitlines() if log.exists() else []
+                worst = [ln for ln in lines if ":FATAL :" in ln or ":MAJ :" in ln][-3:]
+                pytest.skip(f"the user-space NFS server did not start (exit status "
+                            f"{proc.poll()}): {' | '.join(worst) or 'no log'}")
             time.sleep(0.2)
         r = subprocess.run(["mount", "-t", "nfs4", "-o", f"port={port},vers=4.1",
                             "127.0.0.1:/export", str(mnt)], capture_output=True, text=True,
