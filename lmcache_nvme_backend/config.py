@@ -22,9 +22,22 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .disk.safe_fs import dir_mode_for
+
 EXTRA_CONFIG_PREFIX = "nvme."
 GIB = 1024**3
 MIB = 1024**2
+# nvme.min_free_gb "auto": this share of the filesystem, at most MIN_FREE_AUTO_CAP.
+MIN_FREE_AUTO_FRACTION = 0.05
+MIN_FREE_AUTO_CAP = GIB
+
+
+def auto_min_free_bytes(filesystem_bytes: int) -> int:
+    """The free-space guard of ``nvme.min_free_gb: auto``: 5% of the filesystem, at most
+    1 GiB (so a small disk still caches and a large one keeps 1 GiB free)."""
+    return min(MIN_FREE_AUTO_CAP, int(filesystem_bytes * MIN_FREE_AUTO_FRACTION))
+
+
 
 
 class NVMeConfigError(ValueError):
@@ -127,6 +140,23 @@ class _Number(_Rule):
 
 
 @dataclass(frozen=True)
+class _NumberOrAuto(_Rule):
+    """A number, or ``auto`` / unset (None): a value the store derives at start."""
+
+    number: _Number
+
+    def parse(self, raw: Any, fail: _Fail) -> float | int | None:
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto"):
+            return None
+        try:
+            float(raw)
+        except (TypeError, ValueError):
+            raise fail(f"'{raw}' is neither a number nor auto",
+                       f"Give 'auto' or a number of at least {self.number.minimum:g}.") from None
+        return self.number.parse(raw, fail)
+
+
+@dataclass(frozen=True)
 class _Choice(_Rule):
     choices: type[StrChoice]
 
@@ -184,25 +214,38 @@ class _Directories(_Rule):
             path = Path(item.removeprefix("file://")).expanduser().absolute()
             if path in paths:
                 raise fail(f"'{path}' is listed twice", "List each directory once.")
-            self.check_directory(path, fail)
+            if path.exists() and not path.is_dir():
+                raise fail(f"'{path}' exists and is not a directory",
+                           "Point it at a directory (it is created if missing).")
             paths.append(path)
         return tuple(paths)
 
     @staticmethod
-    def check_directory(path: Path, fail: _Fail) -> None:
-        if path.exists() and not path.is_dir():
-            raise fail(f"'{path}' exists and is not a directory",
-                       "Point it at a directory (it is created if missing).")
+    def prepare(path: Path, dir_mode: int, fail: _Fail) -> None:
+        """Create ``path`` (missing directories get ``dir_mode``, whatever the umask) and
+        check that this process can create files in it.  A full filesystem (no space or no
+        inode for the probe) is fine: the store starts and serves what the path holds."""
+        missing = [p for p in (path, *path.parents) if not p.exists()]
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            for p in reversed(missing):
+                try:
+                    p.mkdir(dir_mode)
+                except FileExistsError:
+                    continue
+                os.chmod(p, dir_mode)  # mkdir applied the umask
         except OSError as exc:
             raise fail(f"cannot create '{path}': {exc.strerror}",
                        "Create it yourself or choose a writable location.") from exc
+        if not path.is_dir():
+            raise fail(f"'{path}' exists and is not a directory",
+                       "Point it at a directory (it is created if missing).")
         try:
             fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return
             why = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
             raise fail(f"'{path}' is not writable ({why})",
                        "Grant this process write access or choose another directory.") from exc
@@ -222,7 +265,9 @@ class NVMeSettings:
 
     paths: tuple[Path, ...] = field(metadata=_rule(_Directories(), key="path"))
     max_size_gb: float = field(metadata=_rule(_Number(0.0, exclusive=True)))
-    min_free_gb: float = field(default=1.0, metadata=_rule(_Number(0.0)))
+    # None ("auto"): auto_min_free_bytes of each path's filesystem
+    min_free_gb: float | None = field(default=None,
+                                      metadata=_rule(_NumberOrAuto(_Number(0.0))))
     direct_io: DirectIOMode = field(default=DirectIOMode.AUTO,
                                     metadata=_rule(_Choice(DirectIOMode)))
     io_threads: int = field(default=8, metadata=_rule(_Number(1, integer=True)))
@@ -257,8 +302,19 @@ class NVMeSettings:
         return int(self.max_size_gb * GIB)
 
     @property
-    def min_free_bytes(self) -> int:
-        return int(self.min_free_gb * GIB)
+    def min_free_bytes(self) -> int | None:
+        """The free-space guard in bytes; None: ``auto`` (scaled to each filesystem)."""
+        return None if self.min_free_gb is None else int(self.min_free_gb * GIB)
+
+    def min_free_bytes_on(self, filesystem_bytes: int) -> int:
+        """The free-space guard of a path on a filesystem of ``filesystem_bytes``."""
+        guard = self.min_free_bytes
+        return auto_min_free_bytes(filesystem_bytes) if guard is None else guard
+
+    @property
+    def dir_mode(self) -> int:
+        """Mode of the directories the tier creates (``file_mode`` plus search bits)."""
+        return dir_mode_for(self.file_mode)
 
     @property
     def task_size_bytes(self) -> int:
@@ -323,4 +379,6 @@ class _Parser:
             default = None if f.default is MISSING else f.default
             rule: _Rule = f.metadata[_RULE]
             values[f.name] = rule.parse(self.params.get(name, default), self.failer(name))
+        for path in values["paths"]:
+            _Directories.prepare(path, dir_mode_for(values["file_mode"]), self.failer("path"))
         return NVMeSettings(**values)

@@ -111,6 +111,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("checksum_failures", "Reads whose payload failed its checksum (never served)."),
     _counter("invalid_files", "Chunk files rejected (bad header, wrong key, short, foreign)."),
     _counter("quarantined_files", "Rejected files moved aside for inspection."),
+    _counter("special_files", "Links, directories or special files found at a chunk path "
+             "(never followed or read; a miss)."),
     _counter("recovered_entries", "Chunks found on disk at start."),
     _counter("removed_temp_files", "Unpublished temp files removed at start."),
     _counter("shared_adopted", "Shared mode: chunks another process wrote, found on disk."),

@@ -32,8 +32,15 @@ logger = logging.getLogger("lmcache_nvme_backend")
 def allocate_for(local_cpu_backend: LocalCPUBackend, meta: TensorMeta) -> MemoryObj | None:
     """A host memory object for a stored chunk (None: host memory exhausted or too small)."""
     shapes = [torch.Size(s) for s in meta.shapes]
-    dtypes = [getattr(torch, d) for d in meta.dtypes]
-    fmt = MemoryFormat(meta.fmt)
+    dtypes = [getattr(torch, d, None) for d in meta.dtypes]
+    try:
+        fmt = MemoryFormat(meta.fmt)
+    except ValueError:
+        fmt = None
+    if fmt is None or not all(isinstance(d, torch.dtype) for d in dtypes):
+        logger.warning("NVMe tier: a chunk's metadata names dtypes %s / format %d that this "
+                       "LMCache does not know; serving a miss.", meta.dtypes, meta.fmt)
+        return None
     if len(shapes) == 1:
         obj = local_cpu_backend.allocate(shapes[0], dtypes[0], fmt)
     else:

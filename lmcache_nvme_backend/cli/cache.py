@@ -3,18 +3,22 @@
 Everything here only reads the tree (``lstat``, ``scandir``, the manifest and
 the NAMESPACE files), so it is safe while a server uses the directory; files
 may vanish between the listing and a later look, and callers treat that as
-"already gone".
+"already gone".  Nothing is reached through a link (``disk/safe_fs.py``), no FIFO
+is waited on, and a damaged manifest is ignored.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..disk.layout import MARKER_NAME, RootLayout, namespace_id
-from ..disk.manifest import MANIFEST_NAME, ManifestRecord, load_manifest
+from ..disk.layout import MARKER_NAME, RootLayout, namespace_id, split_tree_path
+from ..disk.manifest import DEFAULT_MAX_BYTES, MANIFEST_NAME, ManifestRecord, load_manifest
+from ..disk.safe_fs import lstat_beneath, read_small_file, scandir_beneath, unlink_beneath
+from ..store.recovery import manifest_limit
 from .common import CLIError
 
 _NS_ID_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -42,7 +46,7 @@ class CacheRoot:
         path = path.absolute()
         if not path.is_dir():
             raise CLIError(f"'{path}' is not a directory")
-        if not (path / MARKER_NAME).is_file():
+        if not _is_regular(path / MARKER_NAME):
             raise CLIError(f"'{path}' is not an LMCache NVMe cache root (no {MARKER_NAME} "
                            "file); give the directory configured as nvme.path")
         self.path = path
@@ -53,21 +57,22 @@ class CacheRoot:
     def manifest_path(self) -> Path:
         return self.layout.index_dir / MANIFEST_NAME
 
-    def manifest(self) -> dict[str, ManifestRecord]:
-        """Records of the persisted index snapshot (empty when missing or unreadable)."""
+    def manifest(self, chunk_files: int | None = None) -> dict[str, ManifestRecord]:
+        """Records of the persisted index snapshot (empty when missing, unreadable, or far
+        larger than a manifest of ``chunk_files`` chunk files can be)."""
         if self._manifest is None:
-            self._manifest = load_manifest(self.layout.index_dir)
+            limit = DEFAULT_MAX_BYTES if chunk_files is None else manifest_limit(chunk_files)
+            self._manifest = load_manifest(self.layout.index_dir, max_bytes=limit)
         return self._manifest
 
     def namespace_names(self) -> dict[str, str]:
         """Readable name of every namespace directory (from its NAMESPACE file)."""
         names: dict[str, str] = {}
         for ns_id in self.layout.iter_namespace_ids():
-            try:
-                with open(self.layout.namespace_name_file(ns_id), encoding="utf-8",
-                          errors="replace") as f:
-                    names[ns_id] = f.read(4096).rstrip("\n")
-            except OSError:
+            try:  # never through a link, never waiting on a FIFO
+                raw = read_small_file(self.path, f"ns/{ns_id}/NAMESPACE", 4096)
+                names[ns_id] = raw.decode("utf-8", "replace").rstrip("\n")
+            except (OSError, ValueError):
                 names[ns_id] = ""
         return names
 
@@ -84,12 +89,15 @@ class CacheRoot:
 
     def scan(self, ns_id: str | None = None) -> list[CacheFile]:
         """Every chunk file (optionally of one namespace); vanished files are skipped."""
-        records = self.manifest()
+        located = list(self.layout.iter_chunks(ns_id))
+        records = self.manifest(len(located))
         files: list[CacheFile] = []
-        for loc in self.layout.iter_chunks(ns_id):
+        for loc in located:
             try:
-                st = os.lstat(loc.path)
-            except OSError:
+                st = lstat_beneath(self.path, self.layout.relative(loc.path))
+            except (OSError, ValueError):
+                continue
+            if not stat.S_ISREG(st.st_mode):
                 continue
             rec = records.get(loc.digest)
             in_manifest = rec is not None and rec.ns_id == loc.namespace_id
@@ -99,21 +107,26 @@ class CacheRoot:
                                    st.st_ino, st.st_dev))
         return files
 
+    def special_entries(self, ns_id: str | None = None) -> list[tuple[Path, str]]:
+        """(path, what it is) of links, directories and special files at chunk names:
+        never followed or read, reported by ``verify`` and ``inspect``."""
+        return list(self.layout.iter_special_entries(ns_id))
+
     def quarantined(self) -> list[tuple[Path, int]]:
-        """(path, size) of the files in the quarantine directory."""
+        """(path, size) of the files in the quarantine directory (never through a link)."""
         out = []
-        try:
-            with os.scandir(self.layout.quarantine_dir) as it:
-                for entry in it:
-                    if entry.is_file(follow_symlinks=False):
-                        try:
-                            out.append((Path(entry.path), entry.stat(follow_symlinks=False)
-                                        .st_size))
-                        except OSError:
-                            continue
-        except OSError:
-            pass
+        for entry in scandir_beneath(self.path, "quarantine"):
+            if entry.is_file(follow_symlinks=False):
+                try:
+                    out.append((self.layout.quarantine_dir / entry.name,
+                                entry.stat(follow_symlinks=False).st_size))
+                except OSError:
+                    continue
         return out
+
+    def unlink(self, path: Path) -> None:
+        """Remove a file of this tree without following a link in its directories."""
+        unlink_beneath(self.path, self.layout.relative(path))
 
 
 def lru_order(files: list[CacheFile]) -> list[CacheFile]:
@@ -125,11 +138,19 @@ def lru_order(files: list[CacheFile]) -> list[CacheFile]:
     return sorted(files, key=lambda f: (f.last_access_ns, f.digest))
 
 
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:
     """Whether ``path`` is still the file that was looked at (not replaced meanwhile)."""
+    where = split_tree_path(path)
     try:
-        st = os.lstat(path)
-    except OSError:
+        st = lstat_beneath(*where) if where is not None else os.lstat(path)
+    except (OSError, ValueError):
         return False
     if isinstance(ref, CacheFile):
         return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (

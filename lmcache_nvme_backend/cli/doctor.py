@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..config import auto_min_free_bytes
 from ..disk.format import ALIGNMENT
 from ..io.posix import probe_direct_io
 from .common import GIB, MountInfo, mount_for, nearest_existing, non_negative_float, print_json
@@ -55,8 +56,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", type=Path, help="the cache directory (nvme.path)")
     p.add_argument("--max-size-gb", type=non_negative_float, metavar="GB",
                    help="the budget you plan (nvme.max_size_gb): warn when it does not fit")
-    p.add_argument("--min-free-gb", type=non_negative_float, default=1.0, metavar="GB",
-                   help="the free-space guard (nvme.min_free_gb, default 1)")
+    p.add_argument("--min-free-gb", type=non_negative_float, default=None, metavar="GB",
+                   help="the free-space guard (nvme.min_free_gb; default auto: 5%% of the "
+                        "filesystem, at most 1 GiB)")
     p.add_argument("--skip-gpu", action="store_true",
                    help="host-only deployment: skip the kvikio/GDS/GPU checks")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -129,8 +131,11 @@ def check_direct_io(probe_dir: Path) -> Check:
                  "cannot work", "use a local ext4 or xfs filesystem on the NVMe drive")
 
 
-def check_free_space(probe_dir: Path, max_size_gb: float | None, min_free_gb: float) -> Check:
+def check_free_space(probe_dir: Path, max_size_gb: float | None,
+                     min_free_gb: float | None) -> Check:
     usage = shutil.disk_usage(probe_dir)
+    if min_free_gb is None:  # nvme.min_free_gb: auto
+        min_free_gb = auto_min_free_bytes(usage.total) / GIB
     free_gb = usage.free / GIB
     detail = f"{free_gb:.1f} GiB free of {usage.total / GIB:.1f} GiB"
     if free_gb < min_free_gb:
@@ -306,7 +311,7 @@ def check_lmcache() -> Check:
                  ">=0.5.6,<0.6", "pip install 'lmcache>=0.5.6,<0.6'")
 
 
-def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float,
+def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
                skip_gpu: bool) -> list[Check]:
     path = path.absolute()
     first, probe_dir = check_path(path)

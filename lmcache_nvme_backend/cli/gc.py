@@ -14,12 +14,12 @@ room, when pins matter.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ..disk.layout import STALE_TEMP_S
+from ..disk.safe_fs import NotAChunkFile
 from .cache import CacheFile, CacheRoot, lru_order, relative, same_file
 from .common import GIB, CLIError, human_bytes, non_negative_float, positive_float, print_json
 
@@ -57,15 +57,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _unlink(path: Path, expect: CacheFile | None, dry_run: bool) -> bool:
-    """Delete one file; False when it vanished or changed since it was listed."""
+def _unlink(root: CacheRoot, path: Path, expect: CacheFile | None, dry_run: bool) -> bool:
+    """Delete one file of the tree (never through a link); False when it vanished or
+    changed since it was listed."""
     if expect is not None and not same_file(path, expect):
         return False
     if dry_run:
         return True
     try:
-        os.unlink(path)
-    except FileNotFoundError:
+        root.unlink(path)
+    except (FileNotFoundError, NotAChunkFile):
         return False
     return True
 
@@ -81,7 +82,7 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
                 cleared.append({"namespace": name, "id": None, "files": 0, "bytes": 0})
                 continue
             files = root.scan(ns_id)
-            removed = [f for f in files if _unlink(f.path, f, args.dry_run)]
+            removed = [f for f in files if _unlink(root, f.path, f, args.dry_run)]
             cleared.append({"namespace": name, "id": ns_id, "files": len(removed),
                             "bytes": sum(f.size for f in removed)})
         report["namespaces"] = cleared
@@ -94,7 +95,7 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
             except OSError:
                 continue
             if tmp.is_stale(args.temp_age_s, now):
-                if args.dry_run or _unlink(tmp.path, None, False):
+                if args.dry_run or _unlink(root, tmp.path, None, False):
                     removed_tmp += 1
                     nbytes += st.st_size
             else:
@@ -102,7 +103,7 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
         report["temp_files"] = {"removed": removed_tmp, "bytes": nbytes, "kept_live": kept}
     if args.purge_quarantine:
         q = root.quarantined()
-        done = [(p, s) for p, s in q if args.dry_run or _unlink(p, None, False)]
+        done = [(p, s) for p, s in q if args.dry_run or _unlink(root, p, None, False)]
         report["quarantine"] = {"removed": len(done), "bytes": sum(s for _, s in done)}
     if budget is not None:
         files = lru_order(root.scan())
@@ -111,7 +112,7 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
         for f in files:
             if total <= budget:
                 break
-            if _unlink(f.path, f, args.dry_run):
+            if _unlink(root, f.path, f, args.dry_run):
                 removed_files.append(f)
             total -= f.size  # vanished or replaced: gone from the budget's view either way
         report["budget"] = {

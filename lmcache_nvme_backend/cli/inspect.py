@@ -70,9 +70,10 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
         with contextlib.suppress(OSError):
             temp_bytes += t.path.lstat().st_size
     quarantined = root.quarantined()
-    manifest = root.manifest()
+    manifest = root.manifest(len(files))
+    special = root.special_entries()
     try:
-        manifest_age = time.time() - root.manifest_path.stat().st_mtime
+        manifest_age = time.time() - root.manifest_path.lstat().st_mtime
     except OSError:
         manifest_age = None
     return {
@@ -84,11 +85,13 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
         "oldest_access_age_s": oldest,
         "newest_access_age_s": newest,
         "files_in_manifest": sum(f.in_manifest for f in files),
-        "manifest": {"present": root.manifest_path.exists(), "entries": len(manifest),
+        "manifest": {"present": root.manifest_path.is_file(), "entries": len(manifest),
                      "age_s": manifest_age},
         "temp_files": {"count": len(temp), "bytes": temp_bytes,
                        "pattern": f"<digest>.kv{TEMP_INFIX}<host>-<pid>-<thread>"},
         "quarantine": {"count": len(quarantined), "bytes": sum(s for _, s in quarantined)},
+        "special_entries": [{"path": str(p.relative_to(root.path)), "kind": kind}
+                            for p, kind in special],
     }
 
 
@@ -119,6 +122,9 @@ def print_report(rep: dict[str, Any]) -> None:
     print(f"  temporary files: {rep['temp_files']['count']} "
           f"({human_bytes(rep['temp_files']['bytes'])}); quarantined files: "
           f"{rep['quarantine']['count']} ({human_bytes(rep['quarantine']['bytes'])})")
+    for sp in rep["special_entries"]:
+        print(f"  skipped {sp['path']}: a {sp['kind']} at a chunk file's name (never followed "
+              "or read)")
     print(f"  time since last access (newest {_age(rep['newest_access_age_s'])}, oldest "
           f"{_age(rep['oldest_access_age_s'])}):")
     most = max([b["files"] for b in rep["age_histogram"]] + [1])

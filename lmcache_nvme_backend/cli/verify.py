@@ -9,13 +9,17 @@ server's page cache is not disturbed).
 
 With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` (the
 store's naming) unless it changed since it was read; a running store treats
-the vanished file as a miss.  Nothing is rewritten in place.
+the vanished file as a miss.  Nothing is rewritten in place, and without
+``--quarantine`` nothing is written at all (the O_DIRECT probe reads the
+marker file), so it runs on a full or read-only filesystem.  Links, directories
+and special files at chunk names are reported as skipped, never followed or read.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..disk.layout import MARKER_NAME
+from ..disk.safe_fs import dir_mode_for, lstat_beneath, makedirs_beneath, rename_beneath
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io.buffers import AlignedBuffer
-from ..io.posix import PosixIOEngine, ReadRequest, ShortFileError, probe_direct_io
+from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError, probe_direct_read
 from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import MIB, Progress, human_bytes, positive_int, print_json
 
@@ -38,8 +44,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Decode every chunk header and check every payload checksum, the "
                     "stored key against the file name and the file size. Read-only unless "
                     "--quarantine; safe while a server uses the directory.",
-        epilog="exit status: 0 every file is valid, 1 bad files were found (or PATH is not "
-               "a cache directory), 2 usage error")
+        epilog="exit status: 0 every file is valid, 1 bad files, or links / directories / "
+               "special files at chunk names, were found (or PATH is not a cache directory), "
+               "2 usage error")
     p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
                    help="cache directory (nvme.path)")
     p.add_argument("--quarantine", action="store_true",
@@ -70,7 +77,7 @@ class Verifier:
 
     def __init__(self, root: CacheRoot, threads: int) -> None:
         self.root = root
-        self.direct = probe_direct_io(root.path)
+        self.direct = probe_direct_read(root.path / MARKER_NAME)  # writes nothing
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="verify-io")
         self.engine = PosixIOEngine(TASK_SIZE, self._pool)
         self._local = threading.local()
@@ -89,7 +96,7 @@ class Verifier:
     def check(self, f: CacheFile) -> Outcome:
         out = Outcome(f)
         try:
-            out.stat = os.lstat(f.path)
+            out.stat = lstat_beneath(self.root.path, self.root.layout.relative(f.path))
             raw, size = self.engine.read_header(f.path, self.direct)
             expected = Expected(digest=f.digest, ns_id=f.ns_id, file_size=size)
             verdict = judge_chunk(raw, expected)
@@ -100,6 +107,8 @@ class Verifier:
                 out.payload_bytes = verdict.header.payload_len
         except FileNotFoundError:
             out.vanished = True
+        except NotAChunkFile as exc:
+            out.reason = f"not a chunk file: {exc.strerror}"
         except OSError as exc:
             out.reason = f"read error: {exc.strerror or exc}"
         return out
@@ -123,11 +132,12 @@ def quarantine(root: CacheRoot, out: Outcome) -> str | None:
     """Rename a bad file into the quarantine directory if it is still the file checked."""
     if out.stat is None or not same_file(out.file.path, out.stat):
         return None
-    root.layout.quarantine_dir.mkdir(parents=True, exist_ok=True)
     target = root.layout.quarantine_path(out.file.digest)
-    try:
-        os.rename(out.file.path, target)
-    except OSError:
+    try:  # never through a link (a planted quarantine/ link is refused)
+        makedirs_beneath(root.path, "quarantine", dir_mode_for(stat.S_IMODE(out.stat.st_mode)))
+        rename_beneath(root.path, root.layout.relative(out.file.path),
+                       root.layout.relative(target))
+    except (OSError, ValueError):
         return None
     return relative(root, target)
 
@@ -135,6 +145,8 @@ def quarantine(root: CacheRoot, out: Outcome) -> str | None:
 def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
                 progress_enabled: bool) -> dict[str, Any]:
     files = root.scan()
+    skipped = [{"path": relative(root, p), "kind": kind}
+               for p, kind in root.special_entries()]
     started = time.perf_counter()
     progress = Progress(progress_enabled, sum(f.size for f in files), f"verify {root.path}")
     verifier = Verifier(root, threads)
@@ -158,6 +170,7 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
     ok = sum(1 for o in outcomes if o.reason is None and not o.vanished)
     checked_bytes = sum(o.file.size for o in outcomes if not o.vanished)
     return {"path": str(root.path), "files": len(files), "ok": ok, "bad": bad,
+            "skipped": skipped,
             "vanished": sum(o.vanished for o in outcomes), "bytes": checked_bytes,
             "payload_bytes": sum(o.payload_bytes for o in outcomes),
             "seconds": round(seconds, 3), "direct_io": verifier.direct}
@@ -169,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     roots = [CacheRoot(p) for p in args.paths]
     progress = args.progress or sys.stderr.isatty()
     reports = [verify_root(r, args.threads, args.quarantine, progress) for r in roots]
-    any_bad = any(r["bad"] for r in reports)
+    any_bad = any(r["bad"] or r["skipped"] for r in reports)
     if args.json:
         print_json({"command": "verify", "roots": reports, "ok": not any_bad})
         return 1 if any_bad else 0
@@ -184,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
                      else (" (left in place: changed or vanished meanwhile)"
                            if args.quarantine else ""))
             print(f"  BAD {b['path']}: {b['reason']}{where}")
+        for sk in rep["skipped"]:
+            print(f"  SKIPPED {sk['path']}: a {sk['kind']} at a chunk file's name (never "
+                  "followed or read; the server treats it as a miss; remove it)")
     if any_bad and not args.quarantine:
         print("Bad files are never served (the store checks on every read and quarantines "
               "them); run with --quarantine to move them out now.")

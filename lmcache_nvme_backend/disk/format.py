@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 import struct
 import time
 from collections.abc import Sequence
@@ -61,6 +63,51 @@ class FormatError(ValueError):
     """A file is not a valid chunk file of this format (corrupt, foreign or mismatched)."""
 
 
+# What tensor metadata a real chunk can hold; anything outside is a FormatError.
+MAX_TENSORS = 64
+MAX_DIMS = 8
+MAX_FMT = 255
+_MAX_META_DEPTH = 3  # {"shapes": [[...]]}
+_DTYPE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+# Bytes per element of the dtypes LMCache uses; an unknown (future) dtype name counts as
+# the largest, so the allocation a header can ask for stays bounded.
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16,
+    "complex64": 8, "complex32": 4, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1, "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
+_MAX_DTYPE_SIZE = 16
+
+
+def _reject_constant(name: str) -> object:
+    raise FormatError(f"non-finite number {name} in tensor metadata")
+
+
+def _reject_float(text: str) -> object:
+    raise FormatError(f"fractional number {text[:20]} in tensor metadata")
+
+
+def _json_depth(raw: bytes) -> int:
+    """Deepest nesting of brackets (strings not excluded: our strings hold none)."""
+    depth = deepest = 0
+    for byte in raw:
+        if byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _whole(value: object, what: str, high: int) -> int:
+    """A JSON integer (never a bool or a float) within 0..high."""
+    if type(value) is not int or not 0 <= value <= high:
+        raise FormatError(f"tensor metadata {what} {str(value)[:40]!s} is out of range")
+    return value
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What a reader needs to allocate the destination memory object.
@@ -79,19 +126,44 @@ class TensorMeta:
 
     @classmethod
     def from_json(cls, raw: bytes) -> TensorMeta:
+        """Parse stored metadata defensively: any value a real chunk cannot hold (deep
+        nesting, non-finite or fractional numbers, negative or huge sizes, unknown keys'
+        shapes, an allocation over ``MAX_PAYLOAD_BYTES``) is a ``FormatError``."""
+        if len(raw) > HEADER_SIZE:
+            raise FormatError(f"tensor metadata of {len(raw)} bytes")
+        if _json_depth(raw) > _MAX_META_DEPTH:
+            raise FormatError("tensor metadata nested too deeply")
         try:
-            doc = json.loads(raw)
-            shapes = tuple(tuple(int(d) for d in shape) for shape in doc["shapes"])
-            dtypes = tuple(str(d) for d in doc["dtypes"])
-            fmt = int(doc["fmt"])
-            nbytes = int(doc["nbytes"])
-        except (ValueError, KeyError, TypeError) as exc:
+            doc = json.loads(raw, parse_constant=_reject_constant, parse_float=_reject_float)
+        except FormatError:
+            raise
+        except (ValueError, RecursionError) as exc:
             raise FormatError(f"unreadable tensor metadata: {exc}") from exc
-        if len(shapes) != len(dtypes) or not shapes:
+        if not isinstance(doc, dict):
+            raise FormatError("tensor metadata is not an object")
+        shapes_doc, dtypes_doc = doc.get("shapes"), doc.get("dtypes")
+        if not isinstance(shapes_doc, list) or not isinstance(dtypes_doc, list):
+            raise FormatError("tensor metadata lacks shapes or dtypes lists")
+        if not 1 <= len(shapes_doc) <= MAX_TENSORS or len(shapes_doc) != len(dtypes_doc):
             raise FormatError("tensor metadata has mismatched shapes and dtypes")
-        if not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
-            raise FormatError(f"tensor metadata claims {nbytes} bytes")
-        return cls(shapes=shapes, dtypes=dtypes, fmt=fmt, nbytes=nbytes)
+        shapes = []
+        for shape in shapes_doc:
+            if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+                raise FormatError("tensor metadata shape is not a list of at most "
+                                  f"{MAX_DIMS} sizes")
+            shapes.append(tuple(_whole(d, "dimension", MAX_PAYLOAD_BYTES) for d in shape))
+        dtypes = []
+        for dtype in dtypes_doc:
+            if not isinstance(dtype, str) or not _DTYPE_RE.match(dtype):
+                raise FormatError(f"tensor metadata dtype {str(dtype)[:40]!r} is not a dtype name")
+            dtypes.append(dtype)
+        fmt = _whole(doc.get("fmt"), "fmt", MAX_FMT)
+        nbytes = _whole(doc.get("nbytes"), "nbytes", MAX_PAYLOAD_BYTES)
+        allocation = sum(math.prod(shape) * DTYPE_SIZES.get(dtype, _MAX_DTYPE_SIZE)
+                         for shape, dtype in zip(shapes, dtypes, strict=True))
+        if allocation > MAX_PAYLOAD_BYTES:
+            raise FormatError(f"tensor metadata asks for {allocation} bytes")
+        return cls(shapes=tuple(shapes), dtypes=tuple(dtypes), fmt=fmt, nbytes=nbytes)
 
 
 @functools.lru_cache(maxsize=1024)

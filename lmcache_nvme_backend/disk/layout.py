@@ -23,13 +23,14 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from .format import text_bytes
+from .safe_fs import kind_of, scandir_beneath
 
 MARKER_NAME = "LMCNVME"
 CHUNK_SUFFIX = ".kv"
@@ -39,6 +40,8 @@ STALE_TEMP_S = 3600.0
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 _NS_RE = re.compile(r"^[0-9a-f]{16}$")
 _SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
+# The last five components of a path in a shard directory: ns/<ns16>/<aa>/<bb>/<name>
+_TREE_TAIL_RE = re.compile(r"^ns/[0-9a-f]{16}/[0-9a-f]{2}/[0-9a-f]{2}/[^/]+$")
 _HOST = socket.gethostname().replace(".", "_").replace("-", "_")[:32] or "host"
 
 
@@ -107,8 +110,12 @@ class RootLayout:
     def namespace_name_file(self, ns_id: str) -> Path:
         return self.namespaces_dir / ns_id / "NAMESPACE"
 
+    def relative(self, path: Path) -> str:
+        """``path`` relative to the root, as the ``safe_fs`` functions take it."""
+        return path.relative_to(self.root).as_posix()
+
     def iter_namespace_ids(self) -> Iterator[str]:
-        for entry in _scandir_dirs(self.namespaces_dir):
+        for entry in _scandir_dirs(self.root, "ns"):
             if _NS_RE.match(entry.name):
                 yield entry.name
 
@@ -120,7 +127,22 @@ class RootLayout:
                 continue
             digest = name[: -len(CHUNK_SUFFIX)]
             if _DIGEST_RE.match(digest) and digest.startswith(shard):
-                yield ChunkLocation(ns, digest, Path(entry.path))
+                yield ChunkLocation(ns, digest, self._shard_path(ns, shard) / name)
+
+    def iter_special_entries(self, ns_id: str | None = None) -> Iterator[tuple[Path, str]]:
+        """(path, what it is) of every entry at a chunk file's name that is not a regular
+        file: a symbolic link, directory, FIFO, socket or device (never followed, never read)."""
+        for ns, shard, entry in self._iter_shard_entries(ns_id):
+            name = entry.name
+            digest = name[: -len(CHUNK_SUFFIX)]
+            if not (name.endswith(CHUNK_SUFFIX) and _DIGEST_RE.match(digest)
+                    and digest.startswith(shard)) or entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                kind = kind_of(entry.stat(follow_symlinks=False).st_mode)
+            except OSError:
+                continue
+            yield self._shard_path(ns, shard) / name, kind
 
     def iter_temp_files(self) -> Iterator[TempFile]:
         """Temporary files of any writer (see ``temp_path``)."""
@@ -130,21 +152,48 @@ class RootLayout:
                 continue
             parts = owner.split("-")
             pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
-            yield TempFile(Path(entry.path), parts[0], pid)
+            yield TempFile(self._shard_path(_ns, _shard) / entry.name, parts[0], pid)
+
+    def _shard_path(self, ns: str, shard: str) -> Path:
+        return self.namespaces_dir / ns / shard[:2] / shard[2:]
 
     def _iter_shard_files(self, ns_id: str | None) -> Iterator[tuple[str, str, os.DirEntry[str]]]:
         """(namespace id, 4-hex shard prefix, entry) for each regular file in a shard dir."""
+        for ns, shard, entry in self._iter_shard_entries(ns_id):
+            if entry.is_file(follow_symlinks=False):
+                yield ns, shard, entry
+
+    def _iter_shard_entries(self, ns_id: str | None
+                            ) -> Iterator[tuple[str, str, os.DirEntry[str]]]:
+        """(namespace id, 4-hex shard prefix, entry) for each entry of a shard dir.
+
+        Directories are opened beneath the root without following links (``safe_fs``),
+        so a planted link never takes the walk outside the tree.
+        """
         if ns_id is not None and not _NS_RE.match(ns_id):
             raise ValueError(f"'{ns_id}' is not a namespace id (16 hex digits)")
         ns_ids = [ns for ns in self.iter_namespace_ids() if ns_id is None or ns == ns_id]
         for ns in ns_ids:
-            for shard1 in _scandir_dirs(self.namespaces_dir / ns):
+            for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
                 if not _SHARD_RE.match(shard1.name):
                     continue
-                for shard2 in _scandir_dirs(Path(shard1.path)):
+                for shard2 in _scandir_dirs(self.root, f"ns/{ns}/{shard1.name}"):
                     if _SHARD_RE.match(shard2.name):
-                        for entry in _scandir_files(Path(shard2.path)):
+                        for entry in scandir_beneath(
+                                self.root, f"ns/{ns}/{shard1.name}/{shard2.name}"):
                             yield ns, shard1.name + shard2.name, entry
+
+
+def split_tree_path(path: Path | str) -> tuple[str, str] | None:
+    """(cache root, path below it) of a file in a shard directory
+    (``<root>/ns/<ns16>/<aa>/<bb>/<name>``: chunk and temp files); None for any other path."""
+    parts = os.fspath(path).rsplit("/", 5)
+    if len(parts) != 6 or not parts[0]:
+        return None
+    tail = "/".join(parts[1:])
+    if not _TREE_TAIL_RE.match(tail):
+        return None
+    return parts[0], tail
 
 
 def this_host() -> str:
@@ -163,19 +212,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _scandir_dirs(path: Path) -> Iterator[os.DirEntry[str]]:
-    return _scandir(path, lambda entry: entry.is_dir(follow_symlinks=False))
-
-
-def _scandir_files(path: Path) -> Iterator[os.DirEntry[str]]:
-    return _scandir(path, lambda entry: entry.is_file(follow_symlinks=False))
-
-
-def _scandir(path: Path, keep: Callable[[os.DirEntry[str]], bool]
-             ) -> Iterator[os.DirEntry[str]]:
-    """Entries of ``path`` that ``keep`` accepts; a missing or unreadable directory is empty."""
-    try:
-        with os.scandir(path) as it:
-            yield from (entry for entry in it if keep(entry))
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return
+def _scandir_dirs(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:
+    """Real subdirectories of ``root / rel`` (links skipped); missing or unreadable: none."""
+    return (e for e in scandir_beneath(root, rel) if e.is_dir(follow_symlinks=False))

@@ -16,7 +16,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .format import ChunkHeader, FormatError, decode_header
+from .format import ChunkHeader, FormatError, TensorMeta, decode_header
 from .layout import key_digest, namespace_id
 
 
@@ -30,6 +30,7 @@ class Defect(enum.Enum):
     WRONG_NAMESPACE = "the stored namespace does not match the directory"
     WRONG_LENGTH = "payload length differs from the index"
     WRONG_SIZE = "file size differs from what its header implies"
+    WRONG_META = "tensor metadata differs from the index"
     CHECKSUM = "payload checksum mismatch"
 
 
@@ -65,6 +66,7 @@ class Expected:
     ns_id: str | None = None  # the namespace directory the file was found in
     payload_len: int | None = None  # the payload length the reader's index holds
     file_size: int | None = None  # the file's size as found on disk
+    meta: TensorMeta | None = None  # the tensor metadata the reader allocated from
 
 
 def defect(kind: Defect, detail: str = "") -> Verdict:
@@ -95,6 +97,8 @@ def judge_chunk(raw_header: bytes | memoryview, expected: Expected,
     if expected.file_size is not None and expected.file_size != header.file_size:
         return Verdict(header, Defect.WRONG_SIZE, f"file is {expected.file_size} bytes, its "
                        f"header implies {header.file_size}")
+    if expected.meta is not None and header.tensor_meta != expected.meta:
+        return Verdict(header, Defect.WRONG_META)
     if payload_ok is not None and not payload_ok(header):
         return Verdict(header, Defect.CHECKSUM)
     return Verdict(header)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..disk.format import HEADER_SIZE
+from .posix import open_for_read
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,13 @@ class KvikioPayloadReader:
         pending = []
         for r in reads:
             try:
+                # kvikio opens by name: first make sure the name holds a regular file
+                # (no link, no FIFO that would block a kvikio thread); see docs/robustness.md
+                os.close(open_for_read(r.path, direct=False))
                 handle = self._kvikio.CuFile(r.path, "r")
+            except OSError as exc:
+                r.error = exc
+                continue
             except Exception as exc:
                 r.error = _open_error(r.path, exc)
                 continue
@@ -96,7 +103,7 @@ class PosixTensorPayloadReader:
     def read(self, reads: Sequence[PayloadRead]) -> None:
         for r in reads:
             try:
-                fd = os.open(r.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = open_for_read(r.path, direct=False)
             except OSError as exc:
                 r.error = exc
                 continue

@@ -28,49 +28,22 @@ from pathlib import Path
 
 from ..disk.format import ALIGNMENT, BLOCK_SIZE, HEADER_SIZE, padded_length
 from ..disk.format import block_digests as hash_blocks
+from ..disk.safe_fs import NotAChunkFile
 from .buffers import AlignedBuffer, is_aligned
+from .files import create_for_write, open_for_read, probe_direct_io, probe_direct_read
 from .read_jobs import Latch, ReadRequest
+
+__all__ = ["AlignedBuffer", "NotAChunkFile", "PosixIOEngine", "ReadRequest", "ShortFileError",
+           "create_for_write", "open_for_read", "probe_direct_io", "probe_direct_read"]
 
 logger = logging.getLogger(__name__)
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # Linux transfers at most this many bytes in one read/write call.
 _MAX_IO_CALL = 0x7FFFF000 // ALIGNMENT * ALIGNMENT
 
 
 class ShortFileError(OSError):
     """The file ended before the bytes its header promises."""
-
-
-def probe_direct_io(directory: Path) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers."""
-    if not _O_DIRECT:
-        return False
-    probe = directory / f".odirect-probe-{os.getpid()}-{threading.get_ident()}"
-    buf = AlignedBuffer(ALIGNMENT)
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC, 0o600)
-    except OSError as exc:
-        # Linux creates the file before it refuses O_DIRECT with EINVAL.
-        probe.unlink(missing_ok=True)
-        buf.close()
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    try:
-        os.pwrite(fd, buf.view, 0)
-        os.preadv(fd, [buf.view], 0)
-        return True
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
-        buf.close()
 
 
 @dataclass(frozen=True)
@@ -151,7 +124,7 @@ class PosixIOEngine:
 
     def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
         """The raw header of a chunk file and the file's size."""
-        fd = _open_read(path, direct)
+        fd = open_for_read(path, direct)
         try:
             size = os.fstat(fd).st_size
             buf = self._staging("header", HEADER_SIZE)
@@ -205,7 +178,7 @@ class PosixIOEngine:
             _finish(req)
 
     def _transfer(self, req: ReadRequest, piece: _Piece) -> None:
-        fd = _open_read(req.path, req.direct)
+        fd = open_for_read(req.path, req.direct)
         try:
             if not piece.first:
                 _preadv_full(fd, piece.bufs, piece.offset)
@@ -230,7 +203,7 @@ class PosixIOEngine:
 
         The header goes out in one call with the first payload piece.
         """
-        fd = _create(path, direct, mode)
+        fd = create_for_write(path, direct, mode)
         try:
             self._write_payload(fd, payload, direct, header)
             if sync_data:
@@ -251,7 +224,7 @@ class PosixIOEngine:
         """
         digests: list[int] = []
         piece = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
-        fd = _create(path, direct, mode)
+        fd = create_for_write(path, direct, mode)
         try:
             for start in range(0, len(payload), piece):
                 view = payload[start : start + piece]
@@ -334,18 +307,6 @@ def _finish(req: ReadRequest) -> None:
         logger.exception("NVMe tier: read completion of %s failed", req.path)
 
 
-def _create(path: Path, direct: bool, mode: int) -> int:
-    """Create a new chunk file (never an existing one, never through a link) with ``mode``."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-    fd = os.open(path, flags | (_O_DIRECT if direct else 0), mode)
-    try:
-        os.fchmod(fd, mode)  # exactly nvme.file_mode: open() would apply the umask
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _split_for_direct(buf: memoryview, length: int, direct: bool) -> tuple[memoryview, int]:
     """(part usable in place, number of trailing bytes that need a staging buffer)."""
     if not direct:
@@ -356,11 +317,6 @@ def _split_for_direct(buf: memoryview, length: int, direct: bool) -> tuple[memor
         return buf[: padded_length(length)], 0
     bulk = length // ALIGNMENT * ALIGNMENT
     return buf[:bulk], length - bulk
-
-
-def _open_read(path: Path, direct: bool) -> int:
-    flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-    return os.open(path, flags)
 
 
 def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:

@@ -58,11 +58,12 @@ class Catalog:
         with self._lock:
             return [self._index.get(d) for d in digests]
 
-    def learn_meta(self, digest: str, meta: TensorMeta) -> None:
-        """Record the tensor metadata of an entry recovered without it (read from its header)."""
+    def learn_meta(self, digest: str, meta: TensorMeta, replace: bool = False) -> None:
+        """Record the tensor metadata of an entry recovered without it (read from its header);
+        ``replace``: also over metadata the index had (a manifest's that the header denies)."""
         with self._lock:
             entry = self._index.get(digest)
-            if entry is not None:
+            if entry is not None and (replace or entry.meta is None):
                 entry.meta = meta
 
     def pin(self, digest: str) -> bool:

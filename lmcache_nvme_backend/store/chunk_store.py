@@ -52,7 +52,8 @@ class ChunkStore:
     def __init__(self, settings: NVMeSettings) -> None:
         self.settings = settings
         self._stats = StoreStats()
-        self._roots = Roots.open(settings.paths, settings.direct_io)
+        self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
+                                 settings.min_free_gb)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
@@ -173,10 +174,20 @@ class ChunkStore:
 
         A buffer is only reported filled after the header names the same key
         and the payload checksum matches, so a False buffer may hold garbage.
+        After ``close`` every read is a miss.
         """
         if self._closed:
-            return [False] * len(reads)
-        return self._reader.read_into(reads)
+            return self._closed_misses(len(reads))
+        try:
+            return self._reader.read_into(reads)
+        except RuntimeError:  # the I/O pool was shut down by a close racing this read
+            if not self._closed:
+                raise
+            return self._closed_misses(len(reads))
+
+    def _closed_misses(self, n: int) -> list[bool]:
+        self._stats.add(Counter.READ_FAILURES, n)
+        return [False] * n
 
     def read_async(self, reads: Sequence[ChunkRead],
                    on_done: Callable[[list[bool]], None]) -> None:

@@ -10,6 +10,7 @@ forgotten, counted and moved to quarantine.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import threading
@@ -21,7 +22,7 @@ from pathlib import Path
 from ..disk.format import ChunkHeader, TensorMeta
 from ..disk.layout import key_digest
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
-from ..io.posix import PosixIOEngine, ReadRequest, ShortFileError
+from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError
 from .catalog import Catalog
 from .roots import Roots, RootState, quarantine_file
 from .stats import Counter, ReadPath, StoreStats
@@ -78,6 +79,13 @@ class ChunkReader:
             raw, size = self.engine.read_header(path, root.direct)
         except FileNotFoundError:
             return None
+        except NotAChunkFile as exc:
+            self.not_a_chunk_file(key_digest(key), exc)
+            return None
+        except ShortFileError as exc:  # shorter than a header: never a valid chunk file
+            verdict = defect(Defect.SHORT, str(exc))
+            self.reject(root, key_digest(key), path, verdict)
+            return verdict
         except OSError as exc:
             logger.debug("NVMe tier: cannot read %s: %s", path, exc)
             return None
@@ -173,9 +181,15 @@ class ChunkReader:
         read, a drive error) is a verdict without a header and is not quarantined.
         """
         root = self._roots[plan.root]
-        if isinstance(error, (FileNotFoundError, PermissionError)):
-            # Gone, or not ours to read (another user's file in a shared tree): a miss
-            # for this key, not a sign that the drive is failing.
+        if isinstance(error, NotAChunkFile):
+            # A link, directory or special file planted at the chunk path: a miss for this
+            # key, never followed or read, and not a sign that the drive is failing.
+            self.not_a_chunk_file(plan.digest, error)
+            return defect(Defect.NOT_A_CHUNK, str(error))
+        if isinstance(error, (FileNotFoundError, PermissionError)) or \
+                getattr(error, "errno", None) == errno.ESTALE:
+            # Gone (ESTALE: removed by another NFS client), or not ours to read (another
+            # user's file in a shared tree): a miss for this key, not a failing drive.
             self.forget(plan.digest)
             return defect(Defect.NOT_A_CHUNK, f"unreadable: {error}")
         if error is not None and not isinstance(error, ShortFileError):
@@ -184,8 +198,16 @@ class ChunkReader:
         if error is not None:
             verdict = defect(Defect.SHORT, str(error))
         else:
-            verdict = judge_chunk(header, Expected(key=plan.key, payload_len=plan.payload_len),
-                                  payload_ok)
+            verdict = judge_chunk(header, Expected(key=plan.key, payload_len=plan.payload_len,
+                                                   meta=plan.meta), payload_ok)
+        if verdict.defect in (Defect.WRONG_LENGTH, Defect.WRONG_META) and \
+                verdict.header is not None:
+            # The index (metadata from a manifest, or a key rewritten by another process)
+            # disagrees with the file's header, so the buffer was allocated for another
+            # payload.  A miss this time, not the file's fault: the next read allocates
+            # from the header's metadata and judges the file in full.
+            self._catalog.learn_meta(plan.digest, verdict.header.tensor_meta, replace=True)
+            return verdict
         if not verdict.ok:
             if verdict.defect is Defect.CHECKSUM:
                 self._stats.add(Counter.CHECKSUM_FAILURES)
@@ -205,6 +227,16 @@ class ChunkReader:
         self.forget(digest)
         if quarantine_file(root, digest, path):
             self._stats.add(Counter.QUARANTINED_FILES)
+
+    def not_a_chunk_file(self, digest: str, exc: OSError) -> None:
+        """Something other than a regular file at a chunk path: forget it, count, log (a
+        warning when an indexed chunk is lost to it; a shared-mode probe only counts)."""
+        self._stats.add(Counter.SPECIAL_FILES)
+        indexed = self._catalog.entry(digest) is not None
+        logger.log(logging.WARNING if indexed else logging.DEBUG,
+                   "NVMe tier: not serving %s: %s; forgotten, left in place (never followed "
+                   "or read).", exc.filename, exc.strerror)
+        self.forget(digest)
 
     def forget(self, digest: str) -> None:
         """Drop an index entry whose file is gone or bad (the listeners hear of it)."""

@@ -11,11 +11,14 @@ removed.  While the store runs, a thread snapshots the index every
 from __future__ import annotations
 
 import logging
+import stat
 import threading
 import time
 from collections.abc import Callable
 
-from ..disk.manifest import load_manifest, save_manifest
+from ..disk.format import file_size_for
+from ..disk.manifest import load_manifest, remove_stale_manifest_temps, save_manifest
+from ..disk.safe_fs import lstat_beneath
 from .catalog import Catalog
 from .index import IndexEntry
 from .roots import Roots, RootState, unlink_quietly
@@ -25,24 +28,36 @@ logger = logging.getLogger(__name__)
 
 # Index entries copied (and encoded) per lock hold / GIL hold when saving the manifest.
 MANIFEST_BATCH = 4096
+# A manifest row takes ~100 bytes; one more than this per chunk file is not this tree's.
+MANIFEST_BYTES_PER_CHUNK = 1024
 
 
 def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
                  evict: Callable[[list[IndexEntry]], None]) -> None:
-    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first)."""
+    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first).
+
+    The manifest is advice: which chunks exist and how many bytes each takes always come
+    from the directory (``lstat``: regular files only, links never followed); the manifest
+    adds recency and tensor metadata, the latter only where it matches the file's size.
+    """
     started = time.perf_counter()
-    records = load_manifest(root.layout.index_dir)
     remove_stale_temp_files(root, stats)
+    located = list(root.layout.iter_chunks())
+    records = load_manifest(root.layout.index_dir, max_bytes=manifest_limit(len(located)))
     found: list[IndexEntry] = []
-    for loc in root.layout.iter_chunks():
+    for loc in located:
+        try:
+            st = lstat_beneath(root.layout.root, root.layout.relative(loc.path))
+        except (OSError, ValueError):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
         rec = records.get(loc.digest)
         if rec is not None and rec.ns_id == loc.namespace_id:
-            found.append(IndexEntry(loc.digest, rec.ns_id, root.index, rec.size, rec.meta,
+            meta = rec.meta if rec.meta is not None and \
+                file_size_for(rec.meta.nbytes) == st.st_size else None
+            found.append(IndexEntry(loc.digest, rec.ns_id, root.index, st.st_size, meta,
                                     rec.last_access_ns))
-            continue
-        try:
-            st = loc.path.stat()
-        except OSError:
             continue
         found.append(IndexEntry(loc.digest, loc.namespace_id, root.index, st.st_size, None,
                                 st.st_mtime_ns))
@@ -55,12 +70,20 @@ def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
                 catalog.used_bytes(root.index) / 2**20, time.perf_counter() - started)
 
 
+def manifest_limit(chunk_files: int) -> int:
+    """The largest manifest worth reading for a tree of ``chunk_files`` files: a real one
+    takes ~100 bytes per chunk, so anything far larger is not this tree's."""
+    return MANIFEST_BYTES_PER_CHUNK * chunk_files + (1 << 20)
+
+
 def remove_stale_temp_files(root: RootState, stats: StoreStats) -> None:
+    """Temp files of dead writers: chunk temps and ``.manifest.json.tmp-<host>-<pid>``."""
     now = time.time()
     for tmp in root.layout.iter_temp_files():
         if tmp.is_stale(now=now):
-            unlink_quietly(tmp.path)
+            unlink_quietly(tmp.path, root.layout.root)
             stats.add(Counter.REMOVED_TEMP_FILES)
+    stats.add(Counter.REMOVED_TEMP_FILES, remove_stale_manifest_temps(root.layout.index_dir))
 
 
 class ManifestKeeper:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,8 +22,20 @@ from pathlib import Path
 
 import xxhash
 
-from ..config import NVMeConfigError
-from ..disk.layout import MARKER_NAME, RootLayout
+from ..config import GIB, NVMeConfigError, auto_min_free_bytes
+from ..disk.format import text_bytes
+from ..disk.layout import MARKER_NAME, RootLayout, split_tree_path
+from ..disk.safe_fs import (
+    NotAChunkFile,
+    create_beneath,
+    dir_mode_for,
+    kind_of,
+    lstat_beneath,
+    makedirs_beneath,
+    rename_beneath,
+    scandir_beneath,
+    unlink_beneath,
+)
 from ..io.posix import probe_direct_io
 
 logger = logging.getLogger(__name__)
@@ -40,8 +53,12 @@ class RootState:
     index: int
     layout: RootLayout
     direct: bool
+    # the free-space guard of this path (nvme.min_free_gb, or scaled to the filesystem)
+    min_free_bytes: int = 0
     consecutive_errors: int = 0
     offline_until: float = 0.0
+    # set while writes are dropped because the filesystem is full (one log line per episode)
+    full: bool = False
 
     @property
     def healthy(self) -> bool:
@@ -57,15 +74,34 @@ class RootInfo:
     healthy: bool
 
 
-def open_root(index: int, path: Path, direct_io_mode: str) -> RootState:
-    """Create the root's directories and marker, and probe O_DIRECT per ``nvme.direct_io``."""
+def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
+              min_free_gb: float | None = None) -> RootState:
+    """Create the root's directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
+
+    Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
+    umask; nothing below the root is reached through a link.  A full filesystem (no
+    block, no inode) does not stop the start: the store serves what the root holds and
+    drops writes (``capacity_drops``) until space frees.
+    """
     layout = RootLayout(path)
+    dir_mode = dir_mode_for(file_mode)
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, dir_mode)  # mkdir applied the umask
     for d in (layout.index_dir, layout.quarantine_dir, layout.namespaces_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    marker = path / MARKER_NAME
-    if not marker.exists():
-        marker.write_text("lmcache-nvme-backend cache root, chunk format 1\n")
-    direct = direct_io_mode != "off" and probe_direct_io(path)
+        try:
+            makedirs_beneath(path, d.name, dir_mode)
+        except NotAChunkFile as exc:
+            logger.error("NVMe tier: %s is not a directory of the cache (%s); it is never "
+                         "followed. Remove it: until then %s.", d, exc.strerror,
+                         {"index": "the index snapshot is not saved",
+                          "quarantine": "bad files are deleted instead of kept",
+                          "ns": "nothing is read or written there"}[d.name])
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+    _write_marker(path, file_mode)
+    direct = direct_io_mode != "off" and probe_direct_io(path, path / MARKER_NAME)
     if direct_io_mode == "on" and not direct:
         raise NVMeConfigError(
             f"nvme.direct_io: '{path}' does not support O_DIRECT (tmpfs, some network or "
@@ -74,7 +110,47 @@ def open_root(index: int, path: Path, direct_io_mode: str) -> RootState:
     if direct_io_mode == "auto" and not direct:
         logger.warning("NVMe tier: %s does not support O_DIRECT; using buffered I/O there "
                        "(page cache in the data path).", path)
-    return RootState(index, layout, direct)
+    st = os.statvfs(path)
+    min_free = (auto_min_free_bytes(st.f_blocks * st.f_frsize) if min_free_gb is None
+                else int(min_free_gb * GIB))
+    state = RootState(index, layout, direct, min_free_bytes=min_free)
+    if st.f_bavail * st.f_frsize <= min_free or (st.f_files and not st.f_favail):
+        state.full = True
+        logger.warning("NVMe tier: %s is full (%d MiB, %d inodes free; the guard keeps %d MiB):"
+                       " serving the chunks it holds; writes are dropped (capacity_drops) "
+                       "until space frees.", path, st.f_bavail * st.f_frsize // 2**20,
+                       st.f_favail, min_free // 2**20)
+    return state
+
+
+def _write_marker(path: Path, file_mode: int) -> None:
+    """The ``LMCNVME`` marker, created once (never through a link; no space: later)."""
+    try:
+        st = lstat_beneath(path, MARKER_NAME)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            logger.error("NVMe tier: %s is a %s, not the cache marker; it is never followed. "
+                         "Remove it so that lmcache-nvme recognises this cache directory.",
+                         path / MARKER_NAME, kind_of(st.st_mode))
+        return
+    try:
+        fd = create_beneath(path, MARKER_NAME, file_mode)
+    except FileExistsError:
+        return  # another process just created it
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        logger.warning("NVMe tier: no space to create the marker %s; it is created at a "
+                       "later start.", path / MARKER_NAME)
+        return
+    try:
+        os.write(fd, b"lmcache-nvme-backend cache root, chunk format 1\n")
+    except OSError as exc:
+        logger.warning("NVMe tier: could not write the marker %s: %s", path / MARKER_NAME, exc)
+    finally:
+        os.close(fd)
 
 
 class Roots(Sequence[RootState]):
@@ -84,8 +160,10 @@ class Roots(Sequence[RootState]):
         self._states = states
 
     @classmethod
-    def open(cls, paths: Sequence[Path], direct_io_mode: str) -> Roots:
-        return cls([open_root(i, path, direct_io_mode) for i, path in enumerate(paths)])
+    def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
+             min_free_gb: float | None = None) -> Roots:
+        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb)
+                    for i, path in enumerate(paths)])
 
     def __getitem__(self, i: int) -> RootState:  # type: ignore[override]
         return self._states[i]
@@ -123,31 +201,94 @@ class Roots(Sequence[RootState]):
         return [RootInfo(r.layout.root, r.direct, r.healthy) for r in self._states]
 
 
+def prepare_chunk_dir(layout: RootLayout, directory: Path, dir_mode: int) -> None:
+    """Create a shard directory (and its parents) with ``dir_mode``, never through a link
+    (``NotAChunkFile`` when one is planted there)."""
+    makedirs_beneath(layout.root, layout.relative(directory), dir_mode)
+
+
+def publish_in_tree(layout: RootLayout, tmp: Path, final: Path) -> None:
+    """Rename a written temp file to its chunk name (atomic; no directory reached through
+    a link; whatever a hostile user planted at the chunk name is replaced, never followed)."""
+    rename_beneath(layout.root, layout.relative(tmp), layout.relative(final))
+
+
+def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> None:
+    """The namespace's readable name, created once with ``file_mode`` (``O_EXCL``: an
+    existing file or planted link is left alone, never written through)."""
+    try:
+        fd = create_beneath(layout.root, layout.relative(layout.namespace_name_file(ns_id)),
+                            file_mode)
+    except FileExistsError:
+        return
+    try:
+        os.write(fd, text_bytes(namespace) + b"\n")
+    finally:
+        os.close(fd)
+
+
+def note_full(root: RootState, exc: BaseException | None) -> None:
+    """A write dropped because the filesystem is full: one log line per full episode."""
+    if root.full:
+        return
+    root.full = True
+    why = f" ({exc})" if exc is not None else " (free space below the guard, nothing left to evict)"
+    logger.warning("NVMe tier: %s is full%s: dropping writes (capacity_drops) until space "
+                   "frees; stored chunks are still served.", root.layout.root, why)
+
+
+def note_space(root: RootState) -> None:
+    """A write succeeded: the end of a full episode (logged)."""
+    if root.full:
+        root.full = False
+        logger.info("NVMe tier: %s has space again; writes resume.", root.layout.root)
+
+
 def quarantine_file(root: RootState, digest: str, path: Path) -> bool:
     """Move a file that failed validation aside (deleted when it cannot be moved).
 
     Returns whether it was moved.  At most ``MAX_QUARANTINED_FILES`` are kept per
-    root, the oldest removed first.
+    root, the oldest removed first.  Neither the file's directory nor ``quarantine/``
+    is ever reached through a link.
     """
+    layout = root.layout
     moved = True
     try:
-        os.rename(path, root.layout.quarantine_path(digest))
-    except OSError:
+        rename_beneath(layout.root, layout.relative(path),
+                       layout.relative(layout.quarantine_path(digest)))
+    except (OSError, ValueError):
         moved = False
         unlink_quietly(path)
-    try:
-        files = sorted(root.layout.quarantine_dir.iterdir())
-    except OSError:
-        return moved
-    for old in files[: max(0, len(files) - MAX_QUARANTINED_FILES)]:
-        unlink_quietly(old)
+    if moved:
+        _trim_quarantine(layout)
     return moved
 
 
-def unlink_quietly(path: Path) -> None:
-    """Remove a file; one that is already gone is fine, other failures are logged."""
+def _quarantine_age(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
+
+
+def _trim_quarantine(layout: RootLayout) -> None:
+    names = sorted((e.name for e in scandir_beneath(layout.root, "quarantine")),
+                   key=lambda n: (_quarantine_age(n), n))
+    for old in names[: max(0, len(names) - MAX_QUARANTINED_FILES)]:
+        unlink_quietly(layout.quarantine_dir / old, layout.root)
+
+
+def unlink_quietly(path: Path, root: Path | None = None) -> None:
+    """Remove a file; one that is already gone is fine, other failures are logged.
+
+    A file of a cache tree (``root`` given, or a chunk or temp file in a shard
+    directory) is removed without following a link in its directories.
+    """
     try:
-        os.unlink(path)
-    except OSError as exc:
-        if exc.errno != errno.ENOENT:
+        if root is not None:
+            unlink_beneath(root, path.relative_to(root).as_posix())
+        elif (where := split_tree_path(path)) is not None:
+            unlink_beneath(*where)
+        else:
+            os.unlink(path)
+    except (OSError, ValueError) as exc:
+        if getattr(exc, "errno", None) != errno.ENOENT:
             logger.debug("could not remove %s: %s", path, exc)

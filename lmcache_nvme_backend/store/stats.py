@@ -63,6 +63,7 @@ class Counter(enum.Enum):
     CHECKSUM_FAILURES = "checksum_failures"
     INVALID_FILES = "invalid_files"
     QUARANTINED_FILES = "quarantined_files"
+    SPECIAL_FILES = "special_files"  # a link, directory or special file at a chunk path
     RECOVERED_ENTRIES = "recovered_entries"
     REMOVED_TEMP_FILES = "removed_temp_files"
     SHARED_ADOPTED = "shared_adopted"

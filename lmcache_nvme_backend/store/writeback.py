@@ -61,6 +61,7 @@ class WriteBackQueue:
         self.capacity = capacity
         self._jobs: deque[ChunkWrite] = deque()
         self._bytes = 0
+        self._unfinished = 0  # jobs enqueued and not yet done (zero-byte ones included)
         self._closed = False
         lock = threading.Lock()
         self._cond = threading.Condition(lock)
@@ -96,6 +97,7 @@ class WriteBackQueue:
                 if fits:
                     self._jobs.append(job)
                     self._bytes += job.nbytes
+                    self._unfinished += 1
                     self._has_jobs.notify()
                 accepted.append(fits)
         return accepted
@@ -110,13 +112,14 @@ class WriteBackQueue:
     def done(self, job: ChunkWrite) -> None:
         with self._cond:
             self._bytes -= job.nbytes
+            self._unfinished -= 1
             self._cond.notify_all()
 
     def wait_empty(self, timeout_s: float) -> bool:
-        """Wait until every enqueued job is done; False on timeout."""
+        """Wait until every enqueued job is done (a zero-byte one too); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._bytes > 0:
+            while self._bytes > 0 or self._unfinished > 0:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

@@ -29,10 +29,19 @@ from ..disk.format import (
     text_bytes,
 )
 from ..disk.gpusum import host_checksum
-from ..io.posix import PosixIOEngine
+from ..io.posix import NotAChunkFile, PosixIOEngine
 from .catalog import Catalog
 from .index import IndexEntry
-from .roots import Roots, RootState, unlink_quietly
+from .roots import (
+    Roots,
+    RootState,
+    note_full,
+    note_space,
+    prepare_chunk_dir,
+    publish_in_tree,
+    unlink_quietly,
+    write_namespace_file,
+)
 from .stats import Counter, StoreStats
 from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
 
@@ -64,7 +73,7 @@ class ChunkWriter:
         self._closed = False
         self._known_namespaces: set[tuple[int, str]] = set()
         self._known_dirs: set[Path] = set()  # shard directories this writer has created
-        self._free = [FreeSpaceGuard(root.layout.root, settings.min_free_bytes)
+        self._free = [FreeSpaceGuard(root.layout.root, root.min_free_bytes)
                       for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
@@ -180,7 +189,7 @@ class ChunkWriter:
         started = time.perf_counter()
         try:
             self._write_file(root, job, tmp)
-            os.rename(tmp, final)
+            publish_in_tree(root.layout, tmp, final)
             published = True
             if self.settings.fsync == "full":
                 _fsync_dir(final.parent)
@@ -189,6 +198,12 @@ class ChunkWriter:
                 # A full filesystem is not a failing drive: drop this write, keep serving.
                 self._stats.add(Counter.CAPACITY_DROPS)
                 self._free[root.index].refresh()
+                note_full(root, exc)
+            elif isinstance(exc, NotAChunkFile):
+                # A link or file planted where the tree needs a directory: never followed,
+                # this write is dropped, the drive is fine.
+                self._stats.add(Counter.WRITE_FAILURES)
+                logger.warning("NVMe tier: not writing %s: %s", final, exc)
             else:
                 self._stats.add(Counter.WRITE_FAILURES)
                 self._roots.record_error(root, exc)
@@ -204,6 +219,7 @@ class ChunkWriter:
                 self._catalog.release(root.index, size)
         if published:
             root.consecutive_errors = 0
+            note_space(root)
             self._stats.record_write(job.nbytes, time.perf_counter() - started)
             if job.on_persisted is not None:
                 job.on_persisted()
@@ -239,11 +255,9 @@ class ChunkWriter:
         """Create the chunk's shard directory (and name its namespace) once per directory."""
         if directory in self._known_dirs:
             return
-        directory.mkdir(parents=True, exist_ok=True)
+        prepare_chunk_dir(root.layout, directory, self.settings.dir_mode)
         if (root.index, job.ns_id) not in self._known_namespaces:
-            name_file = root.layout.namespace_name_file(job.ns_id)
-            if not name_file.exists():
-                name_file.write_bytes(text_bytes(job.namespace) + b"\n")
+            write_namespace_file(root.layout, job.ns_id, job.namespace, self.settings.file_mode)
             self._known_namespaces.add((root.index, job.ns_id))
         self._known_dirs.add(directory)
 
@@ -270,6 +284,7 @@ class ChunkWriter:
             oldest = self._catalog.pop_oldest_unpinned(root.index)
             if oldest is None:
                 self._catalog.release(root.index, size)
+                note_full(root, None)
                 return False
             self.evict([oldest])
             guard.refresh()

@@ -29,7 +29,7 @@ def test_open_creates_the_tree_and_the_marker(roots: Roots) -> None:
 def test_direct_io_on_refuses_a_filesystem_without_it(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # Whether tmpfs takes O_DIRECT depends on the kernel (6.6 and later do): stub the probe.
-    monkeypatch.setattr(roots_mod, "probe_direct_io", lambda path: False)
+    monkeypatch.setattr(roots_mod, "probe_direct_io", lambda path, existing=None: False)
     with pytest.raises(NVMeConfigError, match=r"^nvme\.direct_io: .* does not support O_DIRECT"):
         Roots.open([tmp_path / "r"], "on")
     assert not Roots.open([tmp_path / "r"], "auto")[0].direct

@@ -41,7 +41,10 @@ def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     assert cache_dir.is_dir()  # created on validation
     assert s.max_size_gb == 10.0
     assert s.max_size_bytes == 10 * GIB
-    assert (s.min_free_gb, s.min_free_bytes) == (1.0, GIB)
+    # "auto": 5% of each path's filesystem, at most 1 GiB
+    assert (s.min_free_gb, s.min_free_bytes) == (None, None)
+    assert s.min_free_bytes_on(1000 * GIB) == GIB
+    assert s.min_free_bytes_on(8 * 2**20) == 8 * 2**20 // 20
     assert s.direct_io == "auto"
     assert (s.io_threads, s.write_threads) == (8, 0)
     assert isinstance(s.io_threads, int)

@@ -1,0 +1,354 @@
+"""File operations inside a cache tree that never follow a link.
+
+A cache directory may sit on a shared server where another local user can plant
+symbolic links, directories or FIFOs under the names the store uses.  Every
+open, create, mkdir, rename, unlink and directory listing below a cache root
+goes through this module, which resolves the path *beneath the root* without
+following any symbolic link in any component:
+
+* ``openat2(2)`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` (Linux 5.6+), one
+  system call, relative to a descriptor of the root;
+* elsewhere (an older kernel, a seccomp filter that refuses it) the same walk done
+  component by component with ``O_NOFOLLOW | O_DIRECTORY`` relative to each parent's
+  descriptor.
+
+The root itself is the configured ``nvme.path`` and is trusted (links in it are the
+operator's).  A link, or a non-directory where the tree needs a directory, is
+:class:`NotAChunkFile`, never followed; callers treat it as "not ours": a miss for a
+read, a dropped write, never a drive error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_PATH = getattr(os, "O_PATH", 0)
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+
+
+def dir_mode_for(file_mode: int) -> int:
+    """Directory mode for a file mode: search (x) added wherever read is granted
+    (0600 -> 0700, 0640 -> 0750, 0644 -> 0755); ``config.dir_mode_for`` is the same rule."""
+    return file_mode | (file_mode & 0o444) >> 2
+
+
+class NotAChunkFile(OSError):
+    """A path in the cache tree holds something the store never uses: a symbolic link, a
+    directory or a special file (FIFO, socket, device) where a regular file belongs, or a
+    link or file where a directory of the tree belongs.  Never followed, never read."""
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+class _Openat2:
+    """``openat2`` through libc's ``syscall``; disabled after the first ENOSYS / EPERM."""
+
+    def __init__(self) -> None:
+        self.available = False
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._syscall = libc.syscall
+            self._syscall.restype = ctypes.c_long
+            self.available = os.uname().sysname == "Linux"
+        except (OSError, AttributeError):
+            pass
+
+    def __call__(self, dir_fd: int, rel: str, flags: int, mode: int) -> int:
+        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0,
+                       _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        fd = self._syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd),
+                           ctypes.c_char_p(os.fsencode(rel)), ctypes.byref(how),
+                           ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM):
+            self.available = False
+            raise _Unavailable()
+        raise OSError(err, os.strerror(err), rel)
+
+
+class _Unavailable(Exception):
+    pass
+
+
+_openat2 = _Openat2()
+
+
+def use_openat2(enabled: bool) -> bool:
+    """Switch ``openat2`` off (tests of the portable walk) or back on; returns the old state."""
+    old = _openat2.available
+    _openat2.available = enabled and _Openat2().available
+    return old
+
+
+def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
+    """ELOOP (a link) or ENOTDIR (a file where a directory belongs) as ``NotAChunkFile``."""
+    if exc.errno == errno.ELOOP:
+        return NotAChunkFile(errno.ELOOP, "a symbolic link in the cache tree (never followed)",
+                             str(Path(root) / rel))
+    if exc.errno in (errno.ENOTDIR, errno.EXDEV):
+        return NotAChunkFile(exc.errno, "not a directory of the cache tree", str(Path(root) / rel))
+    return exc
+
+
+def _open_root(root: Path | str) -> int:
+    return os.open(root, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_CLOEXEC)
+
+
+# One descriptor per cache root, opened on first use and kept: a read then costs one
+# openat2.  A root deleted meanwhile (its descriptor's directory has no link left) is
+# opened again by name.
+_ROOT_FDS: dict[str, int] = {}
+_ROOT_LOCK = threading.Lock()
+
+
+def _root_fd(root: Path | str, fresh: bool = False) -> int:
+    key = os.fspath(root)
+    with _ROOT_LOCK:
+        fd = _ROOT_FDS.get(key)
+        if fd is not None and not fresh:
+            return fd
+        new = _open_root(key)
+        _ROOT_FDS[key] = new
+        if fd is not None:
+            _STALE_FDS.append(fd)  # another thread may still be using it: left open
+        return new
+
+
+_STALE_FDS: list[int] = []
+
+
+def _root_deleted(fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
+
+
+def _walk_open(root_fd: int, parts: list[str], flags: int, mode: int) -> int:
+    """The portable walk: each directory opened ``O_NOFOLLOW`` relative to its parent."""
+    fd = root_fd
+    try:
+        for name in parts[:-1]:
+            nxt = os.open(name, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_NOFOLLOW
+                          | _O_CLOEXEC, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], flags | _O_NOFOLLOW, mode, dir_fd=fd)
+    finally:
+        if fd != root_fd:
+            os.close(fd)
+
+
+def _check_rel(rel: str) -> list[str]:
+    parts = [p for p in rel.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts) or rel.startswith("/"):
+        raise ValueError(f"'{rel}' is not a path below a cache root")
+    return parts
+
+
+def open_beneath(root: Path | str, rel: str, flags: int, mode: int = 0o600) -> int:
+    """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``.
+
+    A link (or a file where a directory belongs) raises :class:`NotAChunkFile`; other
+    errors (ENOENT, EACCES, EEXIST, ENOSPC, ...) are raised as they come.
+    """
+    parts = _check_rel(rel)
+    root_fd = _root_fd(root)
+    try:
+        return _open_at(root_fd, root, parts, flags, mode)
+    except FileNotFoundError:
+        if not _root_deleted(root_fd):
+            raise
+    return _open_at(_root_fd(root, fresh=True), root, parts, flags, mode)
+
+
+def _open_at(root_fd: int, root: Path | str, parts: list[str], flags: int, mode: int) -> int:
+    rel = "/".join(parts)
+    if _openat2.available:
+        try:
+            return _openat2(root_fd, rel, flags | _O_CLOEXEC, mode)
+        except _Unavailable:
+            pass
+        except OSError as exc:
+            raise _unsafe(exc, root, rel) from None
+    try:
+        return _walk_open(root_fd, parts, flags | _O_CLOEXEC, mode)
+    except OSError as exc:
+        raise _unsafe(exc, root, rel) from None
+
+
+def open_dir_beneath(root: Path | str, rel: str) -> int:
+    """A descriptor (``O_RDONLY``) of the directory ``root / rel`` (``rel`` may be ``""``)."""
+    if not rel:
+        return os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    return open_beneath(root, rel, os.O_RDONLY | _O_DIRECTORY)
+
+
+def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
+    """Open an existing regular file for reading: ``O_NONBLOCK`` (a FIFO never blocks) and an
+    ``fstat`` check; anything else raises :class:`NotAChunkFile`."""
+    fd = open_beneath(root, rel, flags | _O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not a regular file",
+                            str(Path(root) / rel))
+    return fd
+
+
+def kind_of(mode: int) -> str:
+    """What a file mode says the entry is, in words."""
+    for test, name in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISREG, "regular file")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
+    """Create the directories of ``rel`` below ``root`` with exactly ``mode`` (whatever the
+    umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``."""
+    parts = _check_rel(rel)
+    if _openat2.available:  # fast path: the directory is already there
+        try:
+            os.close(open_beneath(root, rel, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY))
+            return
+        except FileNotFoundError:
+            pass
+    fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        for name in parts:
+            created = False
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+                created = True
+            except FileExistsError:
+                pass
+            try:
+                nxt = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
+                              dir_fd=fd)
+            except OSError as exc:
+                raise _unsafe(exc, root, rel) from None
+            os.close(fd)
+            fd = nxt
+            if created:
+                os.fchmod(fd, mode)  # mkdir applied the umask
+    finally:
+        os.close(fd)
+
+
+def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
+    """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
+    ``mode``; returns its descriptor."""
+    fd = open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # open() applied the umask
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _parent(root: Path | str, rel: str) -> tuple[int, str]:
+    parts = _check_rel(rel)
+    return open_dir_beneath(root, "/".join(parts[:-1])), parts[-1]
+
+
+def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
+    """``rename`` within the tree; neither parent is reached through a link (and ``rename``
+    itself never follows the names it moves)."""
+    src_fd, src_name = _parent(root, src_rel)
+    try:
+        dst_fd, dst_name = _parent(root, dst_rel)
+        try:
+            os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+
+
+def unlink_beneath(root: Path | str, rel: str) -> None:
+    """``unlink`` within the tree (a link is removed, never its target)."""
+    fd, name = _parent(root, rel)
+    try:
+        os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def lstat_beneath(root: Path | str, rel: str) -> os.stat_result:
+    """``lstat`` of an entry whose parents are reached without following links."""
+    fd, name = _parent(root, rel)
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def scandir_beneath(root: Path | str, rel: str) -> Iterator[os.DirEntry[str]]:
+    """Entries of the directory ``root / rel`` (``""``: the root); a missing, unreadable or
+    linked directory is empty.  Entries' ``is_dir``/``is_file`` must be asked with
+    ``follow_symlinks=False``; their ``path`` is only the name."""
+    try:
+        fd = open_dir_beneath(root, rel)
+    except (OSError, ValueError):
+        return
+    try:
+        with os.scandir(fd) as it:
+            yield from it
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def read_small_file(root: Path | str, rel: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file (no link followed, a FIFO never waited on)."""
+    fd = open_regular(root, rel)
+    try:
+        chunks = []
+        left = limit
+        while left > 0:
+            data = os.read(fd, min(left, 1 << 20))
+            if not data:
+                break
+            chunks.append(data)
+            left -= len(data)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def remove_quietly(root: Path | str, rel: str) -> bool:
+    """Unlink within the tree; False when it was not there or could not be removed."""
+    with contextlib.suppress(OSError, ValueError):
+        unlink_beneath(root, rel)
+        return True
+    return False
