@@ -128,42 +128,51 @@ class TensorMeta:
     def from_json(cls, raw: bytes) -> TensorMeta:
         """Parse stored metadata defensively: any value a real chunk cannot hold (deep
         nesting, non-finite or fractional numbers, negative or huge sizes, unknown keys'
-        shapes, an allocation over ``MAX_PAYLOAD_BYTES``) is a ``FormatError``."""
-        if len(raw) > HEADER_SIZE:
-            raise FormatError(f"tensor metadata of {len(raw)} bytes")
-        if _json_depth(raw) > _MAX_META_DEPTH:
-            raise FormatError("tensor metadata nested too deeply")
-        try:
-            doc = json.loads(raw, parse_constant=_reject_constant, parse_float=_reject_float)
-        except FormatError:
-            raise
-        except (ValueError, RecursionError) as exc:
-            raise FormatError(f"unreadable tensor metadata: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise FormatError("tensor metadata is not an object")
-        shapes_doc, dtypes_doc = doc.get("shapes"), doc.get("dtypes")
-        if not isinstance(shapes_doc, list) or not isinstance(dtypes_doc, list):
-            raise FormatError("tensor metadata lacks shapes or dtypes lists")
-        if not 1 <= len(shapes_doc) <= MAX_TENSORS or len(shapes_doc) != len(dtypes_doc):
-            raise FormatError("tensor metadata has mismatched shapes and dtypes")
-        shapes = []
-        for shape in shapes_doc:
-            if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-                raise FormatError("tensor metadata shape is not a list of at most "
-                                  f"{MAX_DIMS} sizes")
-            shapes.append(tuple(_whole(d, "dimension", MAX_PAYLOAD_BYTES) for d in shape))
-        dtypes = []
-        for dtype in dtypes_doc:
-            if not isinstance(dtype, str) or not _DTYPE_RE.match(dtype):
-                raise FormatError(f"tensor metadata dtype {str(dtype)[:40]!r} is not a dtype name")
-            dtypes.append(dtype)
-        fmt = _whole(doc.get("fmt"), "fmt", MAX_FMT)
-        nbytes = _whole(doc.get("nbytes"), "nbytes", MAX_PAYLOAD_BYTES)
-        allocation = sum(math.prod(shape) * DTYPE_SIZES.get(dtype, _MAX_DTYPE_SIZE)
-                         for shape, dtype in zip(shapes, dtypes, strict=True))
-        if allocation > MAX_PAYLOAD_BYTES:
-            raise FormatError(f"tensor metadata asks for {allocation} bytes")
-        return cls(shapes=tuple(shapes), dtypes=tuple(dtypes), fmt=fmt, nbytes=nbytes)
+        shapes, an allocation over ``MAX_PAYLOAD_BYTES``) is a ``FormatError``.
+
+        Results are cached by the raw bytes (a store sees few distinct metadata; every
+        read decodes one), errors are not.
+        """
+        return _parse_meta(bytes(raw))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_meta(raw: bytes) -> TensorMeta:
+    if len(raw) > HEADER_SIZE:
+        raise FormatError(f"tensor metadata of {len(raw)} bytes")
+    if _json_depth(raw) > _MAX_META_DEPTH:
+        raise FormatError("tensor metadata nested too deeply")
+    try:
+        doc = json.loads(raw, parse_constant=_reject_constant, parse_float=_reject_float)
+    except FormatError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"unreadable tensor metadata: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise FormatError("tensor metadata is not an object")
+    shapes_doc, dtypes_doc = doc.get("shapes"), doc.get("dtypes")
+    if not isinstance(shapes_doc, list) or not isinstance(dtypes_doc, list):
+        raise FormatError("tensor metadata lacks shapes or dtypes lists")
+    if not 1 <= len(shapes_doc) <= MAX_TENSORS or len(shapes_doc) != len(dtypes_doc):
+        raise FormatError("tensor metadata has mismatched shapes and dtypes")
+    shapes = []
+    for shape in shapes_doc:
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise FormatError("tensor metadata shape is not a list of at most "
+                              f"{MAX_DIMS} sizes")
+        shapes.append(tuple(_whole(d, "dimension", MAX_PAYLOAD_BYTES) for d in shape))
+    dtypes = []
+    for dtype in dtypes_doc:
+        if not isinstance(dtype, str) or not _DTYPE_RE.match(dtype):
+            raise FormatError(f"tensor metadata dtype {str(dtype)[:40]!r} is not a dtype name")
+        dtypes.append(dtype)
+    fmt = _whole(doc.get("fmt"), "fmt", MAX_FMT)
+    nbytes = _whole(doc.get("nbytes"), "nbytes", MAX_PAYLOAD_BYTES)
+    allocation = sum(math.prod(shape) * DTYPE_SIZES.get(dtype, _MAX_DTYPE_SIZE)
+                     for shape, dtype in zip(shapes, dtypes, strict=True))
+    if allocation > MAX_PAYLOAD_BYTES:
+        raise FormatError(f"tensor metadata asks for {allocation} bytes")
+    return TensorMeta(shapes=tuple(shapes), dtypes=tuple(dtypes), fmt=fmt, nbytes=nbytes)
 
 
 @functools.lru_cache(maxsize=1024)

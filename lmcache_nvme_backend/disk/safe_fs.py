@@ -233,17 +233,23 @@ def kind_of(mode: int) -> str:
 
 def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
     """Create the directories of ``rel`` below ``root`` with exactly ``mode`` (whatever the
-    umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``."""
+    umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``.
+
+    Only what is missing is created, from the deepest directory that exists: a new shard
+    directory under an existing one costs one ``mkdir``, not one per component.
+    """
     parts = _check_rel(rel)
-    if _openat2.available:  # fast path: the directory is already there
+    have = len(parts)  # how many leading components exist as real directories
+    while have > 0:
         try:
-            os.close(open_beneath(root, rel, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY))
-            return
+            fd = open_dir_beneath(root, "/".join(parts[:have]))
+            break
         except FileNotFoundError:
-            pass
-    fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+            have -= 1
+    else:
+        fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
-        for name in parts:
+        for name in parts[have:]:
             created = False
             try:
                 os.mkdir(name, mode, dir_fd=fd)
@@ -285,6 +291,10 @@ def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
     itself never follows the names it moves)."""
     src_fd, src_name = _parent(root, src_rel)
     try:
+        if src_rel.rpartition("/")[0] == dst_rel.rpartition("/")[0]:  # one directory
+            os.rename(src_name, dst_rel.rpartition("/")[2], src_dir_fd=src_fd,
+                      dst_dir_fd=src_fd)
+            return
         dst_fd, dst_name = _parent(root, dst_rel)
         try:
             os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)

@@ -16,7 +16,6 @@ files and caller memory:
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -162,7 +161,9 @@ class PosixIOEngine:
                                  copy=(staging[:staged], req.dest[start : start + staged])))
         if not pieces:  # an empty payload: the header alone
             pieces.append(_Piece(0, 0, HEADER_SIZE, []))
-        pieces[0] = dataclasses.replace(pieces[0], first=True)
+        first = pieces[0]
+        pieces[0] = _Piece(first.start, first.length, first.offset, first.bufs, first.copy,
+                           first=True)
         return pieces
 
     def _run_piece(self, req: ReadRequest, piece: _Piece) -> None:
@@ -214,16 +215,21 @@ class PosixIOEngine:
     def write_chunk_hashed(self, path: Path, payload: memoryview,
                            header_for: Callable[[list[int]], bytes], *, direct: bool,
                            mode: int, sync_data: bool) -> None:
-        """Create ``path``: the payload first, then the header ``header_for(block digests)``.
+        """Create ``path`` holding the payload and the header ``header_for(block digests)``.
 
-        Each piece's checksum blocks are hashed just before the piece is written, on
-        this thread (xxh3 runs at several GB/s and releases the GIL; a hand-off per
-        chunk to another thread costs more than it overlaps), and the header, which
-        needs every digest, is written last.  The caller publishes the file by
-        renaming it only after this returns.
+        A payload of several pieces is written piece by piece, each piece's checksum
+        blocks hashed just before it is written (on this thread: xxh3 runs at several
+        GB/s and releases the GIL, and a hand-off per chunk to another thread costs
+        more than it overlaps), and the header, which needs every digest, goes last.
+        A payload of one piece is hashed first and written with its header in one
+        call.  The caller publishes the file by renaming it only after this returns.
         """
-        digests: list[int] = []
         piece = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
+        if len(payload) <= piece:  # one piece: nothing to overlap, one call for everything
+            self.write_chunk(path, header_for(hash_blocks(payload)), payload, direct=direct,
+                             mode=mode, sync_data=sync_data)
+            return
+        digests: list[int] = []
         fd = create_for_write(path, direct, mode)
         try:
             for start in range(0, len(payload), piece):
