@@ -1,0 +1,44 @@
+"""What the end-to-end tests share: vLLM's environment, and how a missing prerequisite ends.
+
+A prerequisite that is missing (vLLM's environment cannot be built, vLLM does not import)
+skips the tests with the reason on a developer's machine, and fails them when ``CI`` is
+set, so that CI never reports success for tests that did not run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from support.paths import REPO_ROOT
+from support.vllm_env import VLLMUnavailable, ensure_vllm_env
+
+
+def missing_prerequisite(reason: str) -> None:
+    """Skip, or fail under CI, with ``reason``."""
+    if os.environ.get("CI"):
+        pytest.fail(f"e2e prerequisite missing (CI is set, so this is a failure, not a "
+                    f"skip): {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def vllm_python(pytestconfig: pytest.Config) -> Path:
+    """The python of vLLM's environment (built on first use, then reused); what was built
+    or reused, and where, is printed to the terminal."""
+    try:
+        env = ensure_vllm_env()
+    except VLLMUnavailable as exc:
+        missing_prerequisite(f"vLLM's environment is not usable: {exc}")
+        raise  # not reached
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(env.summary())
+    ours = Path(env.imports["lmcache_nvme_backend"]).resolve()
+    if REPO_ROOT not in ours.parents:
+        missing_prerequisite(f"vLLM's environment imports lmcache_nvme_backend from {ours}, "
+                             f"not from this checkout ({REPO_ROOT}); install this checkout "
+                             "(pip install -e .) in the environment that runs the tests")
+    return env.python
