@@ -7,20 +7,12 @@ set, so that CI never reports success for tests that did not run.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 from support.paths import REPO_ROOT
+from support.prerequisites import missing_prerequisite
 from support.vllm_env import VLLMUnavailable, ensure_vllm_env
-
-
-def missing_prerequisite(reason: str) -> None:
-    """Skip, or fail under CI, with ``reason``."""
-    if os.environ.get("CI"):
-        pytest.fail(f"e2e prerequisite missing (CI is set, so this is a failure, not a "
-                    f"skip): {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +23,6 @@ def vllm_python(pytestconfig: pytest.Config) -> Path:
         env = ensure_vllm_env()
     except VLLMUnavailable as exc:
         missing_prerequisite(f"vLLM's environment is not usable: {exc}")
-        raise  # not reached
     reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")
