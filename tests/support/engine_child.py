@@ -41,6 +41,7 @@ from lmcache_nvme_backend.testing.engine import (
     wait_until_in_tier,
 )
 
+from . import memory_cap
 from .engines import (
     CHUNK,
     EXAMPLE_YAML,
@@ -143,6 +144,7 @@ def keys(phase: str, yaml_path: Path, cache_dir: Path, algorithm: str | None,
 
 
 def main() -> None:
+    memory_cap.install()
     parser = argparse.ArgumentParser(prog="python -m support.engine_child")
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("shared")
