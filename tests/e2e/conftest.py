@@ -19,14 +19,21 @@ from support.vllm_env import VLLMUnavailable, ensure_vllm_env
 def vllm_python(pytestconfig: pytest.Config) -> Path:
     """The python of vLLM's environment (built on first use, then reused); what was built
     or reused, and where, is printed to the terminal."""
+    def say(line: str) -> None:  # on the terminal, past pytest's output capture
+        reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+        if reporter is None or capture is None:
+            print(line)
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("")
+            reporter.write_line(line)
+
     try:
-        env = ensure_vllm_env()
+        env = ensure_vllm_env(say)
     except VLLMUnavailable as exc:
         missing_prerequisite(f"vLLM's environment is not usable: {exc}")
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_line(env.summary())
+    say(env.summary())
     ours = Path(env.imports["lmcache_nvme_backend"]).resolve()
     if REPO_ROOT not in ours.parents:
         missing_prerequisite(f"vLLM's environment imports lmcache_nvme_backend from {ours}, "

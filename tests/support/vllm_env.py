@@ -36,6 +36,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,9 +142,9 @@ def _probe(python: Path) -> dict[str, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def ensure_vllm_env() -> VLLMEnv:
+def ensure_vllm_env(say: Callable[[str], None] = print) -> VLLMEnv:
     """An environment where ``import vllm, lmcache, lmcache_nvme_backend`` works (built if
-    needed, rebuilt once if a reused one no longer imports).
+    needed, rebuilt once if a reused one no longer imports); ``say`` announces a build.
 
     :raises VLLMUnavailable: the build failed or vLLM does not import (the message says why).
     """
@@ -163,6 +164,8 @@ def ensure_vllm_env() -> VLLMEnv:
                 return VLLMEnv(python, root, False, 0.0, tuple(dirs), _probe(python))
             except VLLMUnavailable:
                 pass  # a stale build (the test environment changed): build it again
+        say(f"building the vLLM environment for the e2e tests in {root} "
+            f"({REQUIREMENTS.read_text().split()[-1]}; a few minutes and about 3 GB, once)")
         started = time.monotonic()
         _build(root, dirs)
         built, seconds = True, time.monotonic() - started
