@@ -207,13 +207,15 @@ def check_alignment(probe_dir: Path, mount: MountInfo | None) -> Check:
 # -- GPU stack checks -----------------------------------------------------------------
 
 
-def check_kvikio() -> list[Check]:
+def check_kvikio(gpu_strict: bool = False) -> list[Check]:
+    """kvikio and its compat mode; without kvikio and with a CPU build of torch that is
+    INFO (nothing to read into), unless the GPU path is required (``gpu_strict``)."""
     cuda = torch_cuda_version()
     try:
         import kvikio
         import kvikio.defaults
     except Exception as exc:  # ImportError, or a broken CUDA library underneath
-        if cuda is None:
+        if cuda is None and not gpu_strict:
             return [Check("kvikio", INFO, f"not installed ({exc}); not needed with this "
                           "torch (a CPU build): reads go through O_DIRECT into host memory",
                           kvikio_install_hint(cuda))]
@@ -401,7 +403,7 @@ def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float,
         checks += [Check(name, SKIP, "skipped (--skip-gpu)") for name in GPU_CHECKS
                    if name != "kvikio compat mode"]
     else:
-        gpu = check_kvikio() + [check_libcufile(), check_nvidia_fs(), check_run_udev(),
+        gpu = check_kvikio(gpu_strict) + [check_libcufile(), check_nvidia_fs(), check_run_udev(),
                                 check_gpu()]
         checks += gpu if gpu_strict else [informational(c) for c in gpu]
     return checks

@@ -81,6 +81,9 @@ def test_kvikio_absent_names_the_extra_for_this_torch(run_cli: RunCLI, tmp_path:
         assert check["status"] == "info" and "not needed" in check["detail"]
     else:
         assert '[cu' in check["fix"]
+    strict = run_cli("doctor", tmp_path, "--gpu", "--json", env={"PYTHONPATH": os.pathsep.join(
+        filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))})
+    assert checks_of(strict.stdout)["kvikio"]["status"] == "warn"  # required: a problem
 
 
 def vllm_stand_in(tmp_path: Path) -> dict[str, str | None]:
