@@ -48,8 +48,9 @@ def test_gpu_checks_are_informational_unless_asked_for(run_cli: RunCLI, tmp_path
     for name, check in gpu.items():
         assert check["status"] != "info", name
         if default[name]["status"] == "info":  # the same problem, now counted
-            assert check["status"] in ("warn", "fail") and check["detail"] == \
-                default[name]["detail"]
+            assert check["status"] in ("warn", "fail")
+            if name != "kvikio":  # kvikio says "not needed" only when it is not
+                assert check["detail"] == default[name]["detail"]
     assert strict.returncode == max(EXIT_FOR[c["status"]] for c in report["checks"])
 
 
