@@ -6,7 +6,9 @@ waits until every chunk is persisted, pushes the chunks out of host memory, drop
 the page cache when allowed (root), and loads the prompt back from the NVMe tier.
 The loaded KV is compared byte for byte with what was stored, and timings are
 printed.  Run it twice: the second run starts a fresh engine on the same
-directory and hits the chunks the first run wrote.
+directory and hits the chunks the first run wrote: the YAML's
+``pre_caching_hash_algorithm: sha256_cbor`` keeps chunk keys the same across processes
+with no environment variable (the script prints how its keys are hashed).
 
 A small CPU connector stands in for GPU memory; the storage path through LMCache
 is the production one.
@@ -23,10 +25,11 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import torch  # noqa: E402
 
+from lmcache_nvme_backend import NVMeConfigError, NVMeSettings  # noqa: E402
+from lmcache_nvme_backend.adapters.hashing import token_hashing  # noqa: E402
 from lmcache_nvme_backend.testing.engine import (  # noqa: E402
     CPU_TIER,
     build_engine,
@@ -63,9 +66,17 @@ def main() -> None:
         "extra_config": {"nvme.path": str(args.cache_dir.resolve()), "nvme.max_size_gb": 2,
                          "nvme.min_free_gb": 0.5},
     })
+    try:  # the checks the tier runs at start, before LMCache swallows them into a log line
+        NVMeSettings.from_extra_config(config.extra_config)
+    except NVMeConfigError as exc:
+        raise SystemExit(f"quickstart: {exc}") from None
     engine, connector = build_engine(config, instance_id="quickstart", kv_shape=KV_SHAPE)
     try:
-        nvme = engine.storage_manager.storage_backends["nvme"]  # type: ignore[union-attr]
+        nvme = engine.storage_manager.storage_backends.get("nvme")  # type: ignore[union-attr]
+        if nvme is None:
+            raise SystemExit("quickstart: the NVMe tier did not load; the log above says why "
+                             "('NVMe tier NOT loaded: ...').")
+        print(f"token hashing: {token_hashing(config.pre_caching_hash_algorithm).describe()}")
         tokens = make_prompt(args.tokens, seed=2026)
         kv = make_kv(connector, args.tokens, seed=7)
         keys = chunk_keys(engine, tokens)

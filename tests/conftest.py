@@ -2,7 +2,9 @@
 
 The environment (no telemetry, no banner) is set before anything imports LMCache.
 Fixtures: ``cache_dir`` (where a test's cache goes) and ``open_store`` (the one store
-factory).  Markers: ``gpu`` is given to every test under tests/gpu here.
+factory).  Markers: ``gpu`` is given to every test under tests/gpu here.  Every LMCache
+engine a test builds is capped in host memory (``support.memory_cap``): one that asks for
+more fails the test.
 """
 
 import os
@@ -18,11 +20,15 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-from support import stores  # noqa: E402
+from support import memory_cap, stores  # noqa: E402
 
 from lmcache_nvme_backend.store.chunk_store import ChunkStore  # noqa: E402
 
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    memory_cap.install(fail=lambda text: pytest.fail(text, pytrace=False))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -3,23 +3,34 @@
 Each adapter's constructor runs the same chain: settings → ``ChunkStore`` → (on a
 bad setting) an error-level ``NOT loaded`` line, because LMCache's plugin
 launchers only log constructor exceptions where nobody looks → the metrics
-observer → one ``ready`` line that says what the tier found.
+observer → one ``ready`` line that says what the tier found.  The two in-process
+adapters also check that their chunk keys survive a restart: at start from the
+engine's hash settings (``check_token_hashing``), and while serving from the hits
+(``RestartMissWatch``); see ``hashing.py``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 
 from ..config import NVMeConfigError, NVMeSettings
 from ..metrics import TierObserver
-from ..store import ChunkStore
+from ..store import ChunkStore, Counter
+from .hashing import TokenHashing, restart_miss_warning, token_hashing
 
 # The package logger carries LMCache's formatting; every adapter logs through it.
 logger = init_logger("lmcache_nvme_backend")
+
+#: Lookups after a start that recovered chunks: when none of them hit, say why that may be.
+RESTART_MISS_LOOKUPS = 64
+
+_warned: set[str] = set()  # tiers that logged the hashing warning in this process
 
 
 @contextmanager
@@ -62,3 +73,44 @@ def key_and_namespace(key: CacheEngineKey) -> tuple[str, str]:
 
 def keys_and_namespaces(keys: Iterable[CacheEngineKey]) -> Iterator[tuple[str, str]]:
     return (key_and_namespace(key) for key in keys)
+
+
+def check_token_hashing(tier: str, config: Any) -> TokenHashing:
+    """Warn (once per tier and process) when the engine's chunk keys will not survive a
+    restart: ``pre_caching_hash_algorithm`` of LMCache ``config`` and the environment."""
+    hashing = token_hashing(getattr(config, "pre_caching_hash_algorithm", None))
+    if not hashing.stable and tier not in _warned:
+        _warned.add(tier)
+        logger.warning("%s", hashing.warning(tier))
+    return hashing
+
+
+class RestartMissWatch:
+    """Watches the first lookups after a start that found chunks on disk: if none of the
+    first ``lookups`` hit, logs one warning with the likely causes and stops watching (also
+    at the first hit).  Reads only the store's counters; call it after every lookup."""
+
+    def __init__(self, tier: str, store: ChunkStore, hashing: TokenHashing,
+                 lookups: int | None = None) -> None:
+        self._tier, self._store, self._hashing = tier, store, hashing
+        self._window = RESTART_MISS_LOOKUPS if lookups is None else lookups
+        self.recovered = int(store.counter(Counter.RECOVERED_ENTRIES))
+        self._lookups0 = store.counter(Counter.LOOKUPS)
+        self._hits0 = store.counter(Counter.HITS)
+        self._lock = threading.Lock()
+        self.active = self.recovered > 0
+
+    def __call__(self) -> None:
+        if not self.active:
+            return
+        with self._lock:
+            if not self.active:
+                return
+            if self._store.counter(Counter.HITS) > self._hits0:
+                self.active = False
+                return
+            lookups = int(self._store.counter(Counter.LOOKUPS) - self._lookups0)
+            if lookups >= self._window:
+                self.active = False
+                logger.warning("%s", restart_miss_warning(self._tier, self.recovered, lookups,
+                                                          self._hashing))

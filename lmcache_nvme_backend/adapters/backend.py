@@ -30,7 +30,14 @@ from ..config import NVMeConfigError, NVMeSettings
 from ..gpu.reader import GpuChunkReader, build_gpu_reader
 from ..gpu.select import chunk_bytes_of
 from ..store import ChunkStore, Counter, ReadPath
-from ._common import announce, key_and_namespace, keys_and_namespaces, loading
+from ._common import (
+    RestartMissWatch,
+    announce,
+    check_token_hashing,
+    key_and_namespace,
+    keys_and_namespaces,
+    loading,
+)
 from .memory_objects import (
     chunk_write_for,
     host_memory,
@@ -72,6 +79,8 @@ class NVMeBackend(StoragePluginInterface):
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvme-get")
         self._observer = announce("NVMeBackend", TIER, self.store, self.stats,
                                   f", read path {self.read_path}")
+        self._restart_watch = RestartMissWatch(TIER, self.store,
+                                               check_token_hashing(TIER, config))
 
     def __str__(self) -> str:
         return "NVMeBackend"
@@ -94,10 +103,14 @@ class NVMeBackend(StoragePluginInterface):
     # -- lookups -------------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return self.store.lookup(*key_and_namespace(key), pin=pin)
+        hit = self.store.lookup(*key_and_namespace(key), pin=pin)
+        self._restart_watch()
+        return hit
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        return self.store.lookup_prefix(keys_and_namespaces(keys), pin=pin)
+        hits = self.store.lookup_prefix(keys_and_namespaces(keys), pin=pin)
+        self._restart_watch()
+        return hits
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:

@@ -32,7 +32,14 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ..config import NVMeSettings
-from ._common import announce, key_and_namespace, keys_and_namespaces, open_store
+from ._common import (
+    RestartMissWatch,
+    announce,
+    check_token_hashing,
+    key_and_namespace,
+    keys_and_namespaces,
+    open_store,
+)
 from .memory_objects import chunk_write_for, read_into_host_objects, served_prefix
 
 if TYPE_CHECKING:
@@ -56,6 +63,8 @@ class NVMeConnector(RemoteConnector):
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="nvme-remote")
         self._observer = announce("NVMeConnector", TIER, self.store, self.stats,
                                   ", shared mode" if self.settings.shared else "")
+        self._restart_watch = RestartMissWatch(TIER, self.store,
+                                               check_token_hashing(TIER, config))
 
     def __repr__(self) -> str:
         return f"<NVMeConnector {', '.join(str(p) for p in self.settings.paths)}>"
@@ -63,7 +72,9 @@ class NVMeConnector(RemoteConnector):
     # -- lookups -------------------------------------------------------------
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self.store.lookup(*key_and_namespace(key))
+        hit = self.store.lookup(*key_and_namespace(key))
+        self._restart_watch()
+        return hit
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return self.exists_sync(key)
@@ -73,7 +84,9 @@ class NVMeConnector(RemoteConnector):
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         """Number of leading keys that are stored (prefix hit)."""
-        return self.store.lookup_prefix(keys_and_namespaces(keys))
+        hits = self.store.lookup_prefix(keys_and_namespaces(keys))
+        self._restart_watch()
+        return hits
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:

@@ -9,7 +9,8 @@ Commands, one module each:
 * ``gc``      enforces a byte budget, clears a namespace, removes stale temp files (``gc.py``)
 
 Exit statuses: 0 success, 1 a problem was found or the command could not run
-(``doctor``: 1 = warnings, 2 = failures), 2 usage error (argparse).
+(``doctor``: 1 = warnings, 2 = failures), 2 usage error (argparse; also no command at
+all, after the help that lists the commands).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for module in (bench, doctor, inspect, verify, gc):
         subparser = module.add_parser(sub)
         subparser.set_defaults(parser=subparser)
@@ -47,6 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lmcache-nvme`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # usage error, but show what there is to run
+        parser.print_help(sys.stderr)
+        print(f"\n{parser.prog}: error: give a command, e.g. `{parser.prog} doctor PATH`; "
+              f"`{parser.prog} COMMAND --help` describes each", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

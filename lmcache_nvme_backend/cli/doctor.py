@@ -1,9 +1,12 @@
 """``lmcache-nvme doctor PATH``: is this path, and this machine's GPU I/O stack, ready?
 
-Each check prints PASS, WARN, FAIL (or SKIP) with what it found and, when not
-PASS, the fix.  Exit status: 0 everything passed, 1 at least one warning,
-2 at least one failure.  Nothing is changed except a probe file created and
-removed in PATH (the same O_DIRECT probe the backend runs at start).
+Each check prints PASS, INFO, WARN, FAIL (or SKIP) with what it found and, when not
+PASS, the fix.  Exit status: 0 nothing to fix (PASS, INFO, SKIP), 1 at least one
+warning, 2 at least one failure.  The GPU checks (kvikio, libcufile, nvidia-fs,
+/run/udev, GPU) are INFO unless the deployment needs them: ``--gpu``, or a
+``--config`` whose ``nvme.gds_mode`` is ``on``, makes their problems count.
+Nothing is changed except a probe file created and removed in PATH (the same
+O_DIRECT probe the backend runs at start).
 """
 
 from __future__ import annotations
@@ -21,13 +24,25 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..adapters.hashing import FIX as HASHING_FIX
+from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing
 from ..config import auto_min_free_bytes
 from ..disk.format import ALIGNMENT
+from ..gpu.select import kvikio_install_hint, torch_cuda_version
 from ..io.posix import probe_direct_io
-from .common import GIB, MountInfo, mount_for, nearest_existing, non_negative_float, print_json
+from .common import (
+    GIB,
+    CLIError,
+    MountInfo,
+    mount_for,
+    nearest_existing,
+    non_negative_float,
+    print_json,
+)
 
-PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
-EXIT_FOR = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2}
+PASS, INFO, WARN, FAIL, SKIP = "pass", "info", "warn", "fail", "skip"
+EXIT_FOR = {PASS: 0, INFO: 0, SKIP: 0, WARN: 1, FAIL: 2}
+GPU_CHECKS = ("kvikio", "kvikio compat mode", "libcufile", "nvidia-fs", "/run/udev", "GPU")
 GOOD_LOCAL_FS = {"ext4", "xfs"}
 SHARED_FS = {"lustre", "gpfs", "beegfs", "wekafs", "nfs", "nfs4", "cephfs", "ceph"}
 COW_FS = {"btrfs", "zfs", "bcachefs"}
@@ -48,19 +63,30 @@ class Check:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "doctor", help="check a path and the GPU/GDS stack for the NVMe tier",
-        description="Check PATH (filesystem, O_DIRECT, free space, alignment) and the GPU "
-                    "I/O stack (kvikio and its compat mode, libcufile, nvidia-fs, /run/udev, "
-                    "GPU visibility). Each check is PASS, WARN or FAIL with the fix.",
-        epilog="exit status: 0 all checks passed, 1 warnings, 2 failures (argparse usage "
-               "errors also exit 2)")
+        description="Check PATH (filesystem, O_DIRECT, free space, alignment), LMCache's "
+                    "token hashing (do chunk keys survive a restart?) and the GPU I/O stack "
+                    "(kvikio and its compat mode, libcufile, nvidia-fs, /run/udev, GPU "
+                    "visibility). Each check is PASS, INFO, WARN or FAIL with the fix. The "
+                    "GPU checks are informational (INFO) unless --gpu is given or the "
+                    "--config sets nvme.gds_mode: on.",
+        epilog="exit status: 0 nothing to fix (PASS, INFO, SKIP), 1 warnings, 2 failures "
+               "(argparse usage errors also exit 2)")
     p.add_argument("path", metavar="PATH", type=Path, help="the cache directory (nvme.path)")
     p.add_argument("--max-size-gb", type=non_negative_float, metavar="GB",
                    help="the budget you plan (nvme.max_size_gb): warn when it does not fit")
     p.add_argument("--min-free-gb", type=non_negative_float, default=None, metavar="GB",
                    help="the free-space guard (nvme.min_free_gb; default auto: 5%% of the "
                         "filesystem, at most 1 GiB)")
-    p.add_argument("--skip-gpu", action="store_true",
-                   help="host-only deployment: skip the kvikio/GDS/GPU checks")
+    p.add_argument("--config", type=Path, metavar="YAML",
+                   help="the LMCache config the engines use: checks its "
+                        "pre_caching_hash_algorithm, and nvme.gds_mode: on makes the GPU "
+                        "checks count")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", action="store_true",
+                     help="GPU server whose workers read through kvikio/GDS: GPU problems "
+                          "are warnings and failures (exit 1/2) instead of INFO")
+    gpu.add_argument("--skip-gpu", action="store_true",
+                     help="host-only deployment: skip the kvikio/GDS/GPU checks")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)
     return p
@@ -186,20 +212,27 @@ def check_alignment(probe_dir: Path, mount: MountInfo | None) -> Check:
 # -- GPU stack checks -----------------------------------------------------------------
 
 
-def check_kvikio() -> list[Check]:
+def check_kvikio(gpu_strict: bool = False) -> list[Check]:
+    """kvikio and its compat mode; without kvikio and with a CPU build of torch that is
+    INFO (nothing to read into), unless the GPU path is required (``gpu_strict``)."""
+    cuda = torch_cuda_version()
     try:
         import kvikio
         import kvikio.defaults
     except Exception as exc:  # ImportError, or a broken CUDA library underneath
-        return [Check("kvikio", WARN, f"cannot import kvikio ({exc})",
-                      "pip install kvikio-cu13 (CUDA 13) for the GPU read path")]
+        if cuda is None and not gpu_strict:
+            return [Check("kvikio", INFO, f"not installed ({exc}); not needed with this "
+                          "torch (a CPU build): reads go through O_DIRECT into host memory",
+                          kvikio_install_hint(cuda))]
+        return [Check("kvikio", WARN, f"cannot import kvikio ({exc}); the GPU read path "
+                      "falls back to host reads plus a copy", kvikio_install_hint(cuda))]
     checks = [Check("kvikio", PASS, f"kvikio {getattr(kvikio, '__version__', '?')} imports")]
     try:
         mode = kvikio.defaults.get("compat_mode")
         compat = bool(kvikio.defaults.is_compat_mode_preferred())
     except Exception as exc:
         checks.append(Check("kvikio compat mode", WARN, f"cannot query it ({exc})",
-                            "upgrade kvikio-cu13"))
+                            f"upgrade kvikio: {kvikio_install_hint(cuda)}"))
         return checks
     mode_name = getattr(mode, "name", str(mode))
     env = os.environ.get("KVIKIO_COMPAT_MODE")
@@ -311,8 +344,55 @@ def check_lmcache() -> Check:
                  ">=0.5.6,<0.6", "pip install 'lmcache>=0.5.6,<0.6'")
 
 
+def check_token_hashing(config: dict[str, Any] | None) -> Check:
+    """Do the in-process engines' chunk keys survive a restart (hashing.py)?"""
+    algorithm = (config or {}).get("pre_caching_hash_algorithm")
+    facts = token_hashing(algorithm)
+    where = ("the --config" if config is not None else
+             "LMCache's default; pass --config YAML to check yours")
+    detail = (f"{facts.describe()} ({where}; PYTHONHASHSEED as in this shell; the "
+              "multiprocess server hashes with blake3 and is not affected)")
+    if facts.stable:
+        return Check("token hashing", PASS, detail)
+    if config is None:  # the default here; the user's YAML may set sha256_cbor already
+        return Check("token hashing", INFO, detail,
+                     f"set pre_caching_hash_algorithm: {RECOMMENDED_ALGORITHM} in the LMCache "
+                     "config (examples/lmcache-nvme.yaml does)")
+    return Check("token hashing", WARN, detail, HASHING_FIX)
+
+
+def load_lmcache_config(path: Path) -> dict[str, Any]:
+    """The LMCache YAML given with --config, as a mapping (CLIError naming the file)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise CLIError(f"--config {path}: cannot read it ({exc.strerror or exc})") from exc
+    except yaml.YAMLError as exc:
+        raise CLIError(f"--config {path}: not valid YAML ({exc})") from exc
+    if not isinstance(loaded, dict):
+        raise CLIError(f"--config {path}: not an LMCache config (a YAML mapping of settings "
+                       "such as chunk_size and extra_config)")
+    return loaded
+
+
+def gds_mode_of(config: dict[str, Any] | None) -> str | None:
+    extra = (config or {}).get("extra_config") or {}
+    mode = extra.get("nvme.gds_mode") if isinstance(extra, dict) else None
+    return None if mode is None else str(mode).lower()
+
+
+def informational(check: Check) -> Check:
+    """A GPU check the deployment does not need: its problem is INFO (exit 0)."""
+    if check.status in (WARN, FAIL):
+        return Check(check.name, INFO, check.detail, check.fix)
+    return check
+
+
 def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
-               skip_gpu: bool) -> list[Check]:
+               skip_gpu: bool, gpu_strict: bool = False,
+               config: dict[str, Any] | None = None) -> list[Check]:
     path = path.absolute()
     first, probe_dir = check_path(path)
     checks = [first]
@@ -323,31 +403,42 @@ def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
                    check_free_space(probe_dir, max_size_gb, min_free_gb),
                    check_alignment(probe_dir, mount)]
     checks.append(check_lmcache())
-    gpu_checks = ("kvikio", "libcufile", "nvidia-fs", "/run/udev", "GPU")
+    checks.append(check_token_hashing(config))
     if skip_gpu:
-        checks += [Check(name, SKIP, "skipped (--skip-gpu)") for name in gpu_checks]
+        checks += [Check(name, SKIP, "skipped (--skip-gpu)") for name in GPU_CHECKS
+                   if name != "kvikio compat mode"]
     else:
-        checks += check_kvikio()
-        checks += [check_libcufile(), check_nvidia_fs(), check_run_udev(), check_gpu()]
+        gpu = check_kvikio(gpu_strict) + [check_libcufile(), check_nvidia_fs(), check_run_udev(),
+                                check_gpu()]
+        checks += gpu if gpu_strict else [informational(c) for c in gpu]
     return checks
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = run_checks(args.path, args.max_size_gb, args.min_free_gb, args.skip_gpu)
+    config = None if args.config is None else load_lmcache_config(args.config)
+    gpu_strict = args.gpu or gds_mode_of(config) == "on"
+    checks = run_checks(args.path, args.max_size_gb, args.min_free_gb, args.skip_gpu,
+                        gpu_strict, config)
     status = max(EXIT_FOR[c.status] for c in checks)
     worst = {0: PASS, 1: WARN, 2: FAIL}[status]
+    gpu_note = ("GPU checks count (--gpu)" if args.gpu else
+                "GPU checks count (nvme.gds_mode: on in --config)" if gpu_strict else
+                "GPU checks skipped" if args.skip_gpu else
+                "GPU checks informational (--gpu makes them count)")
     if args.json:
         print_json({"command": "doctor", "path": str(args.path.absolute()),
                     "checks": [asdict(c) for c in checks], "worst": worst,
-                    "exit_status": status})
+                    "gpu_strict": gpu_strict, "exit_status": status})
         return status
     print(f"lmcache-nvme doctor {args.path.absolute()}")
     width = max(len(c.name) for c in checks)
     for c in checks:
         print(f"  {c.status.upper():<4}  {c.name:<{width}}  {c.detail}")
-        if c.fix and c.status in (WARN, FAIL):
-            print(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
-    counts = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL, SKIP)}
-    print(f"result: {worst.upper()} ({counts[PASS]} passed, {counts[WARN]} warnings, "
-          f"{counts[FAIL]} failures, {counts[SKIP]} skipped); exit status {status}")
+        if c.fix and c.status in (INFO, WARN, FAIL):
+            print(f"  {'':<4}  {'':<{width}}  {'fix' if c.status != INFO else 'if needed'}: "
+                  f"{c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in (PASS, INFO, WARN, FAIL, SKIP)}
+    print(f"result: {worst.upper()} ({counts[PASS]} passed, {counts[INFO]} informational, "
+          f"{counts[WARN]} warnings, {counts[FAIL]} failures, {counts[SKIP]} skipped; "
+          f"{gpu_note}); exit status {status}")
     return status

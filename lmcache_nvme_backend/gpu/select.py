@@ -23,6 +23,44 @@ logger = logging.getLogger("lmcache_nvme_backend")
 
 KVIKIO_PATHS = (ReadPath.KVIKIO_GDS, ReadPath.KVIKIO_COMPAT)
 
+#: The package's GPU extras, by the CUDA major torch was built for: each pulls the kvikio
+#: wheel of that CUDA major (the RAPIDS naming, ``kvikio-cu12`` / ``kvikio-cu13``).
+GPU_EXTRAS = {12: "cu12", 13: "cu13"}
+
+
+def torch_cuda_version() -> str | None:
+    """``torch.version.cuda`` (e.g. ``"13.0"``); None for a CPU build or without torch."""
+    try:
+        import torch
+    except Exception:
+        return None
+    return getattr(torch.version, "cuda", None) or None
+
+
+def gpu_extra_for(cuda_version: str | None) -> str | None:
+    """The extra (``cu12``, ``cu13``) for a torch built with ``cuda_version``; None for a
+    CPU build or a CUDA major without a kvikio wheel."""
+    if not cuda_version:
+        return None
+    try:
+        major = int(str(cuda_version).split(".")[0])
+    except ValueError:
+        return None
+    return GPU_EXTRAS.get(major)
+
+
+def kvikio_install_hint(cuda_version: str | None) -> str:
+    """How to get kvikio for a torch built with ``cuda_version`` (``torch_cuda_version()``)."""
+    extra = gpu_extra_for(cuda_version)
+    if extra is not None:
+        return (f'pip install "lmcache-nvme-backend[{extra}]" (kvikio-{extra}, matching torch\'s '
+                f"CUDA {cuda_version})")
+    if not cuda_version:
+        return ("this torch is a CPU build, so there is no GPU to read into; on a GPU server "
+                "install the extra matching torch.version.cuda: [cu12] or [cu13]")
+    return (f"torch is built for CUDA {cuda_version}, but kvikio wheels exist for CUDA 12 and "
+            "13 only (extras [cu12], [cu13]): install a torch built for one of them")
+
 
 @dataclass(frozen=True)
 class GpuProbe:
@@ -36,11 +74,13 @@ class GpuProbe:
     compat_mode_preferred: bool | None = None  # kvikio's verdict; None without kvikio
     compat_mode_setting: str | None = None  # kvikio's compat_mode setting (KVIKIO_COMPAT_MODE)
     nvidia_fs: bool = False  # the nvidia-fs kernel module is loaded
+    torch_cuda: str | None = None  # torch.version.cuda: which kvikio wheel fits
 
     @classmethod
     def detect(cls) -> GpuProbe:
         """Ask torch and kvikio; never raises (a failure is a fact like any other)."""
         cuda_devices, cuda_error = 0, None
+        torch_cuda = torch_cuda_version()
         try:
             import torch
 
@@ -79,7 +119,8 @@ class GpuProbe:
         return cls(cuda_devices=cuda_devices, cuda_error=cuda_error, kvikio_version=kv_version,
                    kvikio_error=kv_error, libcufile_version=cufile,
                    compat_mode_preferred=compat, compat_mode_setting=setting,
-                   nvidia_fs=os.path.exists("/proc/driver/nvidia-fs/version"))
+                   nvidia_fs=os.path.exists("/proc/driver/nvidia-fs/version"),
+                   torch_cuda=torch_cuda)
 
 
 @dataclass(frozen=True)
@@ -118,7 +159,7 @@ def select_read_path(mode: str, dst_device: str, pool_bytes: int,
         problems.append(f"no usable CUDA GPU ({probe.cuda_error or 'no device'})")
     if probe.kvikio_version is None:
         problems.append(f"kvikio cannot be imported ({probe.kvikio_error or 'not installed'}; "
-                        "pip install kvikio-cu13)")
+                        f"{kvikio_install_hint(probe.torch_cuda)})")
     elif probe.libcufile_version is None:
         problems.append("kvikio cannot load libcufile, so there is no cuFile (install "
                         "nvidia-cufile / the GDS packages)")

@@ -27,10 +27,17 @@ def cli_command() -> list[str]:
 def run_cli(cli_command: list[str]) -> RunCLI:
     """Run ``lmcache-nvme ARGS`` as a user would; returns the finished process."""
 
-    def run(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        env = dict(os.environ, LMCACHE_TRACK_USAGE="false", COLUMNS="200")
+    def run(*args: str | Path, timeout: float = 120,
+            env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+        """``env``: variables to set on top of this process's (None: unset it)."""
+        full = dict(os.environ, LMCACHE_TRACK_USAGE="false", COLUMNS="200")
+        for name, value in (env or {}).items():
+            if value is None:
+                full.pop(name, None)
+            else:
+                full[name] = value
         return subprocess.run([*cli_command, *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout, env=env, check=False)
+                              timeout=timeout, env=full, check=False)
 
     return run
 

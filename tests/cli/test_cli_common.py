@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,13 @@ def test_mount_lookup_picks_the_longest_mount_point(tmp_path: Path) -> None:
     assert root is not None and root.fstype == "ext4"
     spaced = mount_for(spaced_dir / "cache", str(mounts))
     assert spaced is not None and spaced.fstype == "nfs"
+
+
+def test_no_command_lists_the_commands(run_cli: Any) -> None:
+    """``lmcache-nvme`` alone is a usage error (exit 2, like any other) that shows the
+    commands instead of only 'COMMAND is required'."""
+    proc = run_cli()
+    assert proc.returncode == 2 and proc.stdout == ""
+    for command in ("bench", "doctor", "inspect", "verify", "gc"):
+        assert f"\n    {command} " in proc.stderr
+    assert "error: give a command, e.g. `lmcache-nvme doctor PATH`" in proc.stderr

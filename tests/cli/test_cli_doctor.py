@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from support.cli import RunCLI
+from support.paths import EXAMPLE_YAML
 
-EXIT_FOR = {"pass": 0, "skip": 0, "warn": 1, "fail": 2}
+EXIT_FOR = {"pass": 0, "info": 0, "skip": 0, "warn": 1, "fail": 2}
+GPU_CHECKS = {"kvikio", "kvikio compat mode", "libcufile", "nvidia-fs", "/run/udev", "GPU"}
 
 
 def checks_of(stdout: str) -> dict[str, dict[str, str]]:
@@ -23,8 +26,107 @@ def test_exit_status_is_the_worst_check(run_cli: RunCLI, tmp_path: Path) -> None
     assert checks["O_DIRECT"]["status"] in ("pass", "warn")
     assert proc.returncode == max(EXIT_FOR[c["status"]] for c in checks.values())
     for check in checks.values():
-        if check["status"] in ("warn", "fail"):
+        if check["status"] in ("info", "warn", "fail"):
             assert check["fix"], f"{check['name']} has no fix: {check}"
+
+
+def test_gpu_checks_are_informational_unless_asked_for(run_cli: RunCLI, tmp_path: Path) -> None:
+    """A healthy CPU-only machine exits 0: GPU problems are INFO by default (scripts with
+    set -e keep going), warnings and failures with --gpu."""
+    default = checks_of(run_cli("doctor", tmp_path, "--json").stdout)
+    host = {n: c for n, c in default.items() if n not in GPU_CHECKS}
+    for name in GPU_CHECKS & set(default):
+        assert default[name]["status"] in ("pass", "info"), default[name]
+    proc = run_cli("doctor", tmp_path)
+    assert proc.returncode == max(EXIT_FOR[c["status"]] for c in host.values())
+    assert "GPU checks informational (--gpu makes them count)" in proc.stdout
+
+    strict = run_cli("doctor", tmp_path, "--gpu", "--json")
+    report = json.loads(strict.stdout)
+    assert report["gpu_strict"] is True
+    gpu = {c["name"]: c for c in report["checks"] if c["name"] in GPU_CHECKS}
+    for name, check in gpu.items():
+        assert check["status"] != "info", name
+        if default[name]["status"] == "info":  # the same problem, now counted
+            assert check["status"] in ("warn", "fail")
+            if name != "kvikio":  # kvikio says "not needed" only when it is not
+                assert check["detail"] == default[name]["detail"]
+    assert strict.returncode == max(EXIT_FOR[c["status"]] for c in report["checks"])
+
+
+def test_a_config_with_strict_gds_makes_gpu_checks_count(run_cli: RunCLI,
+                                                         tmp_path: Path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text("chunk_size: 256\npre_caching_hash_algorithm: sha256_cbor\n"
+                      "extra_config:\n  nvme.gds_mode: \"on\"\n")
+    report = json.loads(run_cli("doctor", tmp_path, "--config", config, "--json").stdout)
+    assert report["gpu_strict"] is True
+    assert checks_of(json.dumps(report))["token hashing"]["status"] == "pass"
+
+
+def test_kvikio_absent_names_the_extra_for_this_torch(run_cli: RunCLI, tmp_path: Path) -> None:
+    blocker = tmp_path / "no-kvikio"
+    (blocker / "kvikio").mkdir(parents=True)  # a package that fails to import, as if absent
+    (blocker / "kvikio" / "__init__.py").write_text("raise ImportError('No module kvikio')\n")
+    proc = run_cli("doctor", tmp_path, "--json",
+                   env={"PYTHONPATH": os.pathsep.join(filter(None, [
+                       str(blocker), os.environ.get("PYTHONPATH")]))})
+    check = checks_of(proc.stdout)["kvikio"]
+    import torch
+
+    from lmcache_nvme_backend.gpu.select import kvikio_install_hint
+
+    assert "No module kvikio" in check["detail"]
+    assert check["fix"] == kvikio_install_hint(torch.version.cuda)
+    if torch.version.cuda is None:  # this machine: a CPU build needs no GPU extra
+        assert check["status"] == "info" and "not needed" in check["detail"]
+    else:
+        assert '[cu' in check["fix"]
+    strict = run_cli("doctor", tmp_path, "--gpu", "--json", env={"PYTHONPATH": os.pathsep.join(
+        filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))})
+    assert checks_of(strict.stdout)["kvikio"]["status"] == "warn"  # required: a problem
+
+
+def vllm_stand_in(tmp_path: Path) -> dict[str, str | None]:
+    """An environment where ``vllm`` can be found (doctor only looks for it) and
+    PYTHONHASHSEED is unset, as in a user's shell on a vLLM server."""
+    fake = tmp_path / "fake-vllm"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("")
+    return {"PYTHONHASHSEED": None, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(fake), os.environ.get("PYTHONPATH")]))}
+
+
+def test_token_hashing_that_changes_at_restart_is_a_warning(run_cli: RunCLI,
+                                                            tmp_path: Path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text("chunk_size: 256\npre_caching_hash_algorithm: builtin\n")
+    env = vllm_stand_in(tmp_path)
+    proc = run_cli("doctor", tmp_path, "--config", config, "--skip-gpu", "--json", env=env)
+    check = checks_of(proc.stdout)["token hashing"]
+    assert check["status"] == "warn" and proc.returncode >= 1
+    assert "change at every restart" in check["detail"]
+    assert "pre_caching_hash_algorithm: sha256_cbor" in check["fix"]
+    # the example YAML passes there, and without --config the default is only pointed out
+    shipped = run_cli("doctor", tmp_path, "--config", EXAMPLE_YAML, "--skip-gpu", "--json",
+                      env=env)
+    assert checks_of(shipped.stdout)["token hashing"]["status"] == "pass"
+    bare = run_cli("doctor", tmp_path, "--skip-gpu", "--json", env=env)
+    assert checks_of(bare.stdout)["token hashing"]["status"] == "info"
+    # PYTHONHASHSEED fixed: stable too
+    seeded = run_cli("doctor", tmp_path, "--config", config, "--skip-gpu", "--json",
+                     env={**env, "PYTHONHASHSEED": "0"})
+    assert checks_of(seeded.stdout)["token hashing"]["status"] == "pass"
+
+
+def test_a_bad_config_file_is_an_error_naming_it(run_cli: RunCLI, tmp_path: Path) -> None:
+    missing = run_cli("doctor", tmp_path, "--config", tmp_path / "nope.yaml")
+    assert missing.returncode == 1
+    assert f"--config {tmp_path / 'nope.yaml'}: cannot read it" in missing.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    proc = run_cli("doctor", tmp_path, "--config", bad)
+    assert proc.returncode == 1 and "not an LMCache config" in proc.stderr
 
 
 def test_skip_gpu_leaves_out_the_gds_checks(run_cli: RunCLI, tmp_path: Path) -> None:

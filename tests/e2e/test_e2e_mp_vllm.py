@@ -7,7 +7,8 @@
    L1), with a fresh vLLM: the hit can only come from our files (the adapter's
    ``read_chunks`` counts them).
 
-vLLM runs from its own environment (``tests/support/vllm_env.py`` explains why);
+vLLM runs from its own environment (``tests/support/vllm_env.py`` explains why; the
+``vllm_python`` fixture is in ``conftest.py``);
 the model and tokenizer are built locally.  Every process is started and
 stopped here, each with a time limit.
 """
@@ -31,7 +32,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.paths import MP_SERVER_SCRIPT
 from support.process import child_env, module_command
-from support.vllm_env import VLLMUnavailable, ensure_vllm_python
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -44,7 +44,7 @@ SERVER_START_S = 120
 VLLM_RUN_S = 400
 
 ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
-       "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
+       "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -52,14 +52,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    try:
-        return ensure_vllm_python()
-    except VLLMUnavailable as exc:
-        pytest.skip(f"vLLM cannot be imported on this machine: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,19 +104,31 @@ def test_lmcache_yaml_round_trips_through_a_real_engine(example: Path, tmp_path:
     assert bool(got.ret_mask.all()) and torch.equal(got.kv, kv)
 
 
-def mp_server_command(tmp_path: Path, **env: str) -> list[str]:
-    """The arguments examples/mp-server.sh gives ``lmcache``, captured by a stand-in."""
+def run_mp_server(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str],
+                                                         list[str] | None]:
+    """Run examples/mp-server.sh with a stand-in ``lmcache`` that records its arguments:
+    the finished script, and the arguments (None: the server was never started)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     capture = tmp_path / "argv.json"
+    capture.unlink(missing_ok=True)
     stand_in = bin_dir / "lmcache"
     stand_in.write_text(f"#!/usr/bin/env python3\nimport json, sys\n"
                         f"open({str(capture)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
-    subprocess.run(["bash", str(EXAMPLES / "mp-server.sh")], check=True, timeout=30,
-                   env=dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                            **env))
-    return json.loads(capture.read_text())  # type: ignore[no-any-return]
+    proc = subprocess.run(["bash", str(EXAMPLES / "mp-server.sh")], timeout=120,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable,
+                                   PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env))
+    argv = json.loads(capture.read_text()) if capture.exists() else None
+    return proc, argv
+
+
+def mp_server_command(tmp_path: Path, **env: str) -> list[str]:
+    """The arguments examples/mp-server.sh gives ``lmcache``, captured by a stand-in."""
+    proc, argv = run_mp_server(tmp_path, **env)
+    assert proc.returncode == 0 and argv is not None, proc.stderr
+    return argv
 
 
 def option(argv: list[str], name: str) -> str:
@@ -142,8 +155,50 @@ def test_mp_server_script_defaults_match_the_docs(tmp_path: Path) -> None:
     assert params["max_size_gb"] == 500 and params["min_free_gb"] == 1
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    ({"MAX_SIZE_GB": "100GB"}, "MAX_SIZE_GB='100GB' is not a number (GB, no unit); "
+                               "e.g. MAX_SIZE_GB=500"),
+    ({"MAX_SIZE_GB": "0"}, "MAX_SIZE_GB='0' must be more than 0"),
+    ({"MIN_FREE_GB": "-1"}, "MIN_FREE_GB='-1' must be at least 0"),
+    ({"L1_GB": "lots"}, "L1_GB='lots' is not a number"),
+    ({"PORT": "99999"}, "PORT='99999' must be at least 1 and at most 65535"),
+    ({"HTTP_PORT": "80a"}, "HTTP_PORT='80a' is not a whole number"),
+], ids=["unit-in-size", "zero-size", "negative-free", "l1-word", "port-range", "port-word"])
+def test_mp_server_script_names_a_bad_variable_before_starting(tmp_path: Path,
+                                                               env: dict[str, str],
+                                                               message: str) -> None:
+    proc, argv = run_mp_server(tmp_path, CACHE_DIR=str(tmp_path / "c"), **env)
+    assert proc.returncode == 2 and argv is None  # the server never started
+    assert proc.stderr.startswith(f"mp-server.sh: {message}"), proc.stderr
+
+
+def test_mp_server_script_shows_the_adapters_own_error_first(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    proc, argv = run_mp_server(tmp_path, CACHE_DIR=str(not_a_dir), MAX_SIZE_GB="7")
+    assert proc.returncode == 2 and argv is None
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("mp-server.sh: the NVMe tier would not start (CACHE_DIR=")
+    assert f"adapter_params.path: '{not_a_dir}' exists and is not a directory" in first
+
+
 def bash_blocks(markdown: str) -> list[str]:
     return re.findall(r"```bash\n(.*?)```", markdown, flags=re.S)
+
+
+def test_readme_commands_write_no_file_into_the_checkout() -> None:
+    """Files the README's commands create land outside the tree or where .gitignore
+    covers them, so trying them leaves ``git status`` clean."""
+    ignored = [line.strip().rstrip("/") for line in (ROOT / ".gitignore").read_text()
+               .splitlines() if line.strip() and not line.startswith("#")]
+    outputs = [out for block in bash_blocks((ROOT / "README.md").read_text())
+               for out in re.findall(r"--plot (\S+)", block)]
+    assert outputs, "the README no longer shows --plot; update this test"
+    for out in outputs:
+        path = Path(out)
+        inside = not path.is_absolute() or ROOT in path.resolve().parents
+        assert not inside or Path(out).parts[0].lstrip("./") in ignored, (
+            f"README: --plot {out} would leave an untracked file in the checkout")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

@@ -32,7 +32,10 @@ from lmcache_nvme_backend.gpu.select import (
     GpuProbe,
     check_pool_size,
     chunk_bytes_of,
+    gpu_extra_for,
+    kvikio_install_hint,
     select_read_path,
+    torch_cuda_version,
 )
 from lmcache_nvme_backend.store import ReadPath
 
@@ -87,12 +90,39 @@ def test_mode_selection_covers_every_branch(mode: str, dst: str, pool: int, prob
 
 
 def test_strict_refusal_lists_every_reason_and_the_fix() -> None:
-    probe = GpuProbe(cuda_devices=0, cuda_error="no driver", kvikio_error="missing")
+    probe = GpuProbe(cuda_devices=0, cuda_error="no driver", kvikio_error="missing",
+                     torch_cuda="13.0")
     refusal = select_read_path("on", "cuda:0", POOL, probe).refusal
     assert refusal is not None
     assert "no usable CUDA GPU (no driver)" in refusal
-    assert "kvikio cannot be imported (missing; pip install kvikio-cu13)" in refusal
+    assert ('kvikio cannot be imported (missing; pip install "lmcache-nvme-backend[cu13]" '
+            "(kvikio-cu13, matching torch's CUDA 13.0))") in refusal
     assert "lmcache-nvme doctor" in refusal
+
+
+@pytest.mark.parametrize(("cuda", "extra"), [("12.8", "cu12"), ("13.0", "cu13"), ("13", "cu13"),
+                                             (None, None), ("", None), ("11.8", None),
+                                             ("x", None)])
+def test_the_gpu_extra_follows_torch_cuda_major(cuda: str | None, extra: str | None) -> None:
+    assert gpu_extra_for(cuda) == extra
+
+
+def test_the_kvikio_hint_names_the_extra_of_the_installed_torch() -> None:
+    assert '"lmcache-nvme-backend[cu12]"' in kvikio_install_hint("12.4")
+    assert "CPU build" in kvikio_install_hint(None)
+    assert "CUDA 11.8" in kvikio_install_hint("11.8") and "[cu12]" in kvikio_install_hint("11.8")
+    # this machine's torch decides which one the messages name
+    expected = gpu_extra_for(torch.version.cuda)
+    hint = kvikio_install_hint(torch_cuda_version())
+    assert (f"[{expected}]" in hint) if expected else ("CPU build" in hint)
+
+
+def test_without_kvikio_the_auto_path_is_host_bounce_and_says_how_to_install() -> None:
+    probe = GpuProbe(cuda_devices=1, kvikio_error="No module named 'kvikio'", torch_cuda="12.8")
+    decision = select_read_path("auto", "cuda:0", POOL, probe)
+    assert decision.path == ReadPath.HOST_BOUNCE and decision.refusal is None
+    assert "No module named 'kvikio'" in decision.reason
+    assert '"lmcache-nvme-backend[cu12]"' in decision.reason
 
 
 def test_compat_refusal_explains_the_gds_prerequisites() -> None:
@@ -315,3 +345,34 @@ def test_flag_with_strings_over_the_field_is_rejected() -> None:
     with pytest.raises(FormatError, match="overlap the GPU checksum"):
         decode_header(raw)
     assert len(raw) == HEADER_SIZE
+
+
+NO_KVIKIO_CHILD = """
+import json, sys
+sys.modules["kvikio"] = None  # as if not installed: import kvikio raises ImportError
+import lmcache_nvme_backend.io.kvikio, lmcache_nvme_backend.gpu.reader
+import lmcache_nvme_backend.gpu.pool, lmcache_nvme_backend.cli.doctor
+import lmcache_nvme_backend.cli.bench.gpu_reads
+from lmcache_nvme_backend.gpu.select import GpuProbe, select_read_path
+probe = GpuProbe.detect()
+decision = select_read_path("on", "cuda:0", 1 << 30, probe)
+print(json.dumps({"version": probe.kvikio_version, "error": probe.kvikio_error,
+                  "torch_cuda": probe.torch_cuda, "refusal": decision.refusal}))
+"""
+
+
+def test_without_kvikio_every_module_imports_and_the_probe_says_why() -> None:
+    """A CPU install has no kvikio (it is the [cu12]/[cu13] extra): the GPU modules still
+    import, the probe reports kvikio as absent, and strict mode's refusal says how to get
+    it for this torch."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", NO_KVIKIO_CHILD], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["version"] is None and "kvikio" in report["error"]
+    assert report["torch_cuda"] == torch.version.cuda
+    assert f"kvikio cannot be imported ({report['error']}; " in report["refusal"]
+    assert kvikio_install_hint(torch.version.cuda) in report["refusal"]

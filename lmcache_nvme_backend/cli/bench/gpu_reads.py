@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...disk.format import HEADER_SIZE
+from ...gpu.select import kvikio_install_hint, torch_cuda_version
 from ...io.posix import PosixIOEngine
 from ..common import CLIError, Progress
 from .model import BenchConfig, Timed, read_batches
@@ -32,7 +33,8 @@ def check_gpu_destination() -> None:
     try:
         import kvikio  # noqa: F401
     except Exception as exc:
-        problems.append(f"kvikio cannot be imported ({exc}); pip install kvikio-cu13")
+        problems.append(f"kvikio cannot be imported ({exc}); "
+                        f"{kvikio_install_hint(torch_cuda_version())}")
     if problems:
         raise CLIError("--dest gpu needs a CUDA GPU and kvikio: " + "; ".join(problems)
                        + ". Use --dest host here, and run `lmcache-nvme doctor PATH` on the "

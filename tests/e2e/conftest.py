@@ -1,0 +1,42 @@
+"""What the end-to-end tests share: vLLM's environment, and how a missing prerequisite ends.
+
+A prerequisite that is missing (vLLM's environment cannot be built, vLLM does not import)
+skips the tests with the reason on a developer's machine, and fails them when ``CI`` is
+set, so that CI never reports success for tests that did not run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.paths import REPO_ROOT
+from support.prerequisites import missing_prerequisite
+from support.vllm_env import VLLMUnavailable, ensure_vllm_env
+
+
+@pytest.fixture(scope="session")
+def vllm_python(pytestconfig: pytest.Config) -> Path:
+    """The python of vLLM's environment (built on first use, then reused); what was built
+    or reused, and where, is printed to the terminal."""
+    def say(line: str) -> None:  # on the terminal, past pytest's output capture
+        reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+        capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+        if reporter is None or capture is None:
+            print(line)
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("")
+            reporter.write_line(line)
+
+    try:
+        env = ensure_vllm_env(say)
+    except VLLMUnavailable as exc:
+        missing_prerequisite(f"vLLM's environment is not usable: {exc}")
+    say(env.summary())
+    ours = Path(env.imports["lmcache_nvme_backend"]).resolve()
+    if REPO_ROOT not in ours.parents:
+        missing_prerequisite(f"vLLM's environment imports lmcache_nvme_backend from {ours}, "
+                             f"not from this checkout ({REPO_ROOT}); install this checkout "
+                             "(pip install -e .) in the environment that runs the tests")
+    return env.python

@@ -1,0 +1,46 @@
+"""examples/quickstart.py, the README's first command, as a user runs it (no
+PYTHONHASHSEED: the quick start no longer sets it behind the user's back)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.paths import EXAMPLES_DIR
+from support.process import child_env
+
+QUICKSTART = EXAMPLES_DIR / "quickstart.py"
+
+
+def quickstart(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = child_env()
+    env.pop("PYTHONHASHSEED", None)
+    return subprocess.run([sys.executable, str(QUICKSTART), *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_the_second_run_finds_every_chunk_of_the_first(tmp_path: Path) -> None:
+    cache = tmp_path / "demo"
+    first = quickstart("--cache-dir", cache, "--tokens", "1024")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "token hashing: pre_caching_hash_algorithm 'sha256_cbor'" in first.stdout
+    assert "bytes identical to what was stored: True" in first.stdout
+    second = quickstart("--cache-dir", cache, "--tokens", "1024")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "restart: all 4 chunks found on the NVMe tier from an earlier run" in second.stdout
+    assert "retrieve:" in second.stdout and "for 1024 of 1024 tokens" in second.stdout
+    assert "bytes identical to what was stored: True" in second.stdout
+
+
+def test_a_file_as_cache_dir_exits_with_the_message(tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    proc = quickstart("--cache-dir", a_file)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"quickstart: nvme.path: '{a_file}' exists and is not a directory. Point it at a "
+        "directory (it is created if missing).")
+    assert "Traceback" not in proc.stderr
