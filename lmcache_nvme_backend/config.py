@@ -273,7 +273,7 @@ class NVMeSettings:
     io_threads: int = field(default=8, metadata=_rule(_Number(1, integer=True)))
     # 0: one writer per path
     write_threads: int = field(default=0, metadata=_rule(_Number(0, integer=True)))
-    task_size_mb: float = field(default=4.0, metadata=_rule(_Number(0.0, exclusive=True)))
+    task_size_mb: float = field(default=64.0, metadata=_rule(_Number(0.0, exclusive=True)))
     write_queue_mb: float = field(default=1024.0, metadata=_rule(_Number(0.0, exclusive=True)))
     queue_full_policy: QueueFullPolicy = field(default=QueueFullPolicy.DROP,
                                                metadata=_rule(_Choice(QueueFullPolicy)))

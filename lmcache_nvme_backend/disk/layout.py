@@ -95,6 +95,7 @@ class RootLayout:
         self.quarantine_dir = root / "quarantine"
         self.namespaces_dir = root / "ns"
         self._ns_text = str(self.namespaces_dir)
+        self._root_prefix = str(root).rstrip("/") + "/"
 
     def chunk_path(self, ns_id: str, digest: str) -> Path:
         # one format and one parse: four ``/`` joins cost more on every read
@@ -102,8 +103,7 @@ class RootLayout:
 
     def temp_path(self, final: Path) -> Path:
         """A temporary name unique to this host, process and thread."""
-        suffix = f"{TEMP_INFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}"
-        return final.with_name(final.name + suffix)
+        return final.with_name(temp_name(final.name))
 
     def quarantine_path(self, digest: str) -> Path:
         """Where a chunk file that failed validation is moved (a unique name per move)."""
@@ -114,6 +114,9 @@ class RootLayout:
 
     def relative(self, path: Path) -> str:
         """``path`` relative to the root, as the ``safe_fs`` functions take it."""
+        text = str(path)
+        if text.startswith(self._root_prefix):  # every path the store builds: no parsing
+            return text[len(self._root_prefix):]
         return path.relative_to(self.root).as_posix()
 
     def iter_namespace_ids(self) -> Iterator[str]:
@@ -196,6 +199,12 @@ def split_tree_path(path: Path | str) -> tuple[str, str] | None:
     if not _TREE_TAIL_RE.match(tail):
         return None
     return parts[0], tail
+
+
+def temp_name(final_name: str) -> str:
+    """The temporary name beside ``final_name`` unique to this host, process and thread;
+    ``RootLayout.iter_temp_files`` parses the owner back out of it."""
+    return f"{final_name}{TEMP_INFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}"
 
 
 def this_host() -> str:

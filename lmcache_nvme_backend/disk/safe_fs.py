@@ -233,7 +233,12 @@ def kind_of(mode: int) -> str:
 
 def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
     """Create the directories of ``rel`` below ``root`` with exactly ``mode`` (whatever the
-    umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``.
+    umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``."""
+    os.close(open_dirs_beneath(root, rel, mode))
+
+
+def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
+    """``makedirs_beneath``, returning a descriptor of the deepest directory.
 
     Only what is missing is created, from the deepest directory that exists: a new shard
     directory under an existing one costs one ``mkdir``, not one per component.
@@ -265,14 +270,31 @@ def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
             fd = nxt
             if created:
                 os.fchmod(fd, mode)  # mkdir applied the umask
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
     """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
     ``mode``; returns its descriptor."""
     fd = open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # open() applied the umask
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> int:
+    """Create a new file called ``name`` in an open directory (``O_CREAT | O_EXCL |
+    O_NOFOLLOW``: never an existing file or link) with exactly ``mode``."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"not a file name: {name!r}")
+    fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode,
+                 dir_fd=dir_fd)
     try:
         os.fchmod(fd, mode)  # open() applied the umask
     except OSError:

@@ -1,7 +1,8 @@
 """Opening chunk files: only regular files, never through a link, and the O_DIRECT probe.
 
 Every read of a chunk file opens it with :func:`open_for_read`, every chunk (temp)
-file is created with :func:`create_for_write`; inside a cache tree both resolve
+file is created with :func:`create_for_write` (or :func:`create_in_dir`, in a shard
+directory the writer has open); inside a cache tree both resolve
 beneath the root without following a link in any component (``disk/safe_fs.py``).
 """
 
@@ -16,13 +17,14 @@ from pathlib import Path
 
 from ..disk.format import ALIGNMENT
 from ..disk.layout import split_tree_path
-from ..disk.safe_fs import NotAChunkFile, create_beneath, kind_of, open_beneath
+from ..disk.safe_fs import NotAChunkFile, create_beneath, create_in, kind_of, open_beneath
 from .buffers import AlignedBuffer
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
@@ -154,14 +156,21 @@ def create_for_write(path: Path, direct: bool, mode: int) -> int:
     ``O_EXCL`` (never an existing file or link); in a cache tree's shard directory no
     component is reached through a link (``NotAChunkFile``).
     """
-    flags = os.O_WRONLY | (_O_DIRECT if direct else 0)
     where = split_tree_path(path)
     if where is not None:
-        return create_beneath(where[0], where[1], mode, flags)
-    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode)
+        return create_beneath(where[0], where[1], mode, _write_flags(direct))
+    dir_fd = os.open(path.parent, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
-        os.fchmod(fd, mode)  # open() applied the umask
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+        return create_in_dir(dir_fd, path.name, direct, mode)
+    finally:
+        os.close(dir_fd)
+
+
+def create_in_dir(dir_fd: int, name: str, direct: bool, mode: int) -> int:
+    """Create the new chunk (temp) file ``name`` with exactly ``mode`` in an open directory
+    (``O_EXCL | O_NOFOLLOW``: never an existing file or link)."""
+    return create_in(dir_fd, name, mode, _write_flags(direct))
+
+
+def _write_flags(direct: bool) -> int:
+    return os.O_WRONLY | (_O_DIRECT if direct else 0)

@@ -29,11 +29,18 @@ from ..disk.format import ALIGNMENT, BLOCK_SIZE, HEADER_SIZE, padded_length
 from ..disk.format import block_digests as hash_blocks
 from ..disk.safe_fs import NotAChunkFile
 from .buffers import AlignedBuffer, is_aligned
-from .files import create_for_write, open_for_read, probe_direct_io, probe_direct_read
+from .files import (
+    create_for_write,
+    create_in_dir,
+    open_for_read,
+    probe_direct_io,
+    probe_direct_read,
+)
 from .read_jobs import Latch, ReadRequest
 
 __all__ = ["AlignedBuffer", "NotAChunkFile", "PosixIOEngine", "ReadRequest", "ShortFileError",
-           "create_for_write", "open_for_read", "probe_direct_io", "probe_direct_read"]
+           "create_for_write", "create_in_dir", "open_for_read", "probe_direct_io",
+           "probe_direct_read"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,47 +213,59 @@ class PosixIOEngine:
         """
         fd = create_for_write(path, direct, mode)
         try:
-            self._write_payload(fd, payload, direct, header)
-            if sync_data:
-                os.fdatasync(fd)
+            self.write_to(fd, header, payload, direct=direct, sync_data=sync_data)
         finally:
             os.close(fd)
 
     def write_chunk_hashed(self, path: Path, payload: memoryview,
                            header_for: Callable[[list[int]], bytes], *, direct: bool,
                            mode: int, sync_data: bool) -> None:
-        """Create ``path`` holding the payload and the header ``header_for(block digests)``.
+        """Create ``path`` holding the payload and the header ``header_for(block digests)``;
+        see ``write_hashed_to``."""
+        fd = create_for_write(path, direct, mode)
+        try:
+            self.write_hashed_to(fd, payload, header_for, direct=direct, sync_data=sync_data)
+        finally:
+            os.close(fd)
 
-        A payload of several pieces is written piece by piece, each piece's checksum
-        blocks hashed just before it is written (on this thread: xxh3 runs at several
-        GB/s and releases the GIL, and a hand-off per chunk to another thread costs
-        more than it overlaps), and the header, which needs every digest, goes last.
-        A payload of one piece is hashed first and written with its header in one
-        call.  The caller publishes the file by renaming it only after this returns.
+    def write_to(self, fd: int, header: bytes, payload: memoryview, *, direct: bool,
+                 sync_data: bool) -> None:
+        """Write header, payload and zero padding into a new, empty chunk file."""
+        self._write_payload(fd, payload, direct, header)
+        if sync_data:
+            os.fdatasync(fd)
+
+    def write_hashed_to(self, fd: int, payload: memoryview,
+                        header_for: Callable[[list[int]], bytes], *, direct: bool,
+                        sync_data: bool) -> None:
+        """Write the payload and the header ``header_for(block digests)`` into a new file.
+
+        A payload of one piece is hashed first and written with its header in one call.
+        A larger one is written piece by piece, each piece's checksum blocks hashed
+        just before it is written (on this thread: xxh3 runs at several GB/s and
+        releases the GIL, and a hand-off per chunk to another thread costs more than it
+        overlaps), and the header, which needs every digest, goes last.  The caller
+        publishes the file by renaming it only after this returns.
         """
         piece = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
         if len(payload) <= piece:  # one piece: nothing to overlap, one call for everything
-            self.write_chunk(path, header_for(hash_blocks(payload)), payload, direct=direct,
-                             mode=mode, sync_data=sync_data)
+            self.write_to(fd, header_for(hash_blocks(payload)), payload, direct=direct,
+                          sync_data=sync_data)
             return
         digests: list[int] = []
-        fd = create_for_write(path, direct, mode)
-        try:
-            for start in range(0, len(payload), piece):
-                view = payload[start : start + piece]
-                digests += hash_blocks(view)
-                self._write_payload(fd, view, direct, None, offset=start)
-            header = header_for(digests)
-            if direct:
-                head = self._staging("header", HEADER_SIZE)
-                head[:HEADER_SIZE] = header
-                _pwritev_full(fd, [head[:HEADER_SIZE]], 0)
-            else:
-                _pwritev_full(fd, [header], 0)
-            if sync_data:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        for start in range(0, len(payload), piece):
+            view = payload[start : start + piece]
+            digests += hash_blocks(view)
+            self._write_payload(fd, view, direct, None, offset=start)
+        header = header_for(digests)
+        if direct:
+            head = self._staging("header", HEADER_SIZE)
+            head[:HEADER_SIZE] = header
+            _pwritev_full(fd, [head[:HEADER_SIZE]], 0)
+        else:
+            _pwritev_full(fd, [header], 0)
+        if sync_data:
+            os.fdatasync(fd)
 
     def _write_payload(self, fd: int, payload: memoryview, direct: bool,
                        header: bytes | None, offset: int = 0) -> None:

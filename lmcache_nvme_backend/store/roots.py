@@ -201,18 +201,6 @@ class Roots(Sequence[RootState]):
         return [RootInfo(r.layout.root, r.direct, r.healthy) for r in self._states]
 
 
-def prepare_chunk_dir(layout: RootLayout, directory: Path, dir_mode: int) -> None:
-    """Create a shard directory (and its parents) with ``dir_mode``, never through a link
-    (``NotAChunkFile`` when one is planted there)."""
-    makedirs_beneath(layout.root, layout.relative(directory), dir_mode)
-
-
-def publish_in_tree(layout: RootLayout, tmp: Path, final: Path) -> None:
-    """Rename a written temp file to its chunk name (atomic; no directory reached through
-    a link; whatever a hostile user planted at the chunk name is replaced, never followed)."""
-    rename_beneath(layout.root, layout.relative(tmp), layout.relative(final))
-
-
 def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> None:
     """The namespace's readable name, created once with ``file_mode`` (``O_EXCL``: an
     existing file or planted link is left alone, never written through)."""

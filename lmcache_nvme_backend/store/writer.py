@@ -11,6 +11,7 @@ chunk indexed, and only then is its host memory released.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import logging
@@ -29,7 +30,9 @@ from ..disk.format import (
     text_bytes,
 )
 from ..disk.gpusum import host_checksum
-from ..io.posix import NotAChunkFile, PosixIOEngine
+from ..disk.layout import temp_name
+from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath
+from ..io.posix import NotAChunkFile, PosixIOEngine, create_in_dir
 from .catalog import Catalog
 from .index import IndexEntry
 from .roots import (
@@ -37,8 +40,6 @@ from .roots import (
     RootState,
     note_full,
     note_space,
-    prepare_chunk_dir,
-    publish_in_tree,
     unlink_quietly,
     write_namespace_file,
 )
@@ -71,8 +72,6 @@ class ChunkWriter:
         self._stats = stats
         self._queue = WriteBackQueue(settings.write_queue_bytes)
         self._closed = False
-        self._known_namespaces: set[tuple[int, str]] = set()
-        self._known_dirs: set[Path] = set()  # shard directories this writer has created
         self._free = [FreeSpaceGuard(root.layout.root, root.min_free_bytes)
                       for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
@@ -184,15 +183,11 @@ class ChunkWriter:
             self._stats.add(Counter.CAPACITY_DROPS)
             return
         final = root.layout.chunk_path(job.ns_id, job.digest)
-        tmp = root.layout.temp_path(final)
         published = False
         started = time.perf_counter()
         try:
-            self._write_file(root, job, tmp)
-            publish_in_tree(root.layout, tmp, final)
+            self._write_and_publish(root, job, final)
             published = True
-            if self.settings.fsync == "full":
-                _fsync_dir(final.parent)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 # A full filesystem is not a failing drive: drop this write, keep serving.
@@ -207,10 +202,6 @@ class ChunkWriter:
             else:
                 self._stats.add(Counter.WRITE_FAILURES)
                 self._roots.record_error(root, exc)
-            unlink_quietly(tmp)
-        except BaseException:
-            unlink_quietly(tmp)
-            raise
         finally:
             if published:
                 self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size,
@@ -224,7 +215,46 @@ class ChunkWriter:
             if job.on_persisted is not None:
                 job.on_persisted()
 
-    def _write_file(self, root: RootState, job: ChunkWrite, tmp: Path) -> None:
+    def _write_and_publish(self, root: RootState, job: ChunkWrite, final: Path) -> None:
+        """Write the chunk under this thread's temp name and rename it to ``final``.
+
+        Create, rename and (``fsync: full``) directory sync all go through one
+        descriptor of the shard directory, opened beneath the root without following
+        a link; it is opened afresh for every chunk, so a directory replaced meanwhile
+        is never written through.  The temp file is removed if anything fails.
+        """
+        dir_fd = self._open_shard_dir(root, job, final.parent)
+        tmp = temp_name(final.name)
+        try:
+            try:
+                self._write_temp(dir_fd, tmp, root, job)
+                os.rename(tmp, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+            if self.settings.fsync == "full":
+                os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _open_shard_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> int:
+        """A descriptor of the chunk's shard directory, created (and the namespace's name
+        file with it) when it does not exist yet."""
+        rel = root.layout.relative(directory)
+        try:
+            return open_dir_beneath(root.layout.root, rel)
+        except FileNotFoundError:
+            pass
+        dir_fd = open_dirs_beneath(root.layout.root, rel, self.settings.dir_mode)
+        try:
+            write_namespace_file(root.layout, job.ns_id, job.namespace, self.settings.file_mode)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return dir_fd
+
+    def _write_temp(self, dir_fd: int, tmp: str, root: RootState, job: ChunkWrite) -> None:
         """Write the temp file: payload hashed while it is written, header (v2) last."""
         def header_for(digests: list[int]) -> bytes:
             gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
@@ -233,37 +263,17 @@ class ChunkWriter:
             return encode_header(job.key, job.namespace, job.meta, job.nbytes,
                                  combine_block_digests(digests), gpu_checksum=gpu_sum)
 
-        def write() -> None:
-            self.engine.write_chunk_hashed(tmp, job.payload, header_for, direct=root.direct,
-                                           mode=self.settings.file_mode,
-                                           sync_data=self.settings.fsync != "none")
-
-        self._prepare_dir(root, job, tmp.parent)
         try:
-            write()
+            fd = create_in_dir(dir_fd, tmp, root.direct, self.settings.file_mode)
         except FileExistsError:
             # Left by a dead writer that had this thread's host, pid and thread id.
-            unlink_quietly(tmp)
-            write()
-        except FileNotFoundError:
-            # The directory was removed since this writer created it: make it again.
-            self._forget_dir(root, job, tmp.parent)
-            self._prepare_dir(root, job, tmp.parent)
-            write()
-
-    def _prepare_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> None:
-        """Create the chunk's shard directory (and name its namespace) once per directory."""
-        if directory in self._known_dirs:
-            return
-        prepare_chunk_dir(root.layout, directory, self.settings.dir_mode)
-        if (root.index, job.ns_id) not in self._known_namespaces:
-            write_namespace_file(root.layout, job.ns_id, job.namespace, self.settings.file_mode)
-            self._known_namespaces.add((root.index, job.ns_id))
-        self._known_dirs.add(directory)
-
-    def _forget_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> None:
-        self._known_dirs.discard(directory)
-        self._known_namespaces.discard((root.index, job.ns_id))
+            os.unlink(tmp, dir_fd=dir_fd)
+            fd = create_in_dir(dir_fd, tmp, root.direct, self.settings.file_mode)
+        try:
+            self.engine.write_hashed_to(fd, job.payload, header_for, direct=root.direct,
+                                        sync_data=self.settings.fsync != "none")
+        finally:
+            os.close(fd)
 
     def _end_job(self, job: ChunkWrite) -> None:
         try:
@@ -372,10 +382,3 @@ class FreeSpaceGuard:
             self._written += size
             return True
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -4,6 +4,7 @@ an unusable path at startup.  Nothing may crash, nothing wrong may be served."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import subprocess
 import time
@@ -219,14 +220,14 @@ def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
     # when it goes out of service, and the failure count would depend on timing.
     store = open_store(bad_root, good_root, write_threads=1)
     try:
-        real_write = store.io_engine.write_chunk_hashed
+        real_write = store.io_engine.write_hashed_to
 
-        def failing_write(path: Path, *args: object, **kw: object) -> None:
-            if bad_root in path.parents:
+        def failing_write(fd: int, *args: object, **kw: object) -> None:
+            if bad_root in Path(os.readlink(f"/proc/self/fd/{fd}")).parents:
                 raise OSError(errno.EIO, "injected EIO")
-            real_write(path, *args, **kw)  # type: ignore[arg-type]
+            real_write(fd, *args, **kw)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(store.io_engine, "write_chunk_hashed", failing_write)
+        monkeypatch.setattr(store.io_engine, "write_hashed_to", failing_write)
         keys = [f"k{i}" for i in range(30)]
         for key in keys:
             put(store, key, 4096)

@@ -27,13 +27,13 @@ def test_slow_drive_drops_are_counted_and_queue_stays_in_budget(tmp_path: Path, 
                                                                 open_store: StoreFactory
                                                                 ) -> None:
     store = open_store(tmp_path / "c", write_queue_mb=1, queue_full_policy=policy)
-    real_write = store.io_engine.write_chunk_hashed
+    real_write = store.io_engine.write_hashed_to
 
     def slow_write(*args: object, **kw: object) -> None:
         time.sleep(0.01)  # a drive far slower than the submit loop
         real_write(*args, **kw)  # type: ignore[arg-type]
 
-    store.io_engine.write_chunk_hashed = slow_write  # type: ignore[method-assign]
+    store.io_engine.write_hashed_to = slow_write  # type: ignore[method-assign]
     peak = 0
     stop = threading.Event()
 

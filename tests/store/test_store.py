@@ -216,14 +216,14 @@ class BlockedWrites:
     def __init__(self, store: ChunkStore) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
-        original = store.io_engine.write_chunk_hashed
+        original = store.io_engine.write_hashed_to
 
         def blocked(*args: object, **kwargs: object) -> None:
             self.started.release()
             self.release.wait(30)
             original(*args, **kwargs)  # type: ignore[arg-type]
 
-        store.io_engine.write_chunk_hashed = blocked  # type: ignore[method-assign]
+        store.io_engine.write_hashed_to = blocked  # type: ignore[method-assign]
 
 
 def test_full_queue_drops_and_counts_without_blocking(open_store: StoreFactory) -> None:

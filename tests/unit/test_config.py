@@ -48,7 +48,7 @@ def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     assert s.direct_io == "auto"
     assert (s.io_threads, s.write_threads) == (8, 0)
     assert isinstance(s.io_threads, int)
-    assert s.task_size_bytes == 4 * MIB
+    assert s.task_size_bytes == 64 * MIB  # one I/O per chunk up to 64 MiB
     assert s.write_queue_bytes == 1024 * MIB
     assert s.queue_full_policy == "drop"
     assert s.fsync == "none"

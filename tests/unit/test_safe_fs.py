@@ -15,9 +15,11 @@ from lmcache_nvme_backend.disk import safe_fs
 from lmcache_nvme_backend.disk.safe_fs import (
     NotAChunkFile,
     create_beneath,
+    create_in,
     dir_mode_for,
     makedirs_beneath,
     open_beneath,
+    open_dirs_beneath,
     open_regular,
     rename_beneath,
     scandir_beneath,
@@ -84,6 +86,39 @@ def test_makedirs_and_create_use_exact_modes_and_refuse_links(tree: Path, resolv
     assert not (tree.parent / "outside" / "sub").exists()
     with pytest.raises(FileExistsError):  # O_EXCL: never an existing name, never a link
         create_beneath(tree, "a/b/flink", 0o600)
+    assert (tree.parent / "outside" / "f").read_bytes() == b"secret"
+
+
+def test_open_dirs_then_create_in_that_directory(tree: Path, resolver: str) -> None:
+    """The writer's path: one descriptor of the shard directory, files created in it."""
+    old = os.umask(0o077)
+    try:
+        dir_fd = open_dirs_beneath(tree, "a/b/new/deeper", 0o750)
+        try:
+            fd = create_in(dir_fd, "chunk", 0o640)
+            os.write(fd, b"bytes")
+            os.close(fd)
+            with pytest.raises(FileExistsError):
+                create_in(dir_fd, "chunk", 0o640)
+            for bad in ("", ".", "..", "x/y"):
+                with pytest.raises(ValueError, match="not a file name"):
+                    create_in(dir_fd, bad, 0o640)
+        finally:
+            os.close(dir_fd)
+    finally:
+        os.umask(old)
+    made = tree / "a" / "b" / "new" / "deeper"
+    assert (made / "chunk").read_bytes() == b"bytes"
+    assert stat.S_IMODE((made / "chunk").stat().st_mode) == 0o640
+    assert stat.S_IMODE(made.stat().st_mode) == 0o750
+    with pytest.raises(NotAChunkFile):
+        open_dirs_beneath(tree, "a/link/new", 0o700)
+    with pytest.raises(FileExistsError):  # a planted link at the name is never written
+        dir_fd = open_dirs_beneath(tree, "a/b", 0o700)
+        try:
+            create_in(dir_fd, "flink", 0o600)
+        finally:
+            os.close(dir_fd)
     assert (tree.parent / "outside" / "f").read_bytes() == b"secret"
 
 

@@ -80,7 +80,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="reads: concurrent read_chunks() callers, each with its own batch, "
                         "like several requests retrieving at once (NVMeBackend runs 2; "
                         "default 1)")
-    p.add_argument("--task-size", type=size_arg, default=4 * MIB, metavar="SIZE",
+    p.add_argument("--task-size", type=size_arg, default=64 * MIB, metavar="SIZE",
                    help="the engine's piece size for large chunks (nvme.task_size_mb; "
                         "default 4M)")
     p.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
