@@ -134,6 +134,12 @@ def main() -> int:
     args = parser.parse_args()
     nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
     systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if "fio" in systems and shutil.which("fio") is None:
+        parser.error("--systems includes fio, but no fio is on PATH: install it (e.g. "
+                     "apt-get install fio) or leave it out with --systems nvme,fs_native,fs")
     if not drop_caches():
         print("warning: not root, cannot drop the page cache: loads are not cold",
               file=sys.stderr)
