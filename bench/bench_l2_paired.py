@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_l2 import drop_caches  # this directory: run as a script
+
 SYSTEMS = ("nvme", "fs_native", "fs")
 BASELINES = ("fs_native", "fs")
 GIB = 1 << 30
@@ -57,13 +59,6 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
@@ -268,7 +263,7 @@ def main() -> int:
     # from competing with them; it changes nothing the adapters do.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
-    cold = drop_page_cache()
+    cold = drop_caches()
     if not cold:
         print("warning: not root, cannot drop the page cache: loads are not cold",
               file=sys.stderr)
@@ -287,7 +282,7 @@ def main() -> int:
                 order = sides[round_index % 3:] + sides[: round_index % 3]
                 fill_store_buffers(sides, seed=size_mb * 1000 + round_index)
                 stores = [run_op(side, "store", shape, round_index) for side in order]
-                drop_page_cache()
+                drop_caches()
                 loads = [run_op(side, "load", shape, round_index) for side in order]
                 for side in order:
                     delete_round(side, shape, round_index)

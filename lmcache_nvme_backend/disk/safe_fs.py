@@ -208,6 +208,12 @@ def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
     """Open an existing regular file for reading: ``O_NONBLOCK`` (a FIFO never blocks) and an
     ``fstat`` check; anything else raises :class:`NotAChunkFile`."""
     fd = open_beneath(root, rel, flags | _O_NONBLOCK)
+    return require_regular(fd, Path(root) / rel, "a regular file")
+
+
+def require_regular(fd: int, path: Path | str, expected: str) -> int:
+    """``fd`` if it is a regular file; otherwise it is closed and :class:`NotAChunkFile`
+    (naming what was found instead of ``expected``) is raised."""
     try:
         st = os.fstat(fd)
     except OSError:
@@ -215,8 +221,8 @@ def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
         raise
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not a regular file",
-                            str(Path(root) / rel))
+        raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not {expected}",
+                            str(path))
     return fd
 
 
@@ -279,13 +285,7 @@ def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
     """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
     ``mode``; returns its descriptor."""
-    fd = open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)  # open() applied the umask
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    return _with_exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
 
 
 def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> int:
@@ -295,8 +295,13 @@ def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> in
         raise ValueError(f"not a file name: {name!r}")
     fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode,
                  dir_fd=dir_fd)
+    return _with_exact_mode(fd, mode)
+
+
+def _with_exact_mode(fd: int, mode: int) -> int:
+    """``fd`` with exactly ``mode`` (``open`` applied the umask); closed on failure."""
     try:
-        os.fchmod(fd, mode)  # open() applied the umask
+        os.fchmod(fd, mode)
     except OSError:
         os.close(fd)
         raise

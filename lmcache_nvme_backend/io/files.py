@@ -17,7 +17,14 @@ from pathlib import Path
 
 from ..disk.format import ALIGNMENT
 from ..disk.layout import split_tree_path
-from ..disk.safe_fs import NotAChunkFile, create_beneath, create_in, kind_of, open_beneath
+from ..disk.safe_fs import (
+    NotAChunkFile,
+    create_beneath,
+    create_in,
+    kind_of,
+    open_beneath,
+    require_regular,
+)
 from .buffers import AlignedBuffer
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -138,16 +145,7 @@ def open_for_read(path: Path, direct: bool) -> int:
                 raise NotAChunkFile(exc.errno, f"a {kind_of(st.st_mode)}, not a chunk file",
                                     str(path)) from None
         raise
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not a chunk file",
-                            str(path))
-    return fd
+    return require_regular(fd, path, "a chunk file")
 
 
 def create_for_write(path: Path, direct: bool, mode: int) -> int:
