@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.chunks import NS, meta_for, payload_for, read
+from support.mounts import tmpfs
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.config import NVMeConfigError
@@ -35,17 +36,8 @@ def put(store: ChunkStore, key: str, size: int = SIZE) -> object:
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs, unmounted afterwards; skipped where mounting is not permitted."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a test tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], capture_output=True)
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def temp_files(root: Path) -> list[Path]:
