@@ -208,12 +208,13 @@ def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
     """Open an existing regular file for reading: ``O_NONBLOCK`` (a FIFO never blocks) and an
     ``fstat`` check; anything else raises :class:`NotAChunkFile`."""
     fd = open_beneath(root, rel, flags | _O_NONBLOCK)
-    return require_regular(fd, Path(root) / rel, "a regular file")
+    require_regular(fd, Path(root) / rel, "a regular file")
+    return fd
 
 
-def require_regular(fd: int, path: Path | str, expected: str) -> int:
-    """``fd`` if it is a regular file; otherwise it is closed and :class:`NotAChunkFile`
-    (naming what was found instead of ``expected``) is raised."""
+def require_regular(fd: int, path: Path | str, expected: str) -> os.stat_result:
+    """The ``fstat`` of ``fd`` when it is a regular file; otherwise ``fd`` is closed and
+    :class:`NotAChunkFile` (naming what was found instead of ``expected``) is raised."""
     try:
         st = os.fstat(fd)
     except OSError:
@@ -223,7 +224,7 @@ def require_regular(fd: int, path: Path | str, expected: str) -> int:
         os.close(fd)
         raise NotAChunkFile(errno.EINVAL, f"a {kind_of(st.st_mode)}, not {expected}",
                             str(path))
-    return fd
+    return st
 
 
 def kind_of(mode: int) -> str:

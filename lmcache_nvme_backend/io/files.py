@@ -92,13 +92,11 @@ def probe_direct_read(path: Path) -> bool:
         return False
     buf = AlignedBuffer(ALIGNMENT)
     try:
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_DIRECT | _O_CLOEXEC)
+        fd = open_for_read(path, direct=True)
     except OSError:
         buf.close()
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
         os.preadv(fd, [buf.view], 0)
         return True
     except OSError:
@@ -114,7 +112,13 @@ def _unlink_missing_ok(path: Path) -> None:
 
 
 def open_for_read(path: Path, direct: bool) -> int:
+    """Open a chunk file for reading (see :func:`open_for_read_sized`)."""
+    return open_for_read_sized(path, direct)[0]
+
+
+def open_for_read_sized(path: Path, direct: bool) -> tuple[int, int]:
     """Open a chunk file for reading; every read of a chunk file opens it here.
+    Returns the descriptor and the file's size (from the ``fstat`` of the check).
 
     ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks the reader) and an ``fstat``
     check: anything but a regular file raises :class:`NotAChunkFile`, which readers
@@ -145,7 +149,7 @@ def open_for_read(path: Path, direct: bool) -> int:
                 raise NotAChunkFile(exc.errno, f"a {kind_of(st.st_mode)}, not a chunk file",
                                     str(path)) from None
         raise
-    return require_regular(fd, path, "a chunk file")
+    return fd, require_regular(fd, path, "a chunk file").st_size
 
 
 def create_for_write(path: Path, direct: bool, mode: int) -> int:

@@ -33,6 +33,7 @@ from .files import (
     create_for_write,
     create_in_dir,
     open_for_read,
+    open_for_read_sized,
     probe_direct_io,
     probe_direct_read,
 )
@@ -58,10 +59,8 @@ class _Piece:
 
     start: int
     length: int
-    offset: int  # file offset of bufs[0]
-    bufs: list[memoryview]
+    bufs: list[memoryview]  # land at file offset HEADER_SIZE + start
     copy: tuple[memoryview, memoryview] | None = None  # staged: (staging, dest) after the read
-    first: bool = False  # the header rides with it, and it checks the file's size
 
 
 class PosixIOEngine:
@@ -105,9 +104,7 @@ class PosixIOEngine:
         so a batch keeps many I/Os in flight and the first chunks complete (and
         are verified) while later ones are still being read.
         """
-        for req, pieces in self._plans(requests):
-            for piece in pieces:
-                self._pool.submit(self._run_piece, req, piece)
+        self._submit(self._plans(requests))
 
     def read_chunks(self, requests: Sequence[ReadRequest]) -> None:
         """Read the requests and wait; failures land in ``request.error``.
@@ -123,16 +120,13 @@ class PosixIOEngine:
                 for piece in pieces:
                     self._run_piece(req, piece)
         else:
-            for req, pieces in plans:
-                for piece in pieces:
-                    self._pool.submit(self._run_piece, req, piece)
+            self._submit(plans)
         latch.wait()
 
     def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
         """The raw header of a chunk file and the file's size."""
-        fd = open_for_read(path, direct)
+        fd, size = open_for_read_sized(path, direct)
         try:
-            size = os.fstat(fd).st_size
             buf = self._staging("header", HEADER_SIZE)
             _preadv_full(fd, [buf[:HEADER_SIZE]], 0)
             return bytes(buf[:HEADER_SIZE]), size
@@ -152,6 +146,11 @@ class PosixIOEngine:
             plans.append((req, pieces))
         return plans
 
+    def _submit(self, plans: list[tuple[ReadRequest, list[_Piece]]]) -> None:
+        for req, pieces in plans:
+            for piece in pieces:
+                self._pool.submit(self._run_piece, req, piece)
+
     def _plan_read(self, req: ReadRequest) -> list[_Piece]:
         if len(req.dest) < req.payload_len:
             raise ValueError(f"destination holds {len(req.dest)} bytes, need {req.payload_len}")
@@ -159,18 +158,15 @@ class PosixIOEngine:
         in_place, staged = _split_for_direct(req.dest, req.payload_len, req.direct)
         for offset in range(0, len(in_place), self.task_size):
             view = in_place[offset : offset + self.task_size]
-            pieces.append(_Piece(offset, len(view), HEADER_SIZE + offset, [view]))
+            pieces.append(_Piece(offset, len(view), [view]))
         if staged:
             staging = AlignedBuffer(staged).view
             start = len(in_place)
             staged_io = padded_length(staged) if req.direct else staged
-            pieces.append(_Piece(start, staged, HEADER_SIZE + start, [staging[:staged_io]],
+            pieces.append(_Piece(start, staged, [staging[:staged_io]],
                                  copy=(staging[:staged], req.dest[start : start + staged])))
         if not pieces:  # an empty payload: the header alone
-            pieces.append(_Piece(0, 0, HEADER_SIZE, []))
-        first = pieces[0]
-        pieces[0] = _Piece(first.start, first.length, first.offset, first.bufs, first.copy,
-                           first=True)
+            pieces.append(_Piece(0, 0, []))
         return pieces
 
     def _run_piece(self, req: ReadRequest, piece: _Piece) -> None:
@@ -186,14 +182,15 @@ class PosixIOEngine:
             _finish(req)
 
     def _transfer(self, req: ReadRequest, piece: _Piece) -> None:
-        fd = open_for_read(req.path, req.direct)
+        """Read one piece; the first (``start`` 0) brings the header and checks the size."""
+        fd, size = open_for_read_sized(req.path, req.direct)
         try:
-            if not piece.first:
-                _preadv_full(fd, piece.bufs, piece.offset)
+            if piece.start:
+                _preadv_full(fd, piece.bufs, HEADER_SIZE + piece.start)
                 return
             need = HEADER_SIZE + (padded_length(req.payload_len) if req.direct
                                   else req.payload_len)
-            if os.fstat(fd).st_size < need:
+            if size < need:
                 raise ShortFileError(errno.EIO, "chunk file shorter than its payload",
                                      str(req.path))
             # the running thread's own buffer: no mmap/munmap (and TLB shootdown) per chunk
@@ -214,17 +211,6 @@ class PosixIOEngine:
         fd = create_for_write(path, direct, mode)
         try:
             self.write_to(fd, header, payload, direct=direct, sync_data=sync_data)
-        finally:
-            os.close(fd)
-
-    def write_chunk_hashed(self, path: Path, payload: memoryview,
-                           header_for: Callable[[list[int]], bytes], *, direct: bool,
-                           mode: int, sync_data: bool) -> None:
-        """Create ``path`` holding the payload and the header ``header_for(block digests)``;
-        see ``write_hashed_to``."""
-        fd = create_for_write(path, direct, mode)
-        try:
-            self.write_hashed_to(fd, payload, header_for, direct=direct, sync_data=sync_data)
         finally:
             os.close(fd)
 
@@ -257,13 +243,7 @@ class PosixIOEngine:
             view = payload[start : start + piece]
             digests += hash_blocks(view)
             self._write_payload(fd, view, direct, None, offset=start)
-        header = header_for(digests)
-        if direct:
-            head = self._staging("header", HEADER_SIZE)
-            head[:HEADER_SIZE] = header
-            _pwritev_full(fd, [head[:HEADER_SIZE]], 0)
-        else:
-            _pwritev_full(fd, [header], 0)
+        _pwritev_full(fd, [self._header_view(header_for(digests), direct)], 0)
         if sync_data:
             os.fdatasync(fd)
 
@@ -274,16 +254,12 @@ class PosixIOEngine:
 
         ``offset`` is a multiple of 4 KiB: a payload written in pieces pads only its last.
         """
-        lead: list[bytes | memoryview] = [] if header is None else [header]
-        at = HEADER_SIZE + offset - sum(len(b) for b in lead)
+        lead = [] if header is None else [self._header_view(header, direct)]
+        at = 0 if lead else HEADER_SIZE + offset  # a header starts the file
         if not direct:
             pad = bytes(padded_length(len(payload)) - len(payload))
             _pwritev_full(fd, [*lead, payload, pad], at)
             return
-        if header is not None:
-            head = self._staging("header", HEADER_SIZE)
-            head[:HEADER_SIZE] = header
-            lead = [head[:HEADER_SIZE]]
         in_place, staged = _split_for_direct(payload, len(payload), direct=True)
         if lead or len(in_place):  # the header goes out with the first payload piece
             _pwritev_full(fd, [*lead, in_place[: self.task_size]], at)
@@ -296,6 +272,14 @@ class PosixIOEngine:
             tail[staged : padded_length(staged)] = bytes(padded_length(staged) - staged)
             _pwritev_full(fd, [tail[: padded_length(staged)]],
                           HEADER_SIZE + offset + len(in_place))
+
+    def _header_view(self, header: bytes, direct: bool) -> bytes | memoryview:
+        """The header as written: copied into this thread's aligned buffer for O_DIRECT."""
+        if not direct:
+            return header
+        head = self._staging("header", HEADER_SIZE)
+        head[:HEADER_SIZE] = header
+        return head[:HEADER_SIZE]
 
     # -- helpers -------------------------------------------------------------
 

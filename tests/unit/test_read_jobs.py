@@ -24,7 +24,7 @@ from lmcache_nvme_backend.disk.format import (
     payload_checksum,
 )
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
-from lmcache_nvme_backend.io.posix import PosixIOEngine
+from lmcache_nvme_backend.io.posix import PosixIOEngine, create_for_write
 from lmcache_nvme_backend.io.read_jobs import ReadRequest
 
 MIB = 1 << 20
@@ -186,8 +186,12 @@ def test_hashed_write_puts_the_header_from_the_digests_last(
         return encode_header("k", "ns", meta, n, combine_block_digests(digests))
 
     path = tmp_path / "h.kv"
-    engine.write_chunk_hashed(path, memoryview(payload), header_from, direct=direct,
-                              mode=0o640, sync_data=True)
+    fd = create_for_write(path, direct, 0o640)
+    try:
+        engine.write_hashed_to(fd, memoryview(payload), header_from, direct=direct,
+                               sync_data=True)
+    finally:
+        os.close(fd)
     assert given == [block_digests(payload)]
     raw = path.read_bytes()
     assert len(raw) == HEADER_SIZE + padded_length(n)
@@ -196,14 +200,11 @@ def test_hashed_write_puts_the_header_from_the_digests_last(
     assert os.stat(path).st_mode & 0o777 == 0o640
 
 
-def test_hashed_write_refuses_an_existing_file(engines: Callable[[int], PosixIOEngine],
-                                               tmp_path: Path) -> None:
-    engine = engines(BLOCK_SIZE)
+def test_a_chunk_file_is_never_created_over_an_existing_one(tmp_path: Path) -> None:
     path = tmp_path / "x.kv"
     path.write_bytes(b"someone else's")
     with pytest.raises(FileExistsError):
-        engine.write_chunk_hashed(path, memoryview(b"abc"), lambda digests: bytes(HEADER_SIZE),
-                                  direct=False, mode=0o600, sync_data=False)
+        create_for_write(path, direct=False, mode=0o600)
     assert path.read_bytes() == b"someone else's"
 
 
