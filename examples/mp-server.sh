@@ -15,7 +15,7 @@ CACHE_DIR=${CACHE_DIR:-/mnt/nvme0/lmcache}   # several drives: /mnt/nvme0/c,/mnt
 MAX_SIZE_GB=${MAX_SIZE_GB:-500}              # byte budget on disk in GB (a number), LRU-evicted
 PORT=${PORT:-5555}                           # vLLM's lmcache.mp.port
 HTTP_PORT=${HTTP_PORT:-8080}                 # /status, /cache/clear, /metrics (docs/metrics.md)
-MIN_FREE_GB=${MIN_FREE_GB:-1}                # keep this much of the filesystem free
+MIN_FREE_GB=${MIN_FREE_GB:-1}                # keep this much of the filesystem free (auto: 5%, at most 1)
 L1_GB=${L1_GB:-20}                           # host memory (L1) in front of the drives
 # The interpreter of the environment lmcache is installed in (default: the python next to
 # the lmcache command, else python3).
@@ -44,8 +44,10 @@ def fail(message):
     print(f"mp-server.sh: {message}", file=sys.stderr)
     sys.exit(2)
 
-def number(name, example, minimum, above=False, integer=False, maximum=None):
+def number(name, example, minimum, above=False, integer=False, maximum=None, auto=False):
     raw = os.environ[name].strip()
+    if auto and raw.lower() == "auto":
+        return "auto"
     try:
         value = int(raw) if integer else float(raw)
     except ValueError:
@@ -64,7 +66,7 @@ if not cache_dir:
          "(several drives: comma-separated)")
 params = {"path": cache_dir,
           "max_size_gb": number("MAX_SIZE_GB", 500, 0, above=True),
-          "min_free_gb": number("MIN_FREE_GB", 1, 0),
+          "min_free_gb": number("MIN_FREE_GB", 1, 0, auto=True),
           "direct_io": "auto", "io_threads": 8, "stats_log_interval_s": 60}
 number("L1_GB", 20, 0, above=True)
 number("PORT", 5555, 1, integer=True, maximum=65535)

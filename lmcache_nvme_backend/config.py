@@ -352,6 +352,18 @@ class NVMeSettings:
         """Validate bare setting names (``path``, ``max_size_gb``, ...)."""
         return _Parser(params, key_prefix).parse()
 
+    @classmethod
+    def parse_setting(cls, name: str, raw: Any, key_prefix: str = EXTRA_CONFIG_PREFIX) -> Any:
+        """One setting's value as the tier reads it (``name`` bare, e.g. ``gds_mode``), for
+        tools that check a config without opening a tier; raises :class:`NVMeConfigError`."""
+        parser = _Parser({}, key_prefix)
+        for f in fields(cls):
+            if (f.metadata[_KEY] or f.name) == name:
+                rule: _Rule = f.metadata[_RULE]
+                return rule.parse(raw, parser.failer(name))
+        raise parser.fail(name, "unknown setting",
+                          f"Known settings: {', '.join(cls.setting_names())}.")
+
 
 class _Parser:
     def __init__(self, params: Mapping[str, Any], key_prefix: str) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..adapters.hashing import FIX as HASHING_FIX
 from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing
-from ..config import auto_min_free_bytes
+from ..config import GdsMode, NVMeConfigError, NVMeSettings, auto_min_free_bytes
 from ..disk.format import ALIGNMENT
 from ..io.posix import probe_direct_io
 from .check import EXIT_FOR, FAIL, INFO, PASS, SKIP, WARN, Check
@@ -248,10 +248,16 @@ def load_lmcache_config(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def gds_mode_of(config: dict[str, Any] | None) -> str | None:
+def gds_mode_of(config: dict[str, Any] | None) -> GdsMode | None:
+    """The config's ``nvme.gds_mode`` read as the tier reads it (unquoted YAML ``on`` too)."""
     extra = (config or {}).get("extra_config") or {}
-    mode = extra.get("nvme.gds_mode") if isinstance(extra, dict) else None
-    return None if mode is None else str(mode).lower()
+    if not isinstance(extra, dict) or "nvme.gds_mode" not in extra:
+        return None
+    try:
+        mode: GdsMode = NVMeSettings.parse_setting("gds_mode", extra["nvme.gds_mode"])
+    except NVMeConfigError as exc:
+        raise CLIError(f"--config: {exc}") from exc
+    return mode
 
 
 def informational(check: Check) -> Check:
@@ -287,7 +293,7 @@ def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
 
 def run(args: argparse.Namespace) -> int:
     config = None if args.config is None else load_lmcache_config(args.config)
-    gpu_strict = args.gpu or gds_mode_of(config) == "on"
+    gpu_strict = args.gpu or gds_mode_of(config) is GdsMode.ON
     checks = run_checks(args.path, args.max_size_gb, args.min_free_gb, args.skip_gpu,
                         gpu_strict, config)
     status = max(EXIT_FOR[c.status] for c in checks)

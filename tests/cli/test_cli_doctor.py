@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from support.cli import RunCLI
 from support.paths import EXAMPLE_YAML
 
@@ -54,14 +55,23 @@ def test_gpu_checks_are_informational_unless_asked_for(run_cli: RunCLI, tmp_path
     assert strict.returncode == max(EXIT_FOR[c["status"]] for c in report["checks"])
 
 
-def test_a_config_with_strict_gds_makes_gpu_checks_count(run_cli: RunCLI,
-                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("value", ['"on"', "on"], ids=["quoted", "yaml-boolean"])
+def test_a_config_with_strict_gds_makes_gpu_checks_count(run_cli: RunCLI, tmp_path: Path,
+                                                         value: str) -> None:
     config = tmp_path / "lmcache.yaml"
     config.write_text("chunk_size: 256\npre_caching_hash_algorithm: sha256_cbor\n"
-                      "extra_config:\n  nvme.gds_mode: \"on\"\n")
+                      f"extra_config:\n  nvme.gds_mode: {value}\n")
     report = json.loads(run_cli("doctor", tmp_path, "--config", config, "--json").stdout)
     assert report["gpu_strict"] is True
     assert checks_of(json.dumps(report))["token hashing"]["status"] == "pass"
+
+
+def test_a_config_with_an_invalid_gds_mode_is_named(run_cli: RunCLI, tmp_path: Path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text("chunk_size: 256\nextra_config:\n  nvme.gds_mode: sometimes\n")
+    proc = run_cli("doctor", tmp_path, "--config", config)
+    assert proc.returncode == 1
+    assert "nvme.gds_mode: 'sometimes' is not a valid choice" in proc.stderr
 
 
 def test_kvikio_absent_names_the_extra_for_this_torch(run_cli: RunCLI, tmp_path: Path) -> None:

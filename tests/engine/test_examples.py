@@ -155,6 +155,13 @@ def test_mp_server_script_defaults_match_the_docs(tmp_path: Path) -> None:
     assert params["max_size_gb"] == 500 and params["min_free_gb"] == 1
 
 
+def test_mp_server_script_passes_min_free_auto(tmp_path: Path) -> None:
+    argv = mp_server_command(tmp_path, CACHE_DIR=str(tmp_path / "c"), MIN_FREE_GB="auto")
+    params = json.loads(option(argv, "--l2-adapter"))["adapter_params"]
+    assert params["min_free_gb"] == "auto"
+    assert NVMeL2AdapterConfig.from_dict(params).settings.min_free_gb is None
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({"MAX_SIZE_GB": "100GB"}, "MAX_SIZE_GB='100GB' is not a number (GB, no unit); "
                                "e.g. MAX_SIZE_GB=500"),

@@ -82,7 +82,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "default 1)")
     p.add_argument("--task-size", type=size_arg, default=64 * MIB, metavar="SIZE",
                    help="the engine's piece size for large chunks (nvme.task_size_mb; "
-                        "default 4M)")
+                        "default 64M)")
     p.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                    help="O_DIRECT (default) or buffered I/O through the page cache")
     p.add_argument("--dest", choices=("host", "gpu"), default="host",
