@@ -342,15 +342,18 @@ def test_shared_adoption_quarantines_a_short_file(tmp_path: Path,
 
 def test_flush_waits_for_a_zero_byte_chunk(tmp_path: Path, open_store: StoreFactory) -> None:
     store = open_store(tmp_path / "cache")
-    real = store.io_engine.write_chunk
+    real = store.io_engine.write_hashed_to
+    calls: list[int] = []
 
     def slow_write(*args: object, **kwargs: object) -> None:
+        calls.append(1)
         time.sleep(0.3)
         real(*args, **kwargs)  # type: ignore[arg-type]
 
-    store.io_engine.write_chunk = slow_write  # type: ignore[method-assign]
+    store.io_engine.write_hashed_to = slow_write  # type: ignore[method-assign]
     put(store, "empty", 0)
     assert store.flush(10)
+    assert calls == [1], "the write the flush waited for went through the slowed path"
     assert store.contains("empty")
     assert read(store, "empty", 0) == b""
 
