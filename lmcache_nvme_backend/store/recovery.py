@@ -26,8 +26,6 @@ from .stats import Counter, StoreStats
 
 logger = logging.getLogger(__name__)
 
-# Index entries copied (and encoded) per lock hold / GIL hold when saving the manifest.
-MANIFEST_BATCH = 4096
 # A manifest row takes ~100 bytes; one more than this per chunk file is not this tree's.
 MANIFEST_BYTES_PER_CHUNK = 1024
 
@@ -102,9 +100,9 @@ class ManifestKeeper:
             self._thread.start()
 
     def save_all(self) -> None:
-        """Snapshot every root's index; lookups wait at most one small batch for the lock."""
+        """Snapshot every root's index (the catalogue's lock is held only to copy it)."""
         for root in self._roots:
-            entries = self._catalog.lru_entries(root.index, MANIFEST_BATCH)
+            entries = self._catalog.lru_entries(root.index)
             try:
                 save_manifest(root.layout.index_dir, entries, self._file_mode)
             except OSError as exc:

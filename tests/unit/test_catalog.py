@@ -38,7 +38,7 @@ def test_a_hit_is_a_use_and_may_pin(catalog: Catalog) -> None:
     assert catalog.lookup("a", always, now_ns=99, pin=True)
     found = catalog.entry("a")
     assert found is not None and found.last_access_ns == 99 and found.pins == 1
-    assert [e.digest for e in catalog.lru_entries(0, batch=2)] == ["b", "c", "a"]
+    assert [e.digest for e in catalog.lru_entries(0)] == ["b", "c", "a"]
     assert not catalog.lookup("zz", always, now_ns=100)
 
 
