@@ -24,6 +24,7 @@ from ..disk.layout import key_digest
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError
 from .catalog import Catalog
+from .index import IndexEntry
 from .roots import Roots, RootState, quarantine_file
 from .stats import Counter, ReadPath, StoreStats
 from .writeback import ReadPriorityGate
@@ -100,6 +101,10 @@ class ChunkReader:
         entry = self._catalog.entry(digest)
         if entry is None or entry.meta is not None:
             return None if entry is None else entry.meta
+        return self._meta_from_header(key, digest, entry)
+
+    def _meta_from_header(self, key: str, digest: str, entry: IndexEntry) -> TensorMeta | None:
+        """A chunk recovered without metadata learns it from its header (None: unreadable)."""
         root = self._roots[entry.root]
         path = root.layout.chunk_path(entry.ns_id, digest)
         verdict = self.judge_header(root, path, key)
@@ -115,12 +120,15 @@ class ChunkReader:
 
     def plan(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives (None: not indexed, unreadable header, or its path is down)."""
-        for key in keys:
-            self.tensor_meta(key)  # a chunk recovered from disk learns its meta here
         digests = [key_digest(key) for key in keys]
+        entries = self._catalog.entries(digests)
+        if any(entry is not None and entry.meta is None for entry in entries):
+            for key, digest, entry in zip(keys, digests, entries, strict=True):
+                if entry is not None and entry.meta is None:  # recovered from disk
+                    self._meta_from_header(key, digest, entry)
+            entries = self._catalog.entries(digests)
         plans: list[ReadPlan | None] = []
-        for key, digest, entry in zip(keys, digests, self._catalog.entries(digests),
-                                      strict=True):
+        for key, digest, entry in zip(keys, digests, entries, strict=True):
             if entry is None or entry.meta is None or not self._roots.healthy(entry.root):
                 plans.append(None)
                 continue
