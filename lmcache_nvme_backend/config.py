@@ -32,12 +32,13 @@ MIN_FREE_AUTO_FRACTION = 0.05
 MIN_FREE_AUTO_CAP = GIB
 
 
-def auto_min_free_bytes(filesystem_bytes: int) -> int:
-    """The free-space guard of ``nvme.min_free_gb: auto``: 5% of the filesystem, at most
-    1 GiB (so a small disk still caches and a large one keeps 1 GiB free)."""
+def min_free_bytes_for(min_free_gb: float | None, filesystem_bytes: int) -> int:
+    """The free-space guard in bytes on a filesystem of ``filesystem_bytes``: ``min_free_gb``
+    GiB, or for ``None`` (``auto``) 5% of the filesystem, at most 1 GiB (so a small disk
+    still caches and a large one keeps 1 GiB free)."""
+    if min_free_gb is not None:
+        return int(min_free_gb * GIB)
     return min(MIN_FREE_AUTO_CAP, int(filesystem_bytes * MIN_FREE_AUTO_FRACTION))
-
-
 
 
 class NVMeConfigError(ValueError):
@@ -265,7 +266,7 @@ class NVMeSettings:
 
     paths: tuple[Path, ...] = field(metadata=_rule(_Directories(), key="path"))
     max_size_gb: float = field(metadata=_rule(_Number(0.0, exclusive=True)))
-    # None ("auto"): auto_min_free_bytes of each path's filesystem
+    # None ("auto"): min_free_bytes_for each path's filesystem
     min_free_gb: float | None = field(default=None,
                                       metadata=_rule(_NumberOrAuto(_Number(0.0))))
     direct_io: DirectIOMode = field(default=DirectIOMode.AUTO,
@@ -308,8 +309,7 @@ class NVMeSettings:
 
     def min_free_bytes_on(self, filesystem_bytes: int) -> int:
         """The free-space guard of a path on a filesystem of ``filesystem_bytes``."""
-        guard = self.min_free_bytes
-        return auto_min_free_bytes(filesystem_bytes) if guard is None else guard
+        return min_free_bytes_for(self.min_free_gb, filesystem_bytes)
 
     @property
     def dir_mode(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..adapters.hashing import FIX as HASHING_FIX
 from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing
-from ..config import GdsMode, NVMeConfigError, NVMeSettings, auto_min_free_bytes
+from ..config import GdsMode, NVMeConfigError, NVMeSettings, min_free_bytes_for
 from ..disk.format import ALIGNMENT
 from ..io.posix import probe_direct_io
 from .check import EXIT_FOR, FAIL, INFO, PASS, SKIP, WARN, Check
@@ -147,8 +147,7 @@ def check_direct_io(probe_dir: Path) -> Check:
 def check_free_space(probe_dir: Path, max_size_gb: float | None,
                      min_free_gb: float | None) -> Check:
     usage = shutil.disk_usage(probe_dir)
-    if min_free_gb is None:  # nvme.min_free_gb: auto
-        min_free_gb = auto_min_free_bytes(usage.total) / GIB
+    min_free_gb = min_free_bytes_for(min_free_gb, usage.total) / GIB  # None: auto
     free_gb = usage.free / GIB
     detail = f"{free_gb:.1f} GiB free of {usage.total / GIB:.1f} GiB"
     if free_gb < min_free_gb:

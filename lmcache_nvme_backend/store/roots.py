@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from ..config import GIB, NVMeConfigError, auto_min_free_bytes
+from ..config import NVMeConfigError, min_free_bytes_for
 from ..disk.format import text_bytes
 from ..disk.layout import MARKER_NAME, RootLayout, split_tree_path
 from ..disk.safe_fs import (
@@ -111,8 +111,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
         logger.warning("NVMe tier: %s does not support O_DIRECT; using buffered I/O there "
                        "(page cache in the data path).", path)
     st = os.statvfs(path)
-    min_free = (auto_min_free_bytes(st.f_blocks * st.f_frsize) if min_free_gb is None
-                else int(min_free_gb * GIB))
+    min_free = min_free_bytes_for(min_free_gb, st.f_blocks * st.f_frsize)
     state = RootState(index, layout, direct, min_free_bytes=min_free)
     if st.f_bavail * st.f_frsize <= min_free or (st.f_files and not st.f_favail):
         state.full = True
