@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import xxhash
+from bench_l2 import drop_caches as drop_page_cache  # this directory: run as a script
 
 LAYOUTS = {
     "2x256": lambda d: (d[0:2], d[2:4]),
@@ -68,8 +69,8 @@ def populate(root: Path, layout: str, files: int) -> None:
 
 
 def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    if not drop_page_cache():
+        sys.exit("bench_fanout.py: cannot drop the page cache (run it as root)")
 
 
 def cold_opens(root: Path, layout: str, files: int, samples: int, seed: int) -> list[float]:

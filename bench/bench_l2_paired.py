@@ -39,19 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_l2 import drop_caches  # this directory: run as a script
+from bench_l2 import adapter_json, drop_caches  # this directory: run as a script
 
 SYSTEMS = ("nvme", "fs_native", "fs")
 BASELINES = ("fs_native", "fs")
 GIB = 1 << 30
-
-
-def adapter_spec(system: str, path: Path, nvme_params: dict[str, Any]) -> str:
-    if system == "nvme":
-        return json.dumps({"type": "plugin", "module_path": "lmcache_nvme_backend",
-                           "class_name": "NVMeL2Adapter",
-                           "adapter_params": {"path": str(path), **nvme_params}})
-    return json.dumps({"type": system, "base_path": str(path), "use_odirect": True})
 
 
 def cpu_seconds() -> float:
@@ -89,7 +81,7 @@ def open_side(system: str, root: Path, shape: dict[str, int],
     per_round = shape["in_flight"] * shape["num_keys"] * shape["size"]
     buffer = make_aligned_tensor(2 * per_round, 4096)  # O_DIRECT needs aligned L1 buffers
     cfg = parse_args_to_l2_adapters_config(argparse.Namespace(
-        l2_adapter=[adapter_spec(system, path, nvme_params)])).adapters[0]
+        l2_adapter=[adapter_json(system, path, nvme_params)])).adapters[0]
     adapter = create_l2_adapter(cfg, l1_memory_desc=create_l1_memory_desc(buffer, 4096))
     side = Side(system, path, adapter, buffer)
     batch = shape["num_keys"] * shape["size"]
@@ -164,7 +156,7 @@ def delete_round(side: Side, shape: dict[str, int], round_index: int) -> None:
                              for k in batch])
 
 
-def summarize(runs: list[dict[str, Any]], size_mb: int, rounds: int) -> list[str]:
+def summarize(runs: list[dict[str, Any]], size_mb: int) -> list[str]:
     def per_round(system: str, op: str, metric: str) -> list[float]:
         ordered = sorted((r for r in runs if r["system"] == system and r["op"] == op),
                          key=lambda r: r["round"])
@@ -300,7 +292,7 @@ def main() -> int:
                 side.adapter.close()
                 shutil.rmtree(side.path, ignore_errors=True)
         runs += size_runs
-        table += summarize(size_runs, size_mb, args.rounds)
+        table += summarize(size_runs, size_mb)
     where = (f"{args.path}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
              f"{args.rounds} paired rounds of {args.round_mb} MiB per system, "
              f"page cache {'dropped' if cold else 'NOT dropped'} before loads")
