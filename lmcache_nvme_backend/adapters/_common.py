@@ -87,13 +87,13 @@ def check_token_hashing(tier: str, config: Any) -> TokenHashing:
 
 class RestartMissWatch:
     """Watches the first lookups after a start that found chunks on disk: if none of the
-    first ``lookups`` hit, logs one warning with the likely causes and stops watching (also
-    at the first hit).  Reads only the store's counters; call it after every lookup."""
+    first ``RESTART_MISS_LOOKUPS`` hit, logs one warning with the likely causes and stops
+    watching (also at the first hit).  Reads only the store's counters; call it after every
+    lookup."""
 
-    def __init__(self, tier: str, store: ChunkStore, hashing: TokenHashing,
-                 lookups: int | None = None) -> None:
+    def __init__(self, tier: str, store: ChunkStore, hashing: TokenHashing) -> None:
         self._tier, self._store, self._hashing = tier, store, hashing
-        self._window = RESTART_MISS_LOOKUPS if lookups is None else lookups
+        self._window = RESTART_MISS_LOOKUPS
         self.recovered = int(store.counter(Counter.RECOVERED_ENTRIES))
         self._lookups0 = store.counter(Counter.LOOKUPS)
         self._hits0 = store.counter(Counter.HITS)

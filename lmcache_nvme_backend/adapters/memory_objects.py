@@ -22,6 +22,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from ..disk.format import TensorMeta
 from ..gpu.reader import HostMemory
 from ..store import ChunkRead, ChunkStore, ChunkWrite
+from ._common import key_and_namespace
 
 if TYPE_CHECKING:
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -147,14 +148,15 @@ def chunk_write_for(key: CacheEngineKey, obj: MemoryObj,
     needs the bytes on the host anyway); the copy is the write-back buffer.
     """
     on_persisted = None if on_complete is None else (lambda: _call_safely(on_complete, key))
+    key_str, namespace = key_and_namespace(key)
     if is_device_object(obj):
-        return ChunkWrite(key.to_string(), key.model_name, tensor_meta_of(obj),
+        return ChunkWrite(key_str, namespace, tensor_meta_of(obj),
                           device_payload(obj), release=_nothing, on_persisted=on_persisted)
     obj.ref_count_up()
     # byte_array's format is ctypes' '<B': as 'B' it mixes with the engine's buffers
     # (a payload that is not a 4 KiB multiple goes through an aligned tail buffer)
     return ChunkWrite(
-        key.to_string(), key.model_name, tensor_meta_of(obj), obj.byte_array.cast("B"),
+        key_str, namespace, tensor_meta_of(obj), obj.byte_array.cast("B"),
         release=obj.ref_count_down, on_persisted=on_persisted,
     )
 
