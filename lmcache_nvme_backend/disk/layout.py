@@ -4,7 +4,7 @@
 
     <root>/LMCNVME                       marker: this directory is a cache root
     <root>/index/manifest.json           LRU order and tensor metadata (see manifest.py)
-    <root>/quarantine/<d32>.<ns>.bad    files that failed validation, kept for inspection
+    <root>/quarantine/<d32>.<unix_ns>.bad  files that failed validation, kept for inspection
     <root>/ns/<ns16>/NAMESPACE           the namespace's readable name
     <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  one chunk file
 
@@ -37,8 +37,9 @@ CHUNK_SUFFIX = ".kv"
 TEMP_INFIX = ".tmp-"
 # A temporary file older than this is abandoned, whoever wrote it.
 STALE_TEMP_S = 3600.0
-_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
-_NS_RE = re.compile(r"^[0-9a-f]{16}$")
+# A key digest (a chunk file's name without ".kv") and a namespace id, as the tree names them.
+DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+NS_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 _SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
 # The last five components of a path in a shard directory: ns/<ns16>/<aa>/<bb>/<name>
 _TREE_TAIL_RE = re.compile(r"^ns/[0-9a-f]{16}/[0-9a-f]{2}/[0-9a-f]{2}/[^/]+$")
@@ -121,27 +122,22 @@ class RootLayout:
 
     def iter_namespace_ids(self) -> Iterator[str]:
         for entry in _scandir_dirs(self.root, "ns"):
-            if _NS_RE.match(entry.name):
+            if NS_ID_RE.match(entry.name):
                 yield entry.name
 
     def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
         """Every well-named chunk file; symlinks and foreign names are skipped, never followed."""
         for ns, shard, entry in self._iter_shard_files(ns_id):
-            name = entry.name
-            if not name.endswith(CHUNK_SUFFIX):
-                continue
-            digest = name[: -len(CHUNK_SUFFIX)]
-            if _DIGEST_RE.match(digest) and digest.startswith(shard):
-                yield ChunkLocation(ns, digest, self._shard_path(ns, shard) / name)
+            digest = _chunk_digest(entry.name, shard)
+            if digest is not None:
+                yield ChunkLocation(ns, digest, self._shard_path(ns, shard) / entry.name)
 
     def iter_special_entries(self, ns_id: str | None = None) -> Iterator[tuple[Path, str]]:
         """(path, what it is) of every entry at a chunk file's name that is not a regular
         file: a symbolic link, directory, FIFO, socket or device (never followed, never read)."""
         for ns, shard, entry in self._iter_shard_entries(ns_id):
             name = entry.name
-            digest = name[: -len(CHUNK_SUFFIX)]
-            if not (name.endswith(CHUNK_SUFFIX) and _DIGEST_RE.match(digest)
-                    and digest.startswith(shard)) or entry.is_file(follow_symlinks=False):
+            if _chunk_digest(name, shard) is None or entry.is_file(follow_symlinks=False):
                 continue
             try:
                 kind = kind_of(entry.stat(follow_symlinks=False).st_mode)
@@ -175,7 +171,7 @@ class RootLayout:
         Directories are opened beneath the root without following links (``safe_fs``),
         so a planted link never takes the walk outside the tree.
         """
-        if ns_id is not None and not _NS_RE.match(ns_id):
+        if ns_id is not None and not NS_ID_RE.match(ns_id):
             raise ValueError(f"'{ns_id}' is not a namespace id (16 hex digits)")
         ns_ids = [ns for ns in self.iter_namespace_ids() if ns_id is None or ns == ns_id]
         for ns in ns_ids:
@@ -226,3 +222,11 @@ def pid_alive(pid: int) -> bool:
 def _scandir_dirs(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:
     """Real subdirectories of ``root / rel`` (links skipped); missing or unreadable: none."""
     return (e for e in scandir_beneath(root, rel) if e.is_dir(follow_symlinks=False))
+
+
+def _chunk_digest(name: str, shard: str) -> str | None:
+    """The digest a directory entry's name gives a chunk file in ``shard`` (None: not one)."""
+    if not name.endswith(CHUNK_SUFFIX):
+        return None
+    digest = name[: -len(CHUNK_SUFFIX)]
+    return digest if DIGEST_RE.match(digest) and digest.startswith(shard) else None

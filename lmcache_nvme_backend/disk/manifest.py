@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from .format import FormatError, TensorMeta
-from .layout import TempFile, this_host
+from .layout import DIGEST_RE, NS_ID_RE, TempFile, this_host
 from .safe_fs import (
     create_beneath,
     dir_mode_for,
@@ -39,8 +38,6 @@ MANIFEST_NAME = "manifest.json"
 TEMP_PREFIX = f".{MANIFEST_NAME}.tmp-"
 # A manifest larger than this is never read (a real one holds ~100 bytes per chunk).
 DEFAULT_MAX_BYTES = 1 << 30
-_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
-_NS_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 @dataclass(frozen=True)
@@ -169,8 +166,8 @@ def _record(row: object, metas: list[TensorMeta | None]) -> ManifestRecord | Non
     if not isinstance(row, list) or len(row) != 5:
         return None
     digest, ns_id, size, last_access_ns, meta_ref = row
-    if not (isinstance(digest, str) and _DIGEST_RE.match(digest) and isinstance(ns_id, str)
-            and _NS_RE.match(ns_id) and _is_int(size, 0, 1 << 62)
+    if not (isinstance(digest, str) and DIGEST_RE.match(digest) and isinstance(ns_id, str)
+            and NS_ID_RE.match(ns_id) and _is_int(size, 0, 1 << 62)
             and _is_int(last_access_ns, 0, 1 << 63) and _is_int(meta_ref, -1, len(metas) - 1)):
         return None
     return ManifestRecord(ns_id, size, last_access_ns, metas[meta_ref] if meta_ref >= 0 else None)
