@@ -93,12 +93,7 @@ class CacheRoot:
         records = self.manifest(len(located))
         files: list[CacheFile] = []
         for loc in located:
-            try:
-                st = lstat_beneath(self.path, self.layout.relative(loc.path))
-            except (OSError, ValueError):
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue
+            st = loc.stat
             rec = records.get(loc.digest)
             in_manifest = rec is not None and rec.ns_id == loc.namespace_id
             last = rec.last_access_ns if rec is not None and in_manifest else 0

@@ -11,14 +11,12 @@ removed.  While the store runs, a thread snapshots the index every
 from __future__ import annotations
 
 import logging
-import stat
 import threading
 import time
 from collections.abc import Callable
 
 from ..disk.format import file_size_for
 from ..disk.manifest import load_manifest, remove_stale_manifest_temps, save_manifest
-from ..disk.safe_fs import lstat_beneath
 from .catalog import Catalog
 from .index import IndexEntry
 from .roots import Roots, RootState, unlink_quietly
@@ -44,12 +42,7 @@ def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
     records = load_manifest(root.layout.index_dir, max_bytes=manifest_limit(len(located)))
     found: list[IndexEntry] = []
     for loc in located:
-        try:
-            st = lstat_beneath(root.layout.root, root.layout.relative(loc.path))
-        except (OSError, ValueError):
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
+        st = loc.stat
         rec = records.get(loc.digest)
         if rec is not None and rec.ns_id == loc.namespace_id:
             meta = rec.meta if rec.meta is not None and \
