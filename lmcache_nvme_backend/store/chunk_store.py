@@ -84,16 +84,20 @@ class ChunkStore:
 
     def contains(self, key: str, pin: bool = False) -> bool:
         """Whether this process's index holds a published chunk for ``key`` (optionally pinned)."""
-        hit = self._catalog.lookup(key_digest(key), self._roots.healthy, time.time_ns(), pin)
+        return self._contains(key_digest(key), pin)
+
+    def _contains(self, digest: str, pin: bool) -> bool:
+        hit = self._catalog.lookup(digest, self._roots.healthy, time.time_ns(), pin)
         self._stats.add(Counter.LOOKUPS)
         self._stats.add(Counter.HITS if hit else Counter.MISSES)
         return hit
 
     def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
         """``contains``, plus, with ``nvme.shared``, chunks that other processes published."""
+        digest = key_digest(key)
         if self.settings.shared:
-            self._shared.reconcile(key, namespace)
-        return self.contains(key, pin=pin)
+            self._shared.reconcile(key, digest, namespace)
+        return self._contains(digest, pin)
 
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""

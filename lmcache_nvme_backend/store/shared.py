@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..disk.layout import key_digest, namespace_id
+from ..disk.layout import namespace_id
 from .catalog import Catalog
 from .index import IndexEntry
 from .reads import ChunkReader
@@ -31,9 +31,9 @@ class SharedTree:
         self._reader = reader
         self._stats = stats
 
-    def reconcile(self, key: str, namespace: str) -> None:
-        """Forget ``key`` if its file vanished; adopt it if another process wrote it."""
-        digest = key_digest(key)
+    def reconcile(self, key: str, digest: str, namespace: str) -> None:
+        """Forget ``key`` (``digest``) if its file vanished; adopt it if another process
+        wrote it."""
         entry = self._catalog.entry(digest)
         if entry is not None:
             path = self._roots[entry.root].layout.chunk_path(entry.ns_id, digest)
@@ -43,7 +43,7 @@ class SharedTree:
             self._stats.add(Counter.SHARED_VANISHED)
         self._adopt(key, digest, namespace_id(namespace))
 
-    def _adopt(self, key: str, digest: str, ns_id: str) -> bool:
+    def _adopt(self, key: str, digest: str, ns_id: str) -> None:
         """Index a chunk file another process published."""
         for root in self._roots.in_placement_order(digest):
             path = root.layout.chunk_path(ns_id, digest)
@@ -54,5 +54,4 @@ class SharedTree:
             self._catalog.add_if_absent(IndexEntry(digest, ns_id, root.index, size,
                                                    verdict.header.tensor_meta, time.time_ns()))
             self._stats.add(Counter.SHARED_ADOPTED)
-            return True
-        return False
+            return
