@@ -297,6 +297,17 @@ def encode_header(
     return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
+def stated_version(raw: bytes | memoryview) -> int | None:
+    """The format version a raw header claims, before any check; None when it is not ours.
+
+    Lets a reader skip work that only one version needs while the payload lands;
+    ``decode_header`` still judges the header afterwards.
+    """
+    if len(raw) < _FIXED.size or bytes(raw[: len(MAGIC)]) != MAGIC:
+        return None
+    return int.from_bytes(raw[len(MAGIC) : len(MAGIC) + 2], "little")
+
+
 def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     """Parse and validate a header.  Raises ``FormatError`` for anything not ours or damaged."""
     if len(raw) < HEADER_SIZE:

@@ -31,6 +31,7 @@ from lmcache_nvme_backend.disk.format import (
     max_key_bytes,
     padded_length,
     payload_checksum,
+    stated_version,
 )
 
 # docs/format.md: magic, version, header_size, flags, payload_len, payload_checksum,
@@ -168,6 +169,20 @@ def test_version_1_headers_still_decode() -> None:
     got = decode_header(raw)
     assert (got.version, got.payload_checksum, got.key) == (1, 99, KEY)
     assert decode_header(encode_header(KEY, NS, meta(10), 10, 99)).version == 2
+
+
+@pytest.mark.parametrize("raw", [b"", b"LMCNVME", bytes(HEADER_SIZE), b"\x7fELF" + bytes(60)],
+                         ids=["empty", "short", "zeros", "elf"])
+def test_stated_version_of_anything_not_ours_is_none(raw: bytes) -> None:
+    assert stated_version(raw) is None
+
+
+def test_stated_version_reads_the_claim_before_any_check() -> None:
+    assert stated_version(encode_header(KEY, NS, meta(10), 10, 99, version=1)) == 1
+    assert stated_version(memoryview(encode_header(KEY, NS, meta(10), 10, 99))) == 2
+    damaged = bytearray(encode_header(KEY, NS, meta(10), 10, 99, version=1))
+    damaged[CHECKSUM_OFFSET] ^= 0xFF  # decode_header rejects it; the claim is still 1
+    assert stated_version(damaged) == 1
 
 
 def test_encode_refuses_unknown_versions() -> None:

@@ -23,6 +23,7 @@ from lmcache_nvme_backend.disk.format import (
     padded_length,
     payload_checksum,
 )
+from lmcache_nvme_backend.io import read_jobs
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
 from lmcache_nvme_backend.io.posix import PosixIOEngine, create_for_write
 from lmcache_nvme_backend.io.read_jobs import ReadRequest
@@ -94,6 +95,28 @@ def test_a_version_1_file_is_checked_over_the_whole_payload(
     assert header.version == 1 and req.payload_matches(header)
     req.dest[BLOCK_SIZE + 3] ^= 0xFF
     assert not req.payload_matches(header)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_block_digests_are_hashed_only_for_version_2(
+        engines: Callable[[int], PosixIOEngine], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, version: int) -> None:
+    hashed: list[int] = []
+
+    def counting(view: memoryview) -> list[int]:
+        hashed.append(len(view))
+        return block_digests(view)
+
+    monkeypatch.setattr(read_jobs, "hash_blocks", counting)
+    engine = engines(4 * MIB)  # one piece: the header lands with the payload
+    payload = payload_for(3 * BLOCK_SIZE + 5)
+    path = tmp_path / "c.kv"
+    engine.write_chunk(path, header_for(payload, version=version), memoryview(payload),
+                       direct=True, mode=0o600, sync_data=False)
+    req = ReadRequest(path, len(payload), dest_for(len(payload), "aligned"), True)
+    engine.read_chunks([req])
+    assert req.error is None and req.payload_matches(decode_header(req.header))
+    assert sum(hashed) == (len(payload) if version == 2 else 0)
 
 
 def test_a_changed_block_fails_the_version_2_check(engines: Callable[[int], PosixIOEngine],
