@@ -58,11 +58,7 @@ def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
             except OSError as exc:
                 # Linux creates the file before it refuses O_DIRECT with EINVAL.
                 _unlink_missing_ok(probe)
-                if exc.errno == errno.EINVAL:
-                    return False
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    return existing is not None and probe_direct_read(existing)
-                raise
+                return _probe_answer(exc, existing)
         else:
             raise FileExistsError(errno.EEXIST, "no free probe file name", str(directory))
         try:
@@ -70,16 +66,22 @@ def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
             os.preadv(fd, [buf.view], 0)
             return True
         except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                return existing is not None and probe_direct_read(existing)
-            raise
+            return _probe_answer(exc, existing)
         finally:
             os.close(fd)
             _unlink_missing_ok(probe)
     finally:
         buf.close()
+
+
+def _probe_answer(exc: OSError, existing: Path | None) -> bool:
+    """What an error of the write probe says: EINVAL is O_DIRECT refused; a full filesystem
+    leaves the answer to a read of ``existing``; anything else is raised."""
+    if exc.errno == errno.EINVAL:
+        return False
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return existing is not None and probe_direct_read(existing)
+    raise exc
 
 
 def probe_direct_read(path: Path) -> bool:
