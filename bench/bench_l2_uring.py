@@ -7,8 +7,9 @@ complete.  This script asks whether one thread driving an io_uring does better
 reads by one thread that opens each file (through ``disk/safe_fs.py``, as the
 store does), submits one ``readv`` of header and payload into the caller's buffer,
 keeps ``--depth`` reads in flight, and on each completion hashes the blocks and
-completes the request.  Everything else (writes, reads that need a staging copy)
-is the normal engine.  Then it runs ``bench_l2_paired.py`` for one object size.
+completes the request.  That is the path of ``NVMeL2Adapter``'s loads
+(``submit_reads``); everything else (writes, waiting reads, reads that need a
+staging copy) is the normal engine.  Then it runs ``bench_l2_paired.py`` for one object size.
 
 Run processes with ``--engine pool`` (the store as shipped) and ``--engine uring``
 alternately and compare their ``nvme/fs_native`` ratios (``docs/benchmarks.md``,
@@ -76,13 +77,6 @@ def uring_engine_class(depth: int) -> type[posix.PosixIOEngine]:
             if rest:
                 super().submit_reads(rest)
             os.eventfd_write(self._wakeup, 1)
-
-        def read_chunks(self, requests: Any) -> None:
-            latch = posix.Latch(len(requests))
-            for req in requests:
-                req.on_done = posix._then(req.on_done, latch.count_down)
-            self.submit_reads(requests)
-            latch.wait()
 
         def _fail(self, req: ReadRequest, error: BaseException) -> None:
             req.fail(error)
