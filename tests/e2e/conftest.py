@@ -1,4 +1,5 @@
-"""What the end-to-end tests share: vLLM's environment, and how a missing prerequisite ends.
+"""What the end-to-end tests share: vLLM's environment, ``lmcache server`` processes, and
+how a missing prerequisite ends.
 
 A prerequisite that is missing (vLLM's environment cannot be built, vLLM does not import)
 skips the tests with the reason on a developer's machine, and fails them when ``CI`` is
@@ -7,9 +8,11 @@ set, so that CI never reports success for tests that did not run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.mp_server import MPServer, ServerFactory
 from support.paths import REPO_ROOT
 from support.prerequisites import missing_prerequisite
 from support.vllm_env import VLLMUnavailable, ensure_vllm_env
@@ -40,3 +43,20 @@ def vllm_python(pytestconfig: pytest.Config) -> Path:
                              f"not from this checkout ({REPO_ROOT}); install this checkout "
                              "(pip install -e .) in the environment that runs the tests")
     return env.python
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[ServerFactory]:
+    """``start_server(cache_dir, name)``: a running ``lmcache server`` with the NVMe L2 on
+    ``cache_dir`` (examples/mp-server.sh), logging to ``tmp_path / f"{name}.log"``; every
+    server started is stopped at teardown."""
+    started: list[MPServer] = []
+
+    def start(cache_dir: Path, name: str) -> MPServer:
+        server = MPServer(cache_dir, tmp_path / f"{name}.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

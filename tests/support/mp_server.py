@@ -1,0 +1,155 @@
+"""A real ``lmcache server`` with NVMeL2Adapter as its L2, started by examples/mp-server.sh.
+
+The end-to-end tests (vLLM's and SGLang's) start the example as a user runs it; only
+ports, paths and sizes differ.  ``MPServer`` waits for ``/healthcheck``, reads the
+adapter's ``/status`` and the ``lmcache_nvme_*`` samples of ``/metrics``, empties L1
+(``POST /cache/clear``), and stops the server (SIGINT, so that the adapter saves its
+index, then SIGKILL if it hangs).  HTTP helpers use only the standard library: the vLLM
+driver imports them from vLLM's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .paths import MP_SERVER_SCRIPT
+
+START_S = 120
+#: No telemetry, no banner; what every process of the end-to-end tests runs with.
+QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
+             "LMCACHE_DISABLE_BANNER": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> Any:
+    """GET ``url`` (or POST ``body`` as JSON) and decode the JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def adapter_status(http: str) -> dict[str, Any]:
+    """The NVMe adapter's entry of the server's ``/status``."""
+    (adapter,) = http_json(f"{http}/status")["storage_manager"]["l2_adapters"]
+    return adapter  # type: ignore[no-any-return]
+
+
+def clear_l1(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Empty the server's L1, so that the next hit must come from the NVMe L2.
+
+    LMCache keeps an L1 object read-locked until its L2 store task completes and it
+    has processed the completion, which trails the adapter's own status a little: a
+    clear can find objects still locked.  Clear until L1 holds no object.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cleared = http_json(f"{http}/cache/clear", {"tier": "l1", "force": False})
+        left = http_json(f"{http}/status")["storage_manager"]["l1_manager"][
+            "total_object_count"]
+        if left == 0:
+            return cleared  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"L1 still holds {left} objects after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def wait_persisted(http: str, entries: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait until the adapter holds ``entries`` chunks and has no write pending (the
+    server writes L1 to L2 in the background); its status then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = adapter_status(http)
+        if status["entries"] >= entries and status["pending_writes"] == 0:
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not persist {entries} chunks: {status}")
+        time.sleep(0.2)
+
+
+class MPServer:
+    """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh."""
+
+    def __init__(self, cache_dir: Path, log: Path, **env: str) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        self.log = log
+        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        # The script finds ``lmcache`` on PATH: this interpreter's environment first.
+        full_env = dict(os.environ, **QUIET_ENV, CACHE_DIR=str(cache_dir), MAX_SIZE_GB="1",
+                        MIN_FREE_GB="0", L1_GB="1", PORT=str(self.port),
+                        HTTP_PORT=str(self.http_port),
+                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        full_env.update(env)
+        self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + START_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lmcache server exited:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.http}/healthcheck", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"lmcache server not up in {START_S} s:\n"
+                                     f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text()[-chars:]
+
+    def status(self) -> dict[str, Any]:
+        return adapter_status(self.http)
+
+    def clear_l1(self) -> dict[str, Any]:
+        return clear_l1(self.http)
+
+    def wait_persisted(self, entries: int) -> dict[str, Any]:
+        return wait_persisted(self.http, entries)
+
+    def metrics(self) -> dict[str, float]:
+        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())
+                                 if k not in ("adapter", "cache_dir")): s.value
+                for family in text_string_to_metric_families(text)
+                if family.name.startswith("lmcache_nvme_") for s in family.samples}
+
+    def stop(self) -> None:
+        """SIGINT (a clean close saves the adapter's index), then SIGKILL if it hangs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log_file.close()
+
+
+#: ``start_server(cache_dir, name)`` (the fixture of tests/e2e/conftest.py).
+ServerFactory = Callable[[Path, str], MPServer]
