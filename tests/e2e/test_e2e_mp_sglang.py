@@ -21,7 +21,6 @@ server is examples/mp-server.sh.  What a user would see:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,28 +30,14 @@ import yaml
 from support.mp_server import MPServer, ServerFactory
 from support.paths import EXAMPLES_DIR
 from support.sglang_side import KVPools, ModelShape, RadixSide, Request, prompt_kv
+from support.sglang_workload import CHUNK, PROMPT_A, PROMPT_B, SHARED, SHORT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-CHUNK = 256
-VOCAB = 500
 MODEL = "tiny-llama-sglang"
 SHAPE = ModelShape()
 POOL_TOKENS = 8192
 SGLANG_CONFIG = EXAMPLES_DIR / "sglang-lmcache.yaml"
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, VOCAB) for _ in range(n)]
-
-
-PROMPT_A = tokens(1, 700)  # two chunks and a tail of 188 tokens
-PROMPT_B = tokens(2, 600)  # two chunks and a tail of 88 tokens
-SHORT = tokens(3, 200)  # under one chunk
-SHARED = PROMPT_A[:300] + tokens(4, 400)  # shares A's first chunk, not its second
-
-
 ConfigFor = Callable[[MPServer], Path]
 
 
