@@ -7,7 +7,7 @@
    L1), with a fresh vLLM: the hit can only come from our files (the adapter's
    ``read_chunks`` counts them).
 
-vLLM runs from its own environment (``tests/support/vllm_env.py`` explains why; the
+vLLM runs from its own environment (``tests/support/engine_env.py`` explains why; the
 ``vllm_python`` fixture is in ``conftest.py``);
 the model and tokenizer are built locally.  Every process is started and
 stopped here, each with a time limit.
