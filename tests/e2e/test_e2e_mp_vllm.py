@@ -16,7 +16,6 @@ stopped here, each with a time limit.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import reports
 from support.mp_server import QUIET_ENV, MPServer, ServerFactory
 from support.process import child_env, module_command
 
@@ -64,9 +64,9 @@ def run_vllm(python: Path, model: Path, server: MPServer, phase: str, log: Path
             with contextlib.suppress(ProcessLookupError):  # vLLM workers that outlived it
                 os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
-    for line in text.splitlines():
-        if line.startswith("E2E-REPORT "):
-            return json.loads(line[len("E2E-REPORT "):])  # type: ignore[no-any-return]
+    report = reports.find(text)
+    if report is not None:
+        return report
     raise AssertionError(f"vLLM run '{phase}' produced no report (rc {proc.returncode}):\n"
                          f"{text[-6000:]}\n--- server log ---\n{server.log.read_text()[-3000:]}")
 

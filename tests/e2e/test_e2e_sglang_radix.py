@@ -15,13 +15,13 @@ requests), configured with the recipe's config file (only the port changed):
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support import reports
 from support.mp_server import QUIET_ENV, MPServer, ServerFactory
 from support.paths import EXAMPLES_DIR
 from support.process import child_env, module_command
@@ -54,9 +54,9 @@ def run_sglang(python: Path, model: Path, server: MPServer, page_size: int, phas
                                          config_file, "--page-size", str(page_size),
                                          "--phase", phase, python=python),
                           capture_output=True, text=True, timeout=RUN_S, env=child_env(**ENV))
-    for line in proc.stdout.splitlines():
-        if line.startswith("E2E-REPORT "):
-            return json.loads(line[len("E2E-REPORT "):])  # type: ignore[no-any-return]
+    report = reports.find(proc.stdout)
+    if report is not None:
+        return report
     raise AssertionError(f"SGLang phase '{phase}' produced no report (rc {proc.returncode}):"
                          f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n--- server log ---\n"
                          f"{server.log_tail(3000)}")

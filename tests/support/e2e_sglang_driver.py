@@ -16,7 +16,7 @@ the forward pass would, ``support.sglang_side.prompt_kv``), ``cache_finished_req
   load back, byte for byte; then B's first 320 tokens are in the radix tree (a finished
   request inserted them) and a new B request loads only the rest of B's hit.
 
-Prints one ``E2E-REPORT {json}`` line.
+Prints its report (``support.reports``).
 
 One SGLang bug is worked around here, on CPU only: SGLang 0.5.18 to 0.5.20 create the
 load and store streams with ``torch.get_device_module(device).Stream(device=device)``,
@@ -28,9 +28,7 @@ it lacks; ``LMCRadixCache`` gets a CPU stream that has both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from array import array
 from typing import Any
 
@@ -40,6 +38,7 @@ for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
 
 import torch  # noqa: E402
 
+from support import reports  # noqa: E402
 from support.sglang_side import ModelShape, prompt_kv  # noqa: E402
 from support.sglang_workload import PROMPT_A, PROMPT_B, SHORT  # noqa: E402
 
@@ -204,10 +203,7 @@ def main() -> None:
     r.add_argument("--phase", choices=["store", "load"], required=True)
     args = parser.parse_args()
     scheduler = Scheduler(args.model, args.config, args.page_size)
-    report = (store if args.phase == "store" else load)(scheduler)
-    print("E2E-REPORT " + json.dumps(report), flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # the connector's heartbeat thread must not hold the process open
+    reports.emit((store if args.phase == "store" else load)(scheduler))
 
 
 if __name__ == "__main__":

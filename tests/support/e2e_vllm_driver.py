@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+from support import reports
 from support.mp_server import adapter_status, clear_l1, wait_persisted
 
 for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -119,12 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "build-model":
         build_model(args.out)
-        print(json.dumps({"built": str(args.out)}))
-    else:
-        report = run(args.model, args.port, args.http, args.phase)
-        print("E2E-REPORT " + json.dumps(report), flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # vLLM's background threads and workers must not hold the process open
+        reports.emit({"built": str(args.out)})
+    reports.emit(run(args.model, args.port, args.http, args.phase))
 
 
 if __name__ == "__main__":
