@@ -26,6 +26,7 @@ import pytest
 from support import reports
 from support.mp_server import QUIET_ENV, MPServer, ServerFactory
 from support.process import child_env, module_command
+from support.reports import assert_same_first_token
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -33,7 +34,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 DRIVER = "support.e2e_vllm_driver"  # run by the vLLM environment's python
 CHUNK = 256
 FULL_CHUNK_TOKENS = 512  # 700-token prompt: two full chunks
-LOGPROB_TOLERANCE = 0.05  # bf16
 VLLM_RUN_S = 400
 
 ENV = {**QUIET_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -69,16 +69,6 @@ def run_vllm(python: Path, model: Path, server: MPServer, phase: str, log: Path
         return report
     raise AssertionError(f"vLLM run '{phase}' produced no report (rc {proc.returncode}):\n"
                          f"{text[-6000:]}\n--- server log ---\n{server.log.read_text()[-3000:]}")
-
-
-def assert_same_first_token(cold: dict[str, Any], hit: dict[str, Any]) -> None:
-    a, b = cold["logprobs"], hit["logprobs"]
-    top = max(a, key=a.get)
-    assert top in b, f"cold top token {top} missing from the hit's top-{len(b)}"
-    common = set(a) & set(b)
-    assert len(common) >= len(a) // 2
-    worst = max(abs(a[t] - b[t]) for t in common)
-    assert worst <= LOGPROB_TOLERANCE, f"first-token logprobs differ by {worst:.4f}"
 
 
 def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Path,

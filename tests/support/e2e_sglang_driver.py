@@ -18,11 +18,8 @@ the forward pass would, ``support.sglang_side.prompt_kv``), ``cache_finished_req
 
 Prints its report (``support.reports``).
 
-One SGLang bug is worked around here, on CPU only: SGLang 0.5.18 to 0.5.20 create the
-load and store streams with ``torch.get_device_module(device).Stream(device=device)``,
-which ``torch.cpu.Stream`` does not accept (``TypeError: Stream.__init__() got an
-unexpected keyword argument 'device'``), and enter them through ``stream.device``, which
-it lacks; ``LMCRadixCache`` gets a CPU stream that has both.
+One SGLang bug is worked around, on CPU only: ``LMCRadixCache`` cannot create its streams
+on a CPU device (``support.sglang_cpu``).
 """
 
 from __future__ import annotations
@@ -38,27 +35,12 @@ for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
 
 import torch  # noqa: E402
 
-from support import reports  # noqa: E402
+from support import reports, sglang_cpu  # noqa: E402
 from support.sglang_side import ModelShape, prompt_kv  # noqa: E402
 from support.sglang_workload import PROMPT_A, PROMPT_B, SHORT  # noqa: E402
 
 RADIX_PART = 320  # tokens of B a finished request put into the radix tree
 POOL_TOKENS = 8192
-
-
-class _CpuStream(torch.cpu.Stream):
-    """A CPU stream with the ``device`` SGLang's stream helpers read."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-
-
-def _create_device_stream(device: Any) -> Any:
-    device = device if isinstance(device, torch.device) else torch.device(device)
-    if device.type == "cpu":
-        return _CpuStream(device)
-    return torch.get_device_module(device).Stream(device=device)
 
 
 class Scheduler:
@@ -95,7 +77,7 @@ class Scheduler:
         else:
             self.allocator = PagedTokenToKVPoolAllocator(
                 POOL_TOKENS, page_size, torch.bfloat16, "cpu", self.kv_pool, need_sort=False)
-        lmc_radix_cache.create_device_stream = _create_device_stream  # see the docstring
+        sglang_cpu.install()
         self.cache = lmc_radix_cache.LMCRadixCache(
             CacheInitParams(disable=False, req_to_token_pool=self.req_to_token_pool,
                             token_to_kv_pool_allocator=self.allocator,

@@ -1,0 +1,158 @@
+"""A real SGLang server on CPU (SGLang's CPU engine) with LMCache's multiprocess server and
+the NVMe tier, on the tiny random-weight model: cached tokens and first-token logprobs
+after ``POST /cache/clear`` and after a restart of both servers.
+
+Opt-in and never run on a machine without AVX-512 and AMX: SGLang's CPU engine
+(``SGLANG_USE_CPU_ENGINE=1``) needs ``sgl_kernel`` from ``sglang-kernel-cpu``, built from
+SGLang's source (``python/sglang/kernels/aot``, ``pyproject_cpu.toml``) and compiled for
+``-march=x86-64-v4`` with AMX (its CMakeLists, whatever the build machine).  The test runs
+where that kernel is installed in SGLang's environment (``support.engine_env.SGLANG``) and
+the CPU has those instructions; otherwise it skips and says which is missing (also under
+``CI``: the README promises it nowhere).  Select it with ``-m sglang_server``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.mp_server import QUIET_ENV, MPServer, ServerFactory, free_port, http_json
+from support.paths import EXAMPLES_DIR
+from support.process import child_env, module_command
+from support.reports import assert_same_first_token
+from support.sglang_workload import CHUNK, PROMPT_A, SHORT
+
+pytestmark = [pytest.mark.sglang_server, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+START_S = 600
+LOGPROBS = 20
+
+
+def missing_cpu_flags() -> list[str]:
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+    return [flag for flag in CPU_FLAGS if flag not in flags]
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_python(request: pytest.FixtureRequest) -> Path:
+    missing = missing_cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: SGLang's CPU kernels "
+                    "(sglang-kernel-cpu) are compiled for x86-64-v4 with AMX")
+    python: Path = request.getfixturevalue("sglang_python")
+    probe = subprocess.run([str(python), "-c", "import sgl_kernel"], capture_output=True,
+                           text=True, timeout=120, env=child_env(SGLANG_USE_CPU_ENGINE="1"))
+    if probe.returncode != 0:
+        pytest.skip(f"sgl_kernel (sglang-kernel-cpu) is not installed in {python.parent.parent}"
+                    f": build it from SGLang's python/sglang/kernels/aot with pyproject_cpu.toml "
+                    f"({probe.stderr.strip().splitlines()[-1:]})")
+    return python
+
+
+class SGLangServer:
+    """``sglang.launch_server`` on CPU with ``--enable-lmcache``, through
+    ``support.sglang_server_launch`` (SGLang's CPU stream fix in every process)."""
+
+    def __init__(self, python: Path, model: Path, config: Path, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            module_command("support.sglang_server_launch", "--model-path", model,
+                           "--device", "cpu", "--port", str(self.port), "--enable-lmcache",
+                           "--lmcache-config-file", config, "--mem-fraction-static", "0.1",
+                           python=python),
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=child_env(**QUIET_ENV, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1"))
+        deadline = time.monotonic() + START_S
+        while True:
+            assert self.proc.poll() is None, f"SGLang exited:\n{log.read_text()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"SGLang not up:\n{log.read_text()[-4000:]}"
+            time.sleep(1)
+
+    def first_token(self, tokens: list[int]) -> dict[str, Any]:
+        out = http_json(f"{self.url}/generate", {
+            "input_ids": tokens, "return_logprob": True, "top_logprobs_num": LOGPROBS,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        meta = out["meta_info"]
+        return {"cached_tokens": int(meta["cached_tokens"]),
+                "logprobs": {str(tok): lp for lp, tok, *_ in meta["output_top_logprobs"][0]}}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def sglang_servers() -> Iterator[list[SGLangServer]]:
+    started: list[SGLangServer] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def test_sglang_cpu_server_hits_the_nvme_tier(sglang_cpu_python: Path, tmp_path: Path,
+                                              start_server: ServerFactory,
+                                              sglang_servers: list[SGLangServer]) -> None:
+    model = tmp_path / "tiny-llama"
+    subprocess.run(module_command("support.e2e_vllm_driver", "build-model", model,
+                                  python=sglang_cpu_python),
+                   check=True, timeout=300, env=child_env(**QUIET_ENV), capture_output=True)
+    cache_dir = tmp_path / "nvme"
+
+    def start(name: str) -> tuple[MPServer, SGLangServer]:
+        server = start_server(cache_dir, f"lmcache-{name}")
+        config = yaml.safe_load((EXAMPLES_DIR / "sglang-lmcache.yaml").read_text())
+        config["mp_port"] = server.port
+        config_file = tmp_path / f"sglang-lmcache-{name}.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        sglang = SGLangServer(sglang_cpu_python, model, config_file,
+                              tmp_path / f"sglang-{name}.log")
+        sglang_servers.append(sglang)
+        return server, sglang
+
+    server, sglang = start("first")
+    sglang.first_token(SHORT)  # warm-up: under one chunk, stores nothing
+    cold = sglang.first_token(PROMPT_A)
+    assert cold["cached_tokens"] == 0
+    server.wait_persisted(2)
+    http_json(f"{sglang.url}/flush_cache", {})
+    server.clear_l1()
+    hit = sglang.first_token(PROMPT_A)
+    assert hit["cached_tokens"] == 2 * CHUNK
+    assert_same_first_token(cold, hit)
+    sglang.stop()
+    server.stop()
+
+    server, sglang = start("restart")
+    assert server.status()["recovered_entries"] == 2
+    restart = sglang.first_token(PROMPT_A)
+    assert restart["cached_tokens"] == 2 * CHUNK
+    assert_same_first_token(cold, restart)
+    after = server.status()
+    assert after["read_chunks"] == 2 and after["checksum_failures"] == 0
