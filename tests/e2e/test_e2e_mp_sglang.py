@@ -21,13 +21,15 @@ server is examples/mp-server.sh.  What a user would see:
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from support.mp_server import MPServer, ServerFactory
+from support.mp_server import MPServer, ServerFactory, shm_segments
 from support.paths import EXAMPLES_DIR
 from support.sglang_side import KVPools, ModelShape, RadixSide, Request, prompt_kv
 from support.sglang_workload import CHUNK, PROMPT_A, PROMPT_B, SHARED, SHORT
@@ -55,6 +57,7 @@ def config_for(tmp_path: Path) -> ConfigFor:
 
 @pytest.fixture
 def sides() -> Iterator[list[RadixSide]]:
+    """SGLang sides opened by a test (and not closed by it), closed at teardown."""
     opened: list[RadixSide] = []
     yield opened
     for side in opened:
@@ -95,6 +98,7 @@ def test_sglang_connector_through_nvme_l2(page_size: int, start_server: ServerFa
                                           config_for: ConfigFor, sides: list[RadixSide],
                                           tmp_path: Path) -> None:
     cache_dir = tmp_path / "nvme"
+    segments_before = set(shm_segments(os.getpid()))
     server = start_server(cache_dir, "server1")
     side = open_side(server, config_for, page_size, seed=1, opened=sides)
     assert side.connector.chunk_size() == CHUNK
@@ -156,3 +160,11 @@ def test_sglang_connector_through_nvme_l2(page_size: int, start_server: ServerFa
     assert_kv(side, radix_slots, radix_kv)
     side.connector.end_session(partial.rid)
     assert server.status()["checksum_failures"] == 0
+
+    # The pools moved to shared memory when they registered; closed and collected, they
+    # are gone from /dev/shm.
+    side.close()
+    sides.remove(side)
+    del side
+    gc.collect()
+    assert set(shm_segments(os.getpid())) <= segments_before, "KV pools left in /dev/shm"

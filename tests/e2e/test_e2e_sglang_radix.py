@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from support import reports
-from support.mp_server import QUIET_ENV, MPServer, ServerFactory
+from support.mp_server import QUIET_ENV, MPServer, ServerFactory, shm_segments
 from support.paths import EXAMPLES_DIR
 from support.process import child_env, module_command
 from support.sglang_workload import CHUNK
@@ -56,6 +56,7 @@ def run_sglang(python: Path, model: Path, server: MPServer, page_size: int, phas
                           capture_output=True, text=True, timeout=RUN_S, env=child_env(**ENV))
     report = reports.find(proc.stdout)
     if report is not None:
+        assert not shm_segments(report.pop("pid")), "SGLang's KV pools left in /dev/shm"
         return report
     raise AssertionError(f"SGLang phase '{phase}' produced no report (rc {proc.returncode}):"
                          f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n--- server log ---\n"

@@ -2,13 +2,14 @@
 the NVMe tier, on the tiny random-weight model: cached tokens and first-token logprobs
 after ``POST /cache/clear`` and after a restart of both servers.
 
-Opt-in and never run on a machine without AVX-512 and AMX: SGLang's CPU engine
-(``SGLANG_USE_CPU_ENGINE=1``) needs ``sgl_kernel`` from ``sglang-kernel-cpu``, built from
-SGLang's source (``python/sglang/kernels/aot``, ``pyproject_cpu.toml``) and compiled for
-``-march=x86-64-v4`` with AMX (its CMakeLists, whatever the build machine).  The test runs
-where that kernel is installed in SGLang's environment (``support.engine_env.SGLANG``) and
-the CPU has those instructions; otherwise it skips and says which is missing (also under
-``CI``: the README promises it nowhere).  Select it with ``-m sglang_server``.
+SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs ``sgl_kernel`` from
+``sglang-kernel-cpu``, built from SGLang's source (``python/sglang/kernels/aot``,
+``pyproject_cpu.toml``) and compiled for ``-march=x86-64-v4`` with AVX512-BF16/VNNI and AMX
+(its CMakeLists, whatever the build machine; AMX is used only where the CPU has it).  The
+test runs where that kernel is installed in SGLang's environment
+(``support.engine_env.SGLANG``) and the CPU has AVX-512; otherwise it skips and says which
+is missing (also under ``CI``: nothing installs the kernel there, and the README promises
+this test nowhere).  Select it alone with ``-m sglang_server``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from support.sglang_workload import CHUNK, PROMPT_A, SHORT
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+#: What the kernels' compiler flags (-march=x86-64-v4 -mavx512bf16 -mavx512vnni) assume; AMX
+#: is used only where the CPU has it (``torch.cpu._is_amx_tile_supported()``).
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16",
+             "avx512_vnni")
 START_S = 600
 LOGPROBS = 20
 
@@ -51,7 +55,7 @@ def sglang_cpu_python(request: pytest.FixtureRequest) -> Path:
     missing = missing_cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(missing)}: SGLang's CPU kernels "
-                    "(sglang-kernel-cpu) are compiled for x86-64-v4 with AMX")
+                    "(sglang-kernel-cpu) are compiled for x86-64-v4 with AVX512-BF16/VNNI")
     python: Path = request.getfixturevalue("sglang_python")
     probe = subprocess.run([str(python), "-c", "import sgl_kernel"], capture_output=True,
                            text=True, timeout=120, env=child_env(SGLANG_USE_CPU_ENGINE="1"))

@@ -16,7 +16,8 @@ the forward pass would, ``support.sglang_side.prompt_kv``), ``cache_finished_req
   load back, byte for byte; then B's first 320 tokens are in the radix tree (a finished
   request inserted them) and a new B request loads only the rest of B's hit.
 
-Prints its report (``support.reports``).
+Prints its report (``support.reports``), with its pid: the test checks that the process
+left no shared-memory segment behind (it unlinks its pools' names as a normal exit would).
 
 One SGLang bug is worked around, on CPU only: ``LMCRadixCache`` cannot create its streams
 on a CPU device (``support.sglang_cpu``).
@@ -36,6 +37,7 @@ for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
 import torch  # noqa: E402
 
 from support import reports, sglang_cpu  # noqa: E402
+from support.mp_server import shm_segments  # noqa: E402
 from support.sglang_side import ModelShape, prompt_kv  # noqa: E402
 from support.sglang_workload import PROMPT_A, PROMPT_B, SHORT  # noqa: E402
 
@@ -185,7 +187,15 @@ def main() -> None:
     r.add_argument("--phase", choices=["store", "load"], required=True)
     args = parser.parse_args()
     scheduler = Scheduler(args.model, args.config, args.page_size)
-    reports.emit((store if args.phase == "store" else load)(scheduler))
+    report = (store if args.phase == "store" else load)(scheduler)
+    report["pid"] = os.getpid()
+    scheduler.cache.lmcache_connector.close()
+    # The pools live in POSIX shared memory (LMCache moved them there to share them with
+    # the server) and LMCache unlinks their names from finalizers, which run at a normal
+    # exit but not at os._exit: unlink them as that exit would.
+    for segment in shm_segments(os.getpid()):
+        segment.unlink()
+    reports.emit(report)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE
              "LMCACHE_DISABLE_BANNER": "1"}
 
 
+def shm_segments(pid: int) -> list[Path]:
+    """The POSIX shared-memory segments LMCache made for KV pools of process ``pid`` (a
+    CPU engine's pools move there when they register with the server)."""
+    return sorted(Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
