@@ -14,6 +14,7 @@ this test nowhere).  Select it alone with ``-m sglang_server``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,7 +26,14 @@ from typing import Any
 
 import pytest
 import yaml
-from support.mp_server import QUIET_ENV, MPServer, ServerFactory, free_port, http_json
+from support.mp_server import (
+    QUIET_ENV,
+    MPServer,
+    ServerFactory,
+    free_port,
+    http_json,
+    shm_segments,
+)
 from support.paths import EXAMPLES_DIR
 from support.process import child_env, module_command
 from support.reports import assert_same_first_token
@@ -77,7 +85,7 @@ class SGLangServer:
         self.proc = subprocess.Popen(
             module_command("support.sglang_server_launch", "--model-path", model,
                            "--device", "cpu", "--port", str(self.port), "--enable-lmcache",
-                           "--lmcache-config-file", config, "--mem-fraction-static", "0.1",
+                           "--lmcache-config-file", config, "--max-total-tokens", "16384",
                            python=python),
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env=child_env(**QUIET_ENV, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1"))
@@ -101,14 +109,27 @@ class SGLangServer:
         return {"cached_tokens": int(meta["cached_tokens"]),
                 "logprobs": {str(tok): lp for lp, tok, *_ in meta["output_top_logprobs"][0]}}
 
+    def flush_cache(self) -> None:
+        """Empty SGLang's radix tree (``POST /flush_cache`` answers in plain text)."""
+        req = urllib.request.Request(f"{self.url}/flush_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200, resp.read()
+
     def stop(self) -> None:
+        """SIGTERM to SGLang's processes, SIGKILL if they linger; then the names of the
+        scheduler's KV pools in /dev/shm, which a killed process leaves behind."""
+        group = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True,
+                               text=True).stdout.split()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        for pid in group:
+            for segment in shm_segments(int(pid)):
+                segment.unlink(missing_ok=True)
         self._log.close()
 
 
@@ -145,7 +166,7 @@ def test_sglang_cpu_server_hits_the_nvme_tier(sglang_cpu_python: Path, tmp_path:
     cold = sglang.first_token(PROMPT_A)
     assert cold["cached_tokens"] == 0
     server.wait_persisted(2)
-    http_json(f"{sglang.url}/flush_cache", {})
+    sglang.flush_cache()
     server.clear_l1()
     hit = sglang.first_token(PROMPT_A)
     assert hit["cached_tokens"] == 2 * CHUNK

@@ -103,7 +103,7 @@ SGLANG = EngineSpec(
     override_var="LMCACHE_NVME_SGLANG_VENV",
     probe=("sglang", "sglang.srt.mem_cache.storage.lmcache.lmc_radix_cache", "lmcache",
            "lmcache_nvme_backend"),
-    size="a minute or two and about 0.7 GB", no_deps=True,
+    size="a minute or two and about 1.4 GB, 1 GB of it triton", no_deps=True,
     site_files={"_lmcache_nvme_torchvision_ops.py": TORCHVISION_OPS_HOOK,
                 "_lmcache_nvme_torchvision_ops.pth": "import _lmcache_nvme_torchvision_ops\n"})
 
