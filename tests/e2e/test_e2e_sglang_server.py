@@ -5,7 +5,8 @@ after ``POST /cache/clear`` and after a restart of both servers.
 SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs ``sgl_kernel`` from
 ``sglang-kernel-cpu``, built from SGLang's source (``python/sglang/kernels/aot``,
 ``pyproject_cpu.toml``) and compiled for ``-march=x86-64-v4`` with AVX512-BF16/VNNI and AMX
-(its CMakeLists, whatever the build machine; AMX is used only where the CPU has it).  The
+(its CMakeLists, whatever the build machine; AMX is used only where the CPU has it);
+``tests/e2e/build_sglang_cpu_kernel.sh`` builds it into SGLang's test environment.  The
 test runs where that kernel is installed in SGLang's environment
 (``support.engine_env.SGLANG``) and the CPU has AVX-512; otherwise it skips and says which
 is missing (also under ``CI``: nothing installs the kernel there, and the README promises
@@ -69,8 +70,8 @@ def sglang_cpu_python(request: pytest.FixtureRequest) -> Path:
                            text=True, timeout=120, env=child_env(SGLANG_USE_CPU_ENGINE="1"))
     if probe.returncode != 0:
         pytest.skip(f"sgl_kernel (sglang-kernel-cpu) is not installed in {python.parent.parent}"
-                    f": build it from SGLang's python/sglang/kernels/aot with pyproject_cpu.toml "
-                    f"({probe.stderr.strip().splitlines()[-1:]})")
+                    " (no SGLang wheel carries it): bash tests/e2e/build_sglang_cpu_kernel.sh "
+                    f"SGLANG_CHECKOUT ({probe.stderr.strip().splitlines()[-1:]})")
     return python
 
 
