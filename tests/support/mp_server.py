@@ -4,7 +4,7 @@ The end-to-end tests (vLLM's and SGLang's) start the example as a user runs it; 
 ports, paths and sizes differ.  ``MPServer`` waits for ``/healthcheck``, reads the
 adapter's ``/status`` and the ``lmcache_nvme_*`` samples of ``/metrics``, empties L1
 (``POST /cache/clear``), and stops the server (SIGINT, so that the adapter saves its
-index, then SIGKILL if it hangs).  HTTP helpers use only the standard library: the vLLM
+index, then SIGKILL if it hangs).  The HTTP functions use only the standard library: the vLLM
 driver imports them from vLLM's environment.
 """
 

@@ -1,10 +1,10 @@
-"""SGLang 0.5.18-0.5.20 on a CPU device: the stream helper its ``LMCRadixCache`` needs.
+"""SGLang 0.5.18-0.5.20 on a CPU device: the stream function its ``LMCRadixCache`` needs.
 
 ``LMCRadixCache.__init__`` creates its load and store streams with
 ``torch.get_device_module(device).Stream(device=device)``, which ``torch.cpu.Stream`` does
 not accept (``TypeError: Stream.__init__() got an unexpected keyword argument 'device'``),
 and enters them through ``stream.device``, which it lacks.  :func:`install` gives SGLang a
-helper that returns a CPU stream with both; other devices get SGLang's own behaviour.
+function that returns a CPU stream with both; other devices get SGLang's own behaviour.
 Run by SGLang's environment only (it imports SGLang).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 
 class CpuStream(torch.cpu.Stream):
-    """A CPU stream with the ``device`` SGLang's stream helpers read."""
+    """A CPU stream with the ``device`` SGLang's stream functions read."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
