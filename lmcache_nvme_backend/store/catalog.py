@@ -158,6 +158,12 @@ class Catalog:
         with self._lock:
             return self._index.remove(digest)
 
+    def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
+        """Take the entries out of the index under one lock hold; the ones that were there."""
+        with self._lock:
+            removed = [self._index.remove(digest) for digest in digests]
+        return [entry for entry in removed if entry is not None]
+
     # -- reporting ---------------------------------------------------------------
 
     def lru_entries(self, root: int) -> list[IndexEntry]:

@@ -21,7 +21,6 @@ the directory tree and the manifest rebuild the index.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +58,8 @@ class ChunkStore:
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
-        native_engine = _native_engine(settings)
+        native_engine = _native_engine(settings, ChunkWriter.writer_count(settings,
+                                                                          len(self._roots)))
         gate = ReadPriorityGate()
         self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats,
                                    native_engine)
@@ -96,8 +96,12 @@ class ChunkStore:
         return f"python, slower: {native.unavailable_reason()}"
 
     @property
-    def writer_threads(self) -> list[threading.Thread]:
-        return list(self._writer.threads)
+    def writer_thread_ids(self) -> list[int]:
+        """Kernel ids of the threads that write chunk files (the native engine's, or the
+        Python engine's ``nvme-writer-*``)."""
+        if self._reader.native is not None:
+            return self._reader.native.writer_thread_ids()
+        return [t.native_id or 0 for t in self._writer.threads]
 
     # -- lookups -------------------------------------------------------------
 
@@ -147,12 +151,15 @@ class ChunkStore:
 
     def remove(self, key: str) -> bool:
         """Delete a chunk (pinned or not)."""
-        entry = self._catalog.remove(key_digest(key))
-        if entry is None:
-            return False
-        self._writer.unlink(entry)
-        self._catalog.notify_removed([entry])
-        return True
+        return self.remove_many([key]) == 1
+
+    def remove_many(self, keys: Iterable[str]) -> int:
+        """Delete chunks (pinned or not), their files in one batch; how many were stored."""
+        entries = self._catalog.remove_many(key_digest(key) for key in keys)
+        if entries:
+            self._writer.unlink(entries)
+            self._catalog.notify_removed(entries)
+        return len(entries)
 
     def add_removal_listener(self, listener: RemovalListener) -> None:
         """Call ``listener`` (outside the store lock) with entries that leave the index.
@@ -313,11 +320,12 @@ class ChunkStore:
         self._writer.close(self.settings.close_timeout_s)
         self._manifests.stop()
         self._manifests.save_all()
-        self._reader.close()
+        if self._reader.native is not None:
+            self._reader.native.close()
         self._io_pool.shutdown(wait=True)
 
 
-def _native_engine(settings: NVMeSettings) -> NativeEngine | None:
+def _native_engine(settings: NVMeSettings, writers: int) -> NativeEngine | None:
     """The compiled engine per ``nvme.native_io``: ``on`` refuses to start without it."""
     if settings.native_io == NativeIOMode.OFF:
         return None
@@ -326,4 +334,4 @@ def _native_engine(settings: NVMeSettings) -> NativeEngine | None:
             raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
                                   "Or set nvme.native_io: auto to run the Python engine.")
         return None
-    return NativeEngine(settings.io_threads, settings.task_size_bytes)
+    return NativeEngine(settings.io_threads, writers, settings.task_size_bytes)

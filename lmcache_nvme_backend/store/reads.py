@@ -84,11 +84,6 @@ class ChunkReader:
         self.native = native_engine
         self._gate = gate
         self._stats = stats
-        self._completer: threading.Thread | None = None
-        if native_engine is not None:
-            self._completer = threading.Thread(target=self._complete_native, daemon=True,
-                                               name="nvme-read-done")
-            self._completer.start()
 
     # -- headers -------------------------------------------------------------
 
@@ -220,24 +215,13 @@ class ChunkReader:
             items.append(ReadItem(fd, plan.rel.encode(), dest, plan.payload_len, plan.direct,
                                   text_bytes(plan.key), plan.meta.to_json()))
         if wait:
-            self._native_done((batch, todo), self.native.read(items))
+            self._native_done(batch, todo, self.native.read(items))
         else:
-            self.native.submit_read(items, (batch, todo))
+            self.native.submit_read(items, functools.partial(self._native_done, batch, todo))
 
-    def _complete_native(self) -> None:
-        """The thread that hands finished asynchronous batches back (``read_async``)."""
-        assert self.native is not None
-        while (done := self.native.wait(1.0)) is not None:
-            for token, result in done:
-                try:
-                    self._native_done(token, result)  # type: ignore[arg-type]
-                except Exception:
-                    logger.exception("NVMe tier: completing a read batch failed")
-
-    def _native_done(self, token: tuple[_Batch, list[tuple[int, ReadPlan, memoryview]]],
+    def _native_done(self, batch: _Batch, todo: list[tuple[int, ReadPlan, memoryview]],
                      result: native.Batch) -> None:
         """Account a batch the native engine finished; judge what it did not serve."""
-        batch, todo = token
         verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
                     for d in result.details}
         served = bytes_served = 0
@@ -268,13 +252,6 @@ class ChunkReader:
         req = ReadRequest(plan.path, plan.payload_len, dest, plan.direct)
         self.engine.read_chunks([req])
         return self.complete(plan, req.header, req.error, req.payload_matches).ok
-
-    def close(self) -> None:
-        """Stop the native engine (queued reads finish first) and its completion thread."""
-        if self.native is not None:
-            self.native.close()
-        if self._completer is not None:
-            self._completer.join()
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:

@@ -111,6 +111,13 @@ class WriteBackQueue:
             count = min(most, max(1, -(-len(self._jobs) // takers)), len(self._jobs))
             return [self._jobs.popleft() for _ in range(count)]
 
+    def take_ready(self) -> list[ChunkWrite]:
+        """Every queued job, without waiting (empty when none is queued)."""
+        with self._cond:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+            return jobs
+
     def done_many(self, jobs: list[ChunkWrite]) -> None:
         """The jobs were written (or dropped): their bytes and count leave the queue."""
         with self._cond:
