@@ -303,6 +303,11 @@ class ChunkWriter:
             for i, (job, root, size) in enumerate(placed):
                 self._free[root.index].freed(sum(v.size for v in victims[i]))
                 error = errors.get(i)
+                if error is not None and error.errno == errno.ENOENT:
+                    # The cache directory itself was removed (and maybe made again): the
+                    # Python engine opens it afresh by name, and the native engine's next
+                    # writes go through the new descriptor.
+                    error = self._write_python(job, root)
                 if error is not None and error.errno == errno.ECANCELED:  # closing
                     self._catalog.release(root.index, size)
                 else:
