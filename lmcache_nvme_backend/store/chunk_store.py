@@ -122,6 +122,19 @@ class ChunkStore:
             self._shared.reconcile(key, digest, namespace)
         return self._contains(digest, pin)
 
+    def lookup_many(self, keys: Sequence[tuple[str, str]], pin: bool = False) -> list[bool]:
+        """``lookup`` of each ``(key, namespace)``; one lock hold for all of them unless
+        ``nvme.shared`` has each reconciled with the files first."""
+        if self.settings.shared:
+            return [self.lookup(key, namespace, pin=pin) for key, namespace in keys]
+        hits = self._catalog.lookup_many((key_digest(key) for key, _ in keys),
+                                         self._roots.healthy, time.time_ns(), pin)
+        found = sum(hits)
+        self._stats.add(Counter.LOOKUPS, len(hits))
+        self._stats.add(Counter.HITS, found)
+        self._stats.add(Counter.MISSES, len(hits) - found)
+        return hits
+
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""
         hits = 0

@@ -183,6 +183,9 @@ class Roots(Sequence[RootState]):
 
     def choose(self, digest: str) -> RootState | None:
         """The root that holds ``digest`` (None when every root is out of service)."""
+        if len(self._states) == 1:
+            only = self._states[0]
+            return only if only.healthy else None
         order = self.in_placement_order(digest)
         return order[0] if order else None
 

@@ -38,7 +38,7 @@ def path_counter(path: ReadPath | str, what: str) -> str:
     return f"path_{str(path).replace('-', '_')}_{what}"
 
 
-class Counter(enum.Enum):
+class Counter(str, enum.Enum):
     """Every counter the tier moves; the value is its key in the ``stats()`` snapshot."""
 
     LOOKUPS = "lookups"
@@ -134,7 +134,7 @@ class StoreStats:
 
     def add(self, counter: Counter, amount: float = 1) -> None:
         with self._lock:
-            self._counts[counter.value] += amount
+            self._counts[counter] += amount  # a member hashes and compares as its value
 
     def _observe(self, histogram: str, seconds: float) -> None:
         self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
@@ -148,13 +148,14 @@ class StoreStats:
             self._counts[path_counter(path, "seconds")] += seconds
             self._observe(read_latency(path), seconds)
 
-    def record_write(self, nbytes: int, seconds: float) -> None:
-        """One chunk file written and published."""
+    def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
+        """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
         with self._lock:
-            self._counts[Counter.WRITES_COMPLETED.value] += 1
-            self._counts[Counter.WRITE_BYTES.value] += nbytes
-            self._counts[Counter.WRITE_SECONDS.value] += seconds
-            self._observe(WRITE_LATENCY, seconds)
+            self._counts[Counter.WRITES_COMPLETED] += count
+            self._counts[Counter.WRITE_BYTES] += nbytes
+            self._counts[Counter.WRITE_SECONDS] += seconds * count
+            self._buckets[WRITE_LATENCY][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += count
+            self._sums[WRITE_LATENCY] += seconds * count
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         with self._lock:
