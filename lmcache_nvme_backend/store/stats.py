@@ -94,6 +94,9 @@ def read_latency(path: ReadPath | str) -> str:
 
 
 HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
+_PATH_KEYS = {p: tuple(path_counter(p, w) for w in ("chunks", "bytes", "seconds"))
+              for p in ReadPath}
+_READ_LATENCY = {p: read_latency(p) for p in ReadPath}
 
 
 @dataclass(frozen=True)
@@ -140,13 +143,20 @@ class StoreStats:
         self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         self._sums[histogram] += seconds
 
+    def add_many(self, amounts: dict[Counter, float]) -> None:
+        """Several counters under one lock hold."""
+        with self._lock:
+            for counter, amount in amounts.items():
+                self._counts[counter] += amount
+
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
         """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total."""
+        chunks_key, bytes_key, seconds_key = _PATH_KEYS[path]
         with self._lock:
-            self._counts[path_counter(path, "chunks")] += chunks
-            self._counts[path_counter(path, "bytes")] += nbytes
-            self._counts[path_counter(path, "seconds")] += seconds
-            self._observe(read_latency(path), seconds)
+            self._counts[chunks_key] += chunks
+            self._counts[bytes_key] += nbytes
+            self._counts[seconds_key] += seconds
+            self._observe(_READ_LATENCY[path], seconds)
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
