@@ -45,7 +45,7 @@ from ..config import NVMeConfigError, NVMeSettings
 from ..disk.format import file_size_for
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
-from .memory_objects import host_view, tensor_meta_of
+from .memory_objects import host_view, payload_view, tensor_meta_of
 from .object_keys import object_key_namespace, object_key_string
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class NVMeL2Adapter(L2AdapterInterface):
                      obj: MemoryObj) -> ChunkWrite:
         meta = tensor_meta_of(obj)
         write = ChunkWrite(object_key_string(key), object_key_namespace(key), meta,
-                           host_view(obj)[: meta.nbytes],
+                           payload_view(obj, meta.nbytes),
                            release=lambda: self._chunk_released(task),
                            on_persisted=lambda: self._chunk_persisted(task, i, meta.nbytes))
         task.digests[i] = write.digest

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..disk.format import TensorMeta, text_bytes
+from ..disk.format import TensorMeta, file_size_for, text_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
 
 
@@ -27,7 +27,7 @@ class ChunkWrite:
     """
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "nbytes",
-                 "key_bytes", "digest", "ns_id")
+                 "file_size", "key_bytes", "digest", "ns_id")
 
     def __init__(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
                  release: Callable[[], None],
@@ -39,6 +39,7 @@ class ChunkWrite:
         self.release = release
         self.on_persisted = on_persisted
         self.nbytes = len(payload)
+        self.file_size = file_size_for(self.nbytes)  # bytes on disk, header and padding too
         self.key_bytes = text_bytes(key)
         self.digest = digest_of_key_bytes(self.key_bytes)  # names the chunk file
         self.ns_id = namespace_id(namespace)  # names the namespace directory

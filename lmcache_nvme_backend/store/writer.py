@@ -28,7 +28,6 @@ from ..config import NVMeSettings
 from ..disk.format import (
     combine_block_digests,
     encode_header,
-    file_size_for,
     max_key_bytes,
     text_bytes,
 )
@@ -143,7 +142,7 @@ class ChunkWriter:
         if self._closed:
             return SubmitResult.CLOSED
         budget = self._catalog.budgets[0]
-        too_big = file_size_for(write.nbytes) > budget or write.nbytes > self._queue.capacity
+        too_big = write.file_size > budget or write.nbytes > self._queue.capacity
         if too_big or len(write.key_bytes) > max_key_bytes(write.namespace, write.meta):
             if not self._stats.get(Counter.OVERSIZE_DROPS):
                 logger.warning(
@@ -206,24 +205,35 @@ class ChunkWriter:
                ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[ChunkWrite]]:
         """Each job's root and reserved bytes; and the jobs with no root or no room (counted).
 
-        With ``deferred``, each placed job's eviction victims are appended to it (see
-        ``_reserve``)."""
+        With ``deferred`` (the native engine), each placed job's eviction victims are
+        appended to it (see ``_reserve``), and the jobs of one root are reserved together
+        (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
         dropped: list[ChunkWrite] = []
+        by_root: dict[int, tuple[RootState, list[ChunkWrite]]] = {}
         for job in jobs:
             root = self._roots.choose(job.digest)
-            size = file_size_for(job.nbytes)
-            victims: list[IndexEntry] | None = None if deferred is None else []
             if root is None:
                 self._stats.add(Counter.WRITE_FAILURES)
-            elif not self._reserve(root, size, victims):
-                self._stats.add(Counter.CAPACITY_DROPS)
+                dropped.append(job)
             else:
-                placed.append((job, root, size))
-                if deferred is not None and victims is not None:
-                    deferred.append(victims)
+                by_root.setdefault(root.index, (root, []))[1].append(job)
+        for root, mine in by_root.values():
+            victims: list[IndexEntry] = []
+            if deferred is not None and len(mine) > 1 and \
+                    self._reserve(root, sum(job.file_size for job in mine), victims):
+                placed += [(job, root, job.file_size) for job in mine]
+                deferred += [victims] + [[] for _ in mine[1:]]
                 continue
-            dropped.append(job)
+            for job in mine:
+                victims = []
+                if self._reserve(root, job.file_size, None if deferred is None else victims):
+                    placed.append((job, root, job.file_size))
+                    if deferred is not None:
+                        deferred.append(victims)
+                else:
+                    self._stats.add(Counter.CAPACITY_DROPS)
+                    dropped.append(job)
         return placed, dropped
 
     def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
@@ -278,6 +288,7 @@ class ChunkWriter:
         settings = self.settings
         fsync = _FSYNC_LEVEL[settings.fsync]
         record_gpu = self.record_gpu_checksums
+        temp_suffix = temp_name("", writer=0)
         fds: dict[int, int] = {}
         items = []
         for (job, root, _), gone in zip(placed, victims, strict=True):
@@ -288,7 +299,7 @@ class ChunkWriter:
             final = job.digest + CHUNK_SUFFIX
             items.append(WriteItem(
                 fd, layout.shard_rel(job.ns_id, job.digest).encode(),
-                temp_name(final, writer=0).encode(), final.encode(), job.payload,
+                (final + temp_suffix).encode(), final.encode(), job.payload,
                 job.key_bytes, text_bytes(job.namespace), job.meta.to_json(),
                 self._gpu_checksum(job) if record_gpu else None, root.direct,
                 settings.file_mode, settings.dir_mode, fsync,
@@ -314,7 +325,7 @@ class ChunkWriter:
         try:
             errors = self._write_errors(placed, result)
             for i, gone in enumerate(victims):
-                if gone:
+                if gone:  # the first job of a root's reservation removed them
                     self._free[placed[i][1].index].freed(sum(v.size for v in gone))
             now = time.time_ns()
             published = [(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now),
@@ -464,6 +475,8 @@ class ChunkWriter:
 
     def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
                deferred: list[IndexEntry] | None) -> None:
+        if not victims:
+            return
         if deferred is None:
             self.evict(victims)
             return

@@ -772,6 +772,19 @@ static PyObject *py_xxh3_64(PyObject *mod, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+static PyObject *py_memory_view(PyObject *mod, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &length)) return NULL;
+    if (length < 0 || (address == 0 && length > 0)) {
+        PyErr_SetString(PyExc_ValueError, "memory_view needs an address and a length >= 0");
+        return NULL;
+    }
+    static char empty;
+    return PyMemoryView_FromMemory(length ? (char *)(uintptr_t)address : &empty, length,
+                                   PyBUF_WRITE);
+}
+
 static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
     const char *key, *ns, *meta;
     Py_ssize_t key_len, ns_len, meta_len;
@@ -829,6 +842,9 @@ static PyObject *py_select_simd(PyObject *mod, PyObject *arg) {
 
 static PyMethodDef module_methods[] = {
     {"xxh3_64", py_xxh3_64, METH_O, "xxh3_64(buffer) -> int: XXH3-64 of the bytes."},
+    {"memory_view", py_memory_view, METH_VARARGS,
+     "memory_view(address, length) -> memoryview: writable bytes at address (the caller "
+     "keeps the memory alive while the view is used)."},
     {"encode_header", py_encode_header, METH_VARARGS,
      "encode_header(key, namespace, meta, payload_len, checksum, created_ns, gpu_checksum)"
      " -> bytes: a chunk header as the native writer builds it."},
