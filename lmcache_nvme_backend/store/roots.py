@@ -37,6 +37,7 @@ from ..disk.safe_fs import (
     unlink_beneath,
 )
 from ..io.posix import probe_direct_io
+from .access import require_tree_access
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,14 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
               min_free_gb: float | None = None) -> RootState:
     """Create the root's directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
 
+    An existing tree with directories this process cannot use (created by another user)
+    is refused with a message naming the directory, its owner and the fix (``access.py``).
     Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
     umask; nothing below the root is reached through a link.  A full filesystem (no
     block, no inode) does not stop the start: the store serves what the root holds and
     drops writes (``capacity_drops``) until space frees.
     """
+    require_tree_access(path)
     layout = RootLayout(path)
     dir_mode = dir_mode_for(file_mode)
     if not path.is_dir():
