@@ -39,7 +39,13 @@ from ..config import (
 from ..store.access import user_name
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
 from .common import mount_for, print_json
-from .doctor import check_lmcache, check_token_hashing, gpu_stack, load_lmcache_config
+from .doctor import (
+    add_gpu_and_json_options,
+    check_lmcache,
+    check_token_hashing,
+    gpu_stack,
+    load_lmcache_config,
+)
 from .path_checks import (
     check_alignment,
     check_direct_io,
@@ -73,12 +79,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                "(argparse usage errors also exit 2; a file that cannot be read exits 1)")
     p.add_argument("file", metavar="FILE", type=Path,
                    help="LMCache YAML (LMCACHE_CONFIG_FILE) or L2 adapter JSON")
-    gpu = p.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu", action="store_true",
-                     help="the workers read through kvikio/GDS: GPU problems count")
-    gpu.add_argument("--skip-gpu", action="store_true",
-                     help="host-only deployment: skip the kvikio/GDS/GPU checks")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_gpu_and_json_options(p)
     p.set_defaults(func=run)
     return p
 

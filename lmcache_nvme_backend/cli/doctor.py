@@ -53,8 +53,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "filesystem, at most 1 GiB)")
     p.add_argument("--config", type=Path, metavar="YAML",
                    help="the LMCache config the engines use: checks its "
-                        "pre_caching_hash_algorithm, and nvme.gds_mode: on makes the GPU "
-                        "checks count")
+                        "pre_caching_hash_algorithm and its nvme.* settings, and "
+                        "nvme.gds_mode: on makes the GPU checks count (check-config checks "
+                        "the whole file)")
+    add_gpu_and_json_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_gpu_and_json_options(p: argparse.ArgumentParser) -> None:
+    """``--gpu`` / ``--skip-gpu`` and ``--json``, shared with ``check-config``."""
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", action="store_true",
                      help="GPU server whose workers read through kvikio/GDS: GPU problems "
@@ -62,8 +70,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gpu.add_argument("--skip-gpu", action="store_true",
                      help="host-only deployment: skip the kvikio/GDS/GPU checks")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=run)
-    return p
 
 
 # -- GPU stack checks -----------------------------------------------------------------
