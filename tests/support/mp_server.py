@@ -38,10 +38,10 @@ class MPServer:
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
         variables = {"MAX_SIZE_GB": "1", "MIN_FREE_GB": "0", "L1_GB": "1", **settings}
-        full_env = dict(os.environ, **QUIET, **(env or {}), **variables,
-                        CACHE_DIR=str(cache_dir), PORT=str(self.port),
-                        HTTP_PORT=str(self.http_port),
-                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        full_env = {**os.environ, **QUIET, **(env or {}), **variables,
+                    "CACHE_DIR": str(cache_dir), "PORT": str(self.port),
+                    "HTTP_PORT": str(self.http_port),
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)

@@ -12,7 +12,7 @@ own files may not be readable by USER), then the process switches to USER for go
 
 from __future__ import annotations
 
-import importlib.metadata  # noqa: F401  (doctor's version check, imported before the switch)
+import importlib.metadata
 import os
 import pwd
 import sys
@@ -35,6 +35,7 @@ def become(user: str) -> None:
 
 def main() -> int:
     user, command, *args = sys.argv[1:]
+    importlib.metadata.version("lmcache")  # imports what the version check reads with
     become(user)
     if command == "cli":
         return cli_main(args)
