@@ -63,6 +63,7 @@ L2_CLASS = "NVMeL2Adapter"
 L2_KIND, YAML_KIND = "lmcache server --l2-adapter JSON", "LMCache YAML"
 # LMCache's defaults for the host memory tier NVMeBackend stages chunks in.
 LMCACHE_LOCAL_CPU_DEFAULT, LMCACHE_MAX_LOCAL_CPU_SIZE_DEFAULT = True, 5.0
+SKIP_DIRECT_IO = Check("O_DIRECT", SKIP, "nvme.direct_io: off (buffered I/O)")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -217,9 +218,6 @@ def path_checks(review: SettingsReview) -> list[Check]:
     return checks
 
 
-SKIP_DIRECT_IO = Check("O_DIRECT", SKIP, "nvme.direct_io: off (buffered I/O)")
-
-
 def _named(checks: list[Check], path: Path, npaths: int) -> list[Check]:
     """With several paths, each check's name says which path it is about."""
     if npaths == 1:
@@ -256,12 +254,12 @@ def run(args: argparse.Namespace) -> int:
     doc = load_lmcache_config(args.file, label="")
     kind, checks = run_checks(doc, args.skip_gpu, args.gpu)
     status = exit_status(checks)
+    me = user_name(os.geteuid())
     if args.json:
         print_json({"command": "check-config", "file": str(args.file), "kind": kind,
-                    "checks": [asdict(c) for c in checks], "worst": WORST_FOR[status],
-                    "exit_status": status})
+                    "user": me, "checks": [asdict(c) for c in checks],
+                    "worst": WORST_FOR[status], "exit_status": status})
         return status
-    me = user_name(os.geteuid())
     note = (f"checked as {me}" if os.geteuid() else
             "checked as root, who may write anywhere: run it as the server's user too")
     print_report(f"lmcache-nvme check-config {args.file} ({kind})", checks, note)
