@@ -29,10 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ..config import NVMeSettings
+from ..config import NativeIOMode, NVMeConfigError, NVMeSettings
 from ..disk.format import ChunkHeader, TensorMeta
 from ..disk.layout import RootLayout, key_digest, namespace_id
 from ..disk.validate import Expected, Verdict, judge_chunk
+from ..io import native
+from ..io.native import NativeEngine
 from ..io.posix import PosixIOEngine
 from .catalog import Catalog, RemovalListener
 from .index import IndexEntry
@@ -58,16 +60,19 @@ class ChunkStore:
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
+        native_engine = _native_engine(settings)
         gate = ReadPriorityGate()
-        self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats)
+        self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats,
+                                   native_engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, engine, gate,
-                                   self._stats)
+                                   self._stats, native_engine)
         self._shared = SharedTree(self._catalog, self._roots, self._reader, self._stats)
         self._gate = gate
         self._closed = False
         for root in self._roots:
             recover_root(root, self._catalog, self._stats, self._writer.evict)
-        engine.warm_up(settings.io_threads)
+        if native_engine is None:
+            engine.warm_up(settings.io_threads)
         self._writer.start()
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
                                          settings.manifest_interval_s)
@@ -76,6 +81,20 @@ class ChunkStore:
     def io_engine(self) -> PosixIOEngine:
         """The POSIX engine every host read and write of this store goes through."""
         return self._reader.engine
+
+    @property
+    def native_engine(self) -> NativeEngine | None:
+        """The compiled batch engine, when this store runs it (``nvme.native_io``)."""
+        return self._reader.native
+
+    @property
+    def io_engine_name(self) -> str:
+        """``native`` (the compiled batch engine) or ``python``, and why not native."""
+        if self._reader.native is not None:
+            return f"native ({native.simd()} checksums)"
+        if self.settings.native_io == NativeIOMode.OFF:
+            return "python (nvme.native_io: off)"
+        return f"python, slower: {native.unavailable_reason()}"
 
     @property
     def writer_threads(self) -> list[threading.Thread]:
@@ -299,4 +318,17 @@ class ChunkStore:
         self._writer.close(self.settings.close_timeout_s)
         self._manifests.stop()
         self._manifests.save_all()
+        self._reader.close()
         self._io_pool.shutdown(wait=True)
+
+
+def _native_engine(settings: NVMeSettings) -> NativeEngine | None:
+    """The compiled engine per ``nvme.native_io``: ``on`` refuses to start without it."""
+    if settings.native_io == NativeIOMode.OFF:
+        return None
+    if not native.available():
+        if settings.native_io == NativeIOMode.ON:
+            raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
+                                  "Or set nvme.native_io: auto to run the Python engine.")
+        return None
+    return NativeEngine(settings.io_threads, settings.task_size_bytes)

@@ -1,12 +1,14 @@
 """Writing chunks: admission, the write-back threads, reservation and eviction, publishing.
 
 A store call only registers and enqueues (``submit_many``); writer threads take
-each chunk from the byte-bounded queue, yield to reads in flight, pick the root
-(rendezvous hashing over healthy roots), reserve the file's bytes against that
-root's budget (evicting least recently used, unpinned chunks, and more while the
-filesystem is below ``nvme.min_free_gb``), write
-``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place.  Only then is the
-chunk indexed, and only then is its host memory released.
+their share of the byte-bounded queue as a batch, yield to reads in flight, pick
+each chunk's root (rendezvous hashing over healthy roots), reserve the file's bytes
+against that root's budget (evicting least recently used, unpinned chunks, and more
+while the filesystem is below ``nvme.min_free_gb``), write
+``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place: the whole batch in
+one call of the native engine (``io/native.py``) when it is built, chunk by chunk
+through the Python engine otherwise.  Only then is a chunk indexed, and only then
+is its host memory released.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from ..disk.format import (
     text_bytes,
 )
 from ..disk.gpusum import host_checksum
-from ..disk.layout import temp_name
-from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath
+from ..disk.layout import CHUNK_SUFFIX, temp_name
+from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath, root_descriptor
+from ..io import native
+from ..io.native import NativeEngine, WriteItem
 from ..io.posix import NotAChunkFile, PosixIOEngine, create_in_dir
 from .catalog import Catalog
 from .index import IndexEntry
@@ -49,6 +53,9 @@ from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
 logger = logging.getLogger(__name__)
 
 WRITER_NICE = 10
+#: Most chunks one writer takes from the queue at a time (its share of the queue otherwise).
+MAX_WRITE_BATCH = 16
+_FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 
 
 class SubmitResult(enum.Enum):
@@ -63,11 +70,13 @@ class ChunkWriter:
     """Admission and write-back of one store."""
 
     def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots,
-                 engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats) -> None:
+                 engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats,
+                 native_engine: NativeEngine | None = None) -> None:
         self.settings = settings
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
+        self.native = native_engine
         self._gate = gate
         self._stats = stats
         self._queue = WriteBackQueue(settings.write_queue_bytes)
@@ -162,58 +171,124 @@ class ChunkWriter:
     def _writer_loop(self) -> None:
         _lower_thread_cpu_priority()
         self.engine.prepare_thread()
-        while (job := self._queue.take()) is not None:
+        while jobs := self._queue.take_share(len(self.threads), MAX_WRITE_BATCH):
             try:
                 self._gate.wait_for_readers()
-                self._persist(job)
-            except Exception:  # a writer thread must survive anything one job does
-                logger.exception("NVMe tier: unexpected error persisting %s", job.key)
-                self._stats.add(Counter.WRITE_FAILURES)
+                self._persist(jobs)
+            except Exception:  # a writer thread must survive anything one batch does
+                logger.exception("NVMe tier: unexpected error persisting %d chunk(s)",
+                                 len(jobs))
+                self._stats.add(Counter.WRITE_FAILURES, len(jobs))
             finally:
-                self._catalog.end_pending([job.digest])
-                self._end_job(job)
+                self._catalog.end_pending(job.digest for job in jobs)
+                self._end_jobs(jobs)
 
-    def _persist(self, job: ChunkWrite) -> None:
-        root = self._roots.choose(job.digest)
-        if root is None:
-            self._stats.add(Counter.WRITE_FAILURES)
-            return
-        size = file_size_for(job.nbytes)
-        if not self._reserve(root, size):
-            self._stats.add(Counter.CAPACITY_DROPS)
-            return
-        final = root.layout.chunk_path(job.ns_id, job.digest)
-        published = False
-        started = time.perf_counter()
-        try:
-            self._write_and_publish(root, job, final)
-            published = True
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                # A full filesystem is not a failing drive: drop this write, keep serving.
+    def _persist(self, jobs: list[ChunkWrite]) -> None:
+        """Place, reserve, write and publish a batch; each chunk settles on its own."""
+        placed: list[tuple[ChunkWrite, RootState, int]] = []
+        for job in jobs:
+            root = self._roots.choose(job.digest)
+            if root is None:
+                self._stats.add(Counter.WRITE_FAILURES)
+                continue
+            size = file_size_for(job.nbytes)
+            if not self._reserve(root, size):
                 self._stats.add(Counter.CAPACITY_DROPS)
-                self._free[root.index].refresh()
-                note_full(root, exc)
-            elif isinstance(exc, NotAChunkFile):
-                # A link or file planted where the tree needs a directory: never followed,
-                # this write is dropped, the drive is fine.
-                self._stats.add(Counter.WRITE_FAILURES)
-                logger.warning("NVMe tier: not writing %s: %s", final, exc)
+                continue
+            placed.append((job, root, size))
+        if not placed:
+            return
+        started = time.perf_counter()
+        errors: list[OSError | None] = [None] * len(placed)
+        try:
+            if self.native is not None:
+                errors = self._write_native(placed)
             else:
-                self._stats.add(Counter.WRITE_FAILURES)
-                self._roots.record_error(root, exc)
-        finally:
-            if published:
-                self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size,
-                                                 job.meta, time.time_ns()), reserved=size)
-            else:
+                for i, (job, root, _) in enumerate(placed):
+                    errors[i] = self._write_python(job, root)
+        except BaseException:
+            for _, root, size in placed:
                 self._catalog.release(root.index, size)
-        if published:
+            raise
+        seconds = (time.perf_counter() - started) / len(placed)
+        for (job, root, size), error in zip(placed, errors, strict=True):
+            self._settle(job, root, size, error, seconds)
+
+    def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
+                seconds: float) -> None:
+        """Index a published chunk in place of its reservation, or give the bytes back and
+        count why it was not published."""
+        if error is None:
+            self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
+                                             time.time_ns()), reserved=size)
             root.consecutive_errors = 0
             note_space(root)
-            self._stats.record_write(job.nbytes, time.perf_counter() - started)
+            self._stats.record_write(job.nbytes, seconds)
             if job.on_persisted is not None:
                 job.on_persisted()
+            return
+        self._catalog.release(root.index, size)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            # A full filesystem is not a failing drive: drop this write, keep serving.
+            self._stats.add(Counter.CAPACITY_DROPS)
+            self._free[root.index].refresh()
+            note_full(root, error)
+        elif isinstance(error, NotAChunkFile):
+            # A link or file planted where the tree needs a directory: never followed,
+            # this write is dropped, the drive is fine.
+            self._stats.add(Counter.WRITE_FAILURES)
+            logger.warning("NVMe tier: not writing %s: %s",
+                           root.layout.chunk_path(job.ns_id, job.digest), error)
+        else:
+            self._stats.add(Counter.WRITE_FAILURES)
+            self._roots.record_error(root, error)
+
+    def _write_python(self, job: ChunkWrite, root: RootState) -> OSError | None:
+        try:
+            self._write_and_publish(root, job, root.layout.chunk_path(job.ns_id, job.digest))
+        except OSError as exc:
+            return exc
+        return None
+
+    def _write_native(self, placed: list[tuple[ChunkWrite, RootState, int]]
+                      ) -> list[OSError | None]:
+        """The batch in one call of the native engine; a chunk whose shard directory is new
+        comes back, gets its directory here and is written again."""
+        assert self.native is not None
+        items = [self._write_item(job, root) for job, root, _ in placed]
+        errors: list[OSError | None] = [None] * len(placed)
+        for index, status, err in self.native.write(items).details:
+            job, root, _ = placed[index]
+            if status == native.NEED_DIR:
+                errors[index] = self._write_in_new_dir(job, root)
+            else:
+                errors[index] = _os_error(err, root.layout.chunk_path(job.ns_id, job.digest))
+        return errors
+
+    def _write_in_new_dir(self, job: ChunkWrite, root: RootState) -> OSError | None:
+        assert self.native is not None
+        final = root.layout.chunk_path(job.ns_id, job.digest)
+        try:
+            os.close(self._open_shard_dir(root, job, final.parent))
+        except OSError as exc:
+            return exc
+        statuses, details = self.native.write([self._write_item(job, root)])
+        if statuses[0] == native.OK:
+            return None
+        _, status, err = details[0]
+        return _os_error(errno.ENOENT if status == native.NEED_DIR else err, final)
+
+    def _write_item(self, job: ChunkWrite, root: RootState) -> WriteItem:
+        gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
+        if gpu_sum is not None:
+            self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+        final = job.digest + CHUNK_SUFFIX
+        return WriteItem(root_descriptor(root.layout.root),
+                         root.layout.shard_rel(job.ns_id, job.digest).encode(),
+                         temp_name(final).encode(), final.encode(), job.payload,
+                         text_bytes(job.key), text_bytes(job.namespace), job.meta.to_json(),
+                         gpu_sum, root.direct, self.settings.file_mode,
+                         _FSYNC_LEVEL[self.settings.fsync])
 
     def _write_and_publish(self, root: RootState, job: ChunkWrite, final: Path) -> None:
         """Write the chunk under this thread's temp name and rename it to ``final``.
@@ -275,11 +350,15 @@ class ChunkWriter:
         finally:
             os.close(fd)
 
-    def _end_job(self, job: ChunkWrite) -> None:
+    def _end_jobs(self, jobs: list[ChunkWrite]) -> None:
         try:
-            job.release()
+            for job in jobs:
+                try:
+                    job.release()
+                except Exception:  # one caller's callback must not keep the rest
+                    logger.exception("NVMe tier: releasing the buffer of %s failed", job.key)
         finally:
-            self._queue.done(job)
+            self._queue.done_many(jobs)
 
     # -- capacity --------------------------------------------------------------
 
@@ -319,11 +398,20 @@ class ChunkWriter:
         if not self.flush(timeout_s):
             logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
                            "rest.", timeout_s)
-        for job in self._queue.close():
-            self._catalog.end_pending([job.digest])
-            self._end_job(job)
+        left = self._queue.close()
+        self._catalog.end_pending(job.digest for job in left)
+        self._end_jobs(left)
         for t in self.threads:
             t.join()
+
+
+def _os_error(err: int, path: Path) -> OSError:
+    """The exception the Python engine raises for ``err`` writing ``path``: a link, or a
+    file where the tree needs a directory, is ``NotAChunkFile`` (as ``safe_fs`` says)."""
+    if err in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        return NotAChunkFile(err, "a link or a non-directory in the cache tree (never "
+                                  "followed)", str(path))
+    return OSError(err, os.strerror(err), str(path))
 
 
 def _lower_thread_cpu_priority() -> None:

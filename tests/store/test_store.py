@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.chunks import CHUNK, NS, files_on_disk, meta_for, payload_for, put, read
+from support.io_faults import before_each_write
 from support.process import child_env, module_command
 from support.stores import StoreFactory
 
@@ -216,14 +217,12 @@ class BlockedWrites:
     def __init__(self, store: ChunkStore) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
-        original = store.io_engine.write_hashed_to
 
-        def blocked(*args: object, **kwargs: object) -> None:
+        def blocked() -> None:
             self.started.release()
             self.release.wait(30)
-            original(*args, **kwargs)  # type: ignore[arg-type]
 
-        store.io_engine.write_hashed_to = blocked  # type: ignore[method-assign]
+        before_each_write(store, blocked)
 
 
 def test_full_queue_drops_and_counts_without_blocking(open_store: StoreFactory) -> None:

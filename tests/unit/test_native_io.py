@@ -1,0 +1,340 @@
+"""io/native.py and its compiled engine (io/csrc): the same bytes, checks and file rules as
+the Python engine, a batch per GIL round trip.
+
+Files are written by one engine and read by the other, in both directions: the two must
+agree byte for byte on the format.  Skipped (or failed under CI) where the extension was
+not built.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+from support.prerequisites import missing_prerequisite
+
+from lmcache_nvme_backend.disk.format import (
+    BLOCK_SIZE,
+    HEADER_SIZE,
+    FormatError,
+    TensorMeta,
+    decode_header,
+    encode_header,
+    padded_length,
+    payload_checksum,
+)
+from lmcache_nvme_backend.disk.safe_fs import root_descriptor
+from lmcache_nvme_backend.disk.validate import Defect, Expected, judge_chunk
+from lmcache_nvme_backend.io import native
+from lmcache_nvme_backend.io.buffers import AlignedBuffer
+from lmcache_nvme_backend.io.native import NativeEngine, ReadItem, WriteItem
+from lmcache_nvme_backend.io.posix import PosixIOEngine
+
+if not native.available():
+    missing_prerequisite(native.unavailable_reason())
+
+from lmcache_nvme_backend.io import _native  # type: ignore[attr-defined]  # noqa: E402
+
+MIB = 1 << 20
+SIZES = [0, 1, 4095, 4096, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 4097]
+TASK_SIZES = [8192, BLOCK_SIZE + 4096, 64 * MIB]
+REL = "ns/0123456789abcdef/ab/cd/chunk.kv"
+
+
+def payload_for(n: int) -> bytes:
+    return random.Random(n).randbytes(n)
+
+
+def meta_for(n: int) -> TensorMeta:
+    return TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
+
+
+def write_python(root: Path, payload: bytes, key: str = "k", version: int = 2,
+                 direct: bool = True) -> Path:
+    path = root / REL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = encode_header(key, "ns", meta_for(len(payload)), len(payload),
+                           payload_checksum(payload, version), version=version)
+    PosixIOEngine(64 * MIB, None).write_chunk(  # type: ignore[arg-type]  # writes need no pool
+        path, header, memoryview(payload), direct=direct, mode=0o600, sync_data=False)
+    return path
+
+
+def dest_for(n: int, kind: str) -> memoryview:
+    if kind == "aligned":
+        return AlignedBuffer(n + 4096).view[: padded_length(n)] if n else memoryview(bytearray())
+    return memoryview(bytearray(n + 1))[1:]  # not 4 KiB aligned: staged
+
+
+def item(root: Path, dest: memoryview, n: int, key: str = "k", direct: bool = True,
+         rel: str = REL) -> ReadItem:
+    return ReadItem(root_descriptor(root), rel.encode(), dest, n, direct, key.encode(),
+                    meta_for(n).to_json())
+
+
+@pytest.fixture
+def engine_for() -> Iterator[object]:
+    made: list[NativeEngine] = []
+
+    def make(task_size: int = 64 * MIB, threads: int = 3) -> NativeEngine:
+        made.append(NativeEngine(threads, task_size))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+# -- the checksum -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("simd", ["scalar", "sse2", "avx2"])
+def test_xxh3_matches_the_xxhash_package_for_every_length(simd: str) -> None:
+    in_use = native.simd()
+    if not _native.select_simd(simd):
+        pytest.skip(f"this CPU or build has no {simd} loop")
+    try:
+        data = random.Random(1).randbytes(3 * BLOCK_SIZE + 77)
+        lengths = [*range(0, 2100), 4088, 65536, BLOCK_SIZE - 1, BLOCK_SIZE, len(data)]
+        for n in lengths:
+            assert _native.xxh3_64(data[:n]) == xxhash.xxh3_64_intdigest(data[:n]), n
+    finally:
+        _native.select_simd(in_use)
+
+
+@pytest.mark.parametrize("gpu", [None, (7, 2**64 - 1)])
+@pytest.mark.parametrize("key,namespace", [("k", "ns"), ("é" * 500, "model@salt"), ("x", "")])
+def test_headers_are_byte_identical_to_the_python_encoder(
+        key: str, namespace: str, gpu: tuple[int, int] | None) -> None:
+    meta = meta_for(123)
+    python = encode_header(key, namespace, meta, 123, 99, created_unix_ns=5, gpu_checksum=gpu)
+    assert _native.encode_header(key.encode(), namespace.encode(), meta.to_json(), 123, 99, 5,
+                                 gpu) == python
+
+
+def test_a_key_too_long_for_the_header_is_refused_like_the_python_encoder() -> None:
+    meta = meta_for(1)
+    with pytest.raises(FormatError):
+        encode_header("k" * 5000, "ns", meta, 1, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        _native.encode_header(b"k" * 5000, b"ns", meta.to_json(), 1, 0, 0, None)
+
+
+# -- reads ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("kind", ["aligned", "unaligned"])
+@pytest.mark.parametrize("task_size", TASK_SIZES)
+@pytest.mark.parametrize("n", SIZES)
+def test_reads_what_the_python_engine_wrote_and_verifies_it(
+        engine_for, tmp_path: Path, n: int, task_size: int, kind: str, direct: bool) -> None:
+    payload = payload_for(n)
+    write_python(tmp_path, payload, direct=direct)
+    dest = dest_for(n, kind)
+    statuses, details = engine_for(task_size).read([item(tmp_path, dest, n, direct=direct)])
+    assert (statuses, details) == (bytes([native.OK]), [])
+    assert bytes(dest[:n]) == payload
+
+
+def test_a_version_1_file_is_checked_over_the_whole_payload(engine_for, tmp_path: Path
+                                                             ) -> None:
+    payload = payload_for(3 * BLOCK_SIZE + 5)
+    write_python(tmp_path, payload, version=1)
+    dest = dest_for(len(payload), "aligned")
+    statuses, _ = engine_for(BLOCK_SIZE).read([item(tmp_path, dest, len(payload))])
+    assert statuses == bytes([native.OK]) and bytes(dest[: len(payload)]) == payload
+
+
+def damage(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("what,defect", [
+    ("payload", Defect.CHECKSUM), ("header", Defect.NOT_A_CHUNK), ("key", Defect.WRONG_KEY)])
+def test_what_it_cannot_verify_comes_back_for_the_python_validator(
+        engine_for, tmp_path: Path, what: str, defect: Defect) -> None:
+    n = BLOCK_SIZE + 100
+    path = write_python(tmp_path, payload_for(n))
+    if what == "payload":
+        damage(path, HEADER_SIZE + BLOCK_SIZE + 7)
+    elif what == "header":
+        damage(path, 60)
+    key = "another key" if what == "key" else "k"
+    statuses, details = engine_for().read([item(tmp_path, dest_for(n, "aligned"), n, key=key)])
+    assert statuses == bytes([native.JUDGE])
+    [(index, error, header, computed)] = details
+    assert index == 0 and error == 0 and header == path.read_bytes()[:HEADER_SIZE]
+    verdict = judge_chunk(header, Expected(key=key, payload_len=n, meta=meta_for(n)),
+                          lambda h: h.payload_checksum == computed)
+    assert verdict.defect is defect
+
+
+def test_failures_come_back_with_their_errno(engine_for, tmp_path: Path) -> None:
+    n = 8192
+    path = write_python(tmp_path, payload_for(n))
+    shard = path.parent
+    (shard / "short.kv").write_bytes(path.read_bytes()[: HEADER_SIZE + 4096])
+    os.symlink(path, shard / "link.kv")
+    os.mkfifo(shard / "fifo.kv")
+    (tmp_path / "outside.kv").write_bytes(path.read_bytes())
+    names = ["missing.kv", "short.kv", "link.kv", "fifo.kv", "../../../../../outside.kv"]
+    items = [item(tmp_path, dest_for(n, "aligned"), n, rel=str(Path(REL).parent / name))
+             for name in names]
+    statuses, details = engine_for().read(items)
+    assert statuses == bytes([native.FAILED] * len(names))
+    errors = {names[i]: err for i, err, header, _ in details if header is None}
+    assert errors == {"missing.kv": errno.ENOENT, "short.kv": errno.ENODATA,
+                      "link.kv": errno.ELOOP, "fifo.kv": errno.EINVAL,
+                      "../../../../../outside.kv": errno.EXDEV}
+
+
+def test_a_destination_shorter_than_the_payload_is_refused(engine_for, tmp_path: Path
+                                                           ) -> None:
+    write_python(tmp_path, payload_for(8192))
+    with pytest.raises(ValueError, match="holds 4096 bytes"):
+        engine_for().read([item(tmp_path, dest_for(4096, "aligned"), 8192)])
+
+
+def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
+    items = []
+    for i in range(8):
+        rel = f"ns/0123456789abcdef/ab/cd/c{i}.kv"
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_python(tmp_path, payload_for(3 * BLOCK_SIZE)).rename(tmp_path / rel)
+        items.append(item(tmp_path, dest_for(3 * BLOCK_SIZE, "aligned"), 3 * BLOCK_SIZE,
+                          rel=rel))
+    engine = engine_for(BLOCK_SIZE)  # 3 pieces per chunk, 24 in the batch
+    before = native.counters()
+    statuses, _ = engine.read(items)
+    after = native.counters()
+    assert statuses == bytes([native.OK] * 8)
+    assert after["gil_releases"] - before["gil_releases"] == 1
+    assert after["hashed_bytes"] - before["hashed_bytes"] >= 8 * 3 * BLOCK_SIZE
+
+
+def test_asynchronous_batches_come_back_with_their_token(engine_for, tmp_path: Path) -> None:
+    n = 4096
+    payload = payload_for(n)
+    write_python(tmp_path, payload)
+    engine = engine_for()
+    dests = [dest_for(n, "aligned") for _ in range(5)]
+    for i, dest in enumerate(dests):
+        engine.submit_read([item(tmp_path, dest, n)], ("token", i))
+    engine.submit_read([], "empty")
+    got: dict[object, bytes] = {}
+    while len(got) < 6:
+        for token, batch in engine.wait(5.0) or []:
+            got[token] = batch.statuses
+    assert got == {**{("token", i): bytes([native.OK]) for i in range(5)}, "empty": b""}
+    assert all(bytes(d[:n]) == payload for d in dests)
+    engine.close()
+    assert engine.wait(0.1) is None
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.read([])
+
+
+# -- writes ----------------------------------------------------------------------------------
+
+
+def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool = True,
+               mode: int = 0o640, gpu: tuple[int, int] | None = None,
+               fsync_level: int = 0) -> WriteItem:
+    shard, _, name = REL.rpartition("/")
+    return WriteItem(root_descriptor(root), shard.encode(), f"{name}.tmp-test".encode(),
+                     name.encode(), payload, key.encode(), b"ns",
+                     meta_for(len(payload)).to_json(), gpu, direct, mode, fsync_level)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("kind", ["aligned", "unaligned"])
+@pytest.mark.parametrize("task_size", [8192, 2 * MIB])
+@pytest.mark.parametrize("n", SIZES)
+def test_writes_files_the_python_engine_reads_and_validates(
+        engine_for, tmp_path: Path, n: int, task_size: int, kind: str, direct: bool) -> None:
+    payload = payload_for(n)
+    source = dest_for(n, kind)
+    source[:n] = payload
+    (tmp_path / REL).parent.mkdir(parents=True)
+    statuses, details = engine_for(task_size).write(
+        [write_item(tmp_path, source[:n], direct=direct, fsync_level=2)])
+    assert (statuses, details) == (bytes([native.OK]), [])
+    data = (tmp_path / REL).read_bytes()
+    assert len(data) == HEADER_SIZE + padded_length(n)
+    assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
+    assert set(data[HEADER_SIZE + n:]) <= {0}
+    header = decode_header(data[:HEADER_SIZE])
+    assert header.payload_checksum == payload_checksum(payload)
+    assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
+                                                    file_size=len(data))).ok
+    assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == ["chunk.kv"]
+
+
+def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> None:
+    (tmp_path / REL).parent.mkdir(parents=True)
+    old = os.umask(0o077)
+    try:
+        engine_for().write([write_item(tmp_path, memoryview(b"x" * 10), mode=0o640,
+                                       gpu=(1, 2))])
+    finally:
+        os.umask(old)
+    path = tmp_path / REL
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert decode_header(path.read_bytes()[:HEADER_SIZE]).gpu_checksum == (1, 2)
+
+
+def test_a_new_shard_directory_comes_back_and_a_stale_temp_file_is_replaced(
+        engine_for, tmp_path: Path) -> None:
+    engine = engine_for()
+    statuses, details = engine.write([write_item(tmp_path, memoryview(b"abc"))])
+    assert statuses == bytes([native.NEED_DIR]) and details == [(0, native.NEED_DIR, 0)]
+    shard = (tmp_path / REL).parent
+    shard.mkdir(parents=True)
+    (shard / "chunk.kv.tmp-test").write_bytes(b"left by a dead writer")
+    assert engine.write([write_item(tmp_path, memoryview(b"abc"))]).statuses == \
+        bytes([native.OK])
+    assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
+
+
+def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / REL).parent.parent.mkdir(parents=True)
+    os.symlink(elsewhere, (tmp_path / REL).parent)
+    statuses, details = engine_for().write([write_item(tmp_path, memoryview(b"abc"))])
+    assert statuses == bytes([native.FAILED]) and details[0][2] == errno.ELOOP
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_writes_from_several_threads_at_once(engine_for, tmp_path: Path) -> None:
+    engine = engine_for()
+    (tmp_path / REL).parent.mkdir(parents=True)
+    payloads = {f"k{i}": payload_for(BLOCK_SIZE + i) for i in range(8)}
+
+    def write(key: str) -> None:
+        shard, _, _ = REL.rpartition("/")
+        item = WriteItem(root_descriptor(tmp_path), shard.encode(),
+                         f"{key}.tmp-{threading.get_ident()}".encode(), f"{key}.kv".encode(),
+                         memoryview(payloads[key]), key.encode(), b"ns",
+                         meta_for(len(payloads[key])).to_json(), None, True, 0o600, 0)
+        assert engine.write([item]).statuses == bytes([native.OK])
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, payload in payloads.items():
+        data = (tmp_path / REL).parent.joinpath(f"{key}.kv").read_bytes()
+        assert data[HEADER_SIZE:HEADER_SIZE + len(payload)] == payload
