@@ -41,7 +41,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from ..config import NVMeConfigError, NVMeSettings
+from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..disk.format import file_size_for
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
@@ -61,8 +61,6 @@ TIER = "NVMe L2 adapter"
 #: here than in-process: one synchronous O_DIRECT writer reached ~1 GB/s on the test
 #: disk, four reached the rate of LMCache's fs_native (four C++ workers).
 WRITERS_PER_PATH = 4
-#: Prefix of validation errors, so that a message names the JSON field to fix.
-PARAMS_PREFIX = "adapter_params."
 
 
 class NVMeL2AdapterConfig(L2AdapterConfigBase):
@@ -82,8 +80,8 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
             raise NVMeConfigError(f"adapter_params: expected a JSON object, got "
                                   f"{type(d).__name__}. Give e.g. {{\"path\": "
                                   "\"/mnt/nvme0/lmcache\", \"max_size_gb\": 100}.")
-        params = {k: v for k, v in d.items() if k != "type"}
-        return cls(NVMeSettings.from_params(params, key_prefix=PARAMS_PREFIX))
+        return cls(NVMeSettings.from_params(adapter_params_of(d),
+                                            key_prefix=ADAPTER_PARAMS_PREFIX))
 
     @classmethod
     def help(cls) -> str:

@@ -141,6 +141,19 @@ class RootLayout:
             if NS_ID_RE.match(entry.name):
                 yield entry.name
 
+    def iter_tree_dirs(self) -> Iterator[str]:
+        """Every directory of the tree below ``ns/`` by its path relative to the root
+        (``ns/<ns16>``, ``ns/<ns16>/<aa>``, ``ns/<ns16>/<aa>/<bb>``), parents first.  Links
+        are skipped; a directory that cannot be listed is yielded, its contents are not."""
+        for ns in self.iter_namespace_ids():
+            yield f"ns/{ns}"
+            for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
+                if _SHARD_RE.match(shard1.name):
+                    yield f"ns/{ns}/{shard1.name}"
+                    for shard2 in _scandir_dirs(self.root, f"ns/{ns}/{shard1.name}"):
+                        if _SHARD_RE.match(shard2.name):
+                            yield f"ns/{ns}/{shard1.name}/{shard2.name}"
+
     def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
         """Every well-named regular chunk file with its ``lstat`` (taken through the open
         directory: one syscall, nothing followed); links, foreign names and files that

@@ -21,6 +21,7 @@ the directory tree and the manifest rebuild the index.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -285,8 +286,12 @@ class ChunkStore:
         return [root.layout for root in self._roots]
 
     def describe_roots(self) -> list[RootInfo]:
-        """Each cache directory: path, O_DIRECT or not, in service or not."""
-        return self._roots.describe()
+        """Each cache directory: path, O_DIRECT or not, in service or not, free-space guard
+        and free space, budget share and bytes used."""
+        budgets = self._catalog.budgets
+        return [dataclasses.replace(info, capacity_bytes=budgets[i],
+                                    used_bytes=self._catalog.used_bytes(i))
+                for i, info in enumerate(self._roots.describe())]
 
     def healthy(self) -> bool:
         """Whether at least one cache directory is in service."""
