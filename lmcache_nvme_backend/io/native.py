@@ -17,7 +17,9 @@ Python to create the directory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 try:
@@ -28,7 +30,9 @@ except ImportError as exc:  # not built: no C compiler at install time
 else:
     _MISSING = ""
 
-OK, JUDGE, FAILED, NEED_DIR = 0, 1, 2, 3
+OK, JUDGE, FAILED, NEW_NAMESPACE = 0, 1, 2, 3
+
+logger = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -47,6 +51,12 @@ def unavailable_reason() -> str:
 def counters() -> dict[str, int]:
     """The engine's process-wide counters: GIL releases, hashing CPU ns and bytes hashed."""
     return dict(_native.counters()) if _native is not None else {}
+
+
+def memory_view(address: int, length: int) -> memoryview | None:
+    """A writable byte view of ``length`` bytes at ``address`` (None without the engine);
+    the caller keeps the memory alive while the view is in use."""
+    return _native.memory_view(address, length) if _native is not None else None
 
 
 def simd() -> str:
@@ -80,11 +90,13 @@ class WriteItem(NamedTuple):
     gpu_checksum: tuple[int, int] | None
     direct: bool
     mode: int
+    dir_mode: int  # of the shard directories it creates
     fsync_level: int  # 0 none, 1 data, 2 full
+    victims: tuple[bytes, ...]  # files beneath the same root removed first (evicted)
 
 
 class Batch(NamedTuple):
-    """Per item a status (OK, JUDGE, FAILED, NEED_DIR), and the details of the rest: for
+    """Per item a status (OK, JUDGE, FAILED, NEW_NAMESPACE), and the details of the rest: for
     reads ``(index, errno, header or None, payload checksum of the bytes that landed)``,
     for writes ``(index, status, errno)``."""
 
@@ -92,33 +104,65 @@ class Batch(NamedTuple):
     details: list[Any]
 
 
+OnDone = Callable[[Batch], None]
+
+
 class NativeEngine:
-    """Worker threads of the compiled engine; one instance per chunk store."""
+    """The compiled engine's threads, and one Python thread that hands finished batches
+    back (``nvme-io-done``); one instance per chunk store."""
 
     name = "native"
 
-    def __init__(self, threads: int, task_size: int) -> None:
+    def __init__(self, threads: int, write_threads: int, task_size: int) -> None:
         if _native is None:
             raise RuntimeError(unavailable_reason())
-        self._engine = _native.Engine(threads, task_size)
+        self._engine = _native.Engine(threads, write_threads, task_size)
+        self._threads = threads
+        self._completer = threading.Thread(target=self._complete, name="nvme-io-done",
+                                           daemon=True)
+        self._completer.start()
 
     def read(self, items: Sequence[ReadItem]) -> Batch:
         """Read and verify a batch; the calling thread helps and returns when all are done."""
         return Batch(*self._engine.read(items))
 
-    def submit_read(self, items: Sequence[ReadItem], token: object) -> None:
-        """Start a batch; :meth:`wait` hands it back with ``token``."""
-        self._engine.submit_read(items, token)
+    def submit_read(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
+        """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+        self._engine.submit_read(items, on_done)
 
-    def wait(self, timeout_s: float) -> list[tuple[object, Batch]] | None:
+    def submit_write(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
+        """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
+        first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+        self._engine.submit_write(items, on_done)
+
+    def writer_thread_ids(self) -> list[int]:
+        """Kernel ids of the engine's write threads (each runs at nice 10)."""
+        return list(self._engine.thread_ids())[self._threads:]
+
+    def cancel_writes(self) -> int:
+        """Writes not started yet end as ``ECANCELED`` (a closing store); how many."""
+        return int(self._engine.cancel_writes())
+
+    def wait(self, timeout_s: float) -> list[tuple[OnDone, Batch]] | None:
         """Finished batches (``[]`` after ``timeout_s``); None once closed and drained."""
         done = self._engine.wait(timeout_s)
         return None if done is None else [(token, Batch(*res)) for token, res in done]
 
-    def write(self, items: Sequence[WriteItem]) -> Batch:
-        """Write and publish a batch of chunk files on the calling thread."""
-        return Batch(*self._engine.write(items))
+    def unlink(self, items: Sequence[tuple[int, bytes]]) -> list[int]:
+        """Remove chunk files ``(root_fd, rel)`` on the calling thread; an errno per item (0:
+        removed).  No link in a file's directories is followed."""
+        return list(self._engine.unlink(items))
 
     def close(self) -> None:
-        """Finish queued reads, stop the threads (finished batches stay for ``wait``)."""
+        """Finish queued reads and writes, hand back their batches, stop every thread."""
         self._engine.close()
+        if self._completer is not threading.current_thread():
+            self._completer.join()
+
+    def _complete(self) -> None:
+        while (done := self.wait(1.0)) is not None:
+            for on_done, batch in done:
+                try:
+                    on_done(batch)
+                except Exception:
+                    logger.exception("NVMe tier: completing an I/O batch failed")

@@ -49,6 +49,21 @@ class Catalog:
                     self._index.pin(digest)
         return hit
 
+    def lookup_many(self, digests: Iterable[str], root_healthy: Callable[[int], bool],
+                    now_ns: int, pin: bool = False) -> list[bool]:
+        """``lookup`` for several chunks under one lock hold."""
+        hits: list[bool] = []
+        with self._lock:
+            for digest in digests:
+                entry = self._index.get(digest)
+                hit = entry is not None and root_healthy(entry.root)
+                if hit:
+                    self._index.touch(digest, now_ns)
+                    if pin:
+                        self._index.pin(digest)
+                hits.append(hit)
+        return hits
+
     def entry(self, digest: str) -> IndexEntry | None:
         with self._lock:
             return self._index.get(digest)
@@ -128,9 +143,14 @@ class Catalog:
 
     def publish(self, entry: IndexEntry, reserved: int) -> None:
         """Index a chunk file just published, in place of its reservation."""
+        self.publish_many([(entry, reserved)])
+
+    def publish_many(self, published: Iterable[tuple[IndexEntry, int]]) -> None:
+        """``publish`` for several chunks under one lock hold."""
         with self._lock:
-            self._index.release(entry.root, reserved)
-            self._index.add(entry)
+            for entry, reserved in published:
+                self._index.release(entry.root, reserved)
+                self._index.add(entry)
 
     def add_if_absent(self, entry: IndexEntry) -> None:
         """Index a chunk another process published (shared mode)."""
@@ -157,6 +177,12 @@ class Catalog:
     def remove(self, digest: str) -> IndexEntry | None:
         with self._lock:
             return self._index.remove(digest)
+
+    def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
+        """Take the entries out of the index under one lock hold; the ones that were there."""
+        with self._lock:
+            removed = [self._index.remove(digest) for digest in digests]
+        return [entry for entry in removed if entry is not None]
 
     # -- reporting ---------------------------------------------------------------
 

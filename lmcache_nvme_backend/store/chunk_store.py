@@ -21,7 +21,7 @@ the directory tree and the manifest rebuild the index.
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +59,8 @@ class ChunkStore:
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
-        native_engine = _native_engine(settings)
+        native_engine = _native_engine(settings, ChunkWriter.writer_count(settings,
+                                                                          len(self._roots)))
         gate = ReadPriorityGate()
         self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats,
                                    native_engine)
@@ -96,8 +97,12 @@ class ChunkStore:
         return f"python, slower: {native.unavailable_reason()}"
 
     @property
-    def writer_threads(self) -> list[threading.Thread]:
-        return list(self._writer.threads)
+    def writer_thread_ids(self) -> list[int]:
+        """Kernel ids of the threads that write chunk files (the native engine's, or the
+        Python engine's ``nvme-writer-*``)."""
+        if self._reader.native is not None:
+            return self._reader.native.writer_thread_ids()
+        return [t.native_id or 0 for t in self._writer.threads]
 
     # -- lookups -------------------------------------------------------------
 
@@ -117,6 +122,19 @@ class ChunkStore:
         if self.settings.shared:
             self._shared.reconcile(key, digest, namespace)
         return self._contains(digest, pin)
+
+    def lookup_many(self, keys: Sequence[tuple[str, str]], pin: bool = False) -> list[bool]:
+        """``lookup`` of each ``(key, namespace)``; one lock hold for all of them unless
+        ``nvme.shared`` has each reconciled with the files first."""
+        if self.settings.shared:
+            return [self.lookup(key, namespace, pin=pin) for key, namespace in keys]
+        hits = self._catalog.lookup_many((key_digest(key) for key, _ in keys),
+                                         self._roots.healthy, time.time_ns(), pin)
+        found = sum(hits)
+        self._stats.add(Counter.LOOKUPS, len(hits))
+        self._stats.add(Counter.HITS, found)
+        self._stats.add(Counter.MISSES, len(hits) - found)
+        return hits
 
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""
@@ -147,12 +165,15 @@ class ChunkStore:
 
     def remove(self, key: str) -> bool:
         """Delete a chunk (pinned or not)."""
-        entry = self._catalog.remove(key_digest(key))
-        if entry is None:
-            return False
-        self._writer.unlink(entry)
-        self._catalog.notify_removed([entry])
-        return True
+        return self.remove_many([key]) == 1
+
+    def remove_many(self, keys: Iterable[str]) -> int:
+        """Delete chunks (pinned or not), their files in one batch; how many were stored."""
+        entries = self._catalog.remove_many(key_digest(key) for key in keys)
+        if entries:
+            self._writer.unlink(entries)
+            self._catalog.notify_removed(entries)
+        return len(entries)
 
     def add_removal_listener(self, listener: RemovalListener) -> None:
         """Call ``listener`` (outside the store lock) with entries that leave the index.
@@ -265,8 +286,12 @@ class ChunkStore:
         return [root.layout for root in self._roots]
 
     def describe_roots(self) -> list[RootInfo]:
-        """Each cache directory: path, O_DIRECT or not, in service or not."""
-        return self._roots.describe()
+        """Each cache directory: path, O_DIRECT or not, in service or not, free-space guard
+        and free space, budget share and bytes used."""
+        budgets = self._catalog.budgets
+        return [dataclasses.replace(info, capacity_bytes=budgets[i],
+                                    used_bytes=self._catalog.used_bytes(i))
+                for i, info in enumerate(self._roots.describe())]
 
     def healthy(self) -> bool:
         """Whether at least one cache directory is in service."""
@@ -313,11 +338,12 @@ class ChunkStore:
         self._writer.close(self.settings.close_timeout_s)
         self._manifests.stop()
         self._manifests.save_all()
-        self._reader.close()
+        if self._reader.native is not None:
+            self._reader.native.close()
         self._io_pool.shutdown(wait=True)
 
 
-def _native_engine(settings: NVMeSettings) -> NativeEngine | None:
+def _native_engine(settings: NVMeSettings, writers: int) -> NativeEngine | None:
     """The compiled engine per ``nvme.native_io``: ``on`` refuses to start without it."""
     if settings.native_io == NativeIOMode.OFF:
         return None
@@ -326,4 +352,4 @@ def _native_engine(settings: NVMeSettings) -> NativeEngine | None:
             raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
                                   "Or set nvme.native_io: auto to run the Python engine.")
         return None
-    return NativeEngine(settings.io_threads, settings.task_size_bytes)
+    return NativeEngine(settings.io_threads, writers, settings.task_size_bytes)

@@ -84,11 +84,6 @@ class ChunkReader:
         self.native = native_engine
         self._gate = gate
         self._stats = stats
-        self._completer: threading.Thread | None = None
-        if native_engine is not None:
-            self._completer = threading.Thread(target=self._complete_native, daemon=True,
-                                               name="nvme-read-done")
-            self._completer.start()
 
     # -- headers -------------------------------------------------------------
 
@@ -181,7 +176,8 @@ class ChunkReader:
     def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
               wait: bool) -> None:
         plans = self.plan([read.key for read in reads])
-        batch = _Batch(len(reads), on_done, self._stats, self._gate)
+        batch = _Batch(len(reads), on_done, self._stats,
+                       self._gate if self.native is None else None)
         todo = [(i, plan, read.dest) for i, (read, plan) in enumerate(zip(reads, plans,
                                                                            strict=True))
                 if plan is not None and len(read.dest) >= plan.payload_len and
@@ -220,24 +216,20 @@ class ChunkReader:
             items.append(ReadItem(fd, plan.rel.encode(), dest, plan.payload_len, plan.direct,
                                   text_bytes(plan.key), plan.meta.to_json()))
         if wait:
-            self._native_done((batch, todo), self.native.read(items))
+            self._native_done(batch, todo, self.native.read(items))
         else:
-            self.native.submit_read(items, (batch, todo))
+            self.native.submit_read(items, functools.partial(self._native_done, batch, todo))
 
-    def _complete_native(self) -> None:
-        """The thread that hands finished asynchronous batches back (``read_async``)."""
-        assert self.native is not None
-        while (done := self.native.wait(1.0)) is not None:
-            for token, result in done:
-                try:
-                    self._native_done(token, result)  # type: ignore[arg-type]
-                except Exception:
-                    logger.exception("NVMe tier: completing a read batch failed")
-
-    def _native_done(self, token: tuple[_Batch, list[tuple[int, ReadPlan, memoryview]]],
+    def _native_done(self, batch: _Batch, todo: list[tuple[int, ReadPlan, memoryview]],
                      result: native.Batch) -> None:
         """Account a batch the native engine finished; judge what it did not serve."""
-        batch, todo = token
+        if not result.details:  # everything served: the common case, counted in bulk
+            nbytes = sum(plan.payload_len for _, plan, _ in todo)
+            self._stats.add_many({Counter.READ_CHUNKS: len(todo), Counter.READ_BYTES: nbytes})
+            for root in {plan.root for _, plan, _ in todo}:
+                self._roots[root].consecutive_errors = 0
+            batch.chunks_done([(i, True, plan.payload_len) for i, plan, _ in todo])
+            return
         verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
                     for d in result.details}
         served = bytes_served = 0
@@ -252,8 +244,7 @@ class ChunkReader:
                 roots.add(plan.root)
             outcomes.append((i, ok, plan.payload_len))
         if served:
-            self._stats.add(Counter.READ_CHUNKS, served)
-            self._stats.add(Counter.READ_BYTES, bytes_served)
+            self._stats.add_many({Counter.READ_CHUNKS: served, Counter.READ_BYTES: bytes_served})
             for root in roots:
                 self._roots[root].consecutive_errors = 0
         batch.chunks_done(outcomes)
@@ -268,13 +259,6 @@ class ChunkReader:
         req = ReadRequest(plan.path, plan.payload_len, dest, plan.direct)
         self.engine.read_chunks([req])
         return self.complete(plan, req.header, req.error, req.payload_matches).ok
-
-    def close(self) -> None:
-        """Stop the native engine (queued reads finish first) and its completion thread."""
-        if self.native is not None:
-            self.native.close()
-        if self._completer is not None:
-            self._completer.join()
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
@@ -353,7 +337,9 @@ class _Batch:
     """One read call: the result of each chunk, and the call's counters once all are judged."""
 
     def __init__(self, size: int, on_done: Callable[[list[bool]], None], stats: StoreStats,
-                 gate: ReadPriorityGate) -> None:
+                 gate: ReadPriorityGate | None) -> None:
+        """``gate``: the Python writers' (they yield to reads in flight); None with the
+        native engine, whose writers see its reads themselves."""
         self.served = [False] * size
         self._on_done = on_done
         self._stats = stats
@@ -367,10 +353,10 @@ class _Batch:
         """``chunks`` reads were issued (the rest of the batch is already a miss)."""
         self._left = self._issued = chunks
         self._started = time.perf_counter()
-        if chunks:
-            self._gate.begin_read()
-        else:
+        if not chunks:
             self._finish()
+        elif self._gate is not None:
+            self._gate.begin_read()
 
     def chunks_done(self, outcomes: Iterable[tuple[int, bool, int]]) -> None:
         """Chunks were judged: (index in the call, served, payload bytes) each."""
@@ -381,14 +367,17 @@ class _Batch:
                 self._left -= 1
             last = self._left == 0
         if last:
-            self._gate.end_read()
+            if self._gate is not None:
+                self._gate.end_read()
             self._finish()
 
     def _finish(self) -> None:
         served = self.served.count(True)
         if self._issued:  # a batch of misses read nothing: no latency to record
             elapsed = time.perf_counter() - self._started
-            self._stats.add(Counter.READ_SECONDS, elapsed)
             self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed)
-        self._stats.add(Counter.READ_FAILURES, len(self.served) - served)
+        else:
+            elapsed = 0.0
+        self._stats.add_many({Counter.READ_SECONDS: elapsed,
+                              Counter.READ_FAILURES: len(self.served) - served})
         self._on_done(self.served)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import logging
 import os
 import threading
@@ -27,7 +28,6 @@ from ..config import NVMeSettings
 from ..disk.format import (
     combine_block_digests,
     encode_header,
-    file_size_for,
     max_key_bytes,
     text_bytes,
 )
@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 WRITER_NICE = 10
 #: Most chunks one writer takes from the queue at a time (its share of the queue otherwise).
 MAX_WRITE_BATCH = 16
+#: How long a closing store waits for cancelled native writes to hand their buffers back.
+CANCEL_WAIT_S = 5.0
 _FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 
 
@@ -85,10 +87,16 @@ class ChunkWriter:
                       for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
-        self.threads = [
+        # The native engine writes on threads of its own; the Python engine on these.
+        self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
-            for i in range(settings.write_threads or len(roots))
+            for i in range(self.writer_count(settings, len(roots)))
         ]
+
+    @staticmethod
+    def writer_count(settings: NVMeSettings, roots: int) -> int:
+        """Writer threads (``nvme.write_threads``; 0: one per path)."""
+        return settings.write_threads or roots
 
     def start(self) -> None:
         for t in self.threads:
@@ -122,6 +130,8 @@ class ChunkWriter:
         jobs = {i: writes[i] for i, is_new in zip(admitted, fresh, strict=True) if is_new}
         if jobs:
             self._enqueue(jobs, results)
+            if self.native is not None:
+                self._dispatch(self._queue.take_ready())
         for w, result in zip(writes, results, strict=True):
             if result is not SubmitResult.QUEUED:
                 w.release()
@@ -132,8 +142,8 @@ class ChunkWriter:
         if self._closed:
             return SubmitResult.CLOSED
         budget = self._catalog.budgets[0]
-        too_big = file_size_for(write.nbytes) > budget or write.nbytes > self._queue.capacity
-        if too_big or len(text_bytes(write.key)) > max_key_bytes(write.namespace, write.meta):
+        too_big = write.file_size > budget or write.nbytes > self._queue.capacity
+        if too_big or len(write.key_bytes) > max_key_bytes(write.namespace, write.meta):
             if not self._stats.get(Counter.OVERSIZE_DROPS):
                 logger.warning(
                     "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
@@ -184,35 +194,47 @@ class ChunkWriter:
                 self._end_jobs(jobs)
 
     def _persist(self, jobs: list[ChunkWrite]) -> None:
-        """Place, reserve, write and publish a batch; each chunk settles on its own."""
+        """Place, reserve, write and publish a batch through the Python engine."""
+        placed, _ = self._place(jobs, None)
+        for job, root, size in placed:
+            started = time.perf_counter()
+            error = self._write_python(job, root)
+            self._settle(job, root, size, error, time.perf_counter() - started)
+
+    def _place(self, jobs: list[ChunkWrite], deferred: list[list[IndexEntry]] | None
+               ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[ChunkWrite]]:
+        """Each job's root and reserved bytes; and the jobs with no root or no room (counted).
+
+        With ``deferred`` (the native engine), each placed job's eviction victims are
+        appended to it (see ``_reserve``), and the jobs of one root are reserved together
+        (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
+        dropped: list[ChunkWrite] = []
+        by_root: dict[int, tuple[RootState, list[ChunkWrite]]] = {}
         for job in jobs:
             root = self._roots.choose(job.digest)
             if root is None:
                 self._stats.add(Counter.WRITE_FAILURES)
-                continue
-            size = file_size_for(job.nbytes)
-            if not self._reserve(root, size):
-                self._stats.add(Counter.CAPACITY_DROPS)
-                continue
-            placed.append((job, root, size))
-        if not placed:
-            return
-        started = time.perf_counter()
-        errors: list[OSError | None] = [None] * len(placed)
-        try:
-            if self.native is not None:
-                errors = self._write_native(placed)
+                dropped.append(job)
             else:
-                for i, (job, root, _) in enumerate(placed):
-                    errors[i] = self._write_python(job, root)
-        except BaseException:
-            for _, root, size in placed:
-                self._catalog.release(root.index, size)
-            raise
-        seconds = (time.perf_counter() - started) / len(placed)
-        for (job, root, size), error in zip(placed, errors, strict=True):
-            self._settle(job, root, size, error, seconds)
+                by_root.setdefault(root.index, (root, []))[1].append(job)
+        for root, mine in by_root.values():
+            victims: list[IndexEntry] = []
+            if deferred is not None and len(mine) > 1 and \
+                    self._reserve(root, sum(job.file_size for job in mine), victims):
+                placed += [(job, root, job.file_size) for job in mine]
+                deferred += [victims] + [[] for _ in mine[1:]]
+                continue
+            for job in mine:
+                victims = []
+                if self._reserve(root, job.file_size, None if deferred is None else victims):
+                    placed.append((job, root, job.file_size))
+                    if deferred is not None:
+                        deferred.append(victims)
+                else:
+                    self._stats.add(Counter.CAPACITY_DROPS)
+                    dropped.append(job)
+        return placed, dropped
 
     def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
                 seconds: float) -> None:
@@ -250,45 +272,110 @@ class ChunkWriter:
             return exc
         return None
 
-    def _write_native(self, placed: list[tuple[ChunkWrite, RootState, int]]
-                      ) -> list[OSError | None]:
-        """The batch in one call of the native engine; a chunk whose shard directory is new
-        comes back, gets its directory here and is written again."""
+    # -- the native engine -------------------------------------------------------------
+
+    def _dispatch(self, jobs: list[ChunkWrite]) -> None:
+        """Hand queued jobs to the native engine's writers (on the submitting thread: no
+        hand-off); ``_written`` settles them when the batch is done."""
         assert self.native is not None
-        items = [self._write_item(job, root) for job, root, _ in placed]
-        errors: list[OSError | None] = [None] * len(placed)
-        for index, status, err in self.native.write(items).details:
+        if not jobs:
+            return
+        victims: list[list[IndexEntry]] = []
+        placed, dropped = self._place(jobs, victims)
+        self._finish(dropped)
+        if not placed:
+            return
+        settings = self.settings
+        fsync = _FSYNC_LEVEL[settings.fsync]
+        record_gpu = self.record_gpu_checksums
+        temp_suffix = temp_name("", writer=0)
+        fds: dict[int, int] = {}
+        items = []
+        for (job, root, _), gone in zip(placed, victims, strict=True):
+            layout = root.layout
+            fd = fds.get(root.index)
+            if fd is None:
+                fd = fds[root.index] = root_descriptor(layout.root)
+            final = job.digest + CHUNK_SUFFIX
+            items.append(WriteItem(
+                fd, layout.shard_rel(job.ns_id, job.digest).encode(),
+                (final + temp_suffix).encode(), final.encode(), job.payload,
+                job.key_bytes, text_bytes(job.namespace), job.meta.to_json(),
+                self._gpu_checksum(job) if record_gpu else None, root.direct,
+                settings.file_mode, settings.dir_mode, fsync,
+                tuple(layout.chunk_rel(v.ns_id, v.digest).encode() for v in gone)))
+        try:
+            self.native.submit_write(items, functools.partial(
+                self._written, placed, victims, time.perf_counter()))
+        except BaseException:
+            for _, root, size in placed:
+                self._catalog.release(root.index, size)
+            self._finish([job for job, _, _ in placed])
+            raise
+
+    def _gpu_checksum(self, job: ChunkWrite) -> tuple[int, int]:
+        self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+        return host_checksum(job.payload)
+
+    def _written(self, placed: list[tuple[ChunkWrite, RootState, int]],
+                 victims: list[list[IndexEntry]], started: float, result: native.Batch
+                 ) -> None:
+        """A batch of native writes finished (on the engine's completion thread)."""
+        seconds = (time.perf_counter() - started) / len(placed)
+        try:
+            errors = self._write_errors(placed, result)
+            for i, gone in enumerate(victims):
+                if gone:  # the first job of a root's reservation removed them
+                    self._free[placed[i][1].index].freed(sum(v.size for v in gone))
+            now = time.time_ns()
+            published = [(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now),
+                          size) for i, (job, root, size) in enumerate(placed) if i not in errors]
+            self._catalog.publish_many(published)
+            for root in {placed[i][1].index: placed[i][1] for i in range(len(placed))
+                         if i not in errors}.values():
+                root.consecutive_errors = 0
+                note_space(root)
+            if published:
+                self._stats.record_write(sum(placed[i][0].nbytes for i in range(len(placed))
+                                             if i not in errors), seconds, len(published))
+            for i, (job, root, size) in enumerate(placed):
+                if i not in errors:
+                    if job.on_persisted is not None:
+                        job.on_persisted()
+                elif (error := errors[i]).errno == errno.ECANCELED:  # closing: not a failure
+                    self._catalog.release(root.index, size)
+                else:
+                    self._settle(job, root, size, error, seconds)
+        finally:
+            self._finish([job for job, _, _ in placed])
+
+    def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
+                      result: native.Batch) -> dict[int, OSError]:
+        """The chunks of a batch that were not published, with the reason; a chunk that made
+        its namespace's directory gets the name file (and is published)."""
+        errors: dict[int, OSError] = {}
+        for index, status, err in result.details:
             job, root, _ = placed[index]
-            if status == native.NEED_DIR:
-                errors[index] = self._write_in_new_dir(job, root)
-            else:
-                errors[index] = _os_error(err, root.layout.chunk_path(job.ns_id, job.digest))
+            if status == native.NEW_NAMESPACE:
+                write_namespace_file(root.layout, job.ns_id, job.namespace,
+                                     self.settings.file_mode)
+                continue
+            error: OSError | None = _os_error(err, root.layout.chunk_path(job.ns_id,
+                                                                          job.digest))
+            if err == errno.ENOENT:
+                # The cache directory itself was removed (and maybe made again): the
+                # Python engine opens it afresh by name, and the native engine's next
+                # writes go through the new descriptor.
+                error = self._write_python(job, root)
+            if error is not None:
+                errors[index] = error
         return errors
 
-    def _write_in_new_dir(self, job: ChunkWrite, root: RootState) -> OSError | None:
-        assert self.native is not None
-        final = root.layout.chunk_path(job.ns_id, job.digest)
-        try:
-            os.close(self._open_shard_dir(root, job, final.parent))
-        except OSError as exc:
-            return exc
-        statuses, details = self.native.write([self._write_item(job, root)])
-        if statuses[0] == native.OK:
-            return None
-        _, status, err = details[0]
-        return _os_error(errno.ENOENT if status == native.NEED_DIR else err, final)
-
-    def _write_item(self, job: ChunkWrite, root: RootState) -> WriteItem:
-        gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
-        if gpu_sum is not None:
-            self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
-        final = job.digest + CHUNK_SUFFIX
-        return WriteItem(root_descriptor(root.layout.root),
-                         root.layout.shard_rel(job.ns_id, job.digest).encode(),
-                         temp_name(final).encode(), final.encode(), job.payload,
-                         text_bytes(job.key), text_bytes(job.namespace), job.meta.to_json(),
-                         gpu_sum, root.direct, self.settings.file_mode,
-                         _FSYNC_LEVEL[self.settings.fsync])
+    def _finish(self, jobs: list[ChunkWrite]) -> None:
+        """The jobs ended (written or not): no longer pending, buffers released."""
+        if jobs:
+            self._catalog.end_pending(job.digest for job in jobs)
+            self._end_jobs(jobs)
 
     def _write_and_publish(self, root: RootState, job: ChunkWrite, final: Path) -> None:
         """Write the chunk under this thread's temp name and rename it to ``final``.
@@ -362,33 +449,68 @@ class ChunkWriter:
 
     # -- capacity --------------------------------------------------------------
 
-    def _reserve(self, root: RootState, size: int) -> bool:
-        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space."""
+    def _reserve(self, root: RootState, size: int,
+                 deferred: list[IndexEntry] | None = None) -> bool:
+        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
+
+        With ``deferred`` the victims leave the index here but their files are only
+        added to it: the write that needs the room removes them first (the native engine,
+        in the same job), and the free-space guard counts them as freed meanwhile.
+        """
         victims = self._catalog.reserve(root.index, size)
         if victims is None:
             return False
-        self.evict(victims)
         guard = self._free[root.index]
+        self._evict(victims, guard, deferred)
         while not guard.room_for(size):
             oldest = self._catalog.pop_oldest_unpinned(root.index)
             if oldest is None:
                 self._catalog.release(root.index, size)
                 note_full(root, None)
                 return False
-            self.evict([oldest])
-            guard.refresh()
+            self._evict([oldest], guard, deferred)
+            if deferred is None:
+                guard.refresh()
         return True
+
+    def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
+               deferred: list[IndexEntry] | None) -> None:
+        if not victims:
+            return
+        if deferred is None:
+            self.evict(victims)
+            return
+        deferred += victims
+        guard.will_free(sum(victim.size for victim in victims))
+        self._evicted(victims)
 
     def evict(self, victims: list[IndexEntry]) -> None:
         """Delete the files of entries already taken out of the index, and say so."""
-        for victim in victims:
-            self.unlink(victim)
-            self._stats.add(Counter.EVICTIONS)
-            self._stats.add(Counter.EVICTED_BYTES, victim.size)
-        self._catalog.notify_removed(victims)
+        if victims:
+            self.unlink(victims)
+            self._evicted(victims)
 
-    def unlink(self, entry: IndexEntry) -> None:
-        unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id, entry.digest))
+    def _evicted(self, victims: list[IndexEntry]) -> None:
+        if victims:
+            self._stats.add(Counter.EVICTIONS, len(victims))
+            self._stats.add(Counter.EVICTED_BYTES, sum(victim.size for victim in victims))
+            self._catalog.notify_removed(victims)
+
+    def unlink(self, entries: list[IndexEntry]) -> None:
+        """Remove the entries' files (one already gone is fine; other failures are logged)."""
+        if self.native is None:
+            for entry in entries:
+                unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
+                                                                         entry.digest))
+            return
+        roots = [self._roots[entry.root] for entry in entries]
+        errors = self.native.unlink([
+            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest).encode())
+            for root, e in zip(roots, entries, strict=True)])
+        for root, entry, err in zip(roots, entries, errors, strict=True):
+            if err not in (0, errno.ENOENT):
+                logger.debug("could not remove %s: %s", root.layout.chunk_path(
+                    entry.ns_id, entry.digest), os.strerror(err))
 
     # -- shutdown --------------------------------------------------------------
 
@@ -398,6 +520,9 @@ class ChunkWriter:
         if not self.flush(timeout_s):
             logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
                            "rest.", timeout_s)
+            if self.native is not None:  # writes not started end as cancelled
+                self.native.cancel_writes()
+                self.flush(CANCEL_WAIT_S)
         left = self._queue.close()
         self._catalog.end_pending(job.digest for job in left)
         self._end_jobs(left)
@@ -449,6 +574,18 @@ class FreeSpaceGuard:
         self._free = 0
         self._written = 0
         self._asked_at = -self.CHECK_S
+        self._pending = 0  # bytes of evicted files whose removal is still queued
+
+    def will_free(self, nbytes: int) -> None:
+        """Evicted files that a queued write removes before it writes: count them as free."""
+        with self._lock:
+            self._pending += nbytes
+            self._free += nbytes
+
+    def freed(self, nbytes: int) -> None:
+        """Those files are gone now (the kernel's next answer includes them)."""
+        with self._lock:
+            self._pending -= nbytes
 
     def refresh(self) -> None:
         """Ask the kernel now (after a deletion, or when a write found the disk full)."""
@@ -461,7 +598,7 @@ class FreeSpaceGuard:
             now = time.monotonic()
             if (now - self._asked_at >= self.CHECK_S or self._written >= self.CHECK_BYTES
                     or self._free - size - self.CHECK_BYTES < self._min_free):
-                self._free = free_bytes(self._path)
+                self._free = free_bytes(self._path) + self._pending
                 self._asked_at = now
                 self._written = 0
             if self._free - size < self._min_free:

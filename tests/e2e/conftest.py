@@ -9,7 +9,7 @@ set, so that CI never reports success for tests that did not run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -59,13 +59,15 @@ def sglang_python(pytestconfig: pytest.Config) -> Path:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[ServerFactory]:
-    """``start_server(cache_dir, name)``: a running ``lmcache server`` with the NVMe L2 on
-    ``cache_dir`` (examples/mp-server.sh), logging to ``tmp_path / f"{name}.log"``; every
-    server started is stopped at teardown."""
+    """``start_server(cache_dir, name, env=None, **settings)``: a running ``lmcache
+    server`` with the NVMe L2 on ``cache_dir`` (examples/mp-server.sh; ``env`` and
+    ``settings`` as :class:`MPServer` takes them), logging to ``tmp_path / f"{name}.log"``;
+    every server started is stopped at teardown."""
     started: list[MPServer] = []
 
-    def start(cache_dir: Path, name: str) -> MPServer:
-        server = MPServer(cache_dir, tmp_path / f"{name}.log")
+    def start(cache_dir: Path, name: str, env: Mapping[str, str] | None = None,
+              **settings: str) -> MPServer:
+        server = MPServer(cache_dir, tmp_path / f"{name}.log", env, **settings)
         started.append(server)
         return server
 

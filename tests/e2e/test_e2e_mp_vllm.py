@@ -75,7 +75,7 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
                                              start_server: ServerFactory, tmp_path: Path
                                              ) -> None:
     cache_dir = tmp_path / "nvme"
-    first = start_server(cache_dir, "server1")
+    first = start_server(cache_dir, "server1", env=ENV)
     report = run_vllm(vllm_python, tiny_model, first, "cold", tmp_path / "vllm1.log")
 
     assert report["cold"]["num_cached_tokens"] == 0
@@ -92,7 +92,7 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
     assert len(chunk_files) == stored["entries"]
     first.stop()
 
-    second = start_server(cache_dir, "server2")
+    second = start_server(cache_dir, "server2", env=ENV)
     before = second.status()
     assert before["recovered_entries"] == len(chunk_files) and before["read_chunks"] == 0
     restart = run_vllm(vllm_python, tiny_model, second, "restart", tmp_path / "vllm2.log")

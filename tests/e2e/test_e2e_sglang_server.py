@@ -19,7 +19,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,16 +26,9 @@ from typing import Any
 
 import pytest
 import yaml
-from support.mp_server import (
-    QUIET_ENV,
-    MPServer,
-    ServerFactory,
-    free_port,
-    http_json,
-    shm_segments,
-)
+from support.mp_server import QUIET_ENV, MPServer, ServerFactory, http_json, shm_segments
 from support.paths import EXAMPLES_DIR
-from support.process import child_env, module_command
+from support.process import child_env, free_port, module_command, wait_until_answers
 from support.reports import assert_same_first_token
 from support.sglang_workload import CHUNK, PROMPT_A, SHORT
 
@@ -90,17 +82,12 @@ class SGLangServer:
                            python=python),
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env=child_env(**QUIET_ENV, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1"))
-        deadline = time.monotonic() + START_S
-        while True:
-            assert self.proc.poll() is None, f"SGLang exited:\n{log.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"SGLang not up:\n{log.read_text()[-4000:]}"
-            time.sleep(1)
+        try:
+            wait_until_answers(f"{self.url}/health", self.proc, log, "SGLang", START_S,
+                               poll_s=1)
+        except AssertionError:
+            self.stop()
+            raise
 
     def first_token(self, tokens: list[int]) -> dict[str, Any]:
         out = http_json(f"{self.url}/generate", {

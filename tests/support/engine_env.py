@@ -19,8 +19,9 @@ as to any child process; :func:`ensure_env` reports where each probed module is 
 from, and the tests check that this package is this checkout's.
 
 An environment lives under ``~/.cache/lmcache-nvme-backend`` (override: the spec's
-``override_var``), one per requirements file, Python version and test environment
-(``sys.prefix``), and is reused while those stay the same.
+``override_var``), one per requirements file (its requirement lines: editing its comments
+rebuilds nothing), Python version and test environment (``sys.prefix``), and is reused
+while those stay the same.
 """
 
 from __future__ import annotations
@@ -87,10 +88,14 @@ class EngineSpec:
     remove: tuple[str, ...] = ()  # uninstalled after the install
     site_files: dict[str, str] = field(default_factory=dict)  # written into site-packages
 
+    def requirement_lines(self) -> list[str]:
+        """The requirements file's lines without its comments and blank lines."""
+        return [line.strip() for line in self.requirements.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+
     def pinned(self) -> str:
         """The requirements' first line (the engine), for messages."""
-        return next(line.strip() for line in self.requirements.read_text().splitlines()
-                    if line.strip() and not line.lstrip().startswith("#"))
+        return self.requirement_lines()[0]
 
 
 VLLM = EngineSpec(
@@ -142,8 +147,9 @@ def venv_dir(spec: EngineSpec = VLLM) -> Path:
     override = os.environ.get(spec.override_var)
     if override:
         return Path(override)
-    identity = b"\0".join([spec.requirements.read_bytes(), sys.version.encode(),
-                           os.path.realpath(sys.prefix).encode()])
+    # the requirement lines only: editing the file's comments does not rebuild the env
+    identity = b"\0".join(["\n".join(spec.requirement_lines()).encode(),
+                           sys.version.encode(), os.path.realpath(sys.prefix).encode()])
     tag = hashlib.sha256(identity).hexdigest()[:12]
     return Path.home() / ".cache" / "lmcache-nvme-backend" / f"{spec.name}-{tag}"
 

@@ -23,7 +23,8 @@ from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 
 def before_each_write(store: ChunkStore, hook: Callable[[], None]) -> None:
-    """Call ``hook`` before every chunk write of ``store`` (it may sleep or block)."""
+    """Call ``hook`` before every chunk write of ``store`` (it may sleep or block, as a
+    slow or stuck drive would, without blocking the store call that queued the chunk)."""
     engine = store.native_engine
     if engine is None:
         real_write = store.io_engine.write_hashed_to
@@ -34,14 +35,17 @@ def before_each_write(store: ChunkStore, hook: Callable[[], None]) -> None:
 
         store.io_engine.write_hashed_to = python_write  # type: ignore[method-assign]
         return
-    real_batch = engine.write
+    real_submit = engine.submit_write
 
-    def native_write(items: Any) -> native.Batch:
+    def delayed(items: Any, on_done: Callable[[native.Batch], None]) -> None:
         for _ in items:
             hook()
-        return real_batch(items)
+        real_submit(items, on_done)
 
-    engine.write = native_write  # type: ignore[method-assign]
+    def native_submit(items: Any, on_done: Callable[[native.Batch], None]) -> None:
+        threading.Thread(target=delayed, args=(items, on_done), daemon=True).start()
+
+    engine.submit_write = native_submit  # type: ignore[method-assign]
 
 
 def fail_writes_under(store: ChunkStore, root: Path, err: int = errno.EIO) -> None:
@@ -57,26 +61,27 @@ def fail_writes_under(store: ChunkStore, root: Path, err: int = errno.EIO) -> No
 
         store.io_engine.write_hashed_to = python_write  # type: ignore[method-assign]
         return
-    real_batch = engine.write
-    bad_fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
-    bad = os.fstat(bad_fd)
-    os.close(bad_fd)
+    real_submit = engine.submit_write
+    bad = os.stat(root)
 
     def beneath_root(fd: int) -> bool:
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (bad.st_dev, bad.st_ino)
 
-    def native_write(items: Any) -> native.Batch:
+    def native_submit(items: Any, on_done: Callable[[native.Batch], None]) -> None:
         keep = [i for i, item in enumerate(items) if not beneath_root(item.root_fd)]
-        done = real_batch([items[i] for i in keep])
-        statuses = bytearray([native.FAILED] * len(items))
-        details = [(i, native.FAILED, err) for i in range(len(items)) if i not in keep]
-        for k, i in enumerate(keep):
-            statuses[i] = done.statuses[k]
-        details += [(keep[d[0]], *d[1:]) for d in done.details]
-        return native.Batch(bytes(statuses), sorted(details))
 
-    engine.write = native_write  # type: ignore[method-assign]
+        def merged(done: native.Batch) -> None:
+            statuses = bytearray([native.FAILED] * len(items))
+            details = [(i, native.FAILED, err) for i in range(len(items)) if i not in keep]
+            for k, i in enumerate(keep):
+                statuses[i] = done.statuses[k]
+            details += [(keep[d[0]], *d[1:]) for d in done.details]
+            on_done(native.Batch(bytes(statuses), sorted(details)))
+
+        real_submit([items[i] for i in keep], merged)
+
+    engine.submit_write = native_submit  # type: ignore[method-assign]
 
 
 class FlakyReads:
@@ -103,17 +108,16 @@ class FlakyReads:
         engine._transfer = transfer  # type: ignore[method-assign]
         native_engine = store.native_engine
         if native_engine is not None:
-            real_read, real_wait = native_engine.read, native_engine.wait
+            real_read, real_submit = native_engine.read, native_engine.submit_read
 
             def read(items: Any) -> native.Batch:
                 return self.failed(real_read(items))
 
-            def wait(timeout_s: float) -> Any:
-                done = real_wait(timeout_s)
-                return None if done is None else [(t, self.failed(b)) for t, b in done]
+            def submit_read(items: Any, on_done: Callable[[native.Batch], None]) -> None:
+                real_submit(items, lambda batch: on_done(self.failed(batch)))
 
             native_engine.read = read  # type: ignore[method-assign]
-            native_engine.wait = wait  # type: ignore[method-assign]
+            native_engine.submit_read = submit_read  # type: ignore[method-assign]
 
     def error(self) -> OSError:
         if self.mode == "eio":

@@ -1,11 +1,12 @@
 """A real ``lmcache server`` with NVMeL2Adapter as its L2, started by examples/mp-server.sh.
 
-The end-to-end tests (vLLM's and SGLang's) start the example as a user runs it; only
-ports, paths and sizes differ.  ``MPServer`` waits for ``/healthcheck``, reads the
-adapter's ``/status`` and the ``lmcache_nvme_*`` samples of ``/metrics``, empties L1
-(``POST /cache/clear``), and stops the server (SIGINT, so that the adapter saves its
-index, then SIGKILL if it hangs).  The HTTP functions use only the standard library: the vLLM
-driver imports them from vLLM's environment.
+The end-to-end tests (vLLM's and SGLang's) and the monitoring tests start the example as a
+user runs it; only ports, paths and sizes differ.  ``MPServer`` waits for
+``/healthcheck``, reads the adapter's ``/status`` and the ``lmcache_nvme_*`` samples of
+``/metrics``, empties L1 (``POST /cache/clear``), and stops the server by its process group
+(SIGINT, so that the adapter saves its index, then SIGKILL if it hangs).  The HTTP
+functions use only the standard library: the vLLM driver imports them from vLLM's
+environment.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .paths import MP_SERVER_SCRIPT
+from .process import free_port, wait_until_answers
 
 START_S = 120
 #: No telemetry, no banner; what every process of the end-to-end tests runs with.
@@ -34,12 +35,6 @@ def shm_segments(pid: int) -> list[Path]:
     """The POSIX shared-memory segments LMCache made for KV pools of process ``pid`` (a
     CPU engine's pools move there when they register with the server)."""
     return sorted(Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(url: str, body: dict[str, Any] | None = None) -> Any:
@@ -90,37 +85,33 @@ def wait_persisted(http: str, entries: int, timeout_s: float = 60.0) -> dict[str
 
 
 class MPServer:
-    """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh."""
+    """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh.
 
-    def __init__(self, cache_dir: Path, log: Path, **env: str) -> None:
+    ``env`` is added to this process's environment (after :data:`QUIET_ENV`);
+    ``settings`` are the script's variables (``MAX_SIZE_GB``, ``MIN_FREE_GB``, ``L1_GB``).
+    """
+
+    def __init__(self, cache_dir: Path, log: Path, env: Mapping[str, str] | None = None,
+                 **settings: str) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        variables = {"MAX_SIZE_GB": "1", "MIN_FREE_GB": "0", "L1_GB": "1", **settings}
         # The script finds ``lmcache`` on PATH: this interpreter's environment first.
-        full_env = dict(os.environ, **QUIET_ENV, CACHE_DIR=str(cache_dir), MAX_SIZE_GB="1",
-                        MIN_FREE_GB="0", L1_GB="1", PORT=str(self.port),
-                        HTTP_PORT=str(self.http_port),
-                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-        full_env.update(env)
+        full_env = {**os.environ, **QUIET_ENV, **(env or {}), **variables,
+                    "CACHE_DIR": str(cache_dir), "PORT": str(self.port),
+                    "HTTP_PORT": str(self.http_port),
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
-        deadline = time.monotonic() + START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"lmcache server exited:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.http}/healthcheck", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"lmcache server not up in {START_S} s:\n"
-                                     f"{self.log_tail()}")
-            time.sleep(0.5)
+        try:
+            wait_until_answers(f"{self.http}/healthcheck", self.proc, log, "lmcache server",
+                               START_S)
+        except AssertionError:
+            self.stop()
+            raise
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text()[-chars:]
@@ -135,13 +126,14 @@ class MPServer:
         return wait_persisted(self.http, entries)
 
     def metrics(self) -> dict[str, float]:
-        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name."""
+        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name
+        and the labels other than which adapter, cache directory and root."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())
-                                 if k not in ("adapter", "cache_dir")): s.value
+                                 if k not in ("adapter", "cache_dir", "root")): s.value
                 for family in text_string_to_metric_families(text)
                 if family.name.startswith("lmcache_nvme_") for s in family.samples}
 
@@ -157,5 +149,9 @@ class MPServer:
         self._log_file.close()
 
 
-#: ``start_server(cache_dir, name)`` (the fixture of tests/e2e/conftest.py).
-ServerFactory = Callable[[Path, str], MPServer]
+class ServerFactory(Protocol):
+    """``start_server(cache_dir, name, env=None, **settings)`` (the fixture of
+    tests/e2e/conftest.py): an :class:`MPServer` logging to ``<tmp_path>/<name>.log``."""
+
+    def __call__(self, cache_dir: Path, name: str, env: Mapping[str, str] | None = None,
+                 **settings: str) -> MPServer: ...

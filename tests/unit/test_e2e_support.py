@@ -3,6 +3,7 @@ checked without building an engine's environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -63,6 +64,19 @@ def test_the_environment_is_per_test_environment(spec: engine_env.EngineSpec,
     assert engine_env.venv_dir(spec) != here
     monkeypatch.setenv(spec.override_var, "/tmp/mine")
     assert engine_env.venv_dir(spec) == Path("/tmp/mine")
+
+
+@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG], ids=lambda s: s.name)
+def test_comments_of_the_requirements_do_not_rebuild_the_environment(
+        spec: engine_env.EngineSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(spec.override_var, raising=False)
+    here = engine_env.venv_dir(spec)
+    lines = spec.requirements.read_text().splitlines()
+    edited = tmp_path / spec.requirements.name
+    edited.write_text("\n".join(["# a new comment", *lines, "  # and another", ""]))
+    assert engine_env.venv_dir(dataclasses.replace(spec, requirements=edited)) == here
+    edited.write_text("\n".join([*lines, "extra-package==1.0", ""]))
+    assert engine_env.venv_dir(dataclasses.replace(spec, requirements=edited)) != here
 
 
 def test_the_engines_are_named_by_their_first_pin() -> None:

@@ -13,7 +13,7 @@ import os
 import random
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,7 +84,7 @@ def engine_for() -> Iterator[object]:
     made: list[NativeEngine] = []
 
     def make(task_size: int = 64 * MIB, threads: int = 3) -> NativeEngine:
-        made.append(NativeEngine(threads, task_size))
+        made.append(NativeEngine(threads, 2, task_size))
         return made[-1]
 
     yield make
@@ -224,37 +224,82 @@ def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
     assert after["hashed_bytes"] - before["hashed_bytes"] >= 8 * 3 * BLOCK_SIZE
 
 
-def test_asynchronous_batches_come_back_with_their_token(engine_for, tmp_path: Path) -> None:
+class Done:
+    """Collects the batches an engine hands back, by name."""
+
+    def __init__(self) -> None:
+        self.batches: dict[object, native.Batch] = {}
+        self.cond = threading.Condition()
+
+    def __call__(self, name: object) -> Callable[[native.Batch], None]:
+        def on_done(batch: native.Batch) -> None:
+            assert threading.current_thread().name == "nvme-io-done"
+            with self.cond:
+                self.batches[name] = batch
+                self.cond.notify_all()
+        return on_done
+
+    def wait_for(self, count: int) -> dict[object, native.Batch]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.batches) >= count, timeout=30)
+            return self.batches
+
+
+def write_now(engine: NativeEngine, items: list[WriteItem]) -> native.Batch:
+    done = Done()
+    engine.submit_write(items, done("write"))
+    return done.wait_for(1)["write"]
+
+
+def test_asynchronous_batches_come_back_on_the_completion_thread(engine_for, tmp_path: Path
+                                                                 ) -> None:
     n = 4096
     payload = payload_for(n)
     write_python(tmp_path, payload)
     engine = engine_for()
     dests = [dest_for(n, "aligned") for _ in range(5)]
+    done = Done()
     for i, dest in enumerate(dests):
-        engine.submit_read([item(tmp_path, dest, n)], ("token", i))
-    engine.submit_read([], "empty")
-    got: dict[object, bytes] = {}
-    while len(got) < 6:
-        for token, batch in engine.wait(5.0) or []:
-            got[token] = batch.statuses
-    assert got == {**{("token", i): bytes([native.OK]) for i in range(5)}, "empty": b""}
+        engine.submit_read([item(tmp_path, dest, n)], done(i))
+    engine.submit_read([], done("empty"))
+    got = {name: batch.statuses for name, batch in done.wait_for(6).items()}
+    assert got == {**{i: bytes([native.OK]) for i in range(5)}, "empty": b""}
     assert all(bytes(d[:n]) == payload for d in dests)
     engine.close()
-    assert engine.wait(0.1) is None
     with pytest.raises(RuntimeError, match="closed"):
         engine.read([])
+
+
+def test_close_finishes_queued_writes_and_cancel_ends_the_rest(engine_for, tmp_path: Path
+                                                               ) -> None:
+    engine = engine_for()
+    done = Done()
+    payload = memoryview(payload_for(BLOCK_SIZE))
+    for i in range(20):
+        engine.submit_write([write_item(tmp_path, payload, name=f"c{i}.kv")], done(i))
+    cancelled = engine.cancel_writes()
+    engine.close()  # what was not cancelled finishes first
+    batches = done.wait_for(20)
+    statuses = [batches[i].statuses for i in range(20)]
+    assert statuses.count(bytes([native.FAILED])) == cancelled
+    assert all(batches[i].details == [(0, native.FAILED, errno.ECANCELED)]
+               for i in range(20) if statuses[i] == bytes([native.FAILED]))
+    written = [i for i in range(20) if statuses[i] != bytes([native.FAILED])]
+    assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == \
+        sorted(f"c{i}.kv" for i in written)
 
 
 # -- writes ----------------------------------------------------------------------------------
 
 
 def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool = True,
-               mode: int = 0o640, gpu: tuple[int, int] | None = None,
-               fsync_level: int = 0) -> WriteItem:
-    shard, _, name = REL.rpartition("/")
+               mode: int = 0o640, gpu: tuple[int, int] | None = None, fsync_level: int = 0,
+               name: str = "chunk.kv", victims: tuple[str, ...] = ()) -> WriteItem:
+    shard = REL.rpartition("/")[0]
     return WriteItem(root_descriptor(root), shard.encode(), f"{name}.tmp-test".encode(),
                      name.encode(), payload, key.encode(), b"ns",
-                     meta_for(len(payload)).to_json(), gpu, direct, mode, fsync_level)
+                     meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level,
+                     tuple(v.encode() for v in victims))
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
@@ -267,8 +312,9 @@ def test_writes_files_the_python_engine_reads_and_validates(
     source = dest_for(n, kind)
     source[:n] = payload
     (tmp_path / REL).parent.mkdir(parents=True)
-    statuses, details = engine_for(task_size).write(
-        [write_item(tmp_path, source[:n], direct=direct, fsync_level=2)])
+    statuses, details = write_now(engine_for(task_size),
+                                  [write_item(tmp_path, source[:n], direct=direct,
+                                              fsync_level=2)])
     assert (statuses, details) == (bytes([native.OK]), [])
     data = (tmp_path / REL).read_bytes()
     assert len(data) == HEADER_SIZE + padded_length(n)
@@ -285,8 +331,8 @@ def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> 
     (tmp_path / REL).parent.mkdir(parents=True)
     old = os.umask(0o077)
     try:
-        engine_for().write([write_item(tmp_path, memoryview(b"x" * 10), mode=0o640,
-                                       gpu=(1, 2))])
+        write_now(engine_for(), [write_item(tmp_path, memoryview(b"x" * 10), mode=0o640,
+                                            gpu=(1, 2))])
     finally:
         os.umask(old)
     path = tmp_path / REL
@@ -294,41 +340,69 @@ def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> 
     assert decode_header(path.read_bytes()[:HEADER_SIZE]).gpu_checksum == (1, 2)
 
 
-def test_a_new_shard_directory_comes_back_and_a_stale_temp_file_is_replaced(
-        engine_for, tmp_path: Path) -> None:
-    engine = engine_for()
-    statuses, details = engine.write([write_item(tmp_path, memoryview(b"abc"))])
-    assert statuses == bytes([native.NEED_DIR]) and details == [(0, native.NEED_DIR, 0)]
+@pytest.mark.parametrize("existing,status", [
+    ("", native.NEW_NAMESPACE), ("ns", native.NEW_NAMESPACE),
+    ("ns/0123456789abcdef", native.OK), ("ns/0123456789abcdef/ab", native.OK)])
+def test_missing_shard_directories_are_made_with_exactly_their_mode(
+        engine_for, tmp_path: Path, existing: str, status: int) -> None:
+    if existing:
+        (tmp_path / existing).mkdir(parents=True)
+    old = os.umask(0o077)
+    try:
+        statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
+    finally:
+        os.umask(old)
+    assert statuses == bytes([status])
+    assert details == ([] if status == native.OK else [(0, status, 0)])
+    made = Path(REL).parent
+    for depth in range(len(Path(existing).parts) if existing else 0, len(made.parts)):
+        directory = tmp_path.joinpath(*made.parts[: depth + 1])
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o750, directory
+    assert (tmp_path / REL).read_bytes()[HEADER_SIZE:HEADER_SIZE + 3] == b"abc"
+
+
+def test_a_stale_temp_file_is_replaced(engine_for, tmp_path: Path) -> None:
     shard = (tmp_path / REL).parent
     shard.mkdir(parents=True)
     (shard / "chunk.kv.tmp-test").write_bytes(b"left by a dead writer")
-    assert engine.write([write_item(tmp_path, memoryview(b"abc"))]).statuses == \
+    assert write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))]).statuses == \
         bytes([native.OK])
     assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
 
 
-def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path) -> None:
+def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
+    shard = (tmp_path / REL).parent
+    shard.mkdir(parents=True)
+    for name in ("old1.kv", "old2.kv"):
+        (shard / name).write_bytes(b"evicted")
+    victims = (f"{shard.relative_to(tmp_path)}/old1.kv", f"{shard.relative_to(tmp_path)}/old2.kv",
+               f"{shard.relative_to(tmp_path)}/already-gone.kv")
+    batch = write_now(engine_for(), [write_item(tmp_path, memoryview(b"new"), victims=victims)])
+    assert batch.statuses == bytes([native.OK])
+    assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
+
+
+@pytest.mark.parametrize("planted_at", ["ns/0123456789abcdef/ab/cd", "ns/0123456789abcdef"])
+def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path,
+                                                         planted_at: str) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (tmp_path / REL).parent.parent.mkdir(parents=True)
-    os.symlink(elsewhere, (tmp_path / REL).parent)
-    statuses, details = engine_for().write([write_item(tmp_path, memoryview(b"abc"))])
-    assert statuses == bytes([native.FAILED]) and details[0][2] == errno.ELOOP
+    (tmp_path / planted_at).parent.mkdir(parents=True)
+    os.symlink(elsewhere, tmp_path / planted_at)
+    statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
+    assert statuses == bytes([native.FAILED]) and details[0][2] in (errno.ELOOP,
+                                                                    errno.ENOTDIR)
     assert list(elsewhere.iterdir()) == []
 
 
-def test_writes_from_several_threads_at_once(engine_for, tmp_path: Path) -> None:
+def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Path) -> None:
     engine = engine_for()
     (tmp_path / REL).parent.mkdir(parents=True)
     payloads = {f"k{i}": payload_for(BLOCK_SIZE + i) for i in range(8)}
 
     def write(key: str) -> None:
-        shard, _, _ = REL.rpartition("/")
-        item = WriteItem(root_descriptor(tmp_path), shard.encode(),
-                         f"{key}.tmp-{threading.get_ident()}".encode(), f"{key}.kv".encode(),
-                         memoryview(payloads[key]), key.encode(), b"ns",
-                         meta_for(len(payloads[key])).to_json(), None, True, 0o600, 0)
-        assert engine.write([item]).statuses == bytes([native.OK])
+        item = write_item(tmp_path, memoryview(payloads[key]), key=key, name=f"{key}.kv")
+        assert write_now(engine, [item]).statuses == bytes([native.OK])
 
     threads = [threading.Thread(target=write, args=(k,)) for k in payloads]
     for t in threads:

@@ -567,13 +567,43 @@ static int write_temp(chunk_write *job, int fd, size_t task_size) {
     return err;
 }
 
+/* Opens `rel` beneath the root, creating its missing directories with exactly `mode`
+ * (disk/safe_fs.open_dirs_beneath): each component opened O_NOFOLLOW relative to its
+ * parent, so a link anywhere is ELOOP or ENOTDIR, never followed.  *created_at is the
+ * index of the first component created (-1: none); returns a descriptor or -errno. */
+static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *created_at) {
+    char name[PATH_MAX];
+    size_t n = strlen(rel);
+    if (n >= sizeof(name)) return -ENAMETOOLONG;
+    memcpy(name, rel, n + 1);
+    *created_at = -1;
+    int fd = root_fd, depth = 0;
+    for (char *part = name; part; depth++) {
+        char *slash = strchr(part, '/');
+        if (slash) *slash = 0;
+        int created = mkdirat(fd, part, mode) == 0;
+        int err = created || errno == EEXIST ? 0 : errno;
+        int next = err ? -1 : openat(fd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (!err && next < 0) err = errno;
+        if (!err && created && fchmod(next, mode) != 0) err = errno; /* mkdir applied umask */
+        if (fd != root_fd) close(fd);
+        if (err) {
+            if (next >= 0) close(next);
+            return -err;
+        }
+        if (created && *created_at < 0) *created_at = depth;
+        fd = next;
+        part = slash ? slash + 1 : NULL;
+    }
+    return fd;
+}
+
 void chunk_write_run(chunk_write *job, size_t task_size) {
     job->error = 0;
+    int created_at = -1;
     int dir_fd = chunk_open_beneath(job->root_fd, job->dir_rel, O_RDONLY | O_DIRECTORY, 0);
-    if (dir_fd == -ENOENT) {
-        job->status = CHUNK_NEED_DIR;
-        return;
-    }
+    if (dir_fd == -ENOENT)
+        dir_fd = make_dirs_beneath(job->root_fd, job->dir_rel, job->dir_mode, &created_at);
     if (dir_fd < 0) {
         job->status = CHUNK_FAILED;
         job->error = -dir_fd;
@@ -593,6 +623,23 @@ void chunk_write_run(chunk_write *job, size_t task_size) {
     if (err && fd >= 0) unlinkat(dir_fd, job->tmp_name, 0);
     if (!err && job->fsync_level >= 2 && fsync(dir_fd) != 0) err = errno;
     close(dir_fd);
-    job->status = err ? CHUNK_FAILED : CHUNK_OK;
+    /* dir_rel is ns/<namespace id>/aa/bb: component 1 is the namespace's directory */
+    job->status = err ? CHUNK_FAILED
+                      : (created_at >= 0 && created_at <= 1 ? CHUNK_NEW_NAMESPACE : CHUNK_OK);
     job->error = err;
+}
+
+int chunk_unlink(int root_fd, const char *rel) {
+    const char *slash = strrchr(rel, '/');
+    if (slash == NULL) return unlinkat(root_fd, rel, 0) == 0 ? 0 : errno;
+    char dir[PATH_MAX];
+    size_t n = (size_t)(slash - rel);
+    if (n >= sizeof(dir)) return ENAMETOOLONG;
+    memcpy(dir, rel, n);
+    dir[n] = 0;
+    int dir_fd = chunk_open_beneath(root_fd, dir, O_RDONLY | O_DIRECTORY, 0);
+    if (dir_fd < 0) return -dir_fd;
+    int err = unlinkat(dir_fd, slash + 1, 0) == 0 ? 0 : errno;
+    close(dir_fd);
+    return err;
 }

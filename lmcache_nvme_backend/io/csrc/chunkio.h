@@ -29,7 +29,8 @@ enum chunk_status {
     CHUNK_JUDGE = 1,    /* read: the bytes landed but the quick check did not pass: the
                            Python validator judges the header and checksum given back */
     CHUNK_FAILED = 2,   /* an error (errno in `error`) */
-    CHUNK_NEED_DIR = 3, /* write: the shard directory does not exist yet */
+    CHUNK_NEW_NAMESPACE = 3, /* write: published, and the namespace's directory was
+                                created for it (the caller writes the name file) */
 };
 
 /* Shared counters of the engine (atomics, read by native.counters()). */
@@ -110,15 +111,21 @@ typedef struct {
     int has_gpu_checksum;
     uint64_t gpu_checksum[2];
     int direct;
-    mode_t mode;
+    mode_t mode;     /* of the chunk file */
+    mode_t dir_mode; /* of the directories it creates */
     int fsync_level; /* 0 none, 1 data (fdatasync), 2 full (and the directory) */
     /* outcome */
     int status;
     int error;
 } chunk_write;
 
-/* Writes, syncs as asked and publishes one chunk file (temp name + rename). */
+/* Writes, syncs as asked and publishes one chunk file (temp name + rename), creating its
+ * shard directories (exactly dir_mode, no link followed) when they are missing. */
 void chunk_write_run(chunk_write *job, size_t task_size);
+
+/* Removes the file `rel` beneath the root (its directory reached without following a
+ * link; a link at `rel` itself is removed, never its target); 0 or an errno. */
+int chunk_unlink(int root_fd, const char *rel);
 
 /* Builds the 4 KiB header; returns 0, or -EINVAL when the strings do not fit. */
 int chunk_encode_header(uint8_t *out, const uint8_t *key, size_t key_len, const uint8_t *ns,
