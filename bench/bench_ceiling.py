@@ -200,6 +200,7 @@ class Driver:
                 "gil_s_per_gib": (gil1[0] - gil0[0]) / gib,
                 "gil_cpu_s_per_gib": (gil1[2] - gil0[2]) / gib,
                 "gil_main_s_per_gib": (main1[0] - main0[0]) / gib,
+                "gil_main_cpu_s_per_gib": (main1[2] - main0[2]) / gib,
                 "gil_acquisitions_per_chunk": (gil1[1] - gil0[1]) / chunks,
                 "all_ok": ok, "verified": verified}
 
@@ -369,7 +370,8 @@ def parent(args: argparse.Namespace) -> int:
                               f"CPU {r['cpu_s_per_gib']:.3f} s/GiB, GIL "
                               f"{r['gil_s_per_gib']:.4f} s/GiB (main "
                               f"{r['gil_main_s_per_gib']:.4f}, CPU "
-                              f"{r['gil_cpu_s_per_gib']:.4f}), "
+                              f"{r['gil_cpu_s_per_gib']:.4f}, main CPU "
+                              f"{r['gil_main_cpu_s_per_gib']:.4f}), "
                               f"{r['gil_acquisitions_per_chunk']:.1f} acquisitions/chunk"
                               + ("" if r["all_ok"] and r["verified"] else " FAILED"),
                               flush=True)

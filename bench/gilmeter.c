@@ -33,7 +33,7 @@ static uint64_t acquired_at_ns, acquired_cpu_ns;
 static uint64_t held_ns, held_cpu_ns;
 static uint64_t acquisitions;
 /* per thread (kernel thread id): GIL-held nanoseconds and acquisitions */
-static struct { long tid; uint64_t held_ns, acquisitions; } threads[MAX_THREADS];
+static struct { long tid; uint64_t held_ns, held_cpu_ns, acquisitions; } threads[MAX_THREADS];
 static int holder = -1;
 
 static int slot_of(long tid) {
@@ -71,8 +71,12 @@ int pthread_mutex_unlock(pthread_mutex_t *mutex) {
         } else if (!locked && last_locked) {
             uint64_t held = now_ns() - acquired_at_ns;
             held_ns += held;
-            held_cpu_ns += cpu_ns() - acquired_cpu_ns;
-            if (holder >= 0) threads[holder].held_ns += held;
+            uint64_t held_cpu = cpu_ns() - acquired_cpu_ns;
+            held_cpu_ns += held_cpu;
+            if (holder >= 0) {
+                threads[holder].held_ns += held;
+                threads[holder].held_cpu_ns += held_cpu;
+            }
         }
         last_locked = locked;
     }
@@ -98,14 +102,15 @@ void gilmeter_read(uint64_t out[3]) {
     out[2] = held_cpu_ns + (last_locked ? cpu_ns() - acquired_cpu_ns : 0);
 }
 
-/* GIL-held nanoseconds and acquisitions of one thread (its kernel id); the current hold
- * of the caller is not included. */
-void gilmeter_read_thread(long tid, uint64_t out[2]) {
-    out[0] = out[1] = 0;
+/* GIL-held nanoseconds, acquisitions and CPU nanoseconds while holding, of one thread
+ * (its kernel id); the current hold of the caller is not included. */
+void gilmeter_read_thread(long tid, uint64_t out[3]) {
+    out[0] = out[1] = out[2] = 0;
     for (int i = 0; i < MAX_THREADS && threads[i].tid; i++) {
         if (threads[i].tid == tid) {
             out[0] = threads[i].held_ns;
             out[1] = threads[i].acquisitions;
+            out[2] = threads[i].held_cpu_ns;
         }
     }
 }

@@ -71,13 +71,13 @@ def start() -> None:
     raise RuntimeError("could not find the GIL state in _PyRuntime")
 
 
-def read_thread(native_id: int) -> tuple[float, int]:
-    """(GIL-held seconds, GIL acquisitions) of one thread (``Thread.native_id``)."""
+def read_thread(native_id: int) -> tuple[float, int, float]:
+    """``read()`` of one thread (``Thread.native_id``)."""
     if _lib is None:
         raise RuntimeError("gilmeter.start() was not called")
-    out = (ctypes.c_uint64 * 2)()
+    out = (ctypes.c_uint64 * 3)()
     _lib.gilmeter_read_thread(ctypes.c_long(native_id), out)
-    return out[0] / 1e9, int(out[1])
+    return out[0] / 1e9, int(out[1]), out[2] / 1e9
 
 
 def read() -> tuple[float, int, float]:
