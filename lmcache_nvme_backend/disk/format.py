@@ -242,9 +242,15 @@ def text_bytes(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+@functools.lru_cache(maxsize=1024)
+def namespace_bytes(namespace: str) -> bytes:
+    """``text_bytes`` of a namespace (a process sees a few: one encoding each)."""
+    return text_bytes(namespace)
+
+
 def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:
     """How many UTF-8 bytes of key still fit beside this namespace and metadata."""
-    return _VARIABLE_SPACE - len(text_bytes(namespace)) - len(tensor_meta.to_json())
+    return _VARIABLE_SPACE - len(namespace_bytes(namespace)) - len(tensor_meta.to_json())
 
 
 def encode_header(

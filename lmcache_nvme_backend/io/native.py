@@ -68,7 +68,7 @@ class ReadItem(NamedTuple):
     """One chunk to read: ``rel`` beneath the root descriptor, into ``dest``."""
 
     root_fd: int
-    rel: bytes
+    rel: str
     dest: memoryview
     payload_len: int
     direct: bool
@@ -80,9 +80,9 @@ class WriteItem(NamedTuple):
     """One chunk file to write as ``tmp_name`` in ``dir_rel`` and rename to ``final_name``."""
 
     root_fd: int
-    dir_rel: bytes
-    tmp_name: bytes
-    final_name: bytes
+    dir_rel: str
+    tmp_name: str
+    final_name: str
     payload: memoryview
     key: bytes
     namespace: bytes
@@ -92,7 +92,7 @@ class WriteItem(NamedTuple):
     mode: int
     dir_mode: int  # of the shard directories it creates
     fsync_level: int  # 0 none, 1 data, 2 full
-    victims: tuple[bytes, ...]  # files beneath the same root removed first (evicted)
+    victims: tuple[str, ...]  # files beneath the same root removed first (evicted)
 
 
 class Batch(NamedTuple):
@@ -148,7 +148,7 @@ class NativeEngine:
         done = self._engine.wait(timeout_s)
         return None if done is None else [(token, Batch(*res)) for token, res in done]
 
-    def unlink(self, items: Sequence[tuple[int, bytes]]) -> list[int]:
+    def unlink(self, items: Sequence[tuple[int, str]]) -> list[int]:
         """Remove chunk files ``(root_fd, rel)`` on the calling thread; an errno per item (0:
         removed).  No link in a file's directories is followed."""
         return list(self._engine.unlink(items))

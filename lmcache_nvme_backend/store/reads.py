@@ -213,7 +213,7 @@ class ChunkReader:
             fd = fds.get(plan.root)
             if fd is None:
                 fd = fds[plan.root] = root_descriptor(plan.root_dir)
-            items.append(ReadItem(fd, plan.rel.encode(), dest, plan.payload_len, plan.direct,
+            items.append(ReadItem(fd, plan.rel, dest, plan.payload_len, plan.direct,
                                   text_bytes(plan.key), plan.meta.to_json()))
         if wait:
             self._native_done(batch, todo, self.native.read(items))

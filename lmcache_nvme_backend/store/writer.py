@@ -29,7 +29,7 @@ from ..disk.format import (
     combine_block_digests,
     encode_header,
     max_key_bytes,
-    text_bytes,
+    namespace_bytes,
 )
 from ..disk.gpusum import host_checksum
 from ..disk.layout import CHUNK_SUFFIX, temp_name
@@ -298,12 +298,11 @@ class ChunkWriter:
                 fd = fds[root.index] = root_descriptor(layout.root)
             final = job.digest + CHUNK_SUFFIX
             items.append(WriteItem(
-                fd, layout.shard_rel(job.ns_id, job.digest).encode(),
-                (final + temp_suffix).encode(), final.encode(), job.payload,
-                job.key_bytes, text_bytes(job.namespace), job.meta.to_json(),
+                fd, layout.shard_rel(job.ns_id, job.digest), final + temp_suffix, final,
+                job.payload, job.key_bytes, namespace_bytes(job.namespace), job.meta.to_json(),
                 self._gpu_checksum(job) if record_gpu else None, root.direct,
                 settings.file_mode, settings.dir_mode, fsync,
-                tuple(layout.chunk_rel(v.ns_id, v.digest).encode() for v in gone)))
+                tuple(layout.chunk_rel(v.ns_id, v.digest) for v in gone) if gone else ()))
         try:
             self.native.submit_write(items, functools.partial(
                 self._written, placed, victims, time.perf_counter()))
@@ -505,7 +504,7 @@ class ChunkWriter:
             return
         roots = [self._roots[entry.root] for entry in entries]
         errors = self.native.unlink([
-            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest).encode())
+            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest))
             for root, e in zip(roots, entries, strict=True)])
         for root, entry, err in zip(roots, entries, errors, strict=True):
             if err not in (0, errno.ENOENT):

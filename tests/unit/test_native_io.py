@@ -75,7 +75,7 @@ def dest_for(n: int, kind: str) -> memoryview:
 
 def item(root: Path, dest: memoryview, n: int, key: str = "k", direct: bool = True,
          rel: str = REL) -> ReadItem:
-    return ReadItem(root_descriptor(root), rel.encode(), dest, n, direct, key.encode(),
+    return ReadItem(root_descriptor(root), rel, dest, n, direct, key.encode(),
                     meta_for(n).to_json())
 
 
@@ -297,10 +297,9 @@ def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool 
                mode: int = 0o640, gpu: tuple[int, int] | None = None, fsync_level: int = 0,
                name: str = "chunk.kv", victims: tuple[str, ...] = ()) -> WriteItem:
     shard = REL.rpartition("/")[0]
-    return WriteItem(root_descriptor(root), shard.encode(), f"{name}.tmp-test".encode(),
-                     name.encode(), payload, key.encode(), b"ns",
-                     meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level,
-                     tuple(v.encode() for v in victims))
+    return WriteItem(root_descriptor(root), shard, f"{name}.tmp-test", name, payload,
+                     key.encode(), b"ns", meta_for(len(payload)).to_json(), gpu, direct, mode,
+                     0o750, fsync_level, victims)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])

@@ -15,10 +15,11 @@
  *   cancel_writes() -> int                    queued writes not started end as ECANCELED
  *   unlink(items) -> [errno]                  blocking, on the calling thread
  *   close()                                   queued work finishes first
- * read item:  (root_fd, rel, dest, payload_len, direct, key, meta)
+ * read item:  (root_fd, rel, dest, payload_len, direct, key, meta); paths are str, keys and
+ *             metadata bytes (a key may hold lone surrogates, see format.text_bytes)
  * write item: (root_fd, dir_rel, tmp_name, final_name, payload, key, namespace, meta,
  *              gpu_checksum or None, direct, mode, dir_mode, fsync_level, victims)
- *   victims: a tuple of files (rel) beneath the same root removed before the write
+ *   victims: a tuple of files (rel, str) beneath the same root removed before the write
  * statuses: bytes, one chunk_status per item; details: for every item not CHUNK_OK,
  *   reads (index, errno, header or None, computed checksum), writes (index, status, errno).
  */
@@ -155,7 +156,7 @@ static batch *read_batch_new(Engine *self, PyObject *items) {
         unsigned long long payload_len;
         Py_ssize_t key_len, meta_len;
         const char *rel, *key, *meta;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(b->items, i), "iyw*Kpy#y#;a read item is "
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(b->items, i), "isw*Kpy#y#;a read item is "
                               "(root_fd, rel, dest, payload_len, direct, key, meta)",
                               &r->root_fd, &rel, &b->bufs[i], &payload_len, &r->direct, &key,
                               &key_len, &meta, &meta_len))
@@ -215,7 +216,7 @@ static batch *write_batch_new(PyObject *items) {
         PyObject *gpu, *victims;
         int mode, dir_mode;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(b->items, i),
-                              "iyyyy*y#y#y#OpiiiO!;a write item is (root_fd, dir_rel, "
+                              "isssy*y#y#y#OpiiiO!;a write item is (root_fd, dir_rel, "
                               "tmp_name, final_name, payload, key, namespace, meta, "
                               "gpu_checksum, direct, mode, dir_mode, fsync_level, victims)",
                               &j->root_fd, &j->dir_rel, &j->tmp_name, &j->final_name, &b->bufs[i],
@@ -248,7 +249,7 @@ static batch *write_batch_new(PyObject *items) {
             goto fail;
         }
         for (Py_ssize_t v = 0; v < job->nvictims; v++) {
-            job->victims[v] = PyBytes_AsString(PyTuple_GET_ITEM(victims, v));
+            job->victims[v] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(victims, v));
             if (job->victims[v] == NULL) goto fail;
         }
         job->b = b;
@@ -670,7 +671,7 @@ static PyObject *Engine_unlink(Engine *self, PyObject *items) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "iy;an unlink item is (root_fd, rel)",
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "is;an unlink item is (root_fd, rel)",
                               &fds[i], &rels[i]))
             goto done;
     if (n) {
