@@ -9,7 +9,8 @@ host buffers.  The parts, each in its own module:
 * ``writer.py``   admission, the byte-bounded write-back queue and its threads,
   reservation and LRU eviction, atomic publish;
 * ``reads.py``    reads into host buffers and the judgement of every read;
-* ``shared.py``   shared mode: reconciling the index with other processes' files;
+* ``shared.py``   shared mode: one budget and one index for every process using the
+  directory (``ledger.py``, ``share.py``, ``journal.py``, ``members.py``, ``janitor.py``);
 * ``recovery.py`` the index rebuilt at start, the manifest kept while running;
 * ``stats.py``    counters and histograms.
 
@@ -61,11 +62,16 @@ class ChunkStore:
         self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, engine, gate,
                                    self._stats)
-        self._shared = SharedTree(self._catalog, self._roots, self._reader, self._stats)
         self._gate = gate
         self._closed = False
         for root in self._roots:
-            recover_root(root, self._catalog, self._stats, self._writer.evict)
+            recover_root(root, self._catalog, self._stats, self._writer.evict,
+                         enforce_budget=not settings.shared)
+        self._shared: SharedTree | None = None
+        if settings.shared:
+            self._shared = SharedTree(settings, self._catalog, self._roots, self._stats)
+            self._shared.start()
+            self._writer.shared = self._shared
         engine.warm_up(settings.io_threads)
         self._writer.start()
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
@@ -93,11 +99,19 @@ class ChunkStore:
         return hit
 
     def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
-        """``contains``, plus, with ``nvme.shared``, chunks that other processes published."""
+        """Whether ``key`` is stored in ``namespace`` (optionally pinned).
+
+        With ``nvme.shared`` the index also holds what the other processes using the
+        directory published (read from their journals in the background), so this never
+        touches the filesystem either; a file another process deleted meanwhile is a miss
+        when read.
+        """
         digest = key_digest(key)
-        if self.settings.shared:
-            self._shared.reconcile(key, digest, namespace)
-        return self._contains(digest, pin)
+        hit = self._catalog.lookup(digest, self._roots.healthy, time.time_ns(), pin,
+                                   namespace_id(namespace))
+        self._stats.add(Counter.LOOKUPS)
+        self._stats.add(Counter.HITS if hit else Counter.MISSES)
+        return hit
 
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""
@@ -134,6 +148,16 @@ class ChunkStore:
         self._writer.unlink(entry)
         self._catalog.notify_removed([entry])
         return True
+
+    def refresh_shared(self) -> None:
+        """Shared mode: read the other members' journals and the ledger now, and share
+        this member's reads (done every 0.1 s in the background anyway)."""
+        if self._shared is not None:
+            self._shared.refresh()
+
+    def shared_members(self) -> list[str]:
+        """Shared mode: this process's member id on each root (empty otherwise)."""
+        return self._shared.member_ids() if self._shared is not None else []
 
     def add_removal_listener(self, listener: RemovalListener) -> None:
         """Call ``listener`` (outside the store lock) with entries that leave the index.
@@ -277,6 +301,8 @@ class ChunkStore:
         snap: dict[str, float] = dict(self._stats.snapshot())
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
+        if self._shared is not None:
+            snap.update(self._shared.describe())
         snap["direct_io_roots"] = sum(r.direct for r in self._roots)
         return snap
 
@@ -294,4 +320,6 @@ class ChunkStore:
         self._writer.close(self.settings.close_timeout_s)
         self._manifests.stop()
         self._manifests.save_all()
+        if self._shared is not None:
+            self._shared.close()
         self._io_pool.shutdown(wait=True)

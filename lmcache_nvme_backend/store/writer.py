@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import NVMeSettings
 from ..disk.format import (
@@ -45,6 +46,9 @@ from .roots import (
 )
 from .stats import Counter, StoreStats
 from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
+
+if TYPE_CHECKING:
+    from .shared import SharedTree
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ class ChunkWriter:
                       for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
+        # Shared mode: the directory's budget is kept with the other members there.
+        self.shared: SharedTree | None = None
         self.threads = [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
             for i in range(settings.write_threads or len(roots))
@@ -284,7 +290,11 @@ class ChunkWriter:
     # -- capacity --------------------------------------------------------------
 
     def _reserve(self, root: RootState, size: int) -> bool:
-        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space."""
+        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space
+        (shared mode: of the directory's one budget, evicting its LRU chunks, whoever
+        wrote them)."""
+        if self.shared is not None:
+            return self.shared.reserve(root, size, self._free[root.index])
         victims = self._catalog.reserve(root.index, size)
         if victims is None:
             return False
@@ -309,6 +319,10 @@ class ChunkWriter:
         self._catalog.notify_removed(victims)
 
     def unlink(self, entry: IndexEntry) -> None:
+        """Delete an entry's file (shared mode: claimed and accounted for first)."""
+        if self.shared is not None:
+            self.shared.delete(entry)
+            return
         unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id, entry.digest))
 
     # -- shutdown --------------------------------------------------------------
