@@ -22,6 +22,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .disk.layout import MARKER_NAME
+
 from .disk.safe_fs import dir_mode_for
 
 EXTRA_CONFIG_PREFIX = "nvme."
@@ -222,10 +224,11 @@ class _Directories(_Rule):
         return tuple(paths)
 
     @staticmethod
-    def prepare(path: Path, dir_mode: int, fail: _Fail) -> None:
+    def prepare(path: Path, dir_mode: int, fail: _Fail, shared: bool = False) -> None:
         """Create ``path`` (missing directories get ``dir_mode``, whatever the umask) and
         check that this process can create files in it.  A full filesystem (no space or no
-        inode for the probe) is fine: the store starts and serves what the path holds."""
+        inode for the probe) is fine: the store starts and serves what the path holds; so
+        is, in shared mode, a read-only cache directory (this member only reads there)."""
         missing = [p for p in (path, *path.parents) if not p.exists()]
         try:
             for p in reversed(missing):
@@ -246,6 +249,9 @@ class _Directories(_Rule):
             os.unlink(probe)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return
+            if shared and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and \
+                    (path / MARKER_NAME).is_file():
                 return
             why = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
             raise fail(f"'{path}' is not writable ({why})",
@@ -392,5 +398,6 @@ class _Parser:
             rule: _Rule = f.metadata[_RULE]
             values[f.name] = rule.parse(self.params.get(name, default), self.failer(name))
         for path in values["paths"]:
-            _Directories.prepare(path, dir_mode_for(values["file_mode"]), self.failer("path"))
+            _Directories.prepare(path, dir_mode_for(values["file_mode"]), self.failer("path"),
+                                 shared=values["shared"])
         return NVMeSettings(**values)

@@ -268,7 +268,7 @@ class Janitor:
             doc = self.account.chain.cached
             if doc is None or doc.pool() >= 0:
                 return
-            if self.account.evict(-doc.pool(), to_pool=True) <= 0:
+            if self.account.evict(-doc.pool(), to_pool=True) < 0:
                 return
 
     def _release_doubles(self) -> None:

@@ -73,6 +73,9 @@ class Batch:
     # a complete snapshot was read: the member owns exactly the digests in ``snapshot``
     snapshot: set[str] | None = None
     bad_lines: int = 0
+    # read from its start (a member seen for the first time): history, whose records of
+    # different members cannot be put in order; the directory says what still exists
+    first: bool = False
 
 
 def published_line(digest: str, ns_id: str, size: int, meta: TensorMeta | None) -> bytes:
@@ -250,6 +253,7 @@ class JournalTail:
                 follow = self._open(member, gen)
                 if follow is None:
                     continue
+                batch.first = True
             self._read_new(follow, batch, member)
             if batch.published or batch.deleted or batch.accessed or batch.snapshot is not None \
                     or batch.bad_lines:

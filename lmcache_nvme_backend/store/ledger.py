@@ -160,11 +160,11 @@ class LedgerDoc:
                 freed = [(_int(s), str(d), _int(z)) for s, d, z in a["freed"]]
                 if not all(DIGEST_RE.match(d) for _, d, _ in freed):
                     raise ValueError("bad digest in freed")
-                accounts[member] = Account(int(a["cap"]), a["state"], _int(a["budget"]),
+                accounts[member] = Account(_signed(a["cap"]), a["state"], _int(a["budget"]),
                                            _int(a["chunk_format"]), freed, _int(a["next"]),
                                            [str(n) for n in a["evicting"]])
             return cls(_int(doc["n"]), _int(doc["budget"]), str(doc["budget_by"]), accounts,
-                       int(doc["orphans"]["cap"]), _int(doc["orphans"]["gen"]),
+                       _signed(doc["orphans"]["cap"]), _int(doc["orphans"]["gen"]),
                        _int(doc["format"]))
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise LedgerError(f"not a ledger version: {str(exc)[:200]}") from None
@@ -173,6 +173,13 @@ class LedgerDoc:
 def _int(value: object) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"not a count: {str(value)[:40]}")
+    return value
+
+
+def _signed(value: object) -> int:
+    """A cap: an integer, negative only while a trim is due."""
+    if type(value) is not int:
+        raise ValueError(f"not a byte count: {str(value)[:40]}")
     return value
 
 

@@ -36,7 +36,7 @@ from ..disk.safe_fs import (
     scandir_beneath,
     unlink_beneath,
 )
-from ..io.posix import probe_direct_io
+from ..io.posix import probe_direct_io, probe_direct_read
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
     _write_marker(path, file_mode)
-    direct = direct_io_mode != "off" and probe_direct_io(path, path / MARKER_NAME)
+    direct = direct_io_mode != "off" and _probe(path)
     if direct_io_mode == "on" and not direct:
         raise NVMeConfigError(
             f"nvme.direct_io: '{path}' does not support O_DIRECT (tmpfs, some network or "
@@ -120,6 +120,17 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
                        "until space frees.", path, st.f_bavail * st.f_frsize // 2**20,
                        st.f_favail, min_free // 2**20)
     return state
+
+
+def _probe(path: Path) -> bool:
+    """O_DIRECT on ``path``: probed by writing, or (a read-only directory, which shared
+    mode serves) by reading the marker."""
+    try:
+        return probe_direct_io(path, path / MARKER_NAME)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        return probe_direct_read(path / MARKER_NAME)
 
 
 def _write_marker(path: Path, file_mode: int) -> None:

@@ -35,7 +35,7 @@ from .stats import Counter, StoreStats
 
 logger = logging.getLogger(__name__)
 
-ACCESS_RESOLUTION_S = 0.5  # a chunk's reads are shared at most this often
+ACCESS_RESOLUTION_S = 0.05  # a chunk's reads are shared at most this often
 MAKE_ROOM_TRIES = 16
 
 
@@ -47,7 +47,8 @@ class Account:
     """The bytes this member owns, holds in flight, and may hold, on one root."""
 
     def __init__(self, root: RootState, member: str, catalog: Catalog, stats: StoreStats,
-                 chain: LedgerChain, refill: int) -> None:
+                 chain: LedgerChain, refill: int,
+                 catch_up: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.path = root.layout.root
         self.member = member
@@ -55,6 +56,9 @@ class Account:
         self._stats = stats
         self.chain = chain
         self.refill = refill
+        # reads the other members' journals (rate-limited) so that victims are chosen
+        # by the freshest recency there is
+        self._catch_up = catch_up
         self.journal: JournalWriter | None = None
         self.fenced = False
         self.leaving = False
@@ -135,12 +139,12 @@ class Account:
                 if free >= size:
                     self.reserved += size
                     return True
-            want = size - free + self.refill
             doc = self.chain.cached
-            if doc is not None and doc.pool() > 0 and self._claim(want):
+            if doc is not None and doc.pool() > 0 and self._claim(size - free + self.refill):
                 continue
-            if self.evict(want) <= 0 and not self._claim(want):
-                return False
+            # evict exactly what is missing (a whole chunk more would cost hits)
+            if self.evict(size - free) < 0 and not self._claim(size - free):
+                return False  # nothing left to evict (all pinned or in flight)
         return False
 
     def _claim(self, want: int) -> bool:
@@ -191,14 +195,16 @@ class Account:
 
     def evict(self, want: int, to_pool: bool = False) -> int:
         """Evict the root's least recently used chunks worth ``want`` bytes; the bytes of
-        room this account gained (``to_pool``: the bytes that left the accounts)."""
+        room this account gained (``to_pool``: the bytes that left the accounts), 0 when
+        other members took the candidates first, -1 when there is no candidate."""
+        self._catch_up()
         doc = self.chain.cached
         claim_gen = doc.orphans_gen if doc is not None else -1
         with self._lock:
             skip = set(self._claiming)
         victims = self._catalog.coldest(self.root.index, want, skip)
         if not victims:
-            return 0
+            return -1
         return self.delete(victims, claim_gen, to_pool)
 
     def delete(self, victims: Sequence[IndexEntry], claim_gen: int | None = None,

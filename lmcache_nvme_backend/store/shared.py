@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from ..config import NVMeSettings
 from ..disk.coordination import LEDGER_DIR, MEMBERS_DIR, evicting_dir, new_member_id
 from ..disk.format import FORMAT_VERSION
-from ..disk.safe_fs import makedirs_beneath
+from ..disk.safe_fs import lstat_beneath, makedirs_beneath
 from .catalog import Catalog
 from .index import IndexEntry
 from .janitor import Janitor
@@ -59,7 +59,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+READS_S = 0.025  # this member's reads are shared this often (recency lag elsewhere)
 INGEST_S = 0.1
+CATCH_UP_S = 0.02  # an evicter reads the journals again if its view is older than this
 LEDGER_S = 0.25
 JANITOR_S = 1.0
 MAX_REFILL = 64 << 20
@@ -86,6 +88,7 @@ class RootMember:
         self._largest = 0
         self._warned: set[str] = set()
         self._ingest_lock = threading.Lock()
+        self._ingested_at = -1e18
         self._new_identity()
 
     def _new_identity(self) -> None:
@@ -93,7 +96,8 @@ class RootMember:
         chain = LedgerChain(self.path, self.member, self._settings.file_mode,
                             self._settings.dir_mode, durable=self._settings.fsync == "full")
         self.account = Account(self.root, self.member, self._catalog, self._stats, chain,
-                               refill=min(self.budget // 64, MAX_REFILL))
+                               refill=min(self.budget // 64, MAX_REFILL),
+                               catch_up=self._catch_up)
         self.tail = JournalTail(self.path, self.member, self.root.direct)
         self.liveness = Liveness()
         self.lease = new_lease(self.member)
@@ -188,14 +192,23 @@ class RootMember:
 
     # -- background ------------------------------------------------------------------------
 
+    def _catch_up(self) -> None:
+        if time.monotonic() - self._ingested_at > CATCH_UP_S:
+            self.ingest()
+
     def ingest(self) -> None:
         """Apply what the other members' journals say since the last call."""
         with self._ingest_lock:
+            self._ingested_at = time.monotonic()
             batches = self.tail.poll()
             now_ns = time.time_ns()
             for batch in batches:
+                published = batch.published
+                if batch.first:  # history: only what exists now, no deletions replayed
+                    published = [p for p in published if self._exists(p.digest, p.ns_id)]
+                    batch.deleted = []
                 entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta,
-                                      now_ns, owner=batch.member) for p in batch.published]
+                                      now_ns, owner=batch.member) for p in published]
                 added, removed, doubles = self._catalog.apply_remote(
                     entries, batch.deleted, batch.accessed, now_ns)
                 if batch.snapshot is not None:
@@ -205,6 +218,16 @@ class RootMember:
                 self._stats.add(Counter.SHARED_VANISHED, len(removed))
                 if len(self.account.doubles) < 65536:
                     self.account.doubles.extend(doubles)
+
+    def _exists(self, digest: str, ns_id: str) -> bool:
+        if self._catalog.entry(digest) is not None:
+            return True
+        layout = self.root.layout
+        try:
+            lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
+        except (OSError, ValueError):
+            return False
+        return True
 
     def heartbeat(self, raise_errors: bool = False) -> None:
         """Renew this member's lease and read the others'."""
@@ -269,7 +292,7 @@ class RootMember:
         if self.account.fenced:
             self._rejoin()
             return
-        self.account.tidy(keep=2 * self.account.refill + 2 * self._largest)
+        self.account.tidy(keep=self.account.refill + self._largest)
         journal = self.account.journal
         if journal is not None:
             if journal.wants_rotation(len(self.account.owned)):
@@ -318,7 +341,7 @@ class RootMember:
             return False
         self._catalog.note_reserved(self.root.index, size)
         while not guard.room_for(size):
-            if self.account.evict(size) <= 0:
+            if self.account.evict(size) < 0:
                 self._catalog.release(self.root.index, size)
                 note_full(self.root, None)
                 return False
@@ -420,18 +443,23 @@ class SharedTree:
             self.members[root].account.note_reads(digests, now)
 
     def _loop(self) -> None:
-        next_sync = next_beat = 0.0
-        while not self._stop.wait(INGEST_S):
+        next_ingest = next_sync = next_beat = 0.0
+        while not self._stop.wait(READS_S):
             now = time.monotonic()
             self._guarded(self._share_reads)
-            for member in self.members:
-                self._guarded(member.ingest)
-                if now >= next_sync:
-                    self._guarded(member.sync)
-                if now >= next_beat:
-                    self._guarded(member.heartbeat)
-            next_sync = now + LEDGER_S if now >= next_sync else next_sync
-            next_beat = now + HEARTBEAT_S if now >= next_beat else next_beat
+            for due, period, step in ((next_ingest, INGEST_S, "ingest"),
+                                      (next_sync, LEDGER_S, "sync"),
+                                      (next_beat, HEARTBEAT_S, "heartbeat")):
+                if now < due:
+                    continue
+                for member in self.members:
+                    self._guarded(getattr(member, step))
+                if step == "ingest":
+                    next_ingest = now + period
+                elif step == "sync":
+                    next_sync = now + period
+                else:
+                    next_beat = now + period
 
     def _janitor_loop(self) -> None:
         while not self._stop.wait(JANITOR_S):

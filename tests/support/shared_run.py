@@ -1,0 +1,130 @@
+"""Running several ``support.shared_member`` processes on one cache directory while the
+bytes on disk are sampled (the shared-budget tests and bench/bench_shared.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .process import child_env, module_command
+
+SAMPLE_S = 0.5
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the chunk and temp files under ``root/ns`` plus the victims being deleted
+    under ``root/shared/evicting`` right now (what the budget bounds)."""
+    total = 0
+    for top in (root / "ns", root / "shared" / "evicting"):
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                if name == "NAMESPACE":
+                    continue
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    pass  # removed or renamed while walking
+    return total
+
+
+class DiskSampler:
+    """Samples ``tree_bytes(root)`` every ``SAMPLE_S`` on a thread until stopped."""
+
+    def __init__(self, root: Path, interval_s: float = SAMPLE_S) -> None:
+        self.root = root
+        self.interval_s = interval_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> DiskSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(tree_bytes(self.root))
+            self._stop.wait(self.interval_s)
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+
+@dataclass
+class Member:
+    """One running member process."""
+
+    proc: subprocess.Popen[str]
+    prefix: str
+    ids: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+
+    def wait_for(self, word: str, timeout_s: float = 60.0) -> str:
+        """Read stdout lines until one starts with ``word``; that line."""
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"member {self.prefix} ended before {word}: "
+                                   f"{self._stderr()}")
+            self.lines.append(line)
+            if line.startswith(word):
+                return line
+        raise TimeoutError(f"member {self.prefix}: no {word} within {timeout_s} s")
+
+    def result(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        out, err = self.proc.communicate(timeout=timeout_s)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"member {self.prefix} failed ({self.proc.returncode}):\n"
+                               f"{err[-3000:]}")
+        lines = [ln for ln in (self.lines + out.splitlines()) if ln.startswith("{")]
+        return json.loads(lines[-1])
+
+    def _stderr(self) -> str:
+        try:
+            return self.proc.communicate(timeout=5)[1][-3000:]
+        except subprocess.TimeoutExpired:
+            return "(no exit)"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=30)
+
+
+def start_member(role: str, cache: Path, prefix: str, budget: int, size: int, seconds: float,
+                 peers: Sequence[str] = (), extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> Member:
+    """Start one member and wait until its store is open."""
+    command = module_command("support.shared_member", role, cache, "--budget-bytes",
+                             str(budget), "--size", str(size), "--seconds", str(seconds),
+                             "--prefix", prefix, "--peers", ",".join(peers), *extra)
+    proc = subprocess.Popen(command, env=env or child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    member = Member(proc, prefix)
+    try:
+        member.ids = member.wait_for("READY").split()[1:]
+    except BaseException:
+        member.kill()
+        raise
+    return member
+
+
+def stop_all(members: Sequence[Member]) -> None:
+    """Kill every member still running (test teardown)."""
+    for member in members:
+        if member.proc.poll() is None:
+            member.kill()
