@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from .disk.layout import MARKER_NAME
-
 from .disk.safe_fs import dir_mode_for
 
 EXTRA_CONFIG_PREFIX = "nvme."

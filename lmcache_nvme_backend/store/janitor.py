@@ -40,7 +40,7 @@ from ..disk.coordination import (
     parse_journal_name,
 )
 from ..disk.layout import TempFile
-from ..disk.safe_fs import remove_quietly, scandir_beneath
+from ..disk.safe_fs import lstat_beneath, remove_quietly, scandir_beneath
 from .catalog import Catalog
 from .ledger import DEAD, DEPARTED, LIVE, LedgerDoc, remove_tree_quietly
 from .members import Lease, Liveness, on_this_host_and_gone, remove_member_files
@@ -210,7 +210,11 @@ class Janitor:
             return
         before = self._catalog.owners(self.account.root.index)
         layout = self.account.root.layout
-        files = {loc.digest: loc.stat.st_size for loc in layout.iter_chunks()}
+        files: dict[str, int] = {}
+        namespaces: dict[str, str] = {}
+        for loc in layout.iter_chunks():
+            files[loc.digest] = loc.stat.st_size
+            namespaces[loc.digest] = loc.namespace_id
         live_writers = {(_tag(lease.host), lease.pid) for m, lease in leases.items()
                         if self.liveness.alive(m)}
         for temp in layout.iter_temp_files():
@@ -227,10 +231,11 @@ class Janitor:
             return  # another janitor recounted meanwhile
         live = set(doc1.live())
         now_owners = self._catalog.owners(self.account.root.index)
-        # a file no live member owns, or no journal explains; not one deleted meanwhile
+        # a file no live member owns, or no journal explains, that is still there
         orphan_bytes = sum(size for d, size in files.items()
                            if now_owners.get(d, ("", 0))[0] not in live
-                           and (d in now_owners or d not in before))
+                           and (d in now_owners or d not in before)
+                           and self._still_there(d, namespaces.get(d, "")))
         vanished = [(d, owner) for d, (owner, _) in before.items()
                     if owner in live and d not in files and d not in claimed
                     and now_owners.get(d, ("", 0))[0] == owner]
@@ -252,6 +257,15 @@ class Janitor:
                 removed = self._catalog.remove_entries(
                     e for e in self._catalog.entries([d for d, _ in vanished]) if e is not None)
                 self._catalog.notify_removed(removed)
+
+    def _still_there(self, digest: str, ns_id: str) -> bool:
+        """Whether a chunk file the walk listed is still there (not evicted meanwhile)."""
+        layout = self.account.root.layout
+        try:
+            lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
+        except (OSError, ValueError):
+            return False
+        return True
 
     def _temp_of_dead_writer(self, temp: TempFile, live_writers: set[tuple[str, int]]) -> bool:
         writer = (_tag(temp.host), temp.pid)

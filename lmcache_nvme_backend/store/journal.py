@@ -67,8 +67,9 @@ class Batch:
     """What one poll read from one member's journal."""
 
     member: str
-    published: list[Published] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
+    # in journal order, a later record of a digest replacing an earlier one
+    published: dict[str, Published] = field(default_factory=dict)
+    deleted: dict[str, None] = field(default_factory=dict)
     accessed: list[str] = field(default_factory=list)
     # a complete snapshot was read: the member owns exactly the digests in ``snapshot``
     snapshot: set[str] | None = None
@@ -112,13 +113,15 @@ def parse_lines(data: bytes, batch: Batch, snapshot: set[str] | None) -> set[str
                 digest, ns_id, size, meta = rest.split(" ", 3)
                 if not (DIGEST_RE.match(digest) and NS_ID_RE.match(ns_id)):
                     raise ValueError("name")
-                batch.published.append(Published(
+                batch.published[digest] = Published(
                     digest, ns_id, int(size),
-                    None if meta == "-" else TensorMeta.from_json(meta.encode())))
+                    None if meta == "-" else TensorMeta.from_json(meta.encode()))
+                batch.deleted.pop(digest, None)  # the later record counts
                 if snapshot is not None:
                     snapshot.add(digest)
             elif kind == "D" and DIGEST_RE.match(rest):
-                batch.deleted.append(rest)
+                batch.deleted[rest] = None
+                batch.published.pop(rest, None)
             elif kind == "A":
                 batch.accessed.extend(d for d in rest.split(" ") if DIGEST_RE.match(d))
             elif kind == "S":

@@ -20,6 +20,7 @@ A member that dies between any two of these steps leaves state the janitor compl
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable, Sequence
 
@@ -36,7 +37,8 @@ from .stats import Counter, StoreStats
 logger = logging.getLogger(__name__)
 
 ACCESS_RESOLUTION_S = 0.05  # a chunk's reads are shared at most this often
-MAKE_ROOM_TRIES = 16
+MAKE_ROOM_TRIES = 32
+RACE_SPREAD = 4
 
 
 class Fenced(Exception):
@@ -71,6 +73,7 @@ class Account:
         self._doc_n = 0
         self._processed = 0  # the last ``freed`` entry applied
         self._claiming: set[str] = set()
+        self._spread = 1
         self._stuck: dict[str, int] = {}  # claimed files whose unlink failed (held reserved)
         self._cleared: set[str] = set()  # recorded evicting names deleted, to clear
         self._shared_at: dict[str, float] = {}
@@ -202,9 +205,18 @@ class Account:
         claim_gen = doc.orphans_gen if doc is not None else -1
         with self._lock:
             skip = set(self._claiming)
-        victims = self._catalog.coldest(self.root.index, want, skip)
-        if not victims:
+        candidates = self._catalog.coldest(self.root.index, want * self._spread, skip)
+        if not candidates:
             return -1
+        victims = candidates
+        if self._spread > 1:  # members racing for the same coldest chunks: spread out
+            random.shuffle(candidates)
+            victims, need = [], want
+            for entry in candidates:
+                if need <= 0:
+                    break
+                victims.append(entry)
+                need -= entry.size
         return self.delete(victims, claim_gen, to_pool)
 
     def delete(self, victims: Sequence[IndexEntry], claim_gen: int | None = None,
@@ -219,6 +231,8 @@ class Account:
             self._claiming |= digests
         try:
             claimed, gone = self._claim_files(victims)
+            # lost races for the coldest chunks: choose among more of them next time
+            self._spread = RACE_SPREAD if gone else 1
             mine = [(e, n) for e, n in claimed if e.owner == self.member and not to_pool]
             theirs = [(e, n) for e, n in claimed if e.owner != self.member or to_pool]
             # room taken from others is not usable before their files are gone

@@ -203,14 +203,15 @@ class RootMember:
             batches = self.tail.poll()
             now_ns = time.time_ns()
             for batch in batches:
-                published = batch.published
+                published = list(batch.published.values())
+                deleted = list(batch.deleted)
                 if batch.first:  # history: only what exists now, no deletions replayed
                     published = [p for p in published if self._exists(p.digest, p.ns_id)]
-                    batch.deleted = []
+                    deleted = []
                 entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta,
                                       now_ns, owner=batch.member) for p in published]
                 added, removed, doubles = self._catalog.apply_remote(
-                    entries, batch.deleted, batch.accessed, now_ns)
+                    entries, deleted, batch.accessed, now_ns)
                 if batch.snapshot is not None:
                     removed += self._catalog.drop_owned_except(batch.member, batch.snapshot)
                 self._catalog.notify_removed(removed)

@@ -4,12 +4,14 @@
 Run as ``python -m support.shared_member ROLE CACHE --budget-bytes N ...``:
 
 ``writer``  stores ``<prefix>-0``, ``<prefix>-1``, ... as fast as the store takes them for
-            ``--seconds``; between batches it looks up and reads chunks that the members
-            named in ``--peers`` wrote and compares every byte.
+            ``--seconds``; between batches it looks up and reads recent chunks of the
+            members named in ``--peers`` (how far each got: ``--progress``) and compares
+            every byte.
 ``hot``     stores ``--hot`` chunks, prints ``HOT``, then reads them again and again
             (lookup, read, compare) for ``--seconds``.
 
-It prints ``READY <member ids>`` once its store is open and one JSON line when it ends.
+It prints ``READY <member ids>`` once its store is open (and, with ``--go FILE``, starts
+when that file exists, so that all members start together), and one JSON line at the end.
 Payloads are a function of the key, so any member can check any chunk.  With the store
 of an older checkout on ``PYTHONPATH`` (no ``refresh_shared``) it runs just the same:
 the benchmark's "before" column.
@@ -71,11 +73,22 @@ def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None
             _put(store, f"{args.prefix}-{written}", args.size)
             written += 1
         store.flush(60)
+        if args.progress is not None:
+            (args.progress / args.prefix).write_text(str(written))
         for _ in range(len(peers)):
             peer = rng.choice(peers)
-            recent = rng.randrange(max(0, written - 48), written + BATCH)  # likely still there
+            theirs = _progress(args.progress, peer, written)
+            recent = rng.randrange(max(0, theirs - 24), max(1, theirs - 2))  # likely there
             _check(store, f"{peer}-{recent}", args.size, counts, "peer")
     counts["written"] = written
+
+
+def _progress(directory: Path | None, peer: str, default: int) -> int:
+    """How many chunks ``peer`` has written (it says so in ``directory``)."""
+    try:
+        return int((directory / peer).read_text()) if directory is not None else default
+    except (OSError, ValueError):
+        return default
 
 
 def hot(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
@@ -103,10 +116,16 @@ def main() -> None:
     parser.add_argument("--peers", default="")
     parser.add_argument("--hot", type=int, default=8)
     parser.add_argument("--pause", type=float, default=0.05)
+    parser.add_argument("--go", type=Path, help="start once this file exists")
+    parser.add_argument("--progress", type=Path,
+                        help="directory where writers say how far they got")
     args = parser.parse_args()
     store = _store(args)
     ids = store.shared_members() if hasattr(store, "shared_members") else []
     print("READY", " ".join(ids), flush=True)
+    deadline = time.monotonic() + 300
+    while args.go is not None and not args.go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     counts = dict.fromkeys(["lookups", "wrong", "written", "peer_served", "peer_misses",
                             "peer_read_misses", "hot_served", "hot_misses",
                             "hot_read_misses"], 0)

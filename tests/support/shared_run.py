@@ -20,26 +20,58 @@ SAMPLE_S = 0.5
 
 def tree_bytes(root: Path) -> int:
     """Bytes of the chunk and temp files under ``root/ns`` plus the victims being deleted
-    under ``root/shared/evicting`` right now (what the budget bounds)."""
-    total = 0
+    under ``root/shared/evicting`` right now (what the budget bounds).  A file renamed while
+    the walk runs (temp to chunk, chunk to evicting) is counted once (by inode)."""
+    seen: dict[tuple[int, int], int] = {}
     for top in (root / "ns", root / "shared" / "evicting"):
         for dirpath, _dirs, files in os.walk(top):
             for name in files:
                 if name == "NAMESPACE":
                     continue
                 try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                    st = os.lstat(os.path.join(dirpath, name))
                 except OSError:
-                    pass  # removed or renamed while walking
+                    continue  # removed or renamed while walking
+                seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def filesystem_used(path: Path) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def other_bytes(root: Path) -> int:
+    """Bytes of the files under ``root`` that are not chunk, temp or claimed files
+    (ledger, journals, leases, manifest, marker, quarantine)."""
+    total = 0
+    skip = {root / "ns", root / "shared" / "evicting"}
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if Path(dirpath, d) not in skip]
+        for name in files:
+            try:
+                total += -(-os.lstat(os.path.join(dirpath, name)).st_size // 4096) * 4096
+            except OSError:
+                continue
     return total
 
 
 class DiskSampler:
-    """Samples ``tree_bytes(root)`` every ``SAMPLE_S`` on a thread until stopped."""
+    """Samples the bytes of chunk files under ``root`` every ``SAMPLE_S`` on a thread.
 
-    def __init__(self, root: Path, interval_s: float = SAMPLE_S) -> None:
+    With ``filesystem`` (a tmpfs holding nothing but this cache) a sample is that
+    filesystem's used bytes (``statvfs``: one instant) less what was used before and less
+    the cache's coordination and metadata files; without, it is a walk of the tree
+    (``tree_bytes``), which on a busy tree also counts files deleted and created while it
+    runs.
+    """
+
+    def __init__(self, root: Path, interval_s: float = SAMPLE_S,
+                 filesystem: Path | None = None) -> None:
         self.root = root
         self.interval_s = interval_s
+        self.filesystem = filesystem
+        self._base = filesystem_used(filesystem) if filesystem is not None else 0
         self.samples: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -52,9 +84,15 @@ class DiskSampler:
         self._stop.set()
         self._thread.join()
 
+    def sample(self) -> int:
+        if self.filesystem is None:
+            return tree_bytes(self.root)
+        used = filesystem_used(self.filesystem) - self._base
+        return used - (other_bytes(self.root) if self.root.exists() else 0)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(tree_bytes(self.root))
+            self.samples.append(self.sample())
             self._stop.wait(self.interval_s)
 
     @property
@@ -107,11 +145,14 @@ class Member:
 
 def start_member(role: str, cache: Path, prefix: str, budget: int, size: int, seconds: float,
                  peers: Sequence[str] = (), extra: Sequence[str] = (),
-                 env: dict[str, str] | None = None) -> Member:
-    """Start one member and wait until its store is open."""
+                 env: dict[str, str] | None = None, go: Path | None = None) -> Member:
+    """Start one member and wait until its store is open (with ``go``: it then waits for
+    that file to exist before it starts, and writers say how far they got beside it)."""
     command = module_command("support.shared_member", role, cache, "--budget-bytes",
                              str(budget), "--size", str(size), "--seconds", str(seconds),
-                             "--prefix", prefix, "--peers", ",".join(peers), *extra)
+                             "--prefix", prefix, "--peers", ",".join(peers), *extra,
+                             *(["--go", str(go), "--progress", str(go.parent)]
+                               if go is not None else []))
     proc = subprocess.Popen(command, env=env or child_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     member = Member(proc, prefix)
