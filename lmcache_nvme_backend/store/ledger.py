@@ -211,21 +211,24 @@ class LedgerChain:
         return self._doc
 
     def latest(self) -> LedgerDoc | None:
-        """The newest version (None: the root has no ledger yet)."""
+        """The newest version (None: the root has no ledger yet).  Under a storm of
+        updates the answer may already be a little old: an update then simply conflicts."""
         doc = self._doc
         if doc is not None and not self._exists(doc.n):
             doc = None  # our version was removed with its epoch: far behind, list
-        if doc is None:
-            n = self._newest_listed()
-            if n is None:
-                return None
-            doc = self._read(n)
+        for _ in range(UPDATE_TRIES):
             if doc is None:
-                return None
-        while (newer := self._read(doc.n + 1)) is not None:
-            doc = newer
-        self._doc = doc
-        return doc
+                n = self._newest_listed()
+                if n is None:
+                    return None
+                doc = self._read(n)
+                if doc is None:
+                    continue  # retired between the listing and the read: list again
+            while (newer := self._read(doc.n + 1)) is not None:
+                doc = newer
+            self._doc = doc
+            return doc
+        raise LedgerError(f"{self.root}: the ledger changed faster than it could be read")
 
     def create(self, doc: LedgerDoc) -> bool:
         """Write version 1 (False: another member created the ledger first)."""
@@ -306,10 +309,10 @@ class LedgerChain:
             try:
                 link_beneath(self.root, tmp, version_path(doc.n))
             except FileNotFoundError:
-                # a new epoch's directory; only ever made while the previous version exists
+                # No epoch directory: a new epoch's, made only while the version before
+                # exists (so never one that was retired); else this writer fell behind.
                 if doc.n % EPOCH_VERSIONS or not self._exists(doc.n - 1):
-                    raise LedgerError(f"{self.root}: ledger version {doc.n - 1} vanished "
-                                      "while writing the next") from None
+                    return False
                 makedirs_beneath(self.root, epoch_dir(epoch_of(doc.n)), self._dir_mode)
                 link_beneath(self.root, tmp, version_path(doc.n))
             return True

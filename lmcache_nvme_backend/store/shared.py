@@ -205,9 +205,11 @@ class RootMember:
             for batch in batches:
                 published = list(batch.published.values())
                 deleted = list(batch.deleted)
-                if batch.first:  # history: only what exists now, no deletions replayed
-                    published = [p for p in published if self._exists(p.digest, p.ns_id)]
-                    deleted = []
+                if batch.first:  # history, in no order with the others': ask the directory
+                    published = [p for p in published if self._catalog.entry(p.digest)
+                                 is not None or self._file_exists(p.digest, p.ns_id)]
+                    deleted = [d for d in deleted if (e := self._catalog.entry(d)) is not None
+                               and not self._file_exists(d, e.ns_id)]
                 entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta,
                                       now_ns, owner=batch.member) for p in published]
                 added, removed, doubles = self._catalog.apply_remote(
@@ -220,9 +222,7 @@ class RootMember:
                 if len(self.account.doubles) < 65536:
                     self.account.doubles.extend(doubles)
 
-    def _exists(self, digest: str, ns_id: str) -> bool:
-        if self._catalog.entry(digest) is not None:
-            return True
+    def _file_exists(self, digest: str, ns_id: str) -> bool:
         layout = self.root.layout
         try:
             lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
