@@ -91,6 +91,14 @@ class FsyncPolicy(StrChoice):
     FULL = "full"
 
 
+class NativeIOMode(StrChoice):
+    """``native_io``: the compiled I/O engine (``io/native.py``) when built, required, or never."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class GdsMode(StrChoice):
     """``gds_mode``: the GPU read path (``docs/gpu.md``)."""
 
@@ -280,6 +288,9 @@ class NVMeSettings:
     # 0: one writer per path
     write_threads: int = field(default=0, metadata=_rule(_Number(0, integer=True)))
     task_size_mb: float = field(default=64.0, metadata=_rule(_Number(0.0, exclusive=True)))
+    # the compiled batch engine (io/native.py): auto = when built, on = refuse without it
+    native_io: NativeIOMode = field(default=NativeIOMode.AUTO,
+                                    metadata=_rule(_Choice(NativeIOMode)))
     write_queue_mb: float = field(default=1024.0, metadata=_rule(_Number(0.0, exclusive=True)))
     queue_full_policy: QueueFullPolicy = field(default=QueueFullPolicy.DROP,
                                                metadata=_rule(_Choice(QueueFullPolicy)))

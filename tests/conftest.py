@@ -45,7 +45,14 @@ def cache_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def open_store(tmp_path: Path) -> Iterator[stores.StoreFactory]:
+def native_io() -> str | None:
+    """``nvme.native_io`` of the stores ``open_store`` opens: the package's default here;
+    tests/store runs every test with each engine (its conftest)."""
+    return None
+
+
+@pytest.fixture
+def open_store(tmp_path: Path, native_io: str | None) -> Iterator[stores.StoreFactory]:
     """``open_store(*paths, **params)``: a ChunkStore on ``paths`` (default:
     ``tmp_path / "cache"``) with the test defaults of ``support.stores`` updated by
     ``params`` (None: the package's default).  Every store it opened is closed at
@@ -53,6 +60,7 @@ def open_store(tmp_path: Path) -> Iterator[stores.StoreFactory]:
     opened: list[ChunkStore] = []
 
     def factory(*paths: Path | str, **params: Any) -> ChunkStore:
+        params = {"native_io": native_io, **params}
         store = stores.open_store(*(paths or (tmp_path / "cache",)), **params)
         opened.append(store)
         return store

@@ -56,9 +56,9 @@ def announce(adapter: str, tier: str, store: ChunkStore,
     observer = TierObserver.for_store(adapter, store, stats)
     roots = store.describe_roots()
     logger.info("%s ready: %s, budget %.1f GiB, %d chunks found, direct I/O on %d of %d "
-                "path(s)%s.", tier, ", ".join(str(r.path) for r in roots),
+                "path(s), %s I/O%s.", tier, ", ".join(str(r.path) for r in roots),
                 store.settings.max_size_gb, store.usage()["entries"],
-                sum(r.direct_io for r in roots), len(roots), details)
+                sum(r.direct_io for r in roots), len(roots), store.io_engine_name, details)
     return observer
 
 

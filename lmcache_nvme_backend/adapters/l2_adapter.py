@@ -327,8 +327,7 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """Remove the chunks (LMCache's own L2 eviction, when configured, calls this)."""
-        for key in keys:
-            self.store.remove(object_key_string(key))
+        self.store.remove_many(object_key_string(key) for key in keys)
 
     def _on_removed(self, entries: list[IndexEntry]) -> None:
         """The store dropped chunks (eviction, delete, a vanished or invalid file)."""

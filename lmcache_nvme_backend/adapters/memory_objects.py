@@ -162,15 +162,23 @@ def chunk_write_for(key: CacheEngineKey, obj: MemoryObj,
 
 
 def tensor_meta_of(obj: MemoryObj) -> TensorMeta:
-    """The allocation metadata recorded in a chunk header."""
+    """The allocation metadata recorded in a chunk header (one per distinct layout: a
+    server sees a handful, and this runs for every chunk stored)."""
     meta = obj.metadata
-    shapes = meta.shapes if meta.shapes else [meta.shape]
-    dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
+    if meta.shapes:
+        return _tensor_meta(tuple(map(tuple, meta.shapes)), tuple(meta.dtypes), meta.fmt,
+                            obj.get_size())
+    return _tensor_meta((tuple(meta.shape),), (meta.dtype,), meta.fmt, obj.get_size())
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_meta(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...],
+                 fmt: MemoryFormat, nbytes: int) -> TensorMeta:
     return TensorMeta(
         shapes=tuple(tuple(int(d) for d in s) for s in shapes),
         dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes),
-        fmt=int(meta.fmt.value),
-        nbytes=obj.get_size(),
+        fmt=int(fmt.value),
+        nbytes=nbytes,
     )
 
 

@@ -97,12 +97,19 @@ class RootLayout:
         self.index_dir = root / "index"
         self.quarantine_dir = root / "quarantine"
         self.namespaces_dir = root / "ns"
-        self._ns_text = str(self.namespaces_dir)
         self._root_prefix = str(root).rstrip("/") + "/"
 
     def chunk_path(self, ns_id: str, digest: str) -> Path:
         # one format and one parse: four ``/`` joins cost more on every read
-        return Path(f"{self._ns_text}/{ns_id}/{digest[0:2]}/{digest[2:4]}/{digest}{CHUNK_SUFFIX}")
+        return Path(self._root_prefix + self.chunk_rel(ns_id, digest))
+
+    def chunk_rel(self, ns_id: str, digest: str) -> str:
+        """The chunk file's path relative to the root (as ``safe_fs`` takes it)."""
+        return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}/{digest}{CHUNK_SUFFIX}"
+
+    def shard_rel(self, ns_id: str, digest: str) -> str:
+        """The chunk's shard directory relative to the root (as ``safe_fs`` takes it)."""
+        return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}"
 
     def temp_path(self, final: Path) -> Path:
         """A temporary name unique to this host, process and thread."""

@@ -136,6 +136,13 @@ def _root_fd(root: Path | str, fresh: bool = False) -> int:
 _STALE_FDS: list[int] = []
 
 
+def root_descriptor(root: Path | str) -> int:
+    """The kept descriptor of a cache root, for a caller that resolves beneath it itself
+    (the native I/O engine) with the same rules.  No system call once opened; a root that
+    was deleted and made again is reopened by the next ``open_beneath`` that misses in it."""
+    return _root_fd(root)
+
+
 def _root_deleted(fd: int) -> bool:
     try:
         return os.fstat(fd).st_nlink == 0

@@ -208,6 +208,12 @@ class Catalog:
                     removed.append(entry)
         return removed
 
+    def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
+        """Take the entries out of the index under one lock hold; the ones that were there."""
+        with self._lock:
+            removed = [self._index.remove(digest) for digest in digests]
+        return [entry for entry in removed if entry is not None]
+
     # -- shared mode -------------------------------------------------------------
 
     def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:
@@ -260,7 +266,6 @@ class Catalog:
         with self._lock:
             entries = self._index.snapshot()
         return {e.digest: (e.owner, e.size) for e in entries if e.root == root}
-
     # -- reporting ---------------------------------------------------------------
 
     def lru_entries(self, root: int) -> list[IndexEntry]:

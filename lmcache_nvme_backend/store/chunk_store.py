@@ -22,17 +22,18 @@ the directory tree and the manifest rebuild the index.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ..config import NVMeSettings
+from ..config import NativeIOMode, NVMeConfigError, NVMeSettings
 from ..disk.format import ChunkHeader, TensorMeta
 from ..disk.layout import RootLayout, key_digest, namespace_id
 from ..disk.validate import Expected, Verdict, judge_chunk
+from ..io import native
+from ..io.native import NativeEngine
 from ..io.posix import PosixIOEngine
 from .catalog import Catalog, RemovalListener
 from .index import IndexEntry
@@ -58,10 +59,13 @@ class ChunkStore:
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
+        native_engine = _native_engine(settings, ChunkWriter.writer_count(settings,
+                                                                          len(self._roots)))
         gate = ReadPriorityGate()
-        self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats)
+        self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats,
+                                   native_engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, engine, gate,
-                                   self._stats)
+                                   self._stats, native_engine)
         self._gate = gate
         self._closed = False
         for root in self._roots:
@@ -72,7 +76,8 @@ class ChunkStore:
             self._shared = SharedTree(settings, self._catalog, self._roots, self._stats)
             self._shared.start()
             self._writer.shared = self._shared
-        engine.warm_up(settings.io_threads)
+        if native_engine is None:
+            engine.warm_up(settings.io_threads)
         self._writer.start()
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
                                          settings.manifest_interval_s)
@@ -83,8 +88,26 @@ class ChunkStore:
         return self._reader.engine
 
     @property
-    def writer_threads(self) -> list[threading.Thread]:
-        return list(self._writer.threads)
+    def native_engine(self) -> NativeEngine | None:
+        """The compiled batch engine, when this store runs it (``nvme.native_io``)."""
+        return self._reader.native
+
+    @property
+    def io_engine_name(self) -> str:
+        """``native`` (the compiled batch engine) or ``python``, and why not native."""
+        if self._reader.native is not None:
+            return f"native ({native.simd()} checksums)"
+        if self.settings.native_io == NativeIOMode.OFF:
+            return "python (nvme.native_io: off)"
+        return f"python, slower: {native.unavailable_reason()}"
+
+    @property
+    def writer_thread_ids(self) -> list[int]:
+        """Kernel ids of the threads that write chunk files (the native engine's, or the
+        Python engine's ``nvme-writer-*``)."""
+        if self._reader.native is not None:
+            return self._reader.native.writer_thread_ids()
+        return [t.native_id or 0 for t in self._writer.threads]
 
     # -- lookups -------------------------------------------------------------
 
@@ -142,12 +165,15 @@ class ChunkStore:
 
     def remove(self, key: str) -> bool:
         """Delete a chunk (pinned or not)."""
-        entry = self._catalog.remove(key_digest(key))
-        if entry is None:
-            return False
-        self._writer.unlink(entry)
-        self._catalog.notify_removed([entry])
-        return True
+        return self.remove_many([key]) == 1
+
+    def remove_many(self, keys: Iterable[str]) -> int:
+        """Delete chunks (pinned or not), their files in one batch; how many were stored."""
+        entries = self._catalog.remove_many(key_digest(key) for key in keys)
+        if entries:
+            self._writer.unlink(entries)
+            self._catalog.notify_removed(entries)
+        return len(entries)
 
     def refresh_shared(self) -> None:
         """Shared mode: read the other members' journals and the ledger now, and share
@@ -322,4 +348,18 @@ class ChunkStore:
         self._manifests.save_all()
         if self._shared is not None:
             self._shared.close()
+        if self._reader.native is not None:
+            self._reader.native.close()
         self._io_pool.shutdown(wait=True)
+
+
+def _native_engine(settings: NVMeSettings, writers: int) -> NativeEngine | None:
+    """The compiled engine per ``nvme.native_io``: ``on`` refuses to start without it."""
+    if settings.native_io == NativeIOMode.OFF:
+        return None
+    if not native.available():
+        if settings.native_io == NativeIOMode.ON:
+            raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
+                                  "Or set nvme.native_io: auto to run the Python engine.")
+        return None
+    return NativeEngine(settings.io_threads, writers, settings.task_size_bytes)

@@ -6,6 +6,12 @@ kvikio), ends in :meth:`ChunkReader.complete`: the I/O outcome is classified
 against the root; a short file: invalid), then ``disk.validate`` judges header
 and payload.  A chunk is served only on a good verdict; an invalid file is
 forgotten, counted and moved to quarantine.
+
+With the native engine (``io/native.py``) a batch is read, hashed and checked
+without the GIL, and only what it could not serve comes back here: a file whose
+header or checksum did not match is judged by the same ``complete`` from the
+header and checksum the engine returns; a read that failed is run again through
+the Python engine, whose exceptions classify the failure.
 """
 
 from __future__ import annotations
@@ -15,13 +21,17 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from ..disk.format import ChunkHeader, TensorMeta
+from ..disk.format import ChunkHeader, TensorMeta, text_bytes
 from ..disk.layout import key_digest
+from ..disk.safe_fs import root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
+from ..io import native
+from ..io.native import NativeEngine, ReadItem
 from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError
 from .catalog import Catalog
 from .index import IndexEntry
@@ -45,27 +55,33 @@ class ChunkRead:
     length: int | None = None
 
 
-@dataclass(frozen=True)
-class ReadPlan:
-    """Where a stored chunk lives, for a reader outside the store (the GPU path)."""
+class ReadPlan(NamedTuple):
+    """Where a stored chunk lives (``rel`` below the root ``root_dir``), and how to read it."""
 
     key: str
     digest: str
-    path: Path
+    rel: str
     payload_len: int
     meta: TensorMeta
     direct: bool
     root: int
+    root_dir: Path
+
+    @property
+    def path(self) -> Path:
+        return self.root_dir / self.rel
 
 
 class ChunkReader:
     """Reads and judges chunk files for one store."""
 
     def __init__(self, catalog: Catalog, roots: Roots, engine: PosixIOEngine,
-                 gate: ReadPriorityGate, stats: StoreStats) -> None:
+                 gate: ReadPriorityGate, stats: StoreStats,
+                 native_engine: NativeEngine | None = None) -> None:
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
+        self.native = native_engine
         self._gate = gate
         self._stats = stats
 
@@ -133,8 +149,9 @@ class ChunkReader:
                 plans.append(None)
                 continue
             root = self._roots[entry.root]
-            plans.append(ReadPlan(key, digest, root.layout.chunk_path(entry.ns_id, digest),
-                                  entry.meta.nbytes, entry.meta, root.direct, root.index))
+            plans.append(ReadPlan(key, digest, root.layout.chunk_rel(entry.ns_id, digest),
+                                  entry.meta.nbytes, entry.meta, root.direct, root.index,
+                                  root.layout.root))
         return plans
 
     def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
@@ -159,17 +176,20 @@ class ChunkReader:
     def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
               wait: bool) -> None:
         plans = self.plan([read.key for read in reads])
-        requests: list[ReadRequest] = []
         batch = _Batch(len(reads), on_done, self._stats, self._gate)
-        for i, (read, plan) in enumerate(zip(reads, plans, strict=True)):
-            if plan is None or len(read.dest) < plan.payload_len or \
-                    read.length not in (None, plan.payload_len):
-                continue  # not stored here, or stored for another buffer layout: a miss
-            requests.append(ReadRequest(plan.path, plan.payload_len, read.dest, plan.direct,
-                                        on_done=functools.partial(self._judged, batch, i, plan)))
-        batch.start(len(requests))
-        if not requests:
+        todo = [(i, plan, read.dest) for i, (read, plan) in enumerate(zip(reads, plans,
+                                                                           strict=True))
+                if plan is not None and len(read.dest) >= plan.payload_len and
+                read.length in (None, plan.payload_len)]  # else not here, or another layout
+        batch.start(len(todo))
+        if not todo:
             return
+        if self.native is not None:
+            self._read_native(todo, batch, wait)
+            return
+        requests = [ReadRequest(plan.path, plan.payload_len, dest, plan.direct,
+                                on_done=functools.partial(self._judged, batch, i, plan))
+                    for i, plan, dest in todo]
         if wait:
             self.engine.read_chunks(requests)
         else:
@@ -178,7 +198,60 @@ class ChunkReader:
     def _judged(self, batch: _Batch, index: int, plan: ReadPlan, req: ReadRequest) -> None:
         """One chunk's read completed (on the thread that finished it): judge it at once."""
         verdict = self.complete(plan, req.header, req.error, req.payload_matches)
-        batch.chunk_done(index, verdict.ok, plan.payload_len)
+        batch.chunks_done([(index, verdict.ok, plan.payload_len)])
+
+    # -- the native engine ---------------------------------------------------------------
+
+    def _read_native(self, todo: list[tuple[int, ReadPlan, memoryview]], batch: _Batch,
+                     wait: bool) -> None:
+        """The batch through the native engine: one GIL round trip for all of it."""
+        assert self.native is not None
+        fds: dict[int, int] = {}
+        items = []
+        for _, plan, dest in todo:
+            fd = fds.get(plan.root)
+            if fd is None:
+                fd = fds[plan.root] = root_descriptor(plan.root_dir)
+            items.append(ReadItem(fd, plan.rel.encode(), dest, plan.payload_len, plan.direct,
+                                  text_bytes(plan.key), plan.meta.to_json()))
+        if wait:
+            self._native_done(batch, todo, self.native.read(items))
+        else:
+            self.native.submit_read(items, functools.partial(self._native_done, batch, todo))
+
+    def _native_done(self, batch: _Batch, todo: list[tuple[int, ReadPlan, memoryview]],
+                     result: native.Batch) -> None:
+        """Account a batch the native engine finished; judge what it did not serve."""
+        verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
+                    for d in result.details}
+        served = bytes_served = 0
+        roots = set()
+        outcomes = []
+        for k, (i, plan, _) in enumerate(todo):
+            judged = verdicts.get(k)
+            ok = judged is None or judged
+            if judged is None:
+                served += 1
+                bytes_served += plan.payload_len
+                roots.add(plan.root)
+            outcomes.append((i, ok, plan.payload_len))
+        if served:
+            self._stats.add(Counter.READ_CHUNKS, served)
+            self._stats.add(Counter.READ_BYTES, bytes_served)
+            for root in roots:
+                self._roots[root].consecutive_errors = 0
+        batch.chunks_done(outcomes)
+
+    def _native_verdict(self, plan: ReadPlan, dest: memoryview, error: int,
+                        header: bytes | None, computed: int) -> bool:
+        """Whether a chunk the native engine did not serve at once is served after all."""
+        if header is not None:  # the bytes landed; the validator names what is wrong
+            return self.complete(plan, header, None,
+                                 lambda h: h.payload_checksum == computed).ok
+        # a failure: read it again here, so the Python engine's exception classifies it
+        req = ReadRequest(plan.path, plan.payload_len, dest, plan.direct)
+        self.engine.read_chunks([req])
+        return self.complete(plan, req.header, req.error, req.payload_matches).ok
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
@@ -276,11 +349,13 @@ class _Batch:
         else:
             self._finish()
 
-    def chunk_done(self, index: int, ok: bool, nbytes: int) -> None:
+    def chunks_done(self, outcomes: Iterable[tuple[int, bool, int]]) -> None:
+        """Chunks were judged: (index in the call, served, payload bytes) each."""
         with self._lock:
-            self.served[index] = ok
-            self._bytes += nbytes if ok else 0
-            self._left -= 1
+            for index, ok, nbytes in outcomes:
+                self.served[index] = ok
+                self._bytes += nbytes if ok else 0
+                self._left -= 1
             last = self._left == 0
         if last:
             self._gate.end_read()

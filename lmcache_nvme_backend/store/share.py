@@ -134,13 +134,18 @@ class Account:
 
     def make_room(self, size: int) -> bool:
         """Reserve ``size`` bytes: from headroom, the pool, or by evicting (global LRU)."""
+        return self.ensure_headroom(size, reserve=True)
+
+    def ensure_headroom(self, size: int, reserve: bool = False) -> bool:
+        """Make this account's headroom at least ``size`` (and reserve it, with
+        ``reserve``): from the pool, or by evicting the directory's coldest chunks."""
         for _ in range(MAKE_ROOM_TRIES):
             if self.fenced:
                 return False
             with self._lock:
                 free = self.cap - self.usage - self.reserved
                 if free >= size:
-                    self.reserved += size
+                    self.reserved += size if reserve else 0
                     return True
             doc = self.chain.cached
             if doc is not None and doc.pool() > 0 and self._claim(size - free + self.refill):

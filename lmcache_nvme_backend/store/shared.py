@@ -9,8 +9,10 @@ janitor, cleans up after members that died (``janitor.py``).  No server, no lock
 directory is the only thing the members share, so it works on a local disk and on a
 network filesystem alike.  ``docs/deployment.md`` says what is promised and how fast.
 
-Two background threads per store: ``nvme-shared`` (journals every ``INGEST_S``, the
-ledger every ``LEDGER_S``, the lease every ``HEARTBEAT_S``) and ``nvme-janitor``.
+Three background threads per store: ``nvme-shared`` (journals every ``INGEST_S``, the
+ledger every ``LEDGER_S``, the lease every ``HEARTBEAT_S``), ``nvme-janitor``, and
+``nvme-room``, which evicts ahead of the writes so that a store call seldom waits for an
+eviction (with the native engine, writes are placed on the thread that stores).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ INGEST_S = 0.1
 CATCH_UP_S = 0.02  # an evicter reads the journals again if its view is older than this
 LEDGER_S = 0.25
 JANITOR_S = 1.0
+ROOM_WAIT_S = 0.5  # the nvme-room thread checks for stop this often when idle
 MAX_REFILL = 64 << 20
 
 
@@ -89,6 +92,7 @@ class RootMember:
         self._warned: set[str] = set()
         self._ingest_lock = threading.Lock()
         self._ingested_at = -1e18
+        self.room_wanted = threading.Event()  # set when the headroom fell below its target
         self._new_identity()
 
     def _new_identity(self) -> None:
@@ -96,7 +100,7 @@ class RootMember:
         chain = LedgerChain(self.path, self.member, self._settings.file_mode,
                             self._settings.dir_mode, durable=self._settings.fsync == "full")
         self.account = Account(self.root, self.member, self._catalog, self._stats, chain,
-                               refill=min(self.budget // 64, MAX_REFILL),
+                               refill=min(self.budget // 256, MAX_REFILL),
                                catch_up=self._catch_up)
         self.tail = JournalTail(self.path, self.member, self.root.direct)
         self.liveness = Liveness()
@@ -293,7 +297,7 @@ class RootMember:
         if self.account.fenced:
             self._rejoin()
             return
-        self.account.tidy(keep=self.account.refill + self._largest)
+        self.account.tidy(keep=2 * max(self.headroom_target(), self._largest))
         journal = self.account.journal
         if journal is not None:
             if journal.wants_rotation(len(self.account.owned)):
@@ -333,6 +337,19 @@ class RootMember:
             return False
         return True
 
+    def headroom_target(self) -> int:
+        """The headroom kept ready in the background, so that a write (placed on the
+        thread that stores, with the native engine) seldom waits for an eviction:
+        ``refill`` (budget / 256, at most 64 MiB) when that holds whole chunks, else none
+        (a small budget is not emptied ahead of writes that may never come)."""
+        return self.account.refill if self.account.refill >= self._largest > 0 else 0
+
+    def keep_room(self) -> None:
+        """Restore the headroom target (the ``nvme-room`` thread)."""
+        target = self.headroom_target()
+        if target and self.account.headroom() < target and self.may_write():
+            self.account.ensure_headroom(target)
+
     def reserve(self, size: int, guard: FreeSpaceGuard) -> bool:
         """Reserve ``size`` bytes of this directory's budget (and of free space)."""
         if not self.may_write():
@@ -340,6 +357,8 @@ class RootMember:
         self._largest = max(self._largest, size)
         if not self.account.make_room(size):
             return False
+        if self.account.headroom() < self.headroom_target():
+            self.room_wanted.set()
         self._catalog.note_reserved(self.root.index, size)
         while not guard.room_for(size):
             if self.account.evict(size) < 0:
@@ -376,6 +395,9 @@ class SharedTree:
         self._catalog = catalog
         self.members = [RootMember(root, catalog.budgets[root.index], settings, catalog, stats)
                         for root in roots]
+        self._room_wanted = threading.Event()
+        for member in self.members:
+            member.room_wanted = self._room_wanted
         catalog.members = [m.member for m in self.members]
         catalog.touched = deque(maxlen=1 << 20)
         catalog.accounting = self
@@ -387,7 +409,8 @@ class SharedTree:
         for member in self.members:
             member.join()
             member.ingest()
-        for name, loop in (("nvme-shared", self._loop), ("nvme-janitor", self._janitor_loop)):
+        for name, loop in (("nvme-shared", self._loop), ("nvme-janitor", self._janitor_loop),
+                           ("nvme-room", self._room_loop)):
             thread = threading.Thread(target=loop, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -405,9 +428,12 @@ class SharedTree:
     def reserve(self, root: RootState, size: int, guard: FreeSpaceGuard) -> bool:
         return self.members[root.index].reserve(size, guard)
 
-    def delete(self, entry: IndexEntry) -> None:
-        """Delete a chunk file (LMCache's remove) with this directory's accounting."""
-        self.members[entry.root].account.delete([entry], evictions=False)
+    def delete(self, entries: list[IndexEntry]) -> None:
+        """Delete chunk files (LMCache's remove) with this directory's accounting."""
+        for member in self.members:
+            mine = [e for e in entries if e.root == member.root.index]
+            if mine:
+                member.account.delete(mine, evictions=False)
 
     def refresh(self) -> None:
         """Share this member's reads and read the others' journals and ledger now (the
@@ -462,6 +488,15 @@ class SharedTree:
                 else:
                     next_beat = now + period
 
+    def _room_loop(self) -> None:
+        """Keep each root's headroom ready (evictions off the storing thread)."""
+        while not self._stop.is_set():
+            if not self._room_wanted.wait(ROOM_WAIT_S):
+                continue
+            self._room_wanted.clear()
+            for member in self.members:
+                self._guarded(member.keep_room)
+
     def _janitor_loop(self) -> None:
         while not self._stop.wait(JANITOR_S):
             for member in self.members:
@@ -478,6 +513,7 @@ class SharedTree:
     def close(self) -> None:
         """Stop the threads and leave every root (after the writers finished)."""
         self._stop.set()
+        self._room_wanted.set()
         for thread in self._threads:
             thread.join()
         for member in self.members:

@@ -102,17 +102,27 @@ class WriteBackQueue:
                 accepted.append(fits)
         return accepted
 
-    def take(self) -> ChunkWrite | None:
-        """Next job, blocking; None once the queue is closed and empty."""
+    def take_share(self, takers: int, most: int) -> list[ChunkWrite]:
+        """This taker's share of the queued jobs (1 / ``takers`` of them, at least one, at
+        most ``most``), blocking; empty once the queue is closed and empty."""
         with self._cond:
             while not self._jobs and not self._closed:
                 self._has_jobs.wait()
-            return self._jobs.popleft() if self._jobs else None
+            count = min(most, max(1, -(-len(self._jobs) // takers)), len(self._jobs))
+            return [self._jobs.popleft() for _ in range(count)]
 
-    def done(self, job: ChunkWrite) -> None:
+    def take_ready(self) -> list[ChunkWrite]:
+        """Every queued job, without waiting (empty when none is queued)."""
         with self._cond:
-            self._bytes -= job.nbytes
-            self._unfinished -= 1
+            jobs = list(self._jobs)
+            self._jobs.clear()
+            return jobs
+
+    def done_many(self, jobs: list[ChunkWrite]) -> None:
+        """The jobs were written (or dropped): their bytes and count leave the queue."""
+        with self._cond:
+            self._bytes -= sum(job.nbytes for job in jobs)
+            self._unfinished -= len(jobs)
             self._cond.notify_all()
 
     def wait_empty(self, timeout_s: float) -> bool:

@@ -1,12 +1,14 @@
 """Writing chunks: admission, the write-back threads, reservation and eviction, publishing.
 
 A store call only registers and enqueues (``submit_many``); writer threads take
-each chunk from the byte-bounded queue, yield to reads in flight, pick the root
-(rendezvous hashing over healthy roots), reserve the file's bytes against that
-root's budget (evicting least recently used, unpinned chunks, and more while the
-filesystem is below ``nvme.min_free_gb``), write
-``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place.  Only then is the
-chunk indexed, and only then is its host memory released.
+their share of the byte-bounded queue as a batch, yield to reads in flight, pick
+each chunk's root (rendezvous hashing over healthy roots), reserve the file's bytes
+against that root's budget (evicting least recently used, unpinned chunks, and more
+while the filesystem is below ``nvme.min_free_gb``), write
+``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place: the whole batch in
+one call of the native engine (``io/native.py``) when it is built, chunk by chunk
+through the Python engine otherwise.  Only then is a chunk indexed, and only then
+is its host memory released.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import logging
 import os
 import threading
@@ -31,8 +34,10 @@ from ..disk.format import (
     text_bytes,
 )
 from ..disk.gpusum import host_checksum
-from ..disk.layout import temp_name
-from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath
+from ..disk.layout import CHUNK_SUFFIX, temp_name
+from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath, root_descriptor
+from ..io import native
+from ..io.native import NativeEngine, WriteItem
 from ..io.posix import NotAChunkFile, PosixIOEngine, create_in_dir
 from .catalog import Catalog
 from .index import IndexEntry
@@ -53,6 +58,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WRITER_NICE = 10
+#: Most chunks one writer takes from the queue at a time (its share of the queue otherwise).
+MAX_WRITE_BATCH = 16
+#: How long a closing store waits for cancelled native writes to hand their buffers back.
+CANCEL_WAIT_S = 5.0
+_FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 
 
 class SubmitResult(enum.Enum):
@@ -67,11 +77,13 @@ class ChunkWriter:
     """Admission and write-back of one store."""
 
     def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots,
-                 engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats) -> None:
+                 engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats,
+                 native_engine: NativeEngine | None = None) -> None:
         self.settings = settings
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
+        self.native = native_engine
         self._gate = gate
         self._stats = stats
         self._queue = WriteBackQueue(settings.write_queue_bytes)
@@ -82,10 +94,16 @@ class ChunkWriter:
         self.record_gpu_checksums = False
         # Shared mode: the directory's budget is kept with the other members there.
         self.shared: SharedTree | None = None
-        self.threads = [
+        # The native engine writes on threads of its own; the Python engine on these.
+        self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
-            for i in range(settings.write_threads or len(roots))
+            for i in range(self.writer_count(settings, len(roots)))
         ]
+
+    @staticmethod
+    def writer_count(settings: NVMeSettings, roots: int) -> int:
+        """Writer threads (``nvme.write_threads``; 0: one per path)."""
+        return settings.write_threads or roots
 
     def start(self) -> None:
         for t in self.threads:
@@ -119,6 +137,8 @@ class ChunkWriter:
         jobs = {i: writes[i] for i, is_new in zip(admitted, fresh, strict=True) if is_new}
         if jobs:
             self._enqueue(jobs, results)
+            if self.native is not None:
+                self._dispatch(self._queue.take_ready())
         for w, result in zip(writes, results, strict=True):
             if result is not SubmitResult.QUEUED:
                 w.release()
@@ -168,58 +188,153 @@ class ChunkWriter:
     def _writer_loop(self) -> None:
         _lower_thread_cpu_priority()
         self.engine.prepare_thread()
-        while (job := self._queue.take()) is not None:
+        while jobs := self._queue.take_share(len(self.threads), MAX_WRITE_BATCH):
             try:
                 self._gate.wait_for_readers()
-                self._persist(job)
-            except Exception:  # a writer thread must survive anything one job does
-                logger.exception("NVMe tier: unexpected error persisting %s", job.key)
-                self._stats.add(Counter.WRITE_FAILURES)
+                self._persist(jobs)
+            except Exception:  # a writer thread must survive anything one batch does
+                logger.exception("NVMe tier: unexpected error persisting %d chunk(s)",
+                                 len(jobs))
+                self._stats.add(Counter.WRITE_FAILURES, len(jobs))
             finally:
-                self._catalog.end_pending([job.digest])
-                self._end_job(job)
+                self._catalog.end_pending(job.digest for job in jobs)
+                self._end_jobs(jobs)
 
-    def _persist(self, job: ChunkWrite) -> None:
-        root = self._roots.choose(job.digest)
-        if root is None:
-            self._stats.add(Counter.WRITE_FAILURES)
-            return
-        size = file_size_for(job.nbytes)
-        if not self._reserve(root, size):
-            self._stats.add(Counter.CAPACITY_DROPS)
-            return
-        final = root.layout.chunk_path(job.ns_id, job.digest)
-        published = False
-        started = time.perf_counter()
-        try:
-            self._write_and_publish(root, job, final)
-            published = True
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                # A full filesystem is not a failing drive: drop this write, keep serving.
+    def _persist(self, jobs: list[ChunkWrite]) -> None:
+        """Place, reserve, write and publish a batch through the Python engine."""
+        placed, _ = self._place(jobs, None)
+        for job, root, size in placed:
+            started = time.perf_counter()
+            error = self._write_python(job, root)
+            self._settle(job, root, size, error, time.perf_counter() - started)
+
+    def _place(self, jobs: list[ChunkWrite], deferred: list[list[IndexEntry]] | None
+               ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[ChunkWrite]]:
+        """Each job's root and reserved bytes; and the jobs with no root or no room (counted).
+
+        With ``deferred``, each placed job's eviction victims are appended to it (see
+        ``_reserve``)."""
+        placed: list[tuple[ChunkWrite, RootState, int]] = []
+        dropped: list[ChunkWrite] = []
+        for job in jobs:
+            root = self._roots.choose(job.digest)
+            size = file_size_for(job.nbytes)
+            victims: list[IndexEntry] | None = None if deferred is None else []
+            if root is None:
+                self._stats.add(Counter.WRITE_FAILURES)
+            elif not self._reserve(root, size, victims):
                 self._stats.add(Counter.CAPACITY_DROPS)
-                self._free[root.index].refresh()
-                note_full(root, exc)
-            elif isinstance(exc, NotAChunkFile):
-                # A link or file planted where the tree needs a directory: never followed,
-                # this write is dropped, the drive is fine.
-                self._stats.add(Counter.WRITE_FAILURES)
-                logger.warning("NVMe tier: not writing %s: %s", final, exc)
             else:
-                self._stats.add(Counter.WRITE_FAILURES)
-                self._roots.record_error(root, exc)
-        finally:
-            if published:
-                self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size,
-                                                 job.meta, time.time_ns()), reserved=size)
-            else:
-                self._catalog.release(root.index, size)
-        if published:
+                placed.append((job, root, size))
+                if deferred is not None and victims is not None:
+                    deferred.append(victims)
+                continue
+            dropped.append(job)
+        return placed, dropped
+
+    def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
+                seconds: float) -> None:
+        """Index a published chunk in place of its reservation, or give the bytes back and
+        count why it was not published."""
+        if error is None:
+            self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
+                                             time.time_ns()), reserved=size)
             root.consecutive_errors = 0
             note_space(root)
-            self._stats.record_write(job.nbytes, time.perf_counter() - started)
+            self._stats.record_write(job.nbytes, seconds)
             if job.on_persisted is not None:
                 job.on_persisted()
+            return
+        self._catalog.release(root.index, size)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            # A full filesystem is not a failing drive: drop this write, keep serving.
+            self._stats.add(Counter.CAPACITY_DROPS)
+            self._free[root.index].refresh()
+            note_full(root, error)
+        elif isinstance(error, NotAChunkFile):
+            # A link or file planted where the tree needs a directory: never followed,
+            # this write is dropped, the drive is fine.
+            self._stats.add(Counter.WRITE_FAILURES)
+            logger.warning("NVMe tier: not writing %s: %s",
+                           root.layout.chunk_path(job.ns_id, job.digest), error)
+        else:
+            self._stats.add(Counter.WRITE_FAILURES)
+            self._roots.record_error(root, error)
+
+    def _write_python(self, job: ChunkWrite, root: RootState) -> OSError | None:
+        try:
+            self._write_and_publish(root, job, root.layout.chunk_path(job.ns_id, job.digest))
+        except OSError as exc:
+            return exc
+        return None
+
+    # -- the native engine -------------------------------------------------------------
+
+    def _dispatch(self, jobs: list[ChunkWrite]) -> None:
+        """Hand queued jobs to the native engine's writers (on the submitting thread: no
+        hand-off); ``_written`` settles them when the batch is done."""
+        assert self.native is not None
+        if not jobs:
+            return
+        victims: list[list[IndexEntry]] = []
+        placed, dropped = self._place(jobs, victims)
+        self._finish(dropped)
+        if not placed:
+            return
+        items = [self._write_item(job, root, gone)
+                 for (job, root, _), gone in zip(placed, victims, strict=True)]
+        try:
+            self.native.submit_write(items, functools.partial(
+                self._written, placed, victims, time.perf_counter()))
+        except BaseException:
+            for _, root, size in placed:
+                self._catalog.release(root.index, size)
+            self._finish([job for job, _, _ in placed])
+            raise
+
+    def _written(self, placed: list[tuple[ChunkWrite, RootState, int]],
+                 victims: list[list[IndexEntry]], started: float, result: native.Batch
+                 ) -> None:
+        """A batch of native writes finished (on the engine's completion thread)."""
+        errors: dict[int, OSError | None] = {}
+        for index, status, err in result.details:
+            job, root, _ = placed[index]
+            if status == native.NEW_NAMESPACE:
+                write_namespace_file(root.layout, job.ns_id, job.namespace,
+                                     self.settings.file_mode)
+            else:
+                errors[index] = _os_error(err, root.layout.chunk_path(job.ns_id, job.digest))
+        seconds = (time.perf_counter() - started) / len(placed)
+        try:
+            for i, (job, root, size) in enumerate(placed):
+                self._free[root.index].freed(sum(v.size for v in victims[i]))
+                error = errors.get(i)
+                if error is not None and error.errno == errno.ECANCELED:  # closing
+                    self._catalog.release(root.index, size)
+                else:
+                    self._settle(job, root, size, error, seconds)
+        finally:
+            self._finish([job for job, _, _ in placed])
+
+    def _finish(self, jobs: list[ChunkWrite]) -> None:
+        """The jobs ended (written or not): no longer pending, buffers released."""
+        if jobs:
+            self._catalog.end_pending(job.digest for job in jobs)
+            self._end_jobs(jobs)
+
+    def _write_item(self, job: ChunkWrite, root: RootState, victims: list[IndexEntry]
+                    ) -> WriteItem:
+        gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
+        if gpu_sum is not None:
+            self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+        final = job.digest + CHUNK_SUFFIX
+        layout = root.layout
+        return WriteItem(root_descriptor(layout.root), layout.shard_rel(job.ns_id, job.digest)
+                         .encode(), temp_name(final).encode(), final.encode(), job.payload,
+                         text_bytes(job.key), text_bytes(job.namespace), job.meta.to_json(),
+                         gpu_sum, root.direct, self.settings.file_mode, self.settings.dir_mode,
+                         _FSYNC_LEVEL[self.settings.fsync],
+                         tuple(layout.chunk_rel(v.ns_id, v.digest).encode() for v in victims))
 
     def _write_and_publish(self, root: RootState, job: ChunkWrite, final: Path) -> None:
         """Write the chunk under this thread's temp name and rename it to ``final``.
@@ -281,49 +396,86 @@ class ChunkWriter:
         finally:
             os.close(fd)
 
-    def _end_job(self, job: ChunkWrite) -> None:
+    def _end_jobs(self, jobs: list[ChunkWrite]) -> None:
         try:
-            job.release()
+            for job in jobs:
+                try:
+                    job.release()
+                except Exception:  # one caller's callback must not keep the rest
+                    logger.exception("NVMe tier: releasing the buffer of %s failed", job.key)
         finally:
-            self._queue.done(job)
+            self._queue.done_many(jobs)
 
     # -- capacity --------------------------------------------------------------
 
-    def _reserve(self, root: RootState, size: int) -> bool:
-        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space
-        (shared mode: of the directory's one budget, evicting its LRU chunks, whoever
-        wrote them)."""
+    def _reserve(self, root: RootState, size: int,
+                 deferred: list[IndexEntry] | None = None) -> bool:
+        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
+
+        With ``deferred`` the victims leave the index here but their files are only
+        added to it: the write that needs the room removes them first (the native engine,
+        in the same job), and the free-space guard counts them as freed meanwhile.  In
+        shared mode the room is the directory's one budget, kept with the other members
+        (``store/shared.py``): its victims are claimed and deleted there, never deferred.
+        """
         if self.shared is not None:
             return self.shared.reserve(root, size, self._free[root.index])
         victims = self._catalog.reserve(root.index, size)
         if victims is None:
             return False
-        self.evict(victims)
         guard = self._free[root.index]
+        self._evict(victims, guard, deferred)
         while not guard.room_for(size):
             oldest = self._catalog.pop_oldest_unpinned(root.index)
             if oldest is None:
                 self._catalog.release(root.index, size)
                 note_full(root, None)
                 return False
-            self.evict([oldest])
-            guard.refresh()
+            self._evict([oldest], guard, deferred)
+            if deferred is None:
+                guard.refresh()
         return True
+
+    def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
+               deferred: list[IndexEntry] | None) -> None:
+        if deferred is None:
+            self.evict(victims)
+            return
+        deferred += victims
+        guard.will_free(sum(victim.size for victim in victims))
+        self._evicted(victims)
 
     def evict(self, victims: list[IndexEntry]) -> None:
         """Delete the files of entries already taken out of the index, and say so."""
-        for victim in victims:
-            self.unlink(victim)
-            self._stats.add(Counter.EVICTIONS)
-            self._stats.add(Counter.EVICTED_BYTES, victim.size)
-        self._catalog.notify_removed(victims)
+        if victims:
+            self.unlink(victims)
+            self._evicted(victims)
 
-    def unlink(self, entry: IndexEntry) -> None:
-        """Delete an entry's file (shared mode: claimed and accounted for first)."""
+    def _evicted(self, victims: list[IndexEntry]) -> None:
+        if victims:
+            self._stats.add(Counter.EVICTIONS, len(victims))
+            self._stats.add(Counter.EVICTED_BYTES, sum(victim.size for victim in victims))
+            self._catalog.notify_removed(victims)
+
+    def unlink(self, entries: list[IndexEntry]) -> None:
+        """Remove the entries' files (one already gone is fine; other failures are logged;
+        shared mode: claimed and accounted for in the directory's ledger first)."""
         if self.shared is not None:
-            self.shared.delete(entry)
+            self.shared.delete(entries)
             return
-        unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id, entry.digest))
+        if self.native is None:
+            for entry in entries:
+                unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
+                                                                         entry.digest))
+            return
+        roots = [self._roots[entry.root] for entry in entries]
+        errors = self.native.unlink([
+            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest).encode())
+            for root, e in zip(roots, entries, strict=True)])
+        for root, entry, err in zip(roots, entries, errors, strict=True):
+            if err not in (0, errno.ENOENT):
+                logger.debug("could not remove %s: %s", root.layout.chunk_path(
+                    entry.ns_id, entry.digest), os.strerror(err))
 
     # -- shutdown --------------------------------------------------------------
 
@@ -333,11 +485,23 @@ class ChunkWriter:
         if not self.flush(timeout_s):
             logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
                            "rest.", timeout_s)
-        for job in self._queue.close():
-            self._catalog.end_pending([job.digest])
-            self._end_job(job)
+            if self.native is not None:  # writes not started end as cancelled
+                self.native.cancel_writes()
+                self.flush(CANCEL_WAIT_S)
+        left = self._queue.close()
+        self._catalog.end_pending(job.digest for job in left)
+        self._end_jobs(left)
         for t in self.threads:
             t.join()
+
+
+def _os_error(err: int, path: Path) -> OSError:
+    """The exception the Python engine raises for ``err`` writing ``path``: a link, or a
+    file where the tree needs a directory, is ``NotAChunkFile`` (as ``safe_fs`` says)."""
+    if err in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        return NotAChunkFile(err, "a link or a non-directory in the cache tree (never "
+                                  "followed)", str(path))
+    return OSError(err, os.strerror(err), str(path))
 
 
 def _lower_thread_cpu_priority() -> None:
@@ -375,6 +539,18 @@ class FreeSpaceGuard:
         self._free = 0
         self._written = 0
         self._asked_at = -self.CHECK_S
+        self._pending = 0  # bytes of evicted files whose removal is still queued
+
+    def will_free(self, nbytes: int) -> None:
+        """Evicted files that a queued write removes before it writes: count them as free."""
+        with self._lock:
+            self._pending += nbytes
+            self._free += nbytes
+
+    def freed(self, nbytes: int) -> None:
+        """Those files are gone now (the kernel's next answer includes them)."""
+        with self._lock:
+            self._pending -= nbytes
 
     def refresh(self) -> None:
         """Ask the kernel now (after a deletion, or when a write found the disk full)."""
@@ -387,7 +563,7 @@ class FreeSpaceGuard:
             now = time.monotonic()
             if (now - self._asked_at >= self.CHECK_S or self._written >= self.CHECK_BYTES
                     or self._free - size - self.CHECK_BYTES < self._min_free):
-                self._free = free_bytes(self._path)
+                self._free = free_bytes(self._path) + self._pending
                 self._asked_at = now
                 self._written = 0
             if self._free - size < self._min_free:

@@ -265,13 +265,19 @@ def lmcache_key(i: int) -> CacheEngineKey:
     return CacheEngineKey("gpu-test-model", 1, 0, 1000 + i, torch.bfloat16)
 
 
-def writer_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("nvme-writer")}
+def tier_threads() -> set[str]:
+    """The tier's threads in this process: Python ones by name (``nvme-writer-*``,
+    ``nvme-io-done``), the native engine's by their kernel names (``nvme-native-*``)."""
+    python = {f"{t.name}:{t.native_id}" for t in threading.enumerate()
+              if t.name.startswith(("nvme-writer", "nvme-io-done"))}
+    native = {f"{task.name}" for task in Path("/proc/self/task").iterdir()
+              if (task / "comm").read_text().startswith("nvme-native")}
+    return python | native
 
 
 @needs_no_cuda
 def test_strict_mode_refuses_to_start_without_a_gpu(tmp_path: Path) -> None:
-    writers_before = writer_threads()
+    before = tier_threads()
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
@@ -284,8 +290,8 @@ def test_strict_mode_refuses_to_start_without_a_gpu(tmp_path: Path) -> None:
     finally:
         logging.getLogger("lmcache_nvme_backend").removeHandler(handler)
     assert any(m.startswith("NVMe tier NOT loaded: nvme.gds_mode: 'on' (strict)") for m in seen)
-    # the store it had opened is closed again: no writer threads left behind
-    assert writer_threads() <= writers_before
+    # the store it had opened is closed again: no threads of it left behind
+    assert tier_threads() <= before
 
 
 def test_strict_mode_refuses_a_cpu_worker(tmp_path: Path) -> None:

@@ -3,8 +3,6 @@ an unusable path at startup.  Nothing may crash, nothing wrong may be served."""
 
 from __future__ import annotations
 
-import errno
-import os
 import shutil
 import subprocess
 import time
@@ -13,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from support.chunks import NS, meta_for, payload_for, read
+from support.io_faults import FlakyReads, fail_writes_under
 from support.mounts import tmpfs
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.config import NVMeConfigError
-from lmcache_nvme_backend.io.posix import PosixIOEngine, ReadRequest, ShortFileError
 from lmcache_nvme_backend.store import roots as roots_mod
 from lmcache_nvme_backend.store import writer as writer_mod
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
@@ -86,35 +84,6 @@ def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
     assert not temp_files(small_fs)
 
 
-class FlakyReads:
-    """Injects EIO, a short read or EACCES into every chunk read of a store's engine.
-
-    The bytes are really read; then the piece's transfer fails, as a drive or a
-    file system would report it, before the chunk is judged.
-    """
-
-    mode = "eio"
-
-    def __init__(self, engine: PosixIOEngine) -> None:
-        self.engine = engine
-        self.real = engine._transfer
-
-    def __enter__(self) -> FlakyReads:
-        self.engine._transfer = self.transfer  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine._transfer = self.real  # type: ignore[method-assign]
-
-    def transfer(self, req: ReadRequest, piece: object) -> None:
-        self.real(req, piece)  # type: ignore[arg-type]
-        if self.mode == "eio":
-            raise OSError(errno.EIO, "injected EIO")
-        if self.mode == "short":
-            raise ShortFileError(errno.EIO, "injected short read")
-        raise PermissionError(errno.EACCES, "injected permission denied")
-
-
 @pytest.mark.parametrize("mode", ["eio", "short"])
 def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str,
                                                  open_store: StoreFactory) -> None:
@@ -122,8 +91,7 @@ def test_injected_read_errors_are_counted_misses(tmp_path: Path, mode: str,
     try:
         put(store, "a")
         assert store.flush(10)
-        FlakyReads.mode = mode
-        with FlakyReads(store.io_engine):
+        with FlakyReads(store, mode):
             assert read(store, "a", SIZE) is None
             assert store.counter("read_failures") == 1
         if mode == "eio":  # the file is intact: served again once the drive answers
@@ -144,8 +112,7 @@ def test_unreadable_files_are_misses_and_never_take_the_path_out_of_service(
         for key in keys:
             put(store, key)
         assert store.flush(10)
-        FlakyReads.mode = "eacces"
-        with FlakyReads(store.io_engine):
+        with FlakyReads(store, "eacces"):
             assert all(read(store, key, SIZE) is None for key in keys)
         assert all(root.healthy for root in store.describe_roots())
         assert store.counter("read_failures") == len(keys)
@@ -212,14 +179,7 @@ def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
     # when it goes out of service, and the failure count would depend on timing.
     store = open_store(bad_root, good_root, write_threads=1)
     try:
-        real_write = store.io_engine.write_hashed_to
-
-        def failing_write(fd: int, *args: object, **kw: object) -> None:
-            if bad_root in Path(os.readlink(f"/proc/self/fd/{fd}")).parents:
-                raise OSError(errno.EIO, "injected EIO")
-            real_write(fd, *args, **kw)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(store.io_engine, "write_hashed_to", failing_write)
+        fail_writes_under(store, bad_root)
         keys = [f"k{i}" for i in range(30)]
         for key in keys:
             put(store, key, 4096)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.chunks import meta_for
+from support.io_faults import before_each_write
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.store.chunk_store import SubmitResult
@@ -27,13 +28,7 @@ def test_slow_drive_drops_are_counted_and_queue_stays_in_budget(tmp_path: Path, 
                                                                 open_store: StoreFactory
                                                                 ) -> None:
     store = open_store(tmp_path / "c", write_queue_mb=1, queue_full_policy=policy)
-    real_write = store.io_engine.write_hashed_to
-
-    def slow_write(*args: object, **kw: object) -> None:
-        time.sleep(0.01)  # a drive far slower than the submit loop
-        real_write(*args, **kw)  # type: ignore[arg-type]
-
-    store.io_engine.write_hashed_to = slow_write  # type: ignore[method-assign]
+    before_each_write(store, lambda: time.sleep(0.01))  # far slower than the submit loop
     peak = 0
     stop = threading.Event()
 

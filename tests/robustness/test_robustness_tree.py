@@ -24,6 +24,7 @@ from support.hostile import (
     run_cli,
     snapshot,
 )
+from support.io_faults import before_each_write
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.layout import this_host
@@ -345,15 +346,13 @@ def test_a_short_file_another_member_published_is_a_quarantined_miss(
 
 def test_flush_waits_for_a_zero_byte_chunk(tmp_path: Path, open_store: StoreFactory) -> None:
     store = open_store(tmp_path / "cache")
-    real = store.io_engine.write_hashed_to
     calls: list[int] = []
 
-    def slow_write(*args: object, **kwargs: object) -> None:
+    def slow_write() -> None:
         calls.append(1)
         time.sleep(0.3)
-        real(*args, **kwargs)  # type: ignore[arg-type]
 
-    store.io_engine.write_hashed_to = slow_write  # type: ignore[method-assign]
+    before_each_write(store, slow_write)
     put(store, "empty", 0)
     assert store.flush(10)
     assert calls == [1], "the write the flush waited for went through the slowed path"

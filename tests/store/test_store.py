@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.chunks import CHUNK, NS, files_on_disk, meta_for, payload_for, put, read
+from support.io_faults import before_each_write
 from support.process import child_env, module_command
 from support.stores import StoreFactory
 
@@ -216,14 +217,12 @@ class BlockedWrites:
     def __init__(self, store: ChunkStore) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
-        original = store.io_engine.write_hashed_to
 
-        def blocked(*args: object, **kwargs: object) -> None:
+        def blocked() -> None:
             self.started.release()
             self.release.wait(30)
-            original(*args, **kwargs)  # type: ignore[arg-type]
 
-        store.io_engine.write_hashed_to = blocked  # type: ignore[method-assign]
+        before_each_write(store, blocked)
 
 
 def test_full_queue_drops_and_counts_without_blocking(open_store: StoreFactory) -> None:
@@ -315,15 +314,15 @@ def test_writer_threads_yield_cpu_to_the_engine(open_store: StoreFactory) -> Non
     put(store, "a")
     put(store, "b")
     store.flush(10)
-    assert all(os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == 10
-               for t in store.writer_threads)
+    assert store.writer_thread_ids
+    assert all(os.getpriority(os.PRIO_PROCESS, tid) == 10 for tid in store.writer_thread_ids)
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0
 
 
 def test_default_is_one_writer_per_path(tmp_path: Path, open_store: StoreFactory) -> None:
     store = open_store(tmp_path / "d0", tmp_path / "d1", tmp_path / "d2", max_size_gb=SMALL)
     try:
-        assert len(store.writer_threads) == 3
+        assert len(store.writer_thread_ids) == 3
         for i in range(12):
             put(store, f"spread-{i}")
         store.flush(10)

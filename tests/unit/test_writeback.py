@@ -113,34 +113,44 @@ def test_waiting_offer_succeeds_when_space_is_freed(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
     first = job("a", 800)
     assert queue.offer_many([first], wait_s=0)[0]
-    assert queue.take() is first  # taken, but its bytes stay held until done()
+    assert queue.take_share(1, 1) == [first]  # taken; its bytes stay held until done
     assert queue.bytes_held == 800
     second = job("b", 500)
     offerer = Worker(lambda: queue.offer_many([second], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     assert queue.depth == 0  # still blocked: nothing enqueued yet
-    queue.done(first)
+    queue.done_many([first])
     assert offerer.finish() is True
     assert (queue.bytes_held, queue.depth) == (500, 1)
-    assert queue.take() is second
+    assert queue.take_share(1, 1) == [second]
 
 
 def test_take_is_fifo(queue: WriteBackQueue, job: MakeJob) -> None:
     jobs = [job(str(i), 10 * (i + 1)) for i in range(5)]
     for j in jobs:
         assert queue.offer_many([j], wait_s=0)[0]
-    assert [queue.take() for _ in jobs] == jobs
+    assert [queue.take_share(1, 1)[0] for _ in jobs] == jobs
     assert queue.depth == 0 and queue.bytes_held == sum(j.nbytes for j in jobs)
 
 
+def test_each_taker_takes_its_share_of_the_queue(queue: WriteBackQueue, job: MakeJob) -> None:
+    jobs = [job(str(i), 1) for i in range(10)]
+    assert all(queue.offer_many(jobs, wait_s=0))
+    assert queue.take_share(4, 16) == jobs[:3]  # a quarter of 10, rounded up
+    assert queue.take_share(4, 2) == jobs[3:5]  # at most 2
+    assert queue.take_share(1, 16) == jobs[5:]  # all the rest
+    queue.done_many(jobs)
+    assert queue.bytes_held == 0 and queue.wait_empty(0)
+
+
 def test_take_blocks_until_a_job_arrives(queue: WriteBackQueue, job: MakeJob) -> None:
-    taker = Worker(queue.take)
+    taker = Worker(lambda: queue.take_share(1, 1))
     taker.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     j = job("a", 1)
     assert queue.offer_many([j], wait_s=0)[0]
-    assert taker.finish() is j
+    assert taker.finish() == [j]
 
 
 def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
@@ -149,23 +159,22 @@ def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
     queue.offer_many([a], wait_s=0)
     queue.offer_many([b], wait_s=0)
     assert queue.wait_empty(0) is False
-    queue.take()
-    queue.take()
+    queue.take_share(1, 2)
     assert queue.wait_empty(0) is False  # taken is not done
-    queue.done(a)
+    queue.done_many([a])
     assert queue.bytes_held == 200 and queue.wait_empty(0) is False
-    queue.done(b)
+    queue.done_many([b])
     assert queue.bytes_held == 0 and queue.wait_empty(0) is True
 
 
 def test_wait_empty_wakes_on_done(queue: WriteBackQueue, job: MakeJob) -> None:
     a = job("a", 100)
     queue.offer_many([a], wait_s=0)
-    queue.take()
+    queue.take_share(1, 1)
     waiter = Worker(lambda: queue.wait_empty(60))
     waiter.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
-    queue.done(a)
+    queue.done_many([a])
     assert waiter.finish() is True
 
 
@@ -173,11 +182,11 @@ def test_close_returns_untaken_jobs(queue: WriteBackQueue, job: MakeJob) -> None
     a, b, c = job("a", 1), job("b", 2), job("c", 3)
     for j in (a, b, c):
         queue.offer_many([j], wait_s=0)
-    assert queue.take() is a
+    assert queue.take_share(1, 1) == [a]
     assert queue.close() == [b, c]
     assert queue.depth == 0
-    assert queue.take() is None
-    assert queue.take() is None
+    assert queue.take_share(1, 1) == []
+    assert queue.take_share(3, 5) == []
     assert queue.close() == []
 
 
@@ -189,11 +198,11 @@ def test_offer_after_close_is_refused(queue: WriteBackQueue, job: MakeJob) -> No
 
 
 def test_close_wakes_blocked_take(queue: WriteBackQueue) -> None:
-    taker = Worker(queue.take)
+    taker = Worker(lambda: queue.take_share(1, 1))
     taker.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     queue.close()
-    assert taker.finish() is None
+    assert taker.finish() == []
 
 
 def test_close_wakes_blocked_offer(queue: WriteBackQueue, job: MakeJob) -> None:

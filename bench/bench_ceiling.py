@@ -1,0 +1,401 @@
+"""How many GiB/s one process can move through an L2 adapter: GIL-held and CPU time per GiB.
+
+On a big server (32-128 cores, several NVMe drives) one ``lmcache server`` process moves
+every chunk through one Python interpreter, so what bounds it is how long each GiB holds
+the GIL (ceiling = 1 / GIL-s per GiB), not how many cores there are.  This measures it for
+``NVMeL2Adapter``, LMCache's ``fs_native`` (C++ workers) and ``fs`` (Python), all with
+O_DIRECT, driven by LMCache's own ``bench_store`` / ``bench_load`` in steady state.
+
+Each measurement is a fresh child process holding one adapter:
+
+* **store**: every round stores fresh keys (4 tasks in flight, 16 MiB of objects per
+  task, or one object per task when objects are larger); the keys of the round before the
+  last are deleted through the adapter, so the directory stays small;
+* **load**: a working set is stored first (not measured), then loaded over and over into
+  other L1 buffers; every byte loaded in the first round of each pass over the working
+  set is compared with what was stored.
+
+After two warm-up rounds the child runs ``--seconds`` of rounds and reports:
+
+* GiB/s (bytes over the loop's wall time);
+* CPU-s/GiB: ``getrusage`` of the whole child (every thread: the adapter's, LMCache's,
+  native workers'); with our native engine also the checksum's share, timed by the engine
+  itself (thread CPU clock around each hash);
+* GIL-s/GiB and GIL acquisitions per chunk, exactly: the child runs with ``gilmeter.so``
+  preloaded (``bench/gilmeter.c``), which sees every take and drop of the GIL under its
+  mutex, per thread.  "main" is the bench's own thread (LMCache's bench loop, which also
+  calls the adapter's ``submit_*``); the rest is the adapter's threads;
+* GIL-releasing calls per chunk made under the adapter's own frames, from a separate
+  traced child (``sys.setprofile`` in every thread, a few rounds): blocking system calls of
+  ``os``/``select``/``time``, ``Condition.wait``, hashing, the ``openat2`` ctypes call, plus
+  the exact count our native engine keeps of its own releases.
+
+py-spy's ``--gil`` sampling was the first tool tried: on this 2-vCPU machine it saw less
+than half of the GIL-held time the meter measures in a controlled test (its samples land
+when a CPU is free, i.e. when threads just blocked), so it is not used for the figures.
+
+Medians over ``--runs`` (systems in rotated order each run), then a Markdown table::
+
+    sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive
+
+Needs CPython 3.11 on Linux and a C compiler (for the meter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import gilmeter
+from bench_l2_paired import fill_store_buffers, open_side, round_keys  # run as a script
+
+SYSTEMS = ("nvme", "fs_native", "fs")
+GIB = 1 << 30
+TASK_MB = 16
+IN_FLIGHT = 4
+WARMUP_ROUNDS = 2
+LOAD_SET_ROUNDS = 6
+# Whose frames count as "the adapter's own" in a trace.
+ADAPTER_FILES = {
+    "nvme": ("lmcache_nvme_backend/",),
+    "fs_native": ("l2_adapters/native_connector_l2_adapter.py",
+                  "l2_adapters/fs_native_l2_adapter.py"),
+    "fs": ("l2_adapters/fs_l2_adapter.py",),
+}
+# Built-in calls that release the GIL for their duration (and take it back after).
+RELEASING = {
+    "posix." + name for name in (
+        "open", "close", "read", "write", "pread", "pwrite", "preadv", "pwritev", "readv",
+        "writev", "fstat", "stat", "lstat", "rename", "replace", "unlink", "remove", "mkdir",
+        "rmdir", "fsync", "fdatasync", "fchmod", "listdir", "scandir", "statvfs", "fstatvfs",
+        "access", "posix_fadvise")
+} | {"time.sleep", "select.select", "select.poll.poll", "select.epoll.poll",
+     "_xxhash.xxh3_64_intdigest", "_xxhash.xxh3_64_digest", "_xxhash.xxh64_intdigest",
+     "_xxhash.xxh3_128_hexdigest"}
+RELEASING_PY = {"Condition.wait", "_Openat2.__call__"}
+
+
+def shape_for(size_mb: int) -> dict[str, int]:
+    num_keys = max(1, TASK_MB // size_mb)
+    return {"size": size_mb << 20, "num_keys": num_keys, "in_flight": IN_FLIGHT, "inner": 1}
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def native_counters() -> dict[str, float]:
+    """The native engine's own counters (GIL releases, hash CPU), when it is loaded."""
+    try:
+        from lmcache_nvme_backend.io import native
+    except ImportError:
+        return {}
+    return native.counters() if native.available() else {}
+
+
+# -- child ---------------------------------------------------------------------------------
+
+
+class Driver:
+    """One adapter in this process, driven round by round with LMCache's bench functions."""
+
+    def __init__(self, system: str, size_mb: int, root: Path, nvme_params: dict[str, Any]):
+        self.system = system
+        self.shape = shape_for(size_mb)
+        self.side = open_side(system, root, self.shape, nvme_params)
+        fill_store_buffers([self.side], seed=size_mb)
+        self.chunks_per_round = IN_FLIGHT * self.shape["num_keys"]
+        self.bytes_per_round = self.chunks_per_round * self.shape["size"]
+
+    def round(self, op: str, index: int) -> bool:
+        """One LMCache bench round; True when every key of it succeeded."""
+        from lmcache.cli.commands.bench.l2_adapter_bench.runner import bench_load, bench_store
+
+        keys = round_keys(self.shape, index, 0)
+        bench = bench_store if op == "store" else bench_load
+        objs = self.side.store_objs if op == "store" else self.side.load_objs
+        result = bench(self.side.adapter, in_flight=IN_FLIGHT, num_keys=self.shape["num_keys"],
+                       data_size=self.shape["size"], rounds=1,
+                       keys_for_round=lambda _r: keys, objs_for_round=lambda _r: objs,
+                       log=lambda _msg: None)
+        return not result.timed_out_rounds and sum(result.success_counts) == \
+            self.chunks_per_round
+
+    def delete(self, index: int) -> None:
+        if index >= 0:
+            self.side.adapter.delete([k for batch in round_keys(self.shape, index, 0)
+                                      for k in batch])
+
+    def loaded_equal(self) -> bool:
+        import torch
+
+        return all(torch.equal(s.raw_data, lo.raw_data)
+                   for stored, loaded in zip(self.side.store_objs, self.side.load_objs,
+                                             strict=True)
+                   for s, lo in zip(stored, loaded, strict=True))
+
+    def run(self, op: str, seconds: float | None, rounds: int | None,
+            before: Any = None) -> dict[str, Any]:
+        """Warm up, call ``before()``, then rounds for ``seconds`` (or ``rounds`` rounds)."""
+        if op == "load":
+            for i in range(LOAD_SET_ROUNDS):
+                if not self.round("store", i):
+                    raise SystemExit(f"{self.system}: storing the working set failed")
+        index = 0
+        ok = True
+        verified = True
+
+        def one() -> None:
+            nonlocal index, ok, verified
+            if op == "store":
+                ok &= self.round("store", LOAD_SET_ROUNDS + index)
+                self.delete(LOAD_SET_ROUNDS + index - 2)
+            else:
+                ok &= self.round("load", index % LOAD_SET_ROUNDS)
+                if index % LOAD_SET_ROUNDS == 0:
+                    verified &= self.loaded_equal()
+            index += 1
+
+        for _ in range(WARMUP_ROUNDS):
+            one()
+        if before is not None:
+            before()
+        measured_from = index
+        native_before = native_counters()
+        main_id = threading.get_native_id()
+        gil0, main0 = gilmeter.read(), gilmeter.read_thread(main_id)
+        cpu0, wall0 = cpu_seconds(), time.perf_counter()
+        while (seconds is not None and time.perf_counter() - wall0 < seconds) or \
+                (rounds is not None and index - measured_from < rounds):
+            one()
+        wall = time.perf_counter() - wall0
+        cpu = cpu_seconds() - cpu0
+        gil1, main1 = gilmeter.read(), gilmeter.read_thread(main_id)
+        native_after = native_counters()
+        n_rounds = index - measured_from
+        chunks = n_rounds * self.chunks_per_round
+        gib = n_rounds * self.bytes_per_round / GIB
+        native = {k: native_after[k] - native_before.get(k, 0) for k in native_after}
+        return {"system": self.system, "op": op, "size_mb": self.shape["size"] >> 20,
+                "rounds": n_rounds, "chunks": chunks, "wall_s": wall, "gib": gib,
+                "gibps": gib / wall, "cpu_s_per_gib": cpu / gib,
+                "hash_cpu_s_per_gib": native["hash_cpu_ns"] / 1e9 / gib if native else None,
+                "native_gil_releases": native.get("gil_releases"),
+                "gil_s_per_gib": (gil1[0] - gil0[0]) / gib,
+                "gil_main_s_per_gib": (main1[0] - main0[0]) / gib,
+                "gil_acquisitions_per_chunk": (gil1[1] - gil0[1]) / chunks,
+                "all_ok": ok, "verified": verified}
+
+    def close(self) -> None:
+        self.side.adapter.close()
+        shutil.rmtree(self.side.path, ignore_errors=True)
+
+
+class Tracer:
+    """Counts calls that release the GIL, made under the adapter's frames, in every thread."""
+
+    def __init__(self, adapter_files: tuple[str, ...]) -> None:
+        self.adapter_files = adapter_files
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.active = False
+
+    def _under_adapter(self, frame: Any) -> bool:
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if any(part in name for part in self.adapter_files):
+                return True
+            frame = frame.f_back
+        return False
+
+    def hook(self, frame: Any, event: str, arg: Any) -> None:
+        if not self.active:
+            return
+        if event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            module = getattr(arg, "__module__", None) or type(owner).__module__
+            name = f"{module}.{getattr(arg, '__qualname__', '?')}"
+            if name not in RELEASING:
+                return
+        elif event == "call":
+            name = frame.f_code.co_qualname
+            if name not in RELEASING_PY:
+                return
+            frame = frame.f_back
+        else:
+            return
+        if self._under_adapter(frame):
+            self.counts[name] += 1
+
+    def install(self) -> None:
+        sys.setprofile(self.hook)
+        threading.setprofile(self.hook)
+
+
+def child(args: argparse.Namespace) -> int:
+    nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
+    gilmeter.start()
+    tracer = Tracer(ADAPTER_FILES[args.system]) if args.trace else None
+    if tracer is not None:
+        tracer.install()  # before the adapter starts its threads
+    driver = Driver(args.system, args.size_mb, args.dir, nvme_params)
+    try:
+        if tracer is not None:
+            result = driver.run(args.op, None, args.trace,
+                                before=lambda: setattr(tracer, "active", True))
+            tracer.active = False
+            result["trace"] = dict(tracer.counts)
+        else:
+            result = driver.run(args.op, args.seconds, None)
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        driver.close()
+    return 0
+
+
+# -- parent --------------------------------------------------------------------------------
+
+
+def run_child(args: argparse.Namespace, system: str, size_mb: int, op: str,
+              trace: int = 0) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, str(args.path), "--child", "--system", system,
+           "--size-mb", str(size_mb), "--op", op, "--dir", str(args.path),
+           "--seconds", str(args.seconds), "--nvme-params", args.nvme_params,
+           "--trace", str(trace)]
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
+               LMCACHE_DISABLE_BANNER="1", LMCACHE_LOG_LEVEL="WARNING",
+               OMP_WAIT_POLICY="PASSIVE", LD_PRELOAD=str(args.meter))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{system} {op} {size_mb} MiB: child exited ({proc.returncode}) "
+                       "without a result")
+
+
+def trace(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dict[str, Any]:
+    result = run_child(args, system, size_mb, op, trace=args.trace_rounds)
+    chunks = result["chunks"]
+    calls = sum(result["trace"].values())
+    native = result.get("native_gil_releases") or 0
+    what = {k: round(v / chunks, 2) for k, v in sorted(result["trace"].items(),
+                                                         key=lambda kv: -kv[1])}
+    if native:
+        what["native engine"] = round(native / chunks, 2)
+    return {"releases_per_chunk": (calls + native) / chunks, "what": what}
+
+
+def med(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f}" if values else "n/a"
+
+
+def table(runs: list[dict[str, Any]], traces: dict[str, dict[str, Any]],
+          systems: list[str], sizes: list[int], ops: list[str]) -> list[str]:
+    lines = ["| object | op | system | GiB/s | CPU-s/GiB | of which checksum | GIL-s/GiB "
+             "| of which main thread | ceiling GiB/s | GIL vs fs_native | GIL acquisitions / "
+             "chunk | adapter's releasing calls / chunk |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        for op in ops:
+            def pick(system: str, metric: str, op: str = op,
+                     size: int = size) -> list[float]:
+                return [r[metric] for r in runs if r["system"] == system and
+                        r["size_mb"] == size and r["op"] == op and r[metric] is not None]
+            base = pick("fs_native", "gil_s_per_gib")
+            for system in systems:
+                gil = pick(system, "gil_s_per_gib")
+                hashes = pick(system, "hash_cpu_s_per_gib")
+                tr = traces.get(f"{system}/{size}/{op}")
+                ratio = (f"{statistics.median(gil) / statistics.median(base):.2f}x"
+                         if gil and base else "n/a")
+                ok = all(r["all_ok"] and r["verified"] for r in runs
+                         if r["system"] == system and r["size_mb"] == size and r["op"] == op)
+                cells = [f"{size} MiB", op, system, med(pick(system, "gibps")),
+                         med(pick(system, "cpu_s_per_gib")), med(hashes) if hashes else "-",
+                         med(gil), med(pick(system, "gil_main_s_per_gib")),
+                         f"{1 / statistics.median(gil):.0f}" if gil else "n/a",
+                         ratio + ("" if ok else " FAILED"),
+                         med(pick(system, "gil_acquisitions_per_chunk")),
+                         f"{tr['releases_per_chunk']:.2f}" if tr else "n/a"]
+                lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def parent(args: argparse.Namespace) -> int:
+    systems = args.systems.split(",")
+    sizes = [int(s) for s in args.sizes_mb.split(",")]
+    ops = args.ops.split(",")
+    args.path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as build_dir:
+        args.meter = gilmeter.build(Path(build_dir))
+        traces: dict[str, dict[str, Any]] = {}
+        if args.trace_rounds:
+            for size in sizes:
+                for system in systems:
+                    for op in ops:
+                        found = traces[f"{system}/{size}/{op}"] = trace(args, system, size, op)
+                        print(f"trace {system} {size} MiB {op}: {found}", flush=True)
+        runs: list[dict[str, Any]] = []
+        for run in range(args.runs):
+            for size in sizes:
+                order = systems[run % len(systems):] + systems[: run % len(systems)]
+                for system in order:
+                    for op in ops:
+                        r = run_child(args, system, size, op)
+                        r["run"] = run
+                        runs.append(r)
+                        print(f"run {run} {size} MiB {system} {op}: {r['gibps']:.2f} GiB/s, "
+                              f"CPU {r['cpu_s_per_gib']:.3f} s/GiB, GIL "
+                              f"{r['gil_s_per_gib']:.4f} s/GiB (main "
+                              f"{r['gil_main_s_per_gib']:.4f}), "
+                              f"{r['gil_acquisitions_per_chunk']:.1f} acquisitions/chunk"
+                              + ("" if r["all_ok"] and r["verified"] else " FAILED"),
+                              flush=True)
+    lines = table(runs, traces, systems, sizes, ops)
+    where = (f"{args.path}, {os.cpu_count()} CPUs, {args.runs} runs of {args.seconds:.0f} s per "
+             f"system, size and op; medians")
+    print("\n" + where + "\n" + "\n".join(lines))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"where": where, "runs": runs, "traces": traces,
+                                         "table": lines}, indent=1))
+    return 0 if all(r["all_ok"] and r["verified"] for r in runs) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", type=Path, help="a directory on the filesystem to test")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--sizes-mb", default="2,16,64", help="object sizes (default 2,16,64)")
+    parser.add_argument("--ops", default="store,load")
+    parser.add_argument("--runs", type=int, default=3, help="runs per configuration (3)")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds (8)")
+    parser.add_argument("--trace-rounds", type=int, default=4,
+                        help="rounds of the traced child that counts GIL round trips (0: none)")
+    parser.add_argument("--nvme-params", default="{}",
+                        help="extra adapter_params for NVMeL2Adapter (JSON)")
+    parser.add_argument("--json", type=Path, help="write every run and the table here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--op", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--trace", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    return child(args) if args.child else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,645 @@
+/* One chunk file read or written without the GIL; see chunkio.h. */
+#define _GNU_SOURCE
+#include "chunkio.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "xxh3.h"
+
+/* disk/format.py: "<8sHHIQQQHHH" then key, namespace, metadata; checksum at 4088 */
+#define FIXED_SIZE 46
+#define OFF_VERSION 8
+#define OFF_HEADER_SIZE 10
+#define OFF_FLAGS 12
+#define OFF_PAYLOAD_LEN 16
+#define OFF_CHECKSUM 24
+#define OFF_CREATED 32
+#define OFF_KEY_LEN 40
+#define OFF_NS_LEN 42
+#define OFF_META_LEN 44
+#define HEADER_CHECKSUM_OFFSET (CHUNK_HEADER_SIZE - 8)
+#define GPU_CHECKSUM_OFFSET (HEADER_CHECKSUM_OFFSET - 16)
+#define VARIABLE_SPACE (HEADER_CHECKSUM_OFFSET - FIXED_SIZE)
+#define FLAG_GPU_CHECKSUM 0x1u
+#define FORMAT_VERSION 2
+#define MAX_PAYLOAD_BYTES (1ull << 36)
+#define MAX_IO_CALL (0x7FFFF000u / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT)
+#define MAX_IOV 8
+
+static const uint8_t MAGIC[8] = {'L', 'M', 'C', 'N', 'V', 'M', 'E', 0};
+static const uint8_t ZEROS[CHUNK_ALIGNMENT];
+
+_Atomic uint64_t chunkio_hash_cpu_ns;
+_Atomic uint64_t chunkio_hashed_bytes;
+
+size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
+
+static uint64_t rd_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static unsigned rd_u16(const uint8_t *p) { return (unsigned)p[0] | ((unsigned)p[1] << 8); }
+
+static void wr_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static void wr_u16(uint8_t *p, unsigned v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static uint64_t thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int is_aligned(const void *p) { return ((uintptr_t)p % CHUNK_ALIGNMENT) == 0; }
+
+/* -- opening beneath a root (disk/safe_fs.py) ------------------------------------------ */
+
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+#define RESOLVE_NO_MAGICLINKS 0x02
+#define RESOLVE_NO_SYMLINKS 0x04
+#define RESOLVE_BENEATH 0x08
+
+struct open_how_v0 {
+    uint64_t flags;
+    uint64_t mode;
+    uint64_t resolve;
+};
+
+static atomic_int openat2_unavailable;
+
+static int walk_open(int root_fd, const char *rel, int flags, mode_t mode) {
+    char name[PATH_MAX];
+    size_t n = strlen(rel);
+    if (n >= sizeof(name)) return -ENAMETOOLONG;
+    memcpy(name, rel, n + 1);
+    int fd = root_fd;
+    char *part = name;
+    for (;;) {
+        char *slash = strchr(part, '/');
+        if (slash == NULL) break;
+        *slash = 0;
+        int next = openat(fd, part, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        int err = errno;
+        if (fd != root_fd) close(fd);
+        if (next < 0) return -err;
+        fd = next;
+        part = slash + 1;
+    }
+    int out = openat(fd, part, flags | O_NOFOLLOW | O_CLOEXEC, mode);
+    int err = errno;
+    if (fd != root_fd) close(fd);
+    return out < 0 ? -err : out;
+}
+
+int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
+    if (!atomic_load_explicit(&openat2_unavailable, memory_order_relaxed)) {
+        struct open_how_v0 how = {(uint64_t)(flags | O_CLOEXEC),
+                                  (flags & O_CREAT) ? (uint64_t)mode : 0,
+                                  RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS};
+        long fd = syscall(SYS_openat2, root_fd, rel, &how, sizeof(how));
+        if (fd >= 0) return (int)fd;
+        if (errno != ENOSYS && errno != EPERM) return -errno;
+        atomic_store(&openat2_unavailable, 1); /* an old kernel, or a seccomp filter */
+    }
+    return walk_open(root_fd, rel, flags, mode);
+}
+
+/* -- hashing ------------------------------------------------------------------------------ */
+
+/* Hashes the format's checksum blocks of the payload that lie wholly in [begin, end). */
+static void hash_blocks(const uint8_t *payload, uint64_t payload_len, size_t begin, size_t end,
+                        uint64_t *digests, uint8_t *hashed) {
+    uint64_t started = thread_cpu_ns();
+    uint64_t bytes = 0;
+    if (end > payload_len) end = (size_t)payload_len;
+    for (size_t b = (begin + CHUNK_BLOCK_SIZE - 1) / CHUNK_BLOCK_SIZE;; b++) {
+        size_t lo = b * (size_t)CHUNK_BLOCK_SIZE;
+        size_t hi = lo + CHUNK_BLOCK_SIZE < payload_len ? lo + CHUNK_BLOCK_SIZE
+                                                       : (size_t)payload_len;
+        if (lo >= end || hi > end) break;
+        digests[b] = xxh3_64(payload + lo, hi - lo);
+        if (hashed) hashed[b] = 1;
+        bytes += hi - lo;
+    }
+    if (bytes) {
+        atomic_fetch_add(&chunkio_hash_cpu_ns, thread_cpu_ns() - started);
+        atomic_fetch_add(&chunkio_hashed_bytes, bytes);
+    }
+}
+
+static uint64_t combine_digests(const uint64_t *digests, size_t blocks) {
+    return xxh3_64(digests, blocks * 8);
+}
+
+static uint64_t whole_checksum(const uint8_t *payload, uint64_t len) {
+    uint64_t started = thread_cpu_ns();
+    uint64_t sum = xxh3_64(payload, (size_t)len);
+    atomic_fetch_add(&chunkio_hash_cpu_ns, thread_cpu_ns() - started);
+    atomic_fetch_add(&chunkio_hashed_bytes, len);
+    return sum;
+}
+
+/* -- the header ----------------------------------------------------------------------- */
+
+int chunk_encode_header(uint8_t *out, const uint8_t *key, size_t key_len, const uint8_t *ns,
+                        size_t ns_len, const uint8_t *meta, size_t meta_len,
+                        uint64_t payload_len, uint64_t checksum, uint64_t created_ns,
+                        const uint64_t *gpu_checksum) {
+    if (key_len + ns_len + meta_len > VARIABLE_SPACE || payload_len > MAX_PAYLOAD_BYTES)
+        return -EINVAL;
+    size_t strings_end = FIXED_SIZE + key_len + ns_len + meta_len;
+    if (strings_end > GPU_CHECKSUM_OFFSET) gpu_checksum = NULL; /* no room: left out */
+    memset(out, 0, CHUNK_HEADER_SIZE);
+    memcpy(out, MAGIC, 8);
+    wr_u16(out + OFF_VERSION, FORMAT_VERSION);
+    wr_u16(out + OFF_HEADER_SIZE, CHUNK_HEADER_SIZE);
+    uint32_t flags = gpu_checksum ? FLAG_GPU_CHECKSUM : 0;
+    memcpy(out + OFF_FLAGS, &flags, 4);
+    wr_u64(out + OFF_PAYLOAD_LEN, payload_len);
+    wr_u64(out + OFF_CHECKSUM, checksum);
+    wr_u64(out + OFF_CREATED, created_ns);
+    wr_u16(out + OFF_KEY_LEN, (unsigned)key_len);
+    wr_u16(out + OFF_NS_LEN, (unsigned)ns_len);
+    wr_u16(out + OFF_META_LEN, (unsigned)meta_len);
+    memcpy(out + FIXED_SIZE, key, key_len);
+    memcpy(out + FIXED_SIZE + key_len, ns, ns_len);
+    memcpy(out + FIXED_SIZE + key_len + ns_len, meta, meta_len);
+    if (gpu_checksum) {
+        wr_u64(out + GPU_CHECKSUM_OFFSET, gpu_checksum[0]);
+        wr_u64(out + GPU_CHECKSUM_OFFSET + 8, gpu_checksum[1]);
+    }
+    wr_u64(out + HEADER_CHECKSUM_OFFSET, xxh3_64(out, HEADER_CHECKSUM_OFFSET));
+    return 0;
+}
+
+/* UTF-8 as Python decodes it with "surrogatepass" (encoded surrogates allowed). */
+static int utf8_ok(const uint8_t *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        size_t more;
+        uint32_t cp;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xE0) == 0xC0) {
+            more = 1;
+            cp = c & 0x1F;
+        } else if ((c & 0xF0) == 0xE0) {
+            more = 2;
+            cp = c & 0x0F;
+        } else if ((c & 0xF8) == 0xF0) {
+            more = 3;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        for (size_t k = 1; k <= more; k++) {
+            if (i + k >= n || (s[i + k] & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if ((more == 1 && cp < 0x80) || (more == 2 && cp < 0x800) ||
+            (more == 3 && (cp < 0x10000 || cp > 0x10FFFF)))
+            return 0;
+        i += more + 1;
+    }
+    return 1;
+}
+
+/* Whether the header is ours, intact, and names exactly what the reader expects, and the
+ * payload that landed matches its checksum: then disk/validate.judge_chunk would serve it
+ * too.  Anything else goes to that validator, which names the defect. */
+static int quick_verdict(const chunk_read *req) {
+    const uint8_t *h = req->header;
+    if (memcmp(h, MAGIC, 8) != 0) return 0;
+    unsigned version = rd_u16(h + OFF_VERSION);
+    if ((version != 1 && version != 2) || rd_u16(h + OFF_HEADER_SIZE) != CHUNK_HEADER_SIZE)
+        return 0;
+    if (xxh3_64(h, HEADER_CHECKSUM_OFFSET) != rd_u64(h + HEADER_CHECKSUM_OFFSET)) return 0;
+    size_t key_len = rd_u16(h + OFF_KEY_LEN), ns_len = rd_u16(h + OFF_NS_LEN),
+           meta_len = rd_u16(h + OFF_META_LEN);
+    if (key_len + ns_len + meta_len > VARIABLE_SPACE) return 0;
+    uint32_t flags;
+    memcpy(&flags, h + OFF_FLAGS, 4);
+    if ((flags & FLAG_GPU_CHECKSUM) && FIXED_SIZE + key_len + ns_len + meta_len > GPU_CHECKSUM_OFFSET)
+        return 0;
+    if (rd_u64(h + OFF_PAYLOAD_LEN) != req->payload_len) return 0;
+    if (key_len != req->key_len || memcmp(h + FIXED_SIZE, req->key, key_len) != 0) return 0;
+    if (!utf8_ok(h + FIXED_SIZE + key_len, ns_len)) return 0;
+    if (meta_len != req->meta_len ||
+        memcmp(h + FIXED_SIZE + key_len + ns_len, req->meta, meta_len) != 0)
+        return 0;
+    return rd_u64(h + OFF_CHECKSUM) == req->computed;
+}
+
+/* -- reads -------------------------------------------------------------------------------- */
+
+static void read_fail(chunk_read *req, int err) {
+    int none = 0;
+    atomic_compare_exchange_strong(&req->error, &none, err);
+}
+
+static void split_for_direct(const chunk_read *req, size_t *in_place, size_t *staged) {
+    size_t len = (size_t)req->payload_len;
+    if (!req->direct) {
+        *in_place = len;
+        *staged = 0;
+    } else if (!is_aligned(req->dest)) {
+        *in_place = 0;
+        *staged = len;
+    } else if (req->dest_len >= chunk_padded(len)) {
+        *in_place = chunk_padded(len);
+        *staged = 0;
+    } else {
+        *in_place = len / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT;
+        *staged = len - *in_place;
+    }
+}
+
+size_t chunk_read_piece_count(const chunk_read *req, size_t task_size) {
+    size_t in_place, staged;
+    split_for_direct(req, &in_place, &staged);
+    size_t n = (in_place + task_size - 1) / task_size + (staged ? 1 : 0);
+    return n ? n : 1;
+}
+
+int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces) {
+    size_t n = 0;
+    split_for_direct(req, &req->in_place, &req->staged);
+    req->blocks = ((size_t)req->payload_len + CHUNK_BLOCK_SIZE - 1) / CHUNK_BLOCK_SIZE;
+    req->staging = NULL;
+    req->digests = calloc(req->blocks ? req->blocks : 1, sizeof(uint64_t) + 1);
+    if (req->digests == NULL) return -ENOMEM;
+    req->hashed = (uint8_t *)(req->digests + (req->blocks ? req->blocks : 1));
+    if (req->staged) {
+        size_t room = req->direct ? chunk_padded(req->staged) : req->staged;
+        if (posix_memalign((void **)&req->staging, CHUNK_ALIGNMENT, room) != 0) {
+            free(req->digests);
+            req->digests = NULL;
+            return -ENOMEM;
+        }
+    }
+    for (size_t off = 0; off < req->in_place; off += task_size) {
+        size_t len = req->in_place - off < task_size ? req->in_place - off : task_size;
+        pieces[n++] = (chunk_piece){req, off, len, 0, NULL};
+    }
+    if (req->staged) pieces[n++] = (chunk_piece){req, req->in_place, req->staged, 1, NULL};
+    if (n == 0) pieces[n++] = (chunk_piece){req, 0, 0, 0, NULL}; /* the header alone */
+    atomic_store(&req->pieces_left, (int)n);
+    atomic_store(&req->error, 0);
+    req->status = CHUNK_FAILED;
+    return (int)n;
+}
+
+/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
+static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
+    while (count > 0) {
+        ssize_t n = preadv(fd, iov, count, offset);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (n == 0) return ENODATA;
+        offset += n;
+        while (count > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+    return 0;
+}
+
+static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
+    while (count > 0) {
+        ssize_t n = pwritev(fd, iov, count, offset);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        offset += n;
+        while (count > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+    return 0;
+}
+
+static int transfer(chunk_piece *piece) {
+    chunk_read *req = piece->req;
+    int fd = chunk_open_beneath(req->root_fd, req->rel,
+                                O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (req->direct ? O_DIRECT : 0),
+                                0);
+    if (fd < 0) return -fd;
+    struct stat st;
+    int err = 0;
+    if (fstat(fd, &st) != 0) {
+        err = errno;
+    } else if (!S_ISREG(st.st_mode)) {
+        err = EINVAL; /* not a regular file: never read (the Python path names what it is) */
+    } else {
+        uint8_t *target = piece->staged ? req->staging : req->dest + piece->start;
+        size_t len = piece->staged && req->direct ? chunk_padded(piece->len) : piece->len;
+        struct iovec iov[2];
+        int count = 0;
+        off_t at = CHUNK_HEADER_SIZE + (off_t)piece->start;
+        if (piece->start == 0) {
+            size_t need = CHUNK_HEADER_SIZE + (req->direct ? chunk_padded((size_t)req->payload_len)
+                                                           : (size_t)req->payload_len);
+            if ((size_t)st.st_size < need) {
+                close(fd);
+                return ENODATA;
+            }
+            iov[count++] = (struct iovec){req->header, CHUNK_HEADER_SIZE};
+            at = 0;
+        }
+        if (len) iov[count++] = (struct iovec){target, len};
+        if (count) err = preadv_full(fd, iov, count, at);
+        if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
+    }
+    close(fd);
+    return err;
+}
+
+static void finalize(chunk_read *req) {
+    int err = atomic_load(&req->error);
+    if (err) {
+        req->status = CHUNK_FAILED;
+        return;
+    }
+    unsigned version = memcmp(req->header, MAGIC, 8) == 0 ? rd_u16(req->header + OFF_VERSION) : 0;
+    if (version == 1) {
+        req->computed = whole_checksum(req->dest, req->payload_len);
+    } else {
+        for (size_t b = 0; b < req->blocks; b++)
+            if (!req->hashed[b])
+                hash_blocks(req->dest, req->payload_len, b * (size_t)CHUNK_BLOCK_SIZE,
+                            (b + 1) * (size_t)CHUNK_BLOCK_SIZE, req->digests, req->hashed);
+        req->computed = combine_digests(req->digests, req->blocks);
+    }
+    req->status = quick_verdict(req) ? CHUNK_OK : CHUNK_JUDGE;
+}
+
+int chunk_read_run(chunk_piece *piece) {
+    chunk_read *req = piece->req;
+    if (!atomic_load(&req->error)) {
+        int err = transfer(piece);
+        if (err) {
+            read_fail(req, err);
+        } else {
+            /* a version 1 file is checked over the whole payload at the end */
+            int v1 = piece->start == 0 && memcmp(req->header, MAGIC, 8) == 0 &&
+                     rd_u16(req->header + OFF_VERSION) == 1;
+            if (!v1)
+                hash_blocks(req->dest, req->payload_len, piece->start,
+                            piece->start + piece->len, req->digests, req->hashed);
+        }
+    }
+    if (atomic_fetch_sub(&req->pieces_left, 1) != 1) return 0;
+    finalize(req);
+    return 1;
+}
+
+void chunk_read_free(chunk_read *req) {
+    free(req->staging);
+    free(req->digests);
+    req->staging = NULL;
+    req->digests = NULL;
+}
+
+/* -- writes -------------------------------------------------------------------------------- */
+
+/* Per-thread aligned buffers: the header, and a staging area for unaligned payloads. */
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+
+typedef struct {
+    uint8_t *header;
+    uint8_t *staging;
+    size_t staging_size;
+} thread_buffers;
+
+static void free_buffers(void *p) {
+    thread_buffers *b = p;
+    free(b->header);
+    free(b->staging);
+    free(b);
+}
+
+static void make_key(void) { pthread_key_create(&buffers_key, free_buffers); }
+
+static thread_buffers *my_buffers(size_t staging) {
+    pthread_once(&buffers_once, make_key);
+    thread_buffers *b = pthread_getspecific(buffers_key);
+    if (b == NULL) {
+        b = calloc(1, sizeof(*b));
+        if (b == NULL) return NULL;
+        if (posix_memalign((void **)&b->header, CHUNK_ALIGNMENT, CHUNK_HEADER_SIZE) != 0) {
+            free(b);
+            return NULL;
+        }
+        pthread_setspecific(buffers_key, b);
+    }
+    if (staging > b->staging_size) {
+        free(b->staging);
+        b->staging = NULL;
+        b->staging_size = 0;
+        if (posix_memalign((void **)&b->staging, CHUNK_ALIGNMENT, staging) != 0) return NULL;
+        b->staging_size = staging;
+    }
+    return b;
+}
+
+/* payload[0, len) at payload offset `offset` (a 4 KiB multiple), zero padded to 4 KiB at
+ * its end; with `header`, the header first in the same call (file offset 0).  O_DIRECT:
+ * an aligned payload goes out in place in task-size pieces, an unaligned one (or the
+ * sub-4 KiB tail of an aligned one) through this thread's staging buffer. */
+static int write_payload(int fd, const uint8_t *header, const uint8_t *data, size_t len,
+                         size_t offset, int direct, size_t task_size) {
+    off_t at = header ? 0 : (off_t)(CHUNK_HEADER_SIZE + offset);
+    struct iovec iov[3];
+    int count = 0;
+    if (header) iov[count++] = (struct iovec){(void *)header, CHUNK_HEADER_SIZE};
+    if (!direct) {
+        size_t pad = chunk_padded(len) - len;
+        if (len) iov[count++] = (struct iovec){(void *)data, len};
+        if (pad) iov[count++] = (struct iovec){(void *)ZEROS, pad};
+        return count ? pwritev_full(fd, iov, count, at) : 0;
+    }
+    size_t bulk = is_aligned(data) ? len / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT : 0;
+    size_t done = 0;
+    while (done < len) {
+        size_t n, out;
+        if (done < bulk) {
+            n = out = bulk - done < task_size ? bulk - done : task_size;
+            iov[count++] = (struct iovec){(void *)(data + done), n};
+        } else {
+            n = len - done < task_size ? len - done : task_size;
+            out = chunk_padded(n);
+            thread_buffers *b = my_buffers(out);
+            if (b == NULL) return ENOMEM;
+            memcpy(b->staging, data + done, n);
+            memset(b->staging + n, 0, out - n);
+            iov[count++] = (struct iovec){b->staging, out};
+        }
+        int err = pwritev_full(fd, iov, count, at);
+        if (err) return err;
+        at += (off_t)out + (count == 2 ? CHUNK_HEADER_SIZE : 0);
+        done += n;
+        count = 0;
+    }
+    return count ? pwritev_full(fd, iov, count, at) : 0; /* an empty payload: the header */
+}
+
+static int write_temp(chunk_write *job, int fd, size_t task_size) {
+    size_t blocks = (job->payload_len + CHUNK_BLOCK_SIZE - 1) / CHUNK_BLOCK_SIZE;
+    uint64_t stack_digests[64];
+    uint64_t *digests = blocks <= 64 ? stack_digests : malloc(blocks * sizeof(uint64_t));
+    thread_buffers *b = my_buffers(0);
+    if (digests == NULL || b == NULL) {
+        if (digests != stack_digests) free(digests);
+        return ENOMEM;
+    }
+    size_t piece = task_size / CHUNK_BLOCK_SIZE * CHUNK_BLOCK_SIZE;
+    if (piece < CHUNK_BLOCK_SIZE) piece = CHUNK_BLOCK_SIZE;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    uint64_t created = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    int err = 0;
+    const uint64_t *gpu = job->has_gpu_checksum ? job->gpu_checksum : NULL;
+    if (job->payload_len <= piece) { /* one piece: hash first, one call for everything */
+        hash_blocks(job->payload, job->payload_len, 0, job->payload_len, digests, NULL);
+        if (chunk_encode_header(b->header, job->key, job->key_len, job->ns, job->ns_len,
+                                job->meta, job->meta_len, job->payload_len,
+                                combine_digests(digests, blocks), created, gpu) != 0)
+            err = EINVAL;
+        else
+            err = write_payload(fd, b->header, job->payload, job->payload_len, 0, job->direct,
+                                task_size);
+    } else { /* piece by piece, each hashed just before it is written; the header last */
+        for (size_t start = 0; !err && start < job->payload_len; start += piece) {
+            size_t n = job->payload_len - start < piece ? job->payload_len - start : piece;
+            hash_blocks(job->payload, job->payload_len, start, start + n, digests, NULL);
+            err = write_payload(fd, NULL, job->payload + start, n, start, job->direct,
+                                task_size);
+        }
+        if (!err) {
+            if (chunk_encode_header(b->header, job->key, job->key_len, job->ns, job->ns_len,
+                                    job->meta, job->meta_len, job->payload_len,
+                                    combine_digests(digests, blocks), created, gpu) != 0) {
+                err = EINVAL;
+            } else {
+                struct iovec iov = {b->header, CHUNK_HEADER_SIZE};
+                err = pwritev_full(fd, &iov, 1, 0);
+            }
+        }
+    }
+    if (digests != stack_digests) free(digests);
+    if (!err && job->fsync_level >= 1 && fdatasync(fd) != 0) err = errno;
+    return err;
+}
+
+/* Opens `rel` beneath the root, creating its missing directories with exactly `mode`
+ * (disk/safe_fs.open_dirs_beneath): each component opened O_NOFOLLOW relative to its
+ * parent, so a link anywhere is ELOOP or ENOTDIR, never followed.  *created_at is the
+ * index of the first component created (-1: none); returns a descriptor or -errno. */
+static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *created_at) {
+    char name[PATH_MAX];
+    size_t n = strlen(rel);
+    if (n >= sizeof(name)) return -ENAMETOOLONG;
+    memcpy(name, rel, n + 1);
+    *created_at = -1;
+    int fd = root_fd, depth = 0;
+    for (char *part = name; part; depth++) {
+        char *slash = strchr(part, '/');
+        if (slash) *slash = 0;
+        int created = mkdirat(fd, part, mode) == 0;
+        int err = created || errno == EEXIST ? 0 : errno;
+        int next = err ? -1 : openat(fd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (!err && next < 0) err = errno;
+        if (!err && created && fchmod(next, mode) != 0) err = errno; /* mkdir applied umask */
+        if (fd != root_fd) close(fd);
+        if (err) {
+            if (next >= 0) close(next);
+            return -err;
+        }
+        if (created && *created_at < 0) *created_at = depth;
+        fd = next;
+        part = slash ? slash + 1 : NULL;
+    }
+    return fd;
+}
+
+void chunk_write_run(chunk_write *job, size_t task_size) {
+    job->error = 0;
+    int created_at = -1;
+    int dir_fd = chunk_open_beneath(job->root_fd, job->dir_rel, O_RDONLY | O_DIRECTORY, 0);
+    if (dir_fd == -ENOENT)
+        dir_fd = make_dirs_beneath(job->root_fd, job->dir_rel, job->dir_mode, &created_at);
+    if (dir_fd < 0) {
+        job->status = CHUNK_FAILED;
+        job->error = -dir_fd;
+        return;
+    }
+    int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | (job->direct ? O_DIRECT : 0);
+    int fd = openat(dir_fd, job->tmp_name, flags, job->mode);
+    if (fd < 0 && errno == EEXIST) { /* left by a dead writer with this thread's name */
+        unlinkat(dir_fd, job->tmp_name, 0);
+        fd = openat(dir_fd, job->tmp_name, flags, job->mode);
+    }
+    int err = fd < 0 ? errno : 0;
+    if (!err && fchmod(fd, job->mode) != 0) err = errno; /* exactly the mode, whatever the umask */
+    if (!err) err = write_temp(job, fd, task_size);
+    if (fd >= 0 && close(fd) != 0 && !err) err = errno;
+    if (!err && renameat(dir_fd, job->tmp_name, dir_fd, job->final_name) != 0) err = errno;
+    if (err && fd >= 0) unlinkat(dir_fd, job->tmp_name, 0);
+    if (!err && job->fsync_level >= 2 && fsync(dir_fd) != 0) err = errno;
+    close(dir_fd);
+    /* dir_rel is ns/<namespace id>/aa/bb: component 1 is the namespace's directory */
+    job->status = err ? CHUNK_FAILED
+                      : (created_at >= 0 && created_at <= 1 ? CHUNK_NEW_NAMESPACE : CHUNK_OK);
+    job->error = err;
+}
+
+int chunk_unlink(int root_fd, const char *rel) {
+    const char *slash = strrchr(rel, '/');
+    if (slash == NULL) return unlinkat(root_fd, rel, 0) == 0 ? 0 : errno;
+    char dir[PATH_MAX];
+    size_t n = (size_t)(slash - rel);
+    if (n >= sizeof(dir)) return ENAMETOOLONG;
+    memcpy(dir, rel, n);
+    dir[n] = 0;
+    int dir_fd = chunk_open_beneath(root_fd, dir, O_RDONLY | O_DIRECTORY, 0);
+    if (dir_fd < 0) return -dir_fd;
+    int err = unlinkat(dir_fd, slash + 1, 0) == 0 ? 0 : errno;
+    close(dir_fd);
+    return err;
+}

@@ -1,0 +1,830 @@
+/* lmcache_nvme_backend.io._native: batches of chunk reads and writes, run without the GIL.
+ *
+ * Python decides per batch (which files, which buffers, what to expect); this module runs
+ * the per-chunk loop (chunkio.c) on its own threads and gives each batch back whole.  A
+ * batch costs the interpreter at most one release and re-acquire of the GIL: `read`
+ * releases it once for the whole batch; `submit_read` and `submit_write` do not release it
+ * at all, and one `wait` (which releases it once) hands back every batch finished by then.
+ *
+ * Engine(threads, write_threads, task_size):
+ *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
+ *   submit_read(items, token)                 asynchronous; the batch comes back from wait
+ *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
+ *                                             each waits up to 50 ms while reads are in flight)
+ *   wait(timeout_s) -> [(token, statuses, details)], or None once closed and drained
+ *   cancel_writes() -> int                    queued writes not started end as ECANCELED
+ *   unlink(items) -> [errno]                  blocking, on the calling thread
+ *   close()                                   queued work finishes first
+ * read item:  (root_fd, rel, dest, payload_len, direct, key, meta)
+ * write item: (root_fd, dir_rel, tmp_name, final_name, payload, key, namespace, meta,
+ *              gpu_checksum or None, direct, mode, dir_mode, fsync_level, victims)
+ *   victims: a tuple of files (rel) beneath the same root removed before the write
+ * statuses: bytes, one chunk_status per item; details: for every item not CHUNK_OK,
+ *   reads (index, errno, header or None, computed checksum), writes (index, status, errno).
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chunkio.h"
+#include "xxh3.h"
+
+#define WRITER_NICE 10
+#define WRITERS_YIELD_NS 50000000L /* a write waits at most this long for reads in flight */
+
+static _Atomic uint64_t gil_releases;
+
+#define RELEASE_GIL_BEGIN               \
+    atomic_fetch_add(&gil_releases, 1); \
+    Py_BEGIN_ALLOW_THREADS
+#define RELEASE_GIL_END Py_END_ALLOW_THREADS
+
+enum batch_kind { BATCH_READ, BATCH_WRITE };
+
+struct batch;
+
+typedef struct write_job {
+    chunk_write w;
+    const char **victims;
+    Py_ssize_t nvictims;
+    struct batch *b;
+    struct write_job *next;
+} write_job;
+
+typedef struct batch {
+    PyObject *items; /* a tuple of tuples: keeps every string the jobs point into */
+    PyObject *token;
+    Py_ssize_t n;
+    int kind;
+    chunk_read *reqs; /* reads */
+    uint8_t *headers;
+    chunk_piece *pieces;
+    size_t npieces;
+    write_job *jobs; /* writes */
+    Py_buffer *bufs;
+    Py_ssize_t nbufs;
+    atomic_long left;
+    int async;
+    struct batch *next;
+} batch;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;  /* read pieces queued */
+    pthread_cond_t wwork_cv; /* write jobs queued */
+    pthread_cond_t done_cv;  /* a batch finished */
+    chunk_piece *head, *tail;
+    write_job *whead, *wtail;
+    batch *done_head, *done_tail;
+    long async_pending;
+    long reads_in_flight;
+    int stop;
+    int nthreads, nwthreads;
+    pthread_t *threads;
+    pid_t *tids; /* kernel thread ids: readers first, then writers (recorded at start) */
+    int readers_started, writers_started, readers_wanted;
+    size_t task_size;
+} Engine;
+
+/* -- batches ----------------------------------------------------------------------------- */
+
+static void batch_free(batch *b) {
+    for (Py_ssize_t i = 0; i < b->nbufs; i++) PyBuffer_Release(&b->bufs[i]);
+    if (b->reqs)
+        for (Py_ssize_t i = 0; i < b->n; i++) chunk_read_free(&b->reqs[i]);
+    if (b->jobs)
+        for (Py_ssize_t i = 0; i < b->n; i++) free(b->jobs[i].victims);
+    free(b->reqs);
+    free(b->jobs);
+    free(b->bufs);
+    free(b->headers);
+    free(b->pieces);
+    Py_XDECREF(b->items);
+    Py_XDECREF(b->token);
+    free(b);
+}
+
+static batch *batch_alloc(PyObject *items, int kind) {
+    batch *b = calloc(1, sizeof(batch));
+    if (b == NULL) return (batch *)PyErr_NoMemory();
+    b->kind = kind;
+    b->items = PySequence_Tuple(items);
+    if (b->items == NULL) {
+        free(b);
+        return NULL;
+    }
+    b->n = PyTuple_GET_SIZE(b->items);
+    b->bufs = calloc(b->n ? b->n : 1, sizeof(Py_buffer));
+    if (b->bufs == NULL) {
+        batch_free(b);
+        return (batch *)PyErr_NoMemory();
+    }
+    return b;
+}
+
+static batch *read_batch_new(Engine *self, PyObject *items) {
+    batch *b = batch_alloc(items, BATCH_READ);
+    if (b == NULL) return NULL;
+    b->reqs = calloc(b->n ? b->n : 1, sizeof(chunk_read));
+    if (b->reqs == NULL ||
+        posix_memalign((void **)&b->headers, CHUNK_ALIGNMENT,
+                       (size_t)(b->n ? b->n : 1) * CHUNK_HEADER_SIZE) != 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        chunk_read *r = &b->reqs[i];
+        unsigned long long payload_len;
+        Py_ssize_t key_len, meta_len;
+        const char *rel, *key, *meta;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(b->items, i), "iyw*Kpy#y#;a read item is "
+                              "(root_fd, rel, dest, payload_len, direct, key, meta)",
+                              &r->root_fd, &rel, &b->bufs[i], &payload_len, &r->direct, &key,
+                              &key_len, &meta, &meta_len))
+            goto fail;
+        b->nbufs = i + 1;
+        r->rel = rel;
+        r->dest = b->bufs[i].buf;
+        r->dest_len = (size_t)b->bufs[i].len;
+        r->payload_len = payload_len;
+        r->key = (const uint8_t *)key;
+        r->key_len = (size_t)key_len;
+        r->meta = (const uint8_t *)meta;
+        r->meta_len = (size_t)meta_len;
+        r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
+        r->owner = b;
+        if (r->dest_len < payload_len) {
+            PyErr_Format(PyExc_ValueError, "destination %zd holds %zu bytes, need %llu", i,
+                         r->dest_len, payload_len);
+            goto fail;
+        }
+        b->npieces += chunk_read_piece_count(r, self->task_size);
+    }
+    b->pieces = calloc(b->npieces ? b->npieces : 1, sizeof(chunk_piece));
+    if (b->pieces == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    size_t at = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        int planned = chunk_read_plan(&b->reqs[i], self->task_size, b->pieces + at);
+        if (planned < 0) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        at += (size_t)planned;
+    }
+    atomic_store(&b->left, (long)b->n);
+    return b;
+fail:
+    batch_free(b);
+    return NULL;
+}
+
+static batch *write_batch_new(PyObject *items) {
+    batch *b = batch_alloc(items, BATCH_WRITE);
+    if (b == NULL) return NULL;
+    b->jobs = calloc(b->n ? b->n : 1, sizeof(write_job));
+    if (b->jobs == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        write_job *job = &b->jobs[i];
+        chunk_write *j = &job->w;
+        Py_ssize_t key_len, ns_len, meta_len;
+        const char *key, *ns, *meta;
+        PyObject *gpu, *victims;
+        int mode, dir_mode;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(b->items, i),
+                              "iyyyy*y#y#y#OpiiiO!;a write item is (root_fd, dir_rel, "
+                              "tmp_name, final_name, payload, key, namespace, meta, "
+                              "gpu_checksum, direct, mode, dir_mode, fsync_level, victims)",
+                              &j->root_fd, &j->dir_rel, &j->tmp_name, &j->final_name, &b->bufs[i],
+                              &key, &key_len, &ns, &ns_len, &meta, &meta_len, &gpu, &j->direct,
+                              &mode, &dir_mode, &j->fsync_level, &PyTuple_Type, &victims))
+            goto fail;
+        b->nbufs = i + 1;
+        j->payload = b->bufs[i].buf;
+        j->payload_len = (size_t)b->bufs[i].len;
+        j->key = (const uint8_t *)key;
+        j->key_len = (size_t)key_len;
+        j->ns = (const uint8_t *)ns;
+        j->ns_len = (size_t)ns_len;
+        j->meta = (const uint8_t *)meta;
+        j->meta_len = (size_t)meta_len;
+        j->mode = (mode_t)mode;
+        j->dir_mode = (mode_t)dir_mode;
+        j->status = CHUNK_FAILED;
+        if (gpu != Py_None) {
+            unsigned long long a, c;
+            if (!PyArg_ParseTuple(gpu, "KK;gpu_checksum is None or (a, b)", &a, &c)) goto fail;
+            j->has_gpu_checksum = 1;
+            j->gpu_checksum[0] = a;
+            j->gpu_checksum[1] = c;
+        }
+        job->nvictims = PyTuple_GET_SIZE(victims);
+        job->victims = calloc(job->nvictims ? (size_t)job->nvictims : 1, sizeof(char *));
+        if (job->victims == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t v = 0; v < job->nvictims; v++) {
+            job->victims[v] = PyBytes_AsString(PyTuple_GET_ITEM(victims, v));
+            if (job->victims[v] == NULL) goto fail;
+        }
+        job->b = b;
+    }
+    atomic_store(&b->left, (long)b->n);
+    return b;
+fail:
+    batch_free(b);
+    return NULL;
+}
+
+static PyObject *read_details(batch *b, PyObject *details) {
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        chunk_read *r = &b->reqs[i];
+        if (r->status == CHUNK_OK) continue;
+        PyObject *item;
+        if (r->status == CHUNK_JUDGE)
+            item = Py_BuildValue("(niy#K)", i, 0, (const char *)r->header,
+                                 (Py_ssize_t)CHUNK_HEADER_SIZE,
+                                 (unsigned long long)r->computed);
+        else
+            item = Py_BuildValue("(niOK)", i, atomic_load(&r->error), Py_None, 0ULL);
+        if (item == NULL || PyList_Append(details, item) != 0) {
+            Py_XDECREF(item);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return details;
+}
+
+static PyObject *write_details(batch *b, PyObject *details) {
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        chunk_write *w = &b->jobs[i].w;
+        if (w->status == CHUNK_OK) continue;
+        PyObject *item = Py_BuildValue("(nii)", i, w->status, w->error);
+        if (item == NULL || PyList_Append(details, item) != 0) {
+            Py_XDECREF(item);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return details;
+}
+
+/* (statuses, details) of a finished batch; frees it. */
+static PyObject *batch_results(batch *b) {
+    PyObject *statuses = PyBytes_FromStringAndSize(NULL, b->n);
+    PyObject *details = PyList_New(0);
+    PyObject *result = NULL;
+    if (statuses && details) {
+        char *out = PyBytes_AS_STRING(statuses);
+        for (Py_ssize_t i = 0; i < b->n; i++)
+            out[i] = (char)(b->kind == BATCH_READ ? b->reqs[i].status : b->jobs[i].w.status);
+        if ((b->kind == BATCH_READ ? read_details(b, details) : write_details(b, details)))
+            result = Py_BuildValue("(OO)", statuses, details);
+    }
+    Py_XDECREF(statuses);
+    Py_XDECREF(details);
+    batch_free(b);
+    return result;
+}
+
+/* -- the threads --------------------------------------------------------------------------- */
+
+static void batch_request_done(Engine *self, batch *b) {
+    if (atomic_fetch_sub(&b->left, 1) != 1) return;
+    pthread_mutex_lock(&self->mu);
+    if (b->kind == BATCH_READ) self->reads_in_flight--;
+    if (b->async) {
+        b->next = NULL;
+        if (self->done_tail) self->done_tail->next = b;
+        else self->done_head = b;
+        self->done_tail = b;
+    }
+    pthread_cond_broadcast(&self->done_cv);
+    pthread_mutex_unlock(&self->mu);
+}
+
+static void run_piece(Engine *self, chunk_piece *p) {
+    if (chunk_read_run(p)) batch_request_done(self, (batch *)p->req->owner);
+}
+
+static void run_write(Engine *self, write_job *job) {
+    for (Py_ssize_t v = 0; v < job->nvictims; v++) chunk_unlink(job->w.root_fd, job->victims[v]);
+    chunk_write_run(&job->w, self->task_size);
+    batch_request_done(self, job->b);
+}
+
+/* Called with mu held. */
+static chunk_piece *pop_piece(Engine *self) {
+    chunk_piece *p = self->head;
+    if (p) {
+        self->head = p->next;
+        if (self->head == NULL) self->tail = NULL;
+    }
+    return p;
+}
+
+static void enqueue_reads(Engine *self, batch *b) {
+    pthread_mutex_lock(&self->mu);
+    self->reads_in_flight++;
+    for (size_t i = 0; i < b->npieces; i++) {
+        chunk_piece *p = &b->pieces[i];
+        p->next = NULL;
+        if (self->tail) self->tail->next = p;
+        else self->head = p;
+        self->tail = p;
+    }
+    if (b->npieces > 1) pthread_cond_broadcast(&self->work_cv);
+    else pthread_cond_signal(&self->work_cv);
+    pthread_mutex_unlock(&self->mu);
+}
+
+static void enqueue_writes(Engine *self, batch *b) {
+    pthread_mutex_lock(&self->mu);
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        write_job *j = &b->jobs[i];
+        j->next = NULL;
+        if (self->wtail) self->wtail->next = j;
+        else self->whead = j;
+        self->wtail = j;
+    }
+    if (b->n > 1) pthread_cond_broadcast(&self->wwork_cv);
+    else pthread_cond_signal(&self->wwork_cv);
+    pthread_mutex_unlock(&self->mu);
+}
+
+/* Records the calling thread's kernel id (readers first in `tids`, then writers). */
+static void thread_started(Engine *self, int writer) {
+    pthread_mutex_lock(&self->mu);
+    int slot = writer ? self->readers_wanted + self->writers_started++ : self->readers_started++;
+    self->tids[slot] = (pid_t)syscall(SYS_gettid);
+    pthread_cond_broadcast(&self->done_cv);
+    pthread_mutex_unlock(&self->mu);
+}
+
+static void *read_worker(void *arg) {
+    Engine *self = arg;
+    pthread_setname_np(pthread_self(), "nvme-native-rd");
+    thread_started(self, 0);
+    pthread_mutex_lock(&self->mu);
+    for (;;) {
+        while (self->head == NULL && !self->stop) pthread_cond_wait(&self->work_cv, &self->mu);
+        chunk_piece *p = pop_piece(self);
+        if (p == NULL) break; /* stopped and drained */
+        pthread_mutex_unlock(&self->mu);
+        run_piece(self, p);
+        pthread_mutex_lock(&self->mu);
+    }
+    pthread_mutex_unlock(&self->mu);
+    return NULL;
+}
+
+static void *write_worker(void *arg) {
+    Engine *self = arg;
+    pthread_setname_np(pthread_self(), "nvme-native-wr");
+    /* background work: never take a core from the inference engine (a thread's own nice) */
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WRITER_NICE);
+    thread_started(self, 1);
+    pthread_mutex_lock(&self->mu);
+    for (;;) {
+        while (self->whead == NULL && !self->stop) pthread_cond_wait(&self->wwork_cv, &self->mu);
+        write_job *j = self->whead;
+        if (j == NULL) break; /* stopped and drained */
+        self->whead = j->next;
+        if (self->whead == NULL) self->wtail = NULL;
+        if (self->reads_in_flight > 0 && !self->stop) { /* reads go first, for a while */
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += WRITERS_YIELD_NS;
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec++;
+                until.tv_nsec -= 1000000000L;
+            }
+            while (self->reads_in_flight > 0 && !self->stop)
+                if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
+        }
+        pthread_mutex_unlock(&self->mu);
+        run_write(self, j);
+        pthread_mutex_lock(&self->mu);
+    }
+    pthread_mutex_unlock(&self->mu);
+    return NULL;
+}
+
+/* The calling thread runs queued pieces (its own or others') until its batch is done. */
+static void help_until_done(Engine *self, batch *b) {
+    pthread_mutex_lock(&self->mu);
+    while (atomic_load(&b->left) > 0) {
+        chunk_piece *p = pop_piece(self);
+        if (p) {
+            pthread_mutex_unlock(&self->mu);
+            run_piece(self, p);
+            pthread_mutex_lock(&self->mu);
+        } else {
+            pthread_cond_wait(&self->done_cv, &self->mu);
+        }
+    }
+    pthread_mutex_unlock(&self->mu);
+}
+
+/* -- Engine methods ----------------------------------------------------------------------- */
+
+static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"threads", "write_threads", "task_size", NULL};
+    int threads, write_threads;
+    Py_ssize_t task_size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iin", names, &threads, &write_threads,
+                                     &task_size))
+        return -1;
+    if (threads < 1 || write_threads < 1 || task_size < CHUNK_ALIGNMENT ||
+        task_size % CHUNK_ALIGNMENT) {
+        PyErr_SetString(PyExc_ValueError, "threads and write_threads must be >= 1 and "
+                                          "task_size a positive multiple of 4096");
+        return -1;
+    }
+    if (self->threads) {
+        PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
+        return -1;
+    }
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->work_cv, NULL);
+    pthread_cond_init(&self->wwork_cv, NULL);
+    pthread_cond_init(&self->done_cv, NULL);
+    self->task_size = (size_t)task_size;
+    self->readers_wanted = threads;
+    self->threads = calloc((size_t)(threads + write_threads), sizeof(pthread_t));
+    self->tids = calloc((size_t)(threads + write_threads), sizeof(pid_t));
+    if (self->threads == NULL || self->tids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < threads + write_threads; i++) {
+        int err = pthread_create(&self->threads[i], NULL, i < threads ? read_worker : write_worker,
+                                 self);
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (i < threads) self->nthreads = i + 1;
+        else self->nwthreads = i + 1 - threads;
+    }
+    return 0;
+}
+
+static PyObject *Engine_thread_ids(Engine *self, PyObject *Py_UNUSED(ignored)) {
+    int total = self->nthreads + self->nwthreads;
+    pthread_mutex_lock(&self->mu);
+    while (self->readers_started + self->writers_started < total)
+        pthread_cond_wait(&self->done_cv, &self->mu);
+    pthread_mutex_unlock(&self->mu);
+    PyObject *out = PyList_New(total);
+    for (int i = 0; out && i < total; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromLong((long)self->tids[i]));
+    return out;
+}
+
+static int engine_open(Engine *self) {
+    if (self->threads == NULL || self->stop) {
+        PyErr_SetString(PyExc_RuntimeError, "the native I/O engine is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Engine_read(Engine *self, PyObject *items) {
+    if (!engine_open(self)) return NULL;
+    batch *b = read_batch_new(self, items);
+    if (b == NULL) return NULL;
+    if (b->n) {
+        RELEASE_GIL_BEGIN
+        enqueue_reads(self, b);
+        help_until_done(self, b);
+        RELEASE_GIL_END
+    }
+    return batch_results(b);
+}
+
+/* Hands an asynchronous batch to the threads; it comes back from wait(). */
+static PyObject *submit(Engine *self, batch *b, PyObject *token) {
+    b->async = 1;
+    Py_INCREF(token);
+    b->token = token;
+    pthread_mutex_lock(&self->mu); /* held briefly by workers only: never waits on the GIL */
+    self->async_pending++;
+    pthread_mutex_unlock(&self->mu);
+    if (b->n == 0) {
+        atomic_store(&b->left, 1);
+        if (b->kind == BATCH_READ) {
+            pthread_mutex_lock(&self->mu);
+            self->reads_in_flight++;
+            pthread_mutex_unlock(&self->mu);
+        }
+        batch_request_done(self, b);
+    } else if (b->kind == BATCH_READ) {
+        enqueue_reads(self, b);
+    } else {
+        enqueue_writes(self, b);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_submit_read(Engine *self, PyObject *args) {
+    PyObject *items, *token;
+    if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
+    batch *b = read_batch_new(self, items);
+    return b == NULL ? NULL : submit(self, b, token);
+}
+
+static PyObject *Engine_submit_write(Engine *self, PyObject *args) {
+    PyObject *items, *token;
+    if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
+    batch *b = write_batch_new(items);
+    return b == NULL ? NULL : submit(self, b, token);
+}
+
+static PyObject *Engine_cancel_writes(Engine *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->threads == NULL) return PyLong_FromLong(0);
+    pthread_mutex_lock(&self->mu);
+    write_job *j = self->whead;
+    self->whead = self->wtail = NULL;
+    pthread_mutex_unlock(&self->mu);
+    long cancelled = 0;
+    while (j) {
+        write_job *next = j->next;
+        j->w.status = CHUNK_FAILED;
+        j->w.error = ECANCELED;
+        batch_request_done(self, j->b);
+        cancelled++;
+        j = next;
+    }
+    return PyLong_FromLong(cancelled);
+}
+
+static PyObject *Engine_wait(Engine *self, PyObject *args) {
+    double timeout;
+    if (!PyArg_ParseTuple(args, "d", &timeout)) return NULL;
+    batch *done = NULL;
+    int closed = 0;
+    if (self->threads == NULL) Py_RETURN_NONE;
+    RELEASE_GIL_BEGIN
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)timeout;
+    until.tv_nsec += (long)((timeout - (double)(time_t)timeout) * 1e9);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&self->mu);
+    while (self->done_head == NULL && !(self->stop && self->async_pending == 0)) {
+        if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
+    }
+    done = self->done_head;
+    self->done_head = self->done_tail = NULL;
+    for (batch *b = done; b; b = b->next) self->async_pending--;
+    closed = done == NULL && self->stop && self->async_pending == 0;
+    pthread_mutex_unlock(&self->mu);
+    RELEASE_GIL_END
+    if (closed) Py_RETURN_NONE;
+    PyObject *out = PyList_New(0);
+    while (done) {
+        batch *b = done;
+        done = b->next;
+        PyObject *token = b->token;
+        Py_INCREF(token);
+        PyObject *results = batch_results(b);
+        PyObject *item = results ? Py_BuildValue("(NN)", token, results) : NULL;
+        if (results == NULL) Py_DECREF(token);
+        if (item == NULL || out == NULL || PyList_Append(out, item) != 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+            continue; /* still free the remaining batches */
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *Engine_unlink(Engine *self, PyObject *items) {
+    PyObject *tuple = PySequence_Tuple(items);
+    if (tuple == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    int *fds = calloc(n ? (size_t)n : 1, sizeof(int));
+    const char **rels = calloc(n ? (size_t)n : 1, sizeof(char *));
+    int *errors = calloc(n ? (size_t)n : 1, sizeof(int));
+    PyObject *result = NULL;
+    if (fds == NULL || rels == NULL || errors == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "iy;an unlink item is (root_fd, rel)",
+                              &fds[i], &rels[i]))
+            goto done;
+    if (n) {
+        RELEASE_GIL_BEGIN
+        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(fds[i], rels[i]);
+        RELEASE_GIL_END
+    }
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result && i < n; i++)
+        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+done:
+    free(fds);
+    free(rels);
+    free(errors);
+    Py_DECREF(tuple);
+    return result;
+}
+
+static void engine_stop(Engine *self) {
+    if (self->threads == NULL || self->stop) return;
+    pthread_mutex_lock(&self->mu);
+    self->stop = 1;
+    pthread_cond_broadcast(&self->work_cv);
+    pthread_cond_broadcast(&self->wwork_cv);
+    pthread_cond_broadcast(&self->done_cv);
+    pthread_mutex_unlock(&self->mu);
+    for (int i = 0; i < self->nthreads + self->nwthreads; i++) pthread_join(self->threads[i], NULL);
+    pthread_mutex_lock(&self->mu);
+    pthread_cond_broadcast(&self->done_cv); /* a wait() sees the drained engine */
+    pthread_mutex_unlock(&self->mu);
+}
+
+static PyObject *Engine_close(Engine *self, PyObject *Py_UNUSED(ignored)) {
+    /* queued work finishes first; finished asynchronous batches stay for wait() */
+    RELEASE_GIL_BEGIN
+    engine_stop(self);
+    RELEASE_GIL_END
+    Py_RETURN_NONE;
+}
+
+static void Engine_dealloc(Engine *self) {
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop(self);
+    Py_END_ALLOW_THREADS
+    while (self->done_head) {
+        batch *b = self->done_head;
+        self->done_head = b->next;
+        batch_free(b);
+    }
+    if (self->threads) {
+        free(self->threads);
+        free(self->tids);
+        pthread_mutex_destroy(&self->mu);
+        pthread_cond_destroy(&self->work_cv);
+        pthread_cond_destroy(&self->wwork_cv);
+        pthread_cond_destroy(&self->done_cv);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"read", (PyCFunction)Engine_read, METH_O,
+     "read(items) -> (statuses, details): read and verify a batch, waiting for it."},
+    {"submit_read", (PyCFunction)Engine_submit_read, METH_VARARGS,
+     "submit_read(items, token): start a read batch; wait() returns it with its token."},
+    {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
+     "submit_write(items, token): start a write batch; wait() returns it with its token."},
+    {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
+     "wait(timeout_s) -> [(token, statuses, details)], or None once closed and drained."},
+    {"cancel_writes", (PyCFunction)Engine_cancel_writes, METH_NOARGS,
+     "cancel_writes() -> int: queued writes not started yet end as ECANCELED."},
+    {"unlink", (PyCFunction)Engine_unlink, METH_O,
+     "unlink(items) -> [errno]: remove chunk files (root_fd, rel), 0 where removed."},
+    {"thread_ids", (PyCFunction)Engine_thread_ids, METH_NOARGS,
+     "thread_ids() -> [int]: kernel ids of the engine's threads, readers then writers."},
+    {"close", (PyCFunction)Engine_close, METH_NOARGS,
+     "close(): finish queued reads and writes and stop the threads."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lmcache_nvme_backend.io._native.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Chunk reads and writes on native threads, a batch per GIL round trip.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Engine_init,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+};
+
+/* -- module functions ------------------------------------------------------------------- */
+
+static PyObject *py_xxh3_64(PyObject *mod, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) return NULL;
+    uint64_t h = xxh3_64(view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
+    const char *key, *ns, *meta;
+    Py_ssize_t key_len, ns_len, meta_len;
+    unsigned long long payload_len, checksum, created;
+    PyObject *gpu;
+    if (!PyArg_ParseTuple(args, "y#y#y#KKKO", &key, &key_len, &ns, &ns_len, &meta, &meta_len,
+                          &payload_len, &checksum, &created, &gpu))
+        return NULL;
+    uint64_t gpu_sum[2];
+    if (gpu != Py_None) {
+        unsigned long long a, b;
+        if (!PyArg_ParseTuple(gpu, "KK", &a, &b)) return NULL;
+        gpu_sum[0] = a;
+        gpu_sum[1] = b;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, CHUNK_HEADER_SIZE);
+    if (out == NULL) return NULL;
+    if (chunk_encode_header((uint8_t *)PyBytes_AS_STRING(out), (const uint8_t *)key,
+                            (size_t)key_len, (const uint8_t *)ns, (size_t)ns_len,
+                            (const uint8_t *)meta, (size_t)meta_len, payload_len, checksum,
+                            created, gpu == Py_None ? NULL : gpu_sum) != 0) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_ValueError, "key, namespace and metadata do not fit the header");
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("{sKsKsK}", "gil_releases",
+                         (unsigned long long)atomic_load(&gil_releases), "hash_cpu_ns",
+                         (unsigned long long)atomic_load(&chunkio_hash_cpu_ns), "hashed_bytes",
+                         (unsigned long long)atomic_load(&chunkio_hashed_bytes));
+}
+
+static const char *SIMD_NAMES[] = {"scalar", "sse2", "avx2"};
+static int simd_in_use;
+
+static PyObject *py_simd(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
+    return PyUnicode_FromString(SIMD_NAMES[simd_in_use]);
+}
+
+static PyObject *py_select_simd(PyObject *mod, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    for (int i = 0; i < 3; i++) {
+        if (strcmp(name, SIMD_NAMES[i]) == 0) {
+            if (xxh3_select(i) != 0) break;
+            simd_in_use = i;
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"xxh3_64", py_xxh3_64, METH_O, "xxh3_64(buffer) -> int: XXH3-64 of the bytes."},
+    {"encode_header", py_encode_header, METH_VARARGS,
+     "encode_header(key, namespace, meta, payload_len, checksum, created_ns, gpu_checksum)"
+     " -> bytes: a chunk header as the native writer builds it."},
+    {"counters", py_counters, METH_NOARGS,
+     "counters() -> dict: GIL releases, hashing CPU nanoseconds and bytes hashed."},
+    {"simd", py_simd, METH_NOARGS, "simd() -> str: the hashing loop in use."},
+    {"select_simd", py_select_simd, METH_O,
+     "select_simd(name) -> bool: use the scalar, sse2 or avx2 hashing loop (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "Chunk reads and writes in batches on native threads, without the GIL.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    simd_in_use = xxh3_init();
+    if (PyType_Ready(&EngineType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0 ||
+        PyModule_AddIntConstant(m, "OK", CHUNK_OK) < 0 ||
+        PyModule_AddIntConstant(m, "JUDGE", CHUNK_JUDGE) < 0 ||
+        PyModule_AddIntConstant(m, "FAILED", CHUNK_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "NEW_NAMESPACE", CHUNK_NEW_NAMESPACE) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

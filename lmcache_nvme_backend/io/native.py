@@ -1,0 +1,162 @@
+"""The native I/O engine: batches of chunk reads and writes run without the GIL.
+
+The compiled module (``io/csrc``: ``module.c`` the batches and threads, ``chunkio.c`` one
+chunk's open, vectored I/O, block hashes and verdict, ``xxh3.c`` the checksum) is built at
+install time when a C compiler is there (``setup.py``; optional).  It runs the same steps
+as the Python engine (``posix.py``, ``files.py``, ``disk/safe_fs.py``) for a whole batch
+per GIL round trip: on a big server one process then moves many GiB/s before the
+interpreter becomes its limit (``docs/benchmarks.md``, "GIL ceiling").
+
+What stays in Python: deciding per batch (the index, placement, capacity), and every case
+that is not the common one.  A read the engine could not verify comes back with its header
+and checksum for ``disk/validate.judge_chunk`` to name the defect; a read that failed is run
+again through the Python engine, whose exceptions classify it (gone, planted, short, drive
+error) exactly as before.  A write whose shard directory does not exist yet comes back for
+Python to create the directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+try:
+    from . import _native  # type: ignore[attr-defined]
+except ImportError as exc:  # not built: no C compiler at install time
+    _native = None
+    _MISSING = f"{exc}"
+else:
+    _MISSING = ""
+
+OK, JUDGE, FAILED, NEW_NAMESPACE = 0, 1, 2, 3
+
+logger = logging.getLogger(__name__)
+
+
+def available() -> bool:
+    """Whether the compiled engine is importable."""
+    return _native is not None
+
+
+def unavailable_reason() -> str:
+    """Why it is not (empty when it is), with the fix."""
+    if _native is not None:
+        return ""
+    return (f"the native I/O extension is not built ({_MISSING}); reinstall with a C "
+            "compiler present (e.g. apt-get install gcc, then pip install -e . again)")
+
+
+def counters() -> dict[str, int]:
+    """The engine's process-wide counters: GIL releases, hashing CPU ns and bytes hashed."""
+    return dict(_native.counters()) if _native is not None else {}
+
+
+def simd() -> str:
+    """The checksum loop the engine runs (``avx2``, ``sse2`` or ``scalar``)."""
+    return str(_native.simd()) if _native is not None else ""
+
+
+class ReadItem(NamedTuple):
+    """One chunk to read: ``rel`` beneath the root descriptor, into ``dest``."""
+
+    root_fd: int
+    rel: bytes
+    dest: memoryview
+    payload_len: int
+    direct: bool
+    key: bytes
+    meta: bytes
+
+
+class WriteItem(NamedTuple):
+    """One chunk file to write as ``tmp_name`` in ``dir_rel`` and rename to ``final_name``."""
+
+    root_fd: int
+    dir_rel: bytes
+    tmp_name: bytes
+    final_name: bytes
+    payload: memoryview
+    key: bytes
+    namespace: bytes
+    meta: bytes
+    gpu_checksum: tuple[int, int] | None
+    direct: bool
+    mode: int
+    dir_mode: int  # of the shard directories it creates
+    fsync_level: int  # 0 none, 1 data, 2 full
+    victims: tuple[bytes, ...]  # files beneath the same root removed first (evicted)
+
+
+class Batch(NamedTuple):
+    """Per item a status (OK, JUDGE, FAILED, NEW_NAMESPACE), and the details of the rest: for
+    reads ``(index, errno, header or None, payload checksum of the bytes that landed)``,
+    for writes ``(index, status, errno)``."""
+
+    statuses: bytes
+    details: list[Any]
+
+
+OnDone = Callable[[Batch], None]
+
+
+class NativeEngine:
+    """The compiled engine's threads, and one Python thread that hands finished batches
+    back (``nvme-io-done``); one instance per chunk store."""
+
+    name = "native"
+
+    def __init__(self, threads: int, write_threads: int, task_size: int) -> None:
+        if _native is None:
+            raise RuntimeError(unavailable_reason())
+        self._engine = _native.Engine(threads, write_threads, task_size)
+        self._threads = threads
+        self._completer = threading.Thread(target=self._complete, name="nvme-io-done",
+                                           daemon=True)
+        self._completer.start()
+
+    def read(self, items: Sequence[ReadItem]) -> Batch:
+        """Read and verify a batch; the calling thread helps and returns when all are done."""
+        return Batch(*self._engine.read(items))
+
+    def submit_read(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
+        """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+        self._engine.submit_read(items, on_done)
+
+    def submit_write(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
+        """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
+        first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+        self._engine.submit_write(items, on_done)
+
+    def writer_thread_ids(self) -> list[int]:
+        """Kernel ids of the engine's write threads (each runs at nice 10)."""
+        return list(self._engine.thread_ids())[self._threads:]
+
+    def cancel_writes(self) -> int:
+        """Writes not started yet end as ``ECANCELED`` (a closing store); how many."""
+        return int(self._engine.cancel_writes())
+
+    def wait(self, timeout_s: float) -> list[tuple[OnDone, Batch]] | None:
+        """Finished batches (``[]`` after ``timeout_s``); None once closed and drained."""
+        done = self._engine.wait(timeout_s)
+        return None if done is None else [(token, Batch(*res)) for token, res in done]
+
+    def unlink(self, items: Sequence[tuple[int, bytes]]) -> list[int]:
+        """Remove chunk files ``(root_fd, rel)`` on the calling thread; an errno per item (0:
+        removed).  No link in a file's directories is followed."""
+        return list(self._engine.unlink(items))
+
+    def close(self) -> None:
+        """Finish queued reads and writes, hand back their batches, stop every thread."""
+        self._engine.close()
+        if self._completer is not threading.current_thread():
+            self._completer.join()
+
+    def _complete(self) -> None:
+        while (done := self.wait(1.0)) is not None:
+            for on_done, batch in done:
+                try:
+                    on_done(batch)
+                except Exception:
+                    logger.exception("NVMe tier: completing an I/O batch failed")

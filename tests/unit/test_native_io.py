@@ -1,0 +1,414 @@
+"""io/native.py and its compiled engine (io/csrc): the same bytes, checks and file rules as
+the Python engine, a batch per GIL round trip.
+
+Files are written by one engine and read by the other, in both directions: the two must
+agree byte for byte on the format.  Skipped (or failed under CI) where the extension was
+not built.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+from support.prerequisites import missing_prerequisite
+
+from lmcache_nvme_backend.disk.format import (
+    BLOCK_SIZE,
+    HEADER_SIZE,
+    FormatError,
+    TensorMeta,
+    decode_header,
+    encode_header,
+    padded_length,
+    payload_checksum,
+)
+from lmcache_nvme_backend.disk.safe_fs import root_descriptor
+from lmcache_nvme_backend.disk.validate import Defect, Expected, judge_chunk
+from lmcache_nvme_backend.io import native
+from lmcache_nvme_backend.io.buffers import AlignedBuffer
+from lmcache_nvme_backend.io.native import NativeEngine, ReadItem, WriteItem
+from lmcache_nvme_backend.io.posix import PosixIOEngine
+
+if not native.available():
+    missing_prerequisite(native.unavailable_reason())
+
+from lmcache_nvme_backend.io import _native  # type: ignore[attr-defined]  # noqa: E402
+
+MIB = 1 << 20
+SIZES = [0, 1, 4095, 4096, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 4097]
+TASK_SIZES = [8192, BLOCK_SIZE + 4096, 64 * MIB]
+REL = "ns/0123456789abcdef/ab/cd/chunk.kv"
+
+
+def payload_for(n: int) -> bytes:
+    return random.Random(n).randbytes(n)
+
+
+def meta_for(n: int) -> TensorMeta:
+    return TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
+
+
+def write_python(root: Path, payload: bytes, key: str = "k", version: int = 2,
+                 direct: bool = True) -> Path:
+    path = root / REL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = encode_header(key, "ns", meta_for(len(payload)), len(payload),
+                           payload_checksum(payload, version), version=version)
+    PosixIOEngine(64 * MIB, None).write_chunk(  # type: ignore[arg-type]  # writes need no pool
+        path, header, memoryview(payload), direct=direct, mode=0o600, sync_data=False)
+    return path
+
+
+def dest_for(n: int, kind: str) -> memoryview:
+    if kind == "aligned":
+        return AlignedBuffer(n + 4096).view[: padded_length(n)] if n else memoryview(bytearray())
+    return memoryview(bytearray(n + 1))[1:]  # not 4 KiB aligned: staged
+
+
+def item(root: Path, dest: memoryview, n: int, key: str = "k", direct: bool = True,
+         rel: str = REL) -> ReadItem:
+    return ReadItem(root_descriptor(root), rel.encode(), dest, n, direct, key.encode(),
+                    meta_for(n).to_json())
+
+
+@pytest.fixture
+def engine_for() -> Iterator[object]:
+    made: list[NativeEngine] = []
+
+    def make(task_size: int = 64 * MIB, threads: int = 3) -> NativeEngine:
+        made.append(NativeEngine(threads, 2, task_size))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+# -- the checksum -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("simd", ["scalar", "sse2", "avx2"])
+def test_xxh3_matches_the_xxhash_package_for_every_length(simd: str) -> None:
+    in_use = native.simd()
+    if not _native.select_simd(simd):
+        pytest.skip(f"this CPU or build has no {simd} loop")
+    try:
+        data = random.Random(1).randbytes(3 * BLOCK_SIZE + 77)
+        lengths = [*range(0, 2100), 4088, 65536, BLOCK_SIZE - 1, BLOCK_SIZE, len(data)]
+        for n in lengths:
+            assert _native.xxh3_64(data[:n]) == xxhash.xxh3_64_intdigest(data[:n]), n
+    finally:
+        _native.select_simd(in_use)
+
+
+@pytest.mark.parametrize("gpu", [None, (7, 2**64 - 1)])
+@pytest.mark.parametrize("key,namespace", [("k", "ns"), ("é" * 500, "model@salt"), ("x", "")])
+def test_headers_are_byte_identical_to_the_python_encoder(
+        key: str, namespace: str, gpu: tuple[int, int] | None) -> None:
+    meta = meta_for(123)
+    python = encode_header(key, namespace, meta, 123, 99, created_unix_ns=5, gpu_checksum=gpu)
+    assert _native.encode_header(key.encode(), namespace.encode(), meta.to_json(), 123, 99, 5,
+                                 gpu) == python
+
+
+def test_a_key_too_long_for_the_header_is_refused_like_the_python_encoder() -> None:
+    meta = meta_for(1)
+    with pytest.raises(FormatError):
+        encode_header("k" * 5000, "ns", meta, 1, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        _native.encode_header(b"k" * 5000, b"ns", meta.to_json(), 1, 0, 0, None)
+
+
+# -- reads ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("kind", ["aligned", "unaligned"])
+@pytest.mark.parametrize("task_size", TASK_SIZES)
+@pytest.mark.parametrize("n", SIZES)
+def test_reads_what_the_python_engine_wrote_and_verifies_it(
+        engine_for, tmp_path: Path, n: int, task_size: int, kind: str, direct: bool) -> None:
+    payload = payload_for(n)
+    write_python(tmp_path, payload, direct=direct)
+    dest = dest_for(n, kind)
+    statuses, details = engine_for(task_size).read([item(tmp_path, dest, n, direct=direct)])
+    assert (statuses, details) == (bytes([native.OK]), [])
+    assert bytes(dest[:n]) == payload
+
+
+def test_a_version_1_file_is_checked_over_the_whole_payload(engine_for, tmp_path: Path
+                                                             ) -> None:
+    payload = payload_for(3 * BLOCK_SIZE + 5)
+    write_python(tmp_path, payload, version=1)
+    dest = dest_for(len(payload), "aligned")
+    statuses, _ = engine_for(BLOCK_SIZE).read([item(tmp_path, dest, len(payload))])
+    assert statuses == bytes([native.OK]) and bytes(dest[: len(payload)]) == payload
+
+
+def damage(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("what,defect", [
+    ("payload", Defect.CHECKSUM), ("header", Defect.NOT_A_CHUNK), ("key", Defect.WRONG_KEY)])
+def test_what_it_cannot_verify_comes_back_for_the_python_validator(
+        engine_for, tmp_path: Path, what: str, defect: Defect) -> None:
+    n = BLOCK_SIZE + 100
+    path = write_python(tmp_path, payload_for(n))
+    if what == "payload":
+        damage(path, HEADER_SIZE + BLOCK_SIZE + 7)
+    elif what == "header":
+        damage(path, 60)
+    key = "another key" if what == "key" else "k"
+    statuses, details = engine_for().read([item(tmp_path, dest_for(n, "aligned"), n, key=key)])
+    assert statuses == bytes([native.JUDGE])
+    [(index, error, header, computed)] = details
+    assert index == 0 and error == 0 and header == path.read_bytes()[:HEADER_SIZE]
+    verdict = judge_chunk(header, Expected(key=key, payload_len=n, meta=meta_for(n)),
+                          lambda h: h.payload_checksum == computed)
+    assert verdict.defect is defect
+
+
+def test_failures_come_back_with_their_errno(engine_for, tmp_path: Path) -> None:
+    n = 8192
+    path = write_python(tmp_path, payload_for(n))
+    shard = path.parent
+    (shard / "short.kv").write_bytes(path.read_bytes()[: HEADER_SIZE + 4096])
+    os.symlink(path, shard / "link.kv")
+    os.mkfifo(shard / "fifo.kv")
+    (tmp_path / "outside.kv").write_bytes(path.read_bytes())
+    names = ["missing.kv", "short.kv", "link.kv", "fifo.kv", "../../../../../outside.kv"]
+    items = [item(tmp_path, dest_for(n, "aligned"), n, rel=str(Path(REL).parent / name))
+             for name in names]
+    statuses, details = engine_for().read(items)
+    assert statuses == bytes([native.FAILED] * len(names))
+    errors = {names[i]: err for i, err, header, _ in details if header is None}
+    assert errors == {"missing.kv": errno.ENOENT, "short.kv": errno.ENODATA,
+                      "link.kv": errno.ELOOP, "fifo.kv": errno.EINVAL,
+                      "../../../../../outside.kv": errno.EXDEV}
+
+
+def test_a_destination_shorter_than_the_payload_is_refused(engine_for, tmp_path: Path
+                                                           ) -> None:
+    write_python(tmp_path, payload_for(8192))
+    with pytest.raises(ValueError, match="holds 4096 bytes"):
+        engine_for().read([item(tmp_path, dest_for(4096, "aligned"), 8192)])
+
+
+def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
+    items = []
+    for i in range(8):
+        rel = f"ns/0123456789abcdef/ab/cd/c{i}.kv"
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_python(tmp_path, payload_for(3 * BLOCK_SIZE)).rename(tmp_path / rel)
+        items.append(item(tmp_path, dest_for(3 * BLOCK_SIZE, "aligned"), 3 * BLOCK_SIZE,
+                          rel=rel))
+    engine = engine_for(BLOCK_SIZE)  # 3 pieces per chunk, 24 in the batch
+    before = native.counters()
+    statuses, _ = engine.read(items)
+    after = native.counters()
+    assert statuses == bytes([native.OK] * 8)
+    assert after["gil_releases"] - before["gil_releases"] == 1
+    assert after["hashed_bytes"] - before["hashed_bytes"] >= 8 * 3 * BLOCK_SIZE
+
+
+class Done:
+    """Collects the batches an engine hands back, by name."""
+
+    def __init__(self) -> None:
+        self.batches: dict[object, native.Batch] = {}
+        self.cond = threading.Condition()
+
+    def __call__(self, name: object) -> Callable[[native.Batch], None]:
+        def on_done(batch: native.Batch) -> None:
+            assert threading.current_thread().name == "nvme-io-done"
+            with self.cond:
+                self.batches[name] = batch
+                self.cond.notify_all()
+        return on_done
+
+    def wait_for(self, count: int) -> dict[object, native.Batch]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.batches) >= count, timeout=30)
+            return self.batches
+
+
+def write_now(engine: NativeEngine, items: list[WriteItem]) -> native.Batch:
+    done = Done()
+    engine.submit_write(items, done("write"))
+    return done.wait_for(1)["write"]
+
+
+def test_asynchronous_batches_come_back_on_the_completion_thread(engine_for, tmp_path: Path
+                                                                 ) -> None:
+    n = 4096
+    payload = payload_for(n)
+    write_python(tmp_path, payload)
+    engine = engine_for()
+    dests = [dest_for(n, "aligned") for _ in range(5)]
+    done = Done()
+    for i, dest in enumerate(dests):
+        engine.submit_read([item(tmp_path, dest, n)], done(i))
+    engine.submit_read([], done("empty"))
+    got = {name: batch.statuses for name, batch in done.wait_for(6).items()}
+    assert got == {**{i: bytes([native.OK]) for i in range(5)}, "empty": b""}
+    assert all(bytes(d[:n]) == payload for d in dests)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.read([])
+
+
+def test_close_finishes_queued_writes_and_cancel_ends_the_rest(engine_for, tmp_path: Path
+                                                               ) -> None:
+    engine = engine_for()
+    done = Done()
+    payload = memoryview(payload_for(BLOCK_SIZE))
+    for i in range(20):
+        engine.submit_write([write_item(tmp_path, payload, name=f"c{i}.kv")], done(i))
+    cancelled = engine.cancel_writes()
+    engine.close()  # what was not cancelled finishes first
+    batches = done.wait_for(20)
+    statuses = [batches[i].statuses for i in range(20)]
+    assert statuses.count(bytes([native.FAILED])) == cancelled
+    assert all(batches[i].details == [(0, native.FAILED, errno.ECANCELED)]
+               for i in range(20) if statuses[i] == bytes([native.FAILED]))
+    written = [i for i in range(20) if statuses[i] != bytes([native.FAILED])]
+    assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == \
+        sorted(f"c{i}.kv" for i in written)
+
+
+# -- writes ----------------------------------------------------------------------------------
+
+
+def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool = True,
+               mode: int = 0o640, gpu: tuple[int, int] | None = None, fsync_level: int = 0,
+               name: str = "chunk.kv", victims: tuple[str, ...] = ()) -> WriteItem:
+    shard = REL.rpartition("/")[0]
+    return WriteItem(root_descriptor(root), shard.encode(), f"{name}.tmp-test".encode(),
+                     name.encode(), payload, key.encode(), b"ns",
+                     meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level,
+                     tuple(v.encode() for v in victims))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("kind", ["aligned", "unaligned"])
+@pytest.mark.parametrize("task_size", [8192, 2 * MIB])
+@pytest.mark.parametrize("n", SIZES)
+def test_writes_files_the_python_engine_reads_and_validates(
+        engine_for, tmp_path: Path, n: int, task_size: int, kind: str, direct: bool) -> None:
+    payload = payload_for(n)
+    source = dest_for(n, kind)
+    source[:n] = payload
+    (tmp_path / REL).parent.mkdir(parents=True)
+    statuses, details = write_now(engine_for(task_size),
+                                  [write_item(tmp_path, source[:n], direct=direct,
+                                              fsync_level=2)])
+    assert (statuses, details) == (bytes([native.OK]), [])
+    data = (tmp_path / REL).read_bytes()
+    assert len(data) == HEADER_SIZE + padded_length(n)
+    assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
+    assert set(data[HEADER_SIZE + n:]) <= {0}
+    header = decode_header(data[:HEADER_SIZE])
+    assert header.payload_checksum == payload_checksum(payload)
+    assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
+                                                    file_size=len(data))).ok
+    assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == ["chunk.kv"]
+
+
+def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> None:
+    (tmp_path / REL).parent.mkdir(parents=True)
+    old = os.umask(0o077)
+    try:
+        write_now(engine_for(), [write_item(tmp_path, memoryview(b"x" * 10), mode=0o640,
+                                            gpu=(1, 2))])
+    finally:
+        os.umask(old)
+    path = tmp_path / REL
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert decode_header(path.read_bytes()[:HEADER_SIZE]).gpu_checksum == (1, 2)
+
+
+@pytest.mark.parametrize("existing,status", [
+    ("", native.NEW_NAMESPACE), ("ns", native.NEW_NAMESPACE),
+    ("ns/0123456789abcdef", native.OK), ("ns/0123456789abcdef/ab", native.OK)])
+def test_missing_shard_directories_are_made_with_exactly_their_mode(
+        engine_for, tmp_path: Path, existing: str, status: int) -> None:
+    if existing:
+        (tmp_path / existing).mkdir(parents=True)
+    old = os.umask(0o077)
+    try:
+        statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
+    finally:
+        os.umask(old)
+    assert statuses == bytes([status])
+    assert details == ([] if status == native.OK else [(0, status, 0)])
+    made = Path(REL).parent
+    for depth in range(len(Path(existing).parts) if existing else 0, len(made.parts)):
+        directory = tmp_path.joinpath(*made.parts[: depth + 1])
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o750, directory
+    assert (tmp_path / REL).read_bytes()[HEADER_SIZE:HEADER_SIZE + 3] == b"abc"
+
+
+def test_a_stale_temp_file_is_replaced(engine_for, tmp_path: Path) -> None:
+    shard = (tmp_path / REL).parent
+    shard.mkdir(parents=True)
+    (shard / "chunk.kv.tmp-test").write_bytes(b"left by a dead writer")
+    assert write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))]).statuses == \
+        bytes([native.OK])
+    assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
+
+
+def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
+    shard = (tmp_path / REL).parent
+    shard.mkdir(parents=True)
+    for name in ("old1.kv", "old2.kv"):
+        (shard / name).write_bytes(b"evicted")
+    victims = (f"{shard.relative_to(tmp_path)}/old1.kv", f"{shard.relative_to(tmp_path)}/old2.kv",
+               f"{shard.relative_to(tmp_path)}/already-gone.kv")
+    batch = write_now(engine_for(), [write_item(tmp_path, memoryview(b"new"), victims=victims)])
+    assert batch.statuses == bytes([native.OK])
+    assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
+
+
+@pytest.mark.parametrize("planted_at", ["ns/0123456789abcdef/ab/cd", "ns/0123456789abcdef"])
+def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path,
+                                                         planted_at: str) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / planted_at).parent.mkdir(parents=True)
+    os.symlink(elsewhere, tmp_path / planted_at)
+    statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
+    assert statuses == bytes([native.FAILED]) and details[0][2] in (errno.ELOOP,
+                                                                    errno.ENOTDIR)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Path) -> None:
+    engine = engine_for()
+    (tmp_path / REL).parent.mkdir(parents=True)
+    payloads = {f"k{i}": payload_for(BLOCK_SIZE + i) for i in range(8)}
+
+    def write(key: str) -> None:
+        item = write_item(tmp_path, memoryview(payloads[key]), key=key, name=f"{key}.kv")
+        assert write_now(engine, [item]).statuses == bytes([native.OK])
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, payload in payloads.items():
+        data = (tmp_path / REL).parent.joinpath(f"{key}.kv").read_bytes()
+        assert data[HEADER_SIZE:HEADER_SIZE + len(payload)] == payload
