@@ -38,7 +38,7 @@ def main() -> None:
     mark("lookup-loop-begin")
     hits = sum(reader.lookup(key, NS) for key in keys)
     mark("lookup-loop-end")
-    assert hits == (n + 1) // 2, hits
+    assert hits == (n + 1) // 2, (hits, n)
     print(threading.get_native_id(), n, flush=True)
     reader.close()
     writer.close()

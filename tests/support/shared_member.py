@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lmcache_nvme_backend
+
 from .chunks import NS, meta_for, read
 from .stores import open_store
 
@@ -135,6 +137,7 @@ def main() -> None:
     snap = store.stats_snapshot()
     store.close()
     result: dict[str, Any] = {"prefix": args.prefix, "role": args.role, "seconds": seconds,
+                              "package": str(Path(lmcache_nvme_backend.__file__).parent),
                               "write_mb_s": counts["written"] * args.size / seconds / 1e6,
                               **counts}
     for key in ("capacity_drops", "evictions", "shared_transfers", "shared_adopted",

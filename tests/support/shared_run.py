@@ -3,6 +3,7 @@ bytes on disk are sampled (the shared-budget tests and bench/bench_shared.py).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -42,17 +43,19 @@ def filesystem_used(path: Path) -> int:
 
 
 def other_bytes(root: Path) -> int:
-    """Bytes of the files under ``root`` that are not chunk, temp or claimed files
-    (ledger, journals, leases, manifest, marker, quarantine)."""
+    """Blocks under ``root`` that are not chunk, temp or claimed files: directories (ext4
+    gives each a block; tmpfs none), the ledger, journals, leases, manifest, marker,
+    quarantine."""
     total = 0
-    skip = {root / "ns", root / "shared" / "evicting"}
-    for dirpath, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if Path(dirpath, d) not in skip]
+    chunk_trees = (str(root / "ns"), str(root / "shared" / "evicting"))
+    for dirpath, _dirs, files in os.walk(root):
+        with contextlib.suppress(OSError):
+            total += os.lstat(dirpath).st_blocks * 512
+        if dirpath.startswith(chunk_trees):
+            continue
         for name in files:
-            try:
-                total += -(-os.lstat(os.path.join(dirpath, name)).st_size // 4096) * 4096
-            except OSError:
-                continue
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
     return total
 
 
@@ -87,8 +90,9 @@ class DiskSampler:
     def sample(self) -> int:
         if self.filesystem is None:
             return tree_bytes(self.root)
-        used = filesystem_used(self.filesystem) - self._base
-        return used - (other_bytes(self.root) if self.root.exists() else 0)
+        # what is not chunks first: it only grows, so a sample errs on the high side
+        other = other_bytes(self.root) if self.root.exists() else 0
+        return filesystem_used(self.filesystem) - self._base - other
 
     def _run(self) -> None:
         while not self._stop.is_set():
