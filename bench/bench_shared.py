@@ -51,7 +51,13 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 from support.gluster import gluster_volume  # noqa: E402
 from support.process import child_env, module_command  # noqa: E402
-from support.shared_run import DiskSampler, start_member, stop_all  # noqa: E402
+from support.shared_run import (  # noqa: E402
+    DiskSampler,
+    Member,
+    start_member,
+    start_writers,
+    stop_all,
+)
 
 MIB = 1 << 20
 
@@ -88,14 +94,11 @@ def budget_run(paths: list[Path], real: Path, filesystem: Path, args: argparse.N
     budget = args.budget_mb * MIB
     size = args.size_mb * MIB
     go = Path(tempfile.mkdtemp(prefix="bench-shared-go-")) / "go"
-    members = []
+    members: list[Member] = []
     try:
         with DiskSampler(real, filesystem=filesystem) as sampler:
-            for i, prefix in enumerate(prefixes):
-                members.append(start_member("writer", paths[i % len(paths)], prefix, budget,
-                                            size, args.seconds, prefixes, go=go,
-                                            env=env_for(before)))
-            go.touch()
+            start_writers(members, paths, prefixes, budget, size, args.seconds, go,
+                          env_for(before))
             results = [m.result(timeout_s=args.seconds + 600) for m in members]
     finally:
         stop_all(members)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..disk.layout import TEMP_INFIX
 from .cache import CacheRoot
-from .common import human_bytes, print_json
+from .common import human_age, human_bytes, print_json
 from .shared_view import print_shared, shared_report
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -99,21 +99,12 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
     }
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
-
-
 def print_report(rep: dict[str, Any]) -> None:
     print(f"{rep['path']}: {rep['files']} chunk files, {human_bytes(rep['bytes'])} on disk "
           f"(headers and padding included), {len(rep['namespaces'])} namespace(s)")
     m = rep["manifest"]
     if m["present"]:
-        print(f"  manifest: {m['entries']} entries, saved {_age(m['age_s'])} ago; "
+        print(f"  manifest: {m['entries']} entries, saved {human_age(m['age_s'])} ago; "
               f"{rep['files_in_manifest']} of the files are in it")
     else:
         print("  manifest: none yet (recency falls back to file times)")
@@ -131,8 +122,8 @@ def print_report(rep: dict[str, Any]) -> None:
     for sp in rep["special_entries"]:
         print(f"  skipped {sp['path']}: a {sp['kind']} at a chunk file's name (never followed "
               "or read)")
-    print(f"  time since last access (newest {_age(rep['newest_access_age_s'])}, oldest "
-          f"{_age(rep['oldest_access_age_s'])}):")
+    print(f"  time since last access (newest {human_age(rep['newest_access_age_s'])}, oldest "
+          f"{human_age(rep['oldest_access_age_s'])}):")
     most = max([b["files"] for b in rep["age_histogram"]] + [1])
     for b in rep["age_histogram"]:
         bar = "#" * round(30 * b["files"] / most)

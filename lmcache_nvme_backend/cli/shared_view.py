@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..disk.coordination import LEDGER_DIR, host_tag, member_host_pid
+from ..store.leases import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
 from ..store.ledger import LIVE, LedgerChain, LedgerError
-from ..store.members import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
-from .common import human_bytes
+from .common import human_age, human_bytes
 
 READER = "inspect-0-00000000"  # the ledger chain needs a member id; this one never writes
 
@@ -73,15 +73,6 @@ def _moving(root: Path, leases: dict[str, Lease], live: list[str]) -> dict[str, 
     return alive
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.1f} s"
-
-
 def print_shared(rep: dict[str, Any]) -> None:
     if "error" in rep:
         print(f"  shared budget: {rep['error']}")
@@ -96,4 +87,4 @@ def print_shared(rep: dict[str, Any]) -> None:
         flight = "-" if m["in_flight_bytes"] is None else human_bytes(m["in_flight_bytes"])
         print(f"  {m['member']:<34} {m['state']:<26} {owns:>10} "
               f"{human_bytes(m['share_bytes']):>10} {flight:>10}  "
-              f"{_age(m['newest_read_age_s'])} / {_age(m['oldest_read_age_s'])}")
+              f"{human_age(m['newest_read_age_s'], 1)} / {human_age(m['oldest_read_age_s'], 1)}")

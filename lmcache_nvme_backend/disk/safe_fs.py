@@ -355,20 +355,12 @@ def link_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
         os.close(src_fd)
 
 
-def unlink_beneath(root: Path | str, rel: str) -> None:
-    """``unlink`` within the tree (a link is removed, never its target)."""
+def unlink_beneath(root: Path | str, rel: str, directory: bool = False) -> None:
+    """``unlink`` within the tree (a link is removed, never its target); ``directory``:
+    ``rmdir`` of an empty directory instead."""
     fd, name = _parent(root, rel)
     try:
-        os.unlink(name, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def rmdir_beneath(root: Path | str, rel: str) -> None:
-    """``rmdir`` of an empty directory within the tree."""
-    fd, name = _parent(root, rel)
-    try:
-        os.rmdir(name, dir_fd=fd)
+        (os.rmdir if directory else os.unlink)(name, dir_fd=fd)
     finally:
         os.close(fd)
 

@@ -51,8 +51,8 @@ from ..disk.safe_fs import (
     read_small_file,
     remove_quietly,
     rename_beneath,
-    rmdir_beneath,
     scandir_beneath,
+    unlink_beneath,
 )
 
 logger = logging.getLogger(__name__)
@@ -346,4 +346,4 @@ def remove_tree_quietly(root: Path, rel: str) -> None:
     for entry in scandir_beneath(root, rel):
         remove_quietly(root, f"{rel}/{entry.name}")
     with contextlib.suppress(OSError, ValueError):
-        rmdir_beneath(root, rel)
+        unlink_beneath(root, rel, directory=True)

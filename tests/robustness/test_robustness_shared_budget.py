@@ -25,7 +25,14 @@ from support.gluster import GlusterVolume, gluster_volume
 from support.mounts import tmpfs
 from support.prerequisites import missing_prerequisite
 from support.process import child_env, module_command
-from support.shared_run import DiskSampler, Member, start_member, stop_all, tree_bytes
+from support.shared_run import (
+    DiskSampler,
+    Member,
+    start_member,
+    start_writers,
+    stop_all,
+    tree_bytes,
+)
 
 from lmcache_nvme_backend.disk.coordination import MEMBERS_DIR, evicting_dir
 from lmcache_nvme_backend.disk.format import file_size_for
@@ -86,13 +93,10 @@ def test_members_keep_one_budget_and_serve_each_other(nodes: Nodes, tmp_path: Pa
     budget = 64 * FILE
     prefixes = ["m0", "m1", "m2", "m3"]
     members: list[Member] = []
-    go = tmp_path / "go"
     try:
         with nodes.sampler() as sampler:
-            for i, prefix in enumerate(prefixes):
-                members.append(start_member("writer", nodes.cache_for(i), prefix, budget,
-                                            SIZE, SECONDS, prefixes, go=go))
-            go.touch()  # all four start together
+            start_writers(members, nodes.paths, prefixes, budget, SIZE, SECONDS,
+                          tmp_path / "go")
             results = [m.result() for m in members]
     finally:
         stop_all(members)
@@ -137,13 +141,10 @@ def test_a_killed_member_leaks_nothing(nodes: Nodes, victim: str, tmp_path: Path
     budget = 24 * FILE
     prefixes = ["k0", "k1", "k2"]
     members: list[Member] = []
-    go = tmp_path / "go"
     try:
         with nodes.sampler() as sampler:
-            for i, prefix in enumerate(prefixes):
-                members.append(start_member("writer", nodes.cache_for(i), prefix, budget,
-                                            SIZE, SECONDS + 6, prefixes, go=go))
-            go.touch()
+            start_writers(members, nodes.paths, prefixes, budget, SIZE, SECONDS + 6,
+                          tmp_path / "go")
             time.sleep(2.0)  # the directory is full: every write evicts
             by_id = {m.ids[0]: m for m in members}
             janitor = by_id[min(by_id)]

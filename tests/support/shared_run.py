@@ -168,6 +168,17 @@ def start_member(role: str, cache: Path, prefix: str, budget: int, size: int, se
     return member
 
 
+def start_writers(members: list[Member], caches: Sequence[Path], prefixes: Sequence[str],
+                  budget: int, size: int, seconds: float, go: Path,
+                  env: dict[str, str] | None = None) -> None:
+    """Start one writer per prefix (on ``caches[i % len(caches)]``), each reading the
+    others' chunks, appended to ``members`` as they start; then let them all go at once."""
+    for i, prefix in enumerate(prefixes):
+        members.append(start_member("writer", caches[i % len(caches)], prefix, budget, size,
+                                    seconds, prefixes, go=go, env=env))
+    go.touch()
+
+
 def stop_all(members: Sequence[Member]) -> None:
     """Kill every member still running (test teardown)."""
     for member in members:
