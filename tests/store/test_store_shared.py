@@ -58,10 +58,14 @@ def budget_gb(chunks: int) -> float:
     return chunks * FILE / 2**30
 
 
-def ledger(store: ChunkStore) -> LedgerDoc:
-    doc = LedgerChain(store.layouts[0].root, "reader-1-00000000", 0o600, 0o700).latest()
+def ledger_of(root: Path) -> LedgerDoc:
+    doc = LedgerChain(root, "reader-1-00000000", 0o600, 0o700).latest()
     assert doc is not None
     return doc
+
+
+def ledger(store: ChunkStore) -> LedgerDoc:
+    return ledger_of(store.layouts[0].root)
 
 
 def janitor_round(*stores: ChunkStore) -> None:
@@ -383,3 +387,19 @@ def test_submit_release_and_persisted_callbacks(tmp_path: Path,
     assert events == ["persisted", "released"]
 
 
+
+
+def test_every_path_keeps_its_share_of_the_budget(tmp_path: Path,
+                                                  open_store: StoreFactory) -> None:
+    paths = (tmp_path / "d0", tmp_path / "d1")
+    a = open_store(*paths, shared=True, max_size_gb=budget_gb(8))
+    b = open_store(*paths, shared=True, max_size_gb=budget_gb(8))
+    for i in range(12):
+        put(a, f"a{i}")
+        put(b, f"b{i}")
+    for path in paths:  # 8 chunks over two paths: 4 each, one ledger and budget per path
+        assert len(chunk_files(path)) <= 4
+        assert ledger_of(path).budget == 4 * FILE
+    b.refresh_shared()
+    on_disk = sum(len(chunk_files(p)) for p in paths)
+    assert sum(b.lookup(f"{w}{i}", "model") for w in "ab" for i in range(12)) == on_disk
