@@ -165,7 +165,8 @@ def test_a_killed_member_leaks_nothing(nodes: Nodes, victim: str, tmp_path: Path
         stop_all(members)
     print(f"\n{nodes.real}: killed the {victim} {dead_id}; its share, files and temp files "
           f"were gone {took_s:.1f} s later; peak {sampler.peak / 2**20:.2f} MiB of "
-          f"{budget / 2**20:.2f} MiB; survivors served "
+          f"{budget / 2**20:.2f} MiB ({sampler.peak_at - killed_at:+.1f} s from the kill); "
+          "survivors served "
           f"{[r['peer_served'] for r in results]} of each other's chunks")
     assert not left, f"left after {TAKEOVER_S} s: {left}"
     assert sampler.peak <= budget + len(members) * FILE

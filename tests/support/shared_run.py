@@ -45,17 +45,22 @@ def filesystem_used(path: Path) -> int:
 def other_bytes(root: Path) -> int:
     """Blocks under ``root`` that are not chunk, temp or claimed files: directories (ext4
     gives each a block; tmpfs none), the ledger, journals, leases, manifest, marker,
-    quarantine."""
-    total = 0
-    chunk_trees = (str(root / "ns"), str(root / "shared" / "evicting"))
-    for dirpath, _dirs, files in os.walk(root):
-        with contextlib.suppress(OSError):
-            total += os.lstat(dirpath).st_blocks * 512
-        if dirpath.startswith(chunk_trees):
-            continue
-        for name in files:
+    quarantine.  A directory that vanished under the walk (a retired ledger epoch renamed
+    away, its files not yet deleted) makes it walk again: its files still take blocks."""
+    for _ in range(10):
+        total = 0
+        raced: list[OSError] = []
+        chunk_trees = (str(root / "ns"), str(root / "shared" / "evicting"))
+        for dirpath, _dirs, files in os.walk(root, onerror=raced.append):
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                total += os.lstat(dirpath).st_blocks * 512
+            if dirpath.startswith(chunk_trees):
+                continue
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+        if not any(not str(e.filename or "").startswith(chunk_trees) for e in raced):
+            return total
     return total
 
 
@@ -76,6 +81,7 @@ class DiskSampler:
         self.filesystem = filesystem
         self._base = filesystem_used(filesystem) if filesystem is not None else 0
         self.samples: list[int] = []
+        self.times: list[float] = []  # time.monotonic() of each sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -97,11 +103,17 @@ class DiskSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append(self.sample())
+            self.times.append(time.monotonic())
             self._stop.wait(self.interval_s)
 
     @property
     def peak(self) -> int:
         return max(self.samples, default=0)
+
+    @property
+    def peak_at(self) -> float:
+        """When the peak was sampled (``time.monotonic()``)."""
+        return self.times[self.samples.index(self.peak)] if self.samples else 0.0
 
 
 @dataclass
