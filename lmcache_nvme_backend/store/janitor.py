@@ -9,11 +9,11 @@ re-checks its premise, or an idempotent file removal, so that is harmless).  Eac
   had not recorded are taken from their owners) and deleted, then its account is merged
   into the orphans' (its cap keeps counting its files: nothing is over-committed), and
   its lease, journal and evicting directory are removed;
-* after a death, and every ``RECONCILE_S``, the tree is walked: temp files of dead
-  writers are removed, the orphans' cap is recounted from the files no live member owns
-  (what a dead member held but never wrote returns to the pool here), and chunks a live
-  member still counts but that are gone (deleted by ``lmcache-nvme gc``, quarantined) are
-  released from its account;
+* after a death, and every ``RECONCILE_S`` (or ten times as long as the last walk took),
+  the tree is walked: temp files of dead writers are removed, the orphans' cap is
+  recounted from the files no live member owns (what a dead member held but never wrote
+  returns to the pool here), and chunks a live member still counts but that are gone
+  (deleted by ``lmcache-nvme gc``, quarantined) are released from its account;
 * a ledger over its budget (the budget was lowered, or a walk found more) is trimmed by
   evicting the least recently used chunks into the pool.
 
@@ -51,6 +51,7 @@ from .stats import Counter, StoreStats
 logger = logging.getLogger(__name__)
 
 RECONCILE_S = 60.0
+WALK_SHARE = 10  # periodic walks take at most a tenth of the janitor's time
 GRACE_S = 0.5  # after a walk: the journals of what was published meanwhile are read
 
 
@@ -252,6 +253,9 @@ class Janitor:
         if self.account.update(change) is not None:
             self.walks += 1
             self.last_walk_s = time.monotonic() - started
+            # a tree that takes long to walk (millions of chunks on a network filesystem)
+            # is walked at most a tenth of the time
+            self._next_walk = started + max(RECONCILE_S, WALK_SHARE * self.last_walk_s)
             self._stats.add(Counter.SHARED_RECONCILES)
             if vanished:
                 removed = self._catalog.remove_entries(
