@@ -4,7 +4,7 @@
 the system C compiler; a process started with ``LD_PRELOAD=<that library>`` calls
 ``start()`` once, then ``read()`` as often as it likes::
 
-    held_s, acquisitions = gilmeter.read()
+    held_s, acquisitions, held_cpu_s = gilmeter.read()
 
 ``start()`` finds CPython's GIL inside ``_PyRuntime``: with the GIL held, the GIL state
 is the only place that holds the switch interval (microseconds), then the current thread
@@ -71,19 +71,20 @@ def start() -> None:
     raise RuntimeError("could not find the GIL state in _PyRuntime")
 
 
-def read_thread(native_id: int) -> tuple[float, int]:
-    """(GIL-held seconds, GIL acquisitions) of one thread (``Thread.native_id``)."""
+def read_thread(native_id: int) -> tuple[float, int, float]:
+    """``read()`` of one thread (``Thread.native_id``)."""
     if _lib is None:
         raise RuntimeError("gilmeter.start() was not called")
-    out = (ctypes.c_uint64 * 2)()
+    out = (ctypes.c_uint64 * 3)()
     _lib.gilmeter_read_thread(ctypes.c_long(native_id), out)
-    return out[0] / 1e9, int(out[1])
+    return out[0] / 1e9, int(out[1]), out[2] / 1e9
 
 
-def read() -> tuple[float, int]:
-    """(GIL-held seconds, GIL acquisitions) of the whole process since ``start()``."""
+def read() -> tuple[float, int, float]:
+    """(GIL-held seconds, GIL acquisitions, CPU seconds of the holders while they held it)
+    of the whole process since ``start()``."""
     if _lib is None:
         raise RuntimeError("gilmeter.start() was not called")
-    out = (ctypes.c_uint64 * 2)()
+    out = (ctypes.c_uint64 * 3)()
     _lib.gilmeter_read(out)
-    return out[0] / 1e9, int(out[1])
+    return out[0] / 1e9, int(out[1]), out[2] / 1e9

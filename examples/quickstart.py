@@ -10,6 +10,10 @@ directory and hits the chunks the first run wrote: the YAML's
 ``pre_caching_hash_algorithm: sha256_cbor`` keeps chunk keys the same across processes
 with no environment variable (the script prints how its keys are hashed).
 
+LMCache's own log is kept to errors (``LMCACHE_LOG_LEVEL=WARNING`` shows its warnings);
+the hashing warnings it prints on a machine without vLLM are explained before the
+engine starts.
+
 A small CPU connector stands in for GPU memory; the storage path through LMCache
 is the production one.
 """
@@ -24,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # its warnings: explained in main()
 
 import torch  # noqa: E402
 
@@ -50,6 +54,14 @@ from lmcache_nvme_backend.testing.engine import (  # noqa: E402
 EXAMPLE_YAML = Path(__file__).resolve().parent / "lmcache-nvme.yaml"
 # (num_layers, 2, chunk_size, num_kv_heads, head_size): 8 MiB of bf16 KV per 256-token chunk.
 KV_SHAPE = (16, 2, 256, 8, 64)
+LMCACHE_HASH_WARNINGS = (
+    "without vLLM, LMCache logs \"Could not load 'sha256_cbor' from vLLM. Using builtin "
+    "hash\" and \"you MUST set PYTHONHASHSEED\" at start (LMCACHE_LOG_LEVEL=WARNING shows "
+    "them). Harmless here: without vLLM LMCache hashes token ids with Python's hash() of "
+    "integers, the same in every process, so the second run still hits. They matter on a "
+    "vLLM server whose config keeps LMCache's default hashing (builtin): keys then change at "
+    "every restart; keep pre_caching_hash_algorithm: sha256_cbor, as this YAML does "
+    "(docs/troubleshooting.md, no hits after a restart).")
 
 
 def main() -> None:
@@ -70,13 +82,16 @@ def main() -> None:
         NVMeSettings.from_extra_config(config.extra_config)
     except NVMeConfigError as exc:
         raise SystemExit(f"quickstart: {exc}") from None
+    hashing = token_hashing(config.pre_caching_hash_algorithm)
+    print(f"token hashing: {hashing.describe()}")
+    if not hashing.vllm:
+        print(f"note: {LMCACHE_HASH_WARNINGS}")
     engine, connector = build_engine(config, instance_id="quickstart", kv_shape=KV_SHAPE)
     try:
         nvme = engine.storage_manager.storage_backends.get("nvme")  # type: ignore[union-attr]
         if nvme is None:
             raise SystemExit("quickstart: the NVMe tier did not load; the log above says why "
                              "('NVMe tier NOT loaded: ...').")
-        print(f"token hashing: {token_hashing(config.pre_caching_hash_algorithm).describe()}")
         tokens = make_prompt(args.tokens, seed=2026)
         kv = make_kv(connector, args.tokens, seed=7)
         keys = chunk_keys(engine, tokens)

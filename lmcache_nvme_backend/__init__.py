@@ -23,7 +23,7 @@ from .config import NVMeConfigError, NVMeSettings
 from .disk.format import TensorMeta
 from .store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "ChunkRead",
     "ChunkStore",

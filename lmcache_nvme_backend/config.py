@@ -6,8 +6,10 @@ reported at construction as an ``NVMeConfigError`` that names the key and says
 how to fix it.
 
 Each field of :class:`NVMeSettings` carries its validation rule in its
-``metadata`` (``_Number``, ``_Choice``, ...); one loop in ``_Parser.parse``
-reads every setting through its rule.
+``metadata`` (``_Number``, ``_Choice``, ...); one loop in ``_Parser.review``
+reads every setting through its rule.  The tier raises the first problem and
+creates its directories (``from_params``); ``lmcache-nvme check-config`` asks
+for every problem and creates nothing (``review``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ from .disk.layout import MARKER_NAME
 from .disk.safe_fs import dir_mode_for
 
 EXTRA_CONFIG_PREFIX = "nvme."
+# The L2 adapter's settings are JSON fields: errors name them as adapter_params.<name>.
+ADAPTER_PARAMS_PREFIX = "adapter_params."
 GIB = 1024**3
 MIB = 1024**2
 # nvme.min_free_gb "auto": this share of the filesystem, at most MIN_FREE_AUTO_CAP.
 MIN_FREE_AUTO_FRACTION = 0.05
 MIN_FREE_AUTO_CAP = GIB
+
+
+def adapter_params_of(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings in an L2 adapter's ``adapter_params`` (LMCache may pass its ``type``)."""
+    return {k: v for k, v in params.items() if k != "type"}
 
 
 def min_free_bytes_for(min_free_gb: float | None, filesystem_bytes: int) -> int:
@@ -355,18 +364,26 @@ class NVMeSettings:
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> NVMeSettings:
         """Read the ``nvme.*`` keys of LMCache's ``extra_config``."""
-        extra_config = extra_config or {}
-        params = {
-            key[len(EXTRA_CONFIG_PREFIX) :]: value
-            for key, value in extra_config.items()
-            if key.startswith(EXTRA_CONFIG_PREFIX)
-        }
-        return cls.from_params(params, key_prefix=EXTRA_CONFIG_PREFIX)
+        return cls.from_params(cls.extra_config_params(extra_config),
+                               key_prefix=EXTRA_CONFIG_PREFIX)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], key_prefix: str = "") -> NVMeSettings:
         """Validate bare setting names (``path``, ``max_size_gb``, ...)."""
         return _Parser(params, key_prefix).parse()
+
+    @classmethod
+    def review(cls, params: Mapping[str, Any], key_prefix: str = "") -> SettingsReview:
+        """Every problem of bare setting names, by the rules ``from_params`` applies, without
+        creating or probing any directory (for tools that check a config before a deploy)."""
+        return _Parser(params, key_prefix).review()
+
+    @classmethod
+    def extra_config_params(cls, extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The ``nvme.*`` keys of LMCache's ``extra_config``, without the prefix."""
+        return {key[len(EXTRA_CONFIG_PREFIX):]: value
+                for key, value in (extra_config or {}).items()
+                if key.startswith(EXTRA_CONFIG_PREFIX)}
 
     @classmethod
     def parse_setting(cls, name: str, raw: Any, key_prefix: str = EXTRA_CONFIG_PREFIX) -> Any:
@@ -393,21 +410,45 @@ class _Parser:
         return lambda problem, fix: self.fail(name, problem, fix)
 
     def parse(self) -> NVMeSettings:
+        """The settings, with their directories created; the first problem is raised."""
+        review = self.review()
+        if review.settings is None:
+            raise review.errors[0]
+        for path in review.settings.paths:
+            _Directories.prepare(path, review.settings.dir_mode, self.failer("path"),
+                                 shared=review.settings.shared)
+        return review.settings
+
+    def review(self) -> SettingsReview:
+        """Every problem (unknown keys first, then the settings in field order) and the
+        values that passed; touches no directory."""
         known = NVMeSettings.setting_names()
+        errors: list[NVMeConfigError] = []
         for name in self.params:
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"did you mean '{self.prefix}{close[0]}'? " if close else ""
-                raise self.fail(
+                errors.append(self.fail(
                     name, "unknown setting",
-                    f"{hint}Known settings: {', '.join(self.prefix + k for k in known)}.")
+                    f"{hint}Known settings: {', '.join(self.prefix + k for k in known)}."))
         values: dict[str, Any] = {}
-        for f in fields(NVMeSettings):  # in field order: the first bad setting is reported
+        for f in fields(NVMeSettings):
             name = f.metadata[_KEY] or f.name
             default = None if f.default is MISSING else f.default
             rule: _Rule = f.metadata[_RULE]
-            values[f.name] = rule.parse(self.params.get(name, default), self.failer(name))
-        for path in values["paths"]:
-            _Directories.prepare(path, dir_mode_for(values["file_mode"]), self.failer("path"),
-                                 shared=values["shared"])
-        return NVMeSettings(**values)
+            try:
+                values[f.name] = rule.parse(self.params.get(name, default), self.failer(name))
+            except NVMeConfigError as exc:
+                errors.append(exc)
+        settings = None if errors else NVMeSettings(**values)
+        return SettingsReview(settings, errors, values)
+
+
+@dataclass(frozen=True)
+class SettingsReview:
+    """What :meth:`NVMeSettings.review` found: the settings when nothing is wrong, every
+    problem, and the value of each setting that passed (by field name)."""
+
+    settings: NVMeSettings | None
+    errors: list[NVMeConfigError]
+    values: dict[str, Any]

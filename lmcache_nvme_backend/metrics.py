@@ -42,6 +42,7 @@ from .store.stats import (
 
 if TYPE_CHECKING:
     from .store.chunk_store import ChunkStore
+    from .store.roots import RootInfo
 
 logger = logging.getLogger("lmcache_nvme_backend")  # LMCache's handler prints it
 
@@ -155,6 +156,24 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("gpu_pool_objects_lent", "GPU pool memory objects lent to LMCache."),
 )
 
+#: One gauge per cache directory of a tier (label ``root``): name, help, value of a root.
+ROOT_GAUGES: tuple[tuple[str, str, Callable[[RootInfo], float | None]], ...] = (
+    ("root_in_service", "1 while the cache directory is in service, 0 while it is out of "
+     "service after I/O errors.", lambda r: float(r.healthy)),
+    ("root_direct_io", "1 when the cache directory reads and writes with O_DIRECT.",
+     lambda r: float(r.direct_io)),
+    ("root_used_bytes", "Bytes on disk of the directory's published chunks.",
+     lambda r: float(r.used_bytes)),
+    ("root_capacity_bytes", "The directory's share of the byte budget (max_size_gb).",
+     lambda r: float(r.capacity_bytes)),
+    ("root_free_bytes", "Free bytes of the directory's filesystem, as an unprivileged writer "
+     "sees them, at scrape time.", lambda r: None if r.free_bytes is None else
+     float(r.free_bytes)),
+    ("root_min_free_bytes", "The directory's free-space guard (min_free_gb): writes are "
+     "dropped while the filesystem has no more free bytes than this.",
+     lambda r: float(r.min_free_bytes)),
+)
+
 HISTOGRAMS: tuple[tuple[str, str, dict[str, str], str], ...] = (
     ("read_latency_seconds", "Duration of one read call (a batch of chunks), by read path.",
      {path: read_latency(path) for path in READ_PATHS}, "path"),
@@ -166,7 +185,8 @@ HISTOGRAMS: tuple[tuple[str, str, dict[str, str], str], ...] = (
 def metric_names() -> list[str]:
     """Every exported metric family as Prometheus shows it (counters with ``_total``)."""
     names = [f"{PREFIX}_{m.name}" + ("_total" if m.kind == "counter" else "") for m in METRICS]
-    return names + [f"{PREFIX}_{name}" for name, *_ in HISTOGRAMS]
+    return (names + [f"{PREFIX}_{name}" for name, *_ in ROOT_GAUGES]
+            + [f"{PREFIX}_{name}" for name, *_ in HISTOGRAMS])
 
 
 @dataclass(eq=False)
@@ -177,6 +197,7 @@ class TierSource:
     cache_dir: str
     stats: Callable[[], dict[str, float]]
     histograms: Callable[[], dict[str, HistogramSnapshot]]
+    roots: Callable[[], list[RootInfo]] = list
 
 
 class TierCollector:
@@ -203,6 +224,7 @@ class TierCollector:
             tiers = list(self._tiers)
         snapshots = [(t, t.stats(), t.histograms()) for t in tiers]
         base = ["adapter", "cache_dir"]
+        yield from self._root_families(tiers, base)
         for spec in METRICS:
             labels = [*base, spec.label] if spec.label else base
             family_type = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
@@ -223,6 +245,18 @@ class TierCollector:
                     hist.add_metric([tier.adapter, tier.cache_dir, *extra],
                                     [(bound, float(n)) for bound, n in h.cumulative()], h.sum_s)
             yield hist
+
+    @staticmethod
+    def _root_families(tiers: list[TierSource], base: list[str]) -> Iterator[Metric]:
+        roots = [(t, t.roots()) for t in tiers]
+        for name, help_text, value_of in ROOT_GAUGES:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=[*base, "root"])
+            for tier, infos in roots:
+                for info in infos:
+                    value = value_of(info)
+                    if value is not None:
+                        family.add_metric([tier.adapter, tier.cache_dir, str(info.path)], value)
+            yield family
 
 
 _collector = TierCollector()
@@ -296,8 +330,9 @@ class TierObserver:
 
     def __init__(self, adapter: str, cache_dirs: list[str], metrics_port: int,
                  stats_log_interval_s: float, stats: Callable[[], dict[str, float]],
-                 histograms: Callable[[], dict[str, HistogramSnapshot]]) -> None:
-        self.source = TierSource(adapter, ",".join(cache_dirs), stats, histograms)
+                 histograms: Callable[[], dict[str, HistogramSnapshot]],
+                 roots: Callable[[], list[RootInfo]] = list) -> None:
+        self.source = TierSource(adapter, ",".join(cache_dirs), stats, histograms, roots)
         _register()
         _collector.add(self.source)
         self.metrics_port = serve_metrics(metrics_port) if metrics_port else None
@@ -314,7 +349,8 @@ class TierObserver:
         """Observe ``store`` as configured by its settings; ``stats`` is the adapter's."""
         settings = store.settings
         return cls(adapter, [str(p) for p in settings.paths], settings.metrics_port,
-                   settings.stats_log_interval_s, stats, store.histograms)
+                   settings.stats_log_interval_s, stats, store.histograms,
+                   store.describe_roots)
 
     def _log_loop(self, interval_s: float) -> None:
         previous = self.source.stats()

@@ -20,8 +20,9 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-from support import memory_cap, stores  # noqa: E402
+from support import memory_cap, prerequisites, stores  # noqa: E402
 
+from lmcache_nvme_backend.io import native  # noqa: E402
 from lmcache_nvme_backend.store.chunk_store import ChunkStore  # noqa: E402
 
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
@@ -44,11 +45,26 @@ def cache_dir(tmp_path: Path) -> Path:
     return tmp_path / "cache"
 
 
+# Directories whose tests run once with each I/O engine: the native batch engine and the
+# Python one it speeds up must behave the same (``nvme.native_io``).
+BOTH_ENGINES = ("store", "robustness")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "native_io" in metafunc.fixturenames and \
+            metafunc.definition.path.parent.name in BOTH_ENGINES:
+        metafunc.parametrize("native_io", ["on", "off"], ids=["native", "python"],
+                             indirect=True)
+
+
 @pytest.fixture
-def native_io() -> str | None:
-    """``nvme.native_io`` of the stores ``open_store`` opens: the package's default here;
-    tests/store runs every test with each engine (its conftest)."""
-    return None
+def native_io(request: pytest.FixtureRequest) -> str | None:
+    """``nvme.native_io`` of the stores ``open_store`` opens: each engine in turn under
+    tests/store and tests/robustness, the package's default elsewhere."""
+    mode = getattr(request, "param", None)
+    if mode == "on" and not native.available():
+        prerequisites.missing_prerequisite(native.unavailable_reason())
+    return mode
 
 
 @pytest.fixture

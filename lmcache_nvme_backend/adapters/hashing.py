@@ -20,6 +20,7 @@ Nothing here imports LMCache or vLLM (``lmcache-nvme doctor`` uses it too).
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -31,6 +32,10 @@ RECOMMENDED_ALGORITHM = "sha256_cbor"
 STABLE_WITH_VLLM = frozenset({"sha256_cbor", "sha256_cbor_64bit", "sha256"})
 #: LMCache's default.
 DEFAULT_ALGORITHM = "builtin"
+#: The names LMCache 0.5.6 resolves (vLLM's hash functions, and its own fallback); any
+#: other name silently falls back to ``builtin``.
+KNOWN_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash",
+                    "xxhash_cbor")
 TROUBLESHOOTING = "docs/troubleshooting.md#no-hits-after-a-restart-or-from-another-process"
 FIX = (f"Set pre_caching_hash_algorithm: {RECOMMENDED_ALGORITHM} in the LMCache config "
        "(stable without any environment variable), or export PYTHONHASHSEED=0 (any fixed "
@@ -86,6 +91,18 @@ class TokenHashing:
                 f"never found again: LMCache hashes tokens with pre_caching_hash_algorithm "
                 f"'{self.algorithm}' and PYTHONHASHSEED is not set, so vLLM seeds the hash "
                 f"chain per process. {FIX} ({TROUBLESHOOTING}).")
+
+
+def unknown_algorithm(algorithm: str | None) -> str | None:
+    """What is wrong with a ``pre_caching_hash_algorithm`` LMCache does not know (None: known
+    or unset): LMCache would log a warning and hash with ``builtin`` instead."""
+    if algorithm is None or algorithm in KNOWN_ALGORITHMS:
+        return None
+    close = difflib.get_close_matches(str(algorithm), KNOWN_ALGORITHMS, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return (f"pre_caching_hash_algorithm '{algorithm}' is not a hash LMCache knows, so it "
+            f"falls back to '{DEFAULT_ALGORITHM}' (Python's hash()); {hint}known: "
+            f"{', '.join(KNOWN_ALGORITHMS)}")
 
 
 def token_hashing(algorithm: str | None, environ: Mapping[str, str] | None = None,

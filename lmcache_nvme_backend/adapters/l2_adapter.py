@@ -27,8 +27,9 @@ small executors, and results are handed over under one lock.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,12 +41,11 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from ..config import NVMeConfigError, NVMeSettings
+from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..disk.format import file_size_for
-from ..disk.layout import key_digest
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
-from .memory_objects import host_view, tensor_meta_of
+from .memory_objects import host_view, payload_view, tensor_meta_of
 from .object_keys import object_key_namespace, object_key_string
 
 if TYPE_CHECKING:
@@ -61,8 +61,6 @@ TIER = "NVMe L2 adapter"
 #: here than in-process: one synchronous O_DIRECT writer reached ~1 GB/s on the test
 #: disk, four reached the rate of LMCache's fs_native (four C++ workers).
 WRITERS_PER_PATH = 4
-#: Prefix of validation errors, so that a message names the JSON field to fix.
-PARAMS_PREFIX = "adapter_params."
 
 
 class NVMeL2AdapterConfig(L2AdapterConfigBase):
@@ -82,8 +80,8 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
             raise NVMeConfigError(f"adapter_params: expected a JSON object, got "
                                   f"{type(d).__name__}. Give e.g. {{\"path\": "
                                   "\"/mnt/nvme0/lmcache\", \"max_size_gb\": 100}.")
-        params = {k: v for k, v in d.items() if k != "type"}
-        return cls(NVMeSettings.from_params(params, key_prefix=PARAMS_PREFIX))
+        return cls(NVMeSettings.from_params(adapter_params_of(d),
+                                            key_prefix=ADAPTER_PARAMS_PREFIX))
 
     @classmethod
     def help(cls) -> str:
@@ -98,14 +96,20 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
 
 @dataclass
 class _StoreTask:
-    """Completion state of one store task: finishes when every chunk is released."""
+    """Completion state of one store task: finishes when every chunk is released.
+
+    Chunks settle on the store's threads without a lock: each writes only its own slot of
+    ``persisted`` / ``sizes`` / ``digests``, and ``next(released)`` (atomic) tells the one
+    that releases last, which completes the task."""
 
     task_id: L2TaskId
     keys: list[ObjectKey]
-    remaining: int  # one per chunk, plus one held by the submitter
+    shares: int  # one per chunk, plus one held by the submitter
     persisted: list[bool] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
     refused: bool = False
+    released: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
 
 def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSettings:
@@ -183,8 +187,9 @@ class NVMeL2Adapter(L2AdapterInterface):
         dropped on a full write queue.
         """
         task_id = self._new_task_id()
-        task = _StoreTask(task_id, list(keys), remaining=len(keys) + 1,
-                          persisted=[False] * len(keys), sizes=[0] * len(keys))
+        task = _StoreTask(task_id, list(keys), shares=len(keys) + 1,
+                          persisted=[False] * len(keys), sizes=[0] * len(keys),
+                          digests=[""] * len(keys))
         with self._lock:
             self._store_tasks[task_id] = task
         try:
@@ -194,56 +199,53 @@ class NVMeL2Adapter(L2AdapterInterface):
                       for i, (key, obj) in enumerate(zip(keys, objects, strict=True))]
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
-            with self._lock:
-                task.refused = True
-                task.remaining = 1
+            task.refused = True
+            task.shares = 1  # no chunk was handed over: the submitter's share is the last
             self._chunk_released(task)
             return task_id
         try:
             results = self.store.submit_many(writes)
         except Exception:  # submit_many has released every chunk
             logger.exception("NVMe L2 adapter: store task %d failed to submit", task_id)
-            with self._lock:
-                task.refused = True
+            task.refused = True
             self._chunk_released(task)
             return task_id
-        with self._lock:
-            for i, result in enumerate(results):
-                if result is SubmitResult.DUPLICATE:
-                    task.persisted[i] = True  # already on the drive (or being written)
-                elif result is not SubmitResult.QUEUED:
-                    task.refused = True
+        for i, result in enumerate(results):
+            if result is SubmitResult.DUPLICATE:
+                task.persisted[i] = True  # already on the drive (or being written)
+            elif result is not SubmitResult.QUEUED:
+                task.refused = True
         self._chunk_released(task)  # the submitter's share
         return task_id
 
     def _chunk_write(self, task: _StoreTask, i: int, key: ObjectKey,
                      obj: MemoryObj) -> ChunkWrite:
         meta = tensor_meta_of(obj)
-        return ChunkWrite(object_key_string(key), object_key_namespace(key), meta,
-                          host_view(obj)[: meta.nbytes],
-                          release=lambda: self._chunk_released(task),
-                          on_persisted=lambda: self._chunk_persisted(task, i, meta.nbytes))
+        write = ChunkWrite(object_key_string(key), object_key_namespace(key), meta,
+                           payload_view(obj, meta.nbytes),
+                           release=lambda: self._chunk_released(task),
+                           on_persisted=lambda: self._chunk_persisted(task, i, meta.nbytes))
+        task.digests[i] = write.digest
+        return write
 
-    def _chunk_persisted(self, task: _StoreTask, i: int, nbytes: int) -> None:
-        with self._lock:
-            task.persisted[i] = True
-            task.sizes[i] = nbytes
+    @staticmethod
+    def _chunk_persisted(task: _StoreTask, i: int, nbytes: int) -> None:
+        task.persisted[i] = True
+        task.sizes[i] = nbytes
 
     def _chunk_released(self, task: _StoreTask) -> None:
+        if next(task.released) < task.shares:
+            return
+        ok = not task.refused and all(task.persisted)
+        stored = [(k, d, file_size_for(n))
+                  for k, d, n in zip(task.keys, task.digests, task.sizes, strict=True) if n]
         with self._lock:
-            task.remaining -= 1
-            if task.remaining > 0:
-                return
             del self._store_tasks[task.task_id]
-            ok = not task.refused and all(task.persisted)
-            written = sum(task.sizes)
-            stored = [(k, file_size_for(n)) for k, n in zip(task.keys, task.sizes, strict=True)
-                      if n]
-            for key, size in stored:
-                self._reported[key_digest(object_key_string(key))] = (key, size)
-            self._completed_stores[task.task_id] = L2StoreResult(ok, written)
+            for key, digest, size in stored:
+                self._reported[digest] = (key, size)
+            self._completed_stores[task.task_id] = L2StoreResult(ok, sum(task.sizes))
         if stored:
-            self._notify_keys_stored([k for k, _ in stored], [s for _, s in stored])
+            self._notify_keys_stored([k for k, _, _ in stored], [s for _, _, s in stored])
         self._store_efd.notify()
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -264,9 +266,10 @@ class NVMeL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            for i, key in enumerate(keys):
-                if self.store.lookup(object_key_string(key), object_key_namespace(key),
-                                     pin=True):
+            hits = self.store.lookup_many([(object_key_string(key), object_key_namespace(key))
+                                           for key in keys], pin=True)
+            for i, hit in enumerate(hits):
+                if hit:
                     bitmap.set(i)
         except Exception:
             logger.exception("NVMe L2 adapter: lookup task %d failed", task_id)

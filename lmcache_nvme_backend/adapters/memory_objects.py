@@ -21,6 +21,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from ..disk.format import TensorMeta
 from ..gpu.reader import HostMemory
+from ..io import native
 from ..store import ChunkRead, ChunkStore, ChunkWrite
 from ._common import key_and_namespace
 
@@ -188,8 +189,20 @@ def host_view(obj: MemoryObj) -> memoryview:
     Exposing the physical size lets an aligned allocation take an O_DIRECT read
     of the padded payload in place, with no staging copy.
     """
-    size = max(obj.get_physical_size(), obj.get_size())
-    return memoryview(_ubyte_array_type(size).from_address(obj.data_ptr)).cast("B")
+    return memory_at(obj.data_ptr, max(obj.get_physical_size(), obj.get_size()))
+
+
+def payload_view(obj: MemoryObj, nbytes: int) -> memoryview:
+    """Read-write view of the object's first ``nbytes`` (what a chunk file stores)."""
+    return memory_at(obj.data_ptr, nbytes)
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A byte view of host memory an object owns (kept alive by the caller)."""
+    view = native.memory_view(address, nbytes)  # about 10x faster than through ctypes
+    if view is None:
+        view = memoryview(_ubyte_array_type(nbytes).from_address(address)).cast("B")
+    return view
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,14 +3,16 @@
 Commands, one module each:
 
 * ``bench``   fio-style benchmark of the backend's I/O engine (the ``bench`` package)
+* ``check-config`` checks an LMCache YAML or L2 adapter JSON before a deploy
+  (``check_config.py``)
 * ``doctor``  checks a path and the GPU/GDS stack (``doctor.py``)
 * ``inspect`` lists and sizes a cache directory (``inspect.py``)
 * ``verify``  decodes every header and checks every payload checksum (``verify.py``)
 * ``gc``      enforces a byte budget, clears a namespace, removes stale temp files (``gc.py``)
 
 Exit statuses: 0 success, 1 a problem was found or the command could not run
-(``doctor``: 1 = warnings, 2 = failures), 2 usage error (argparse; also no command at
-all, after the help that lists the commands).
+(``doctor``, ``check-config``: 1 = warnings, 2 = failures), 2 usage error (argparse; also
+no command at all, after the help that lists the commands).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import bench, doctor, gc, inspect, verify
+from . import bench, check_config, doctor, gc, inspect, verify
 from .common import CLIError
 
 __all__ = ["build_parser", "main"]
@@ -32,13 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmcache-nvme",
         description="Tools for the LMCache NVMe tier: benchmark a drive with the backend's "
-                    "own I/O engine, check a path, and inspect, verify or trim a cache "
-                    "directory (safe while a server uses it).",
+                    "own I/O engine, check a config before a deploy, check a path, and "
+                    "inspect, verify or trim a cache directory (safe while a server uses "
+                    "it).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for module in (bench, doctor, inspect, verify, gc):
+    for module in (bench, check_config, doctor, inspect, verify, gc):
         subparser = module.add_parser(sub)
         subparser.set_defaults(parser=subparser)
     return parser

@@ -12,39 +12,26 @@ O_DIRECT probe the backend runs at start).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..adapters.hashing import FIX as HASHING_FIX
-from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing
-from ..config import GdsMode, NVMeConfigError, NVMeSettings, min_free_bytes_for
-from ..disk.format import ALIGNMENT
-from ..io.posix import probe_direct_io
-from .check import EXIT_FOR, FAIL, INFO, PASS, SKIP, WARN, Check
-from .common import (
-    GIB,
-    CLIError,
-    MountInfo,
-    mount_for,
-    nearest_existing,
-    non_negative_float,
-    print_json,
-)
+from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing, unknown_algorithm
+from ..config import EXTRA_CONFIG_PREFIX, GdsMode, NVMeConfigError, NVMeSettings
+from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
+from .common import CLIError, mount_for, non_negative_float, print_json
 from .gpu_checks import check_gpu, check_kvikio, check_libcufile, check_nvidia_fs, check_run_udev
+from .path_checks import (
+    check_alignment,
+    check_direct_io,
+    check_filesystem,
+    check_free_space,
+    check_path,
+)
 
 GPU_CHECKS = ("kvikio", "kvikio compat mode", "libcufile", "nvidia-fs", "/run/udev", "GPU")
-GOOD_LOCAL_FS = {"ext4", "xfs"}
-SHARED_FS = {"lustre", "gpfs", "beegfs", "wekafs", "nfs", "nfs4", "cephfs", "ceph"}
-COW_FS = {"btrfs", "zfs", "bcachefs"}
-MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs"}
-LOW_FREE_GB = 10.0
-
-
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -66,8 +53,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "filesystem, at most 1 GiB)")
     p.add_argument("--config", type=Path, metavar="YAML",
                    help="the LMCache config the engines use: checks its "
-                        "pre_caching_hash_algorithm, and nvme.gds_mode: on makes the GPU "
-                        "checks count")
+                        "pre_caching_hash_algorithm and its nvme.* settings, and "
+                        "nvme.gds_mode: on makes the GPU checks count (check-config checks "
+                        "the whole file)")
+    add_gpu_and_json_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_gpu_and_json_options(p: argparse.ArgumentParser) -> None:
+    """``--gpu`` / ``--skip-gpu`` and ``--json``, shared with ``check-config``."""
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", action="store_true",
                      help="GPU server whose workers read through kvikio/GDS: GPU problems "
@@ -75,124 +70,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gpu.add_argument("--skip-gpu", action="store_true",
                      help="host-only deployment: skip the kvikio/GDS/GPU checks")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=run)
-    return p
-
-
-# -- path checks ------------------------------------------------------------------------
-
-
-def check_path(path: Path) -> tuple[Check, Path | None]:
-    """Exists (or can be created) and is writable; returns the directory to probe."""
-    if path.exists() and not path.is_dir():
-        return Check("path", FAIL, f"{path} exists and is not a directory",
-                     "point nvme.path at a directory"), None
-    probe_dir = path if path.exists() else nearest_existing(path)
-    try:
-        fd, name = tempfile.mkstemp(prefix=".doctor-probe-", dir=probe_dir)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        return Check("path", FAIL, f"{probe_dir} is not writable ({exc.strerror})",
-                     "grant the server's user write access, or choose another directory"
-                     ), None
-    if not path.exists():
-        return Check("path", WARN, f"{path} does not exist yet; {probe_dir} is writable "
-                     "(checks below ran there)",
-                     "nothing to do if this is intended: the backend creates it"), probe_dir
-    return Check("path", PASS, f"{path} is a writable directory"), probe_dir
-
-
-def check_filesystem(mount: MountInfo | None) -> Check:
-    if mount is None:
-        return Check("filesystem", WARN, "not found in /proc/mounts",
-                     "check that /proc is mounted")
-    where = f"{mount.fstype} ({mount.device} on {mount.mountpoint})"
-    fs = mount.fstype
-    if fs in GOOD_LOCAL_FS:
-        return Check("filesystem", PASS, where)
-    if fs in SHARED_FS:
-        return Check("filesystem", PASS, f"{where}: shared filesystem, several processes or "
-                     "nodes can use one cache tree")
-    if fs in MEMORY_FS:
-        return Check("filesystem", WARN, f"{where}: memory, not a drive; the tier would "
-                     "duplicate host memory and GDS cannot read from it",
-                     "put nvme.path on an NVMe drive formatted ext4 or xfs")
-    if fs == "overlay" or fs.startswith("fuse"):
-        return Check("filesystem", WARN, f"{where}: container or FUSE filesystem, usually "
-                     "without O_DIRECT and slow for large files",
-                     "bind-mount a directory of the NVMe drive into the container "
-                     "(docker -v /mnt/nvme0/lmcache:/cache) and use that")
-    if fs in COW_FS:
-        return Check("filesystem", WARN, f"{where}: copy-on-write filesystem; checksumming "
-                     "and CoW cost bandwidth, and GDS does not support it",
-                     "prefer ext4 or xfs for the cache directory")
-    return Check("filesystem", WARN, f"{where}: not a filesystem this backend is tested on",
-                 "prefer ext4 or xfs on a local NVMe drive")
-
-
-def check_direct_io(probe_dir: Path) -> Check:
-    try:
-        ok = probe_direct_io(probe_dir)
-    except OSError as exc:
-        return Check("O_DIRECT", FAIL, f"probe failed: {exc.strerror or exc}",
-                     "make the directory writable")
-    if ok:
-        return Check("O_DIRECT", PASS, "supported: reads bypass the page cache")
-    return Check("O_DIRECT", WARN, "not supported here: the backend falls back to buffered "
-                 "I/O (nvme.direct_io: auto) or refuses to start (on); GPUDirect Storage "
-                 "cannot work", "use a local ext4 or xfs filesystem on the NVMe drive")
-
-
-def check_free_space(probe_dir: Path, max_size_gb: float | None,
-                     min_free_gb: float | None) -> Check:
-    usage = shutil.disk_usage(probe_dir)
-    min_free_gb = min_free_bytes_for(min_free_gb, usage.total) / GIB  # None: auto
-    free_gb = usage.free / GIB
-    detail = f"{free_gb:.1f} GiB free of {usage.total / GIB:.1f} GiB"
-    if free_gb < min_free_gb:
-        return Check("free space", FAIL, f"{detail}, below the guard nvme.min_free_gb="
-                     f"{min_free_gb:g}: every write would be dropped",
-                     "free space on the drive or lower nvme.min_free_gb")
-    if max_size_gb is not None and max_size_gb + min_free_gb > free_gb:
-        return Check("free space", WARN, f"{detail}; nvme.max_size_gb={max_size_gb:g} plus "
-                     f"the guard {min_free_gb:g} GiB does not fit (counting space the cache "
-                     "already uses as taken): the free-space guard will evict before the "
-                     "budget is reached", "lower nvme.max_size_gb or free space")
-    if max_size_gb is None and free_gb < LOW_FREE_GB:
-        return Check("free space", WARN, f"{detail}: little room for a cache tier",
-                     "use a larger drive or free space")
-    return Check("free space", PASS, detail)
-
-
-def _logical_block_size(mount: MountInfo | None) -> int | None:
-    if mount is None or not mount.device.startswith("/dev/"):
-        return None
-    name = os.path.basename(os.path.realpath(mount.device))
-    for candidate in (f"/sys/class/block/{name}/queue/logical_block_size",
-                      f"/sys/class/block/{name}/../queue/logical_block_size"):
-        try:
-            with open(candidate) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def check_alignment(probe_dir: Path, mount: MountInfo | None) -> Check:
-    st = os.statvfs(probe_dir)
-    lbs = _logical_block_size(mount)
-    detail = f"filesystem block size {st.f_bsize} bytes"
-    if lbs is not None:
-        detail += f", device logical block size {lbs} bytes"
-    sizes = [st.f_bsize] + ([lbs] if lbs else [])
-    if all(s and ALIGNMENT % s == 0 for s in sizes):
-        return Check("alignment", PASS, f"{detail}; chunk payloads are {ALIGNMENT}-byte "
-                     "aligned, which O_DIRECT and GDS accept here")
-    return Check("alignment", WARN, f"{detail}: larger than the chunk format's {ALIGNMENT}-"
-                 "byte alignment, so O_DIRECT reads of payloads may be refused",
-                 f"format the filesystem with {ALIGNMENT}-byte blocks (mkfs.xfs -b size=4096, "
-                 "mkfs.ext4 -b 4096)")
 
 
 # -- GPU stack checks -----------------------------------------------------------------
@@ -214,11 +91,16 @@ def check_lmcache() -> Check:
                  ">=0.5.6,<0.6", "pip install 'lmcache>=0.5.6,<0.6'")
 
 
-def check_token_hashing(config: dict[str, Any] | None) -> Check:
-    """Do the in-process engines' chunk keys survive a restart (hashing.py)?"""
+def check_token_hashing(config: dict[str, Any] | None, source: str = "the --config") -> Check:
+    """Do the in-process engines' chunk keys survive a restart (hashing.py)?  ``source``
+    names where ``config`` came from."""
     algorithm = (config or {}).get("pre_caching_hash_algorithm")
+    unknown = unknown_algorithm(algorithm)
+    if unknown is not None:
+        return Check("token hashing", FAIL, unknown,
+                     f"set pre_caching_hash_algorithm: {RECOMMENDED_ALGORITHM}")
     facts = token_hashing(algorithm)
-    where = ("the --config" if config is not None else
+    where = (source if config is not None else
              "LMCache's default; pass --config YAML to check yours")
     detail = (f"{facts.describe()} ({where}; PYTHONHASHSEED as in this shell; the "
               "multiprocess server hashes with blake3 and is not affected)")
@@ -231,18 +113,19 @@ def check_token_hashing(config: dict[str, Any] | None) -> Check:
     return Check("token hashing", WARN, detail, HASHING_FIX)
 
 
-def load_lmcache_config(path: Path) -> dict[str, Any]:
-    """The LMCache YAML given with --config, as a mapping (CLIError naming the file)."""
+def load_lmcache_config(path: Path, label: str = "--config ") -> dict[str, Any]:
+    """The LMCache YAML (or JSON: YAML reads it too) at ``path`` as a mapping; a CLIError
+    naming ``label`` and the file when it cannot be read or is not a mapping."""
     import yaml
 
     try:
         loaded = yaml.safe_load(path.read_text())
     except OSError as exc:
-        raise CLIError(f"--config {path}: cannot read it ({exc.strerror or exc})") from exc
-    except yaml.YAMLError as exc:
-        raise CLIError(f"--config {path}: not valid YAML ({exc})") from exc
+        raise CLIError(f"{label}{path}: cannot read it ({exc.strerror or exc})") from exc
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CLIError(f"{label}{path}: not valid YAML or JSON ({exc})") from exc
     if not isinstance(loaded, dict):
-        raise CLIError(f"--config {path}: not an LMCache config (a YAML mapping of settings "
+        raise CLIError(f"{label}{path}: not an LMCache config (a YAML mapping of settings "
                        "such as chunk_size and extra_config)")
     return loaded
 
@@ -266,28 +149,47 @@ def informational(check: Check) -> Check:
     return check
 
 
+def gpu_stack(skip_gpu: bool, gpu_strict: bool) -> list[Check]:
+    """The GPU I/O stack checks: skipped, informational, or counted (``gpu_strict``)."""
+    if skip_gpu:
+        return [Check(name, SKIP, "skipped (--skip-gpu)") for name in GPU_CHECKS
+                if name != "kvikio compat mode"]
+    gpu = check_kvikio(gpu_strict) + [check_libcufile(), check_nvidia_fs(), check_run_udev(),
+                                      check_gpu()]
+    return gpu if gpu_strict else [informational(c) for c in gpu]
+
+
 def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
                skip_gpu: bool, gpu_strict: bool = False,
                config: dict[str, Any] | None = None) -> list[Check]:
     path = path.absolute()
-    first, probe_dir = check_path(path)
-    checks = [first]
     mount = mount_for(path)
-    checks.append(check_filesystem(mount))
+    first, probe_dir = check_path(path, mount)
+    checks = [first, check_filesystem(mount)]
     if probe_dir is not None:
         checks += [check_direct_io(probe_dir),
                    check_free_space(probe_dir, max_size_gb, min_free_gb),
                    check_alignment(probe_dir, mount)]
     checks.append(check_lmcache())
     checks.append(check_token_hashing(config))
-    if skip_gpu:
-        checks += [Check(name, SKIP, "skipped (--skip-gpu)") for name in GPU_CHECKS
-                   if name != "kvikio compat mode"]
-    else:
-        gpu = check_kvikio(gpu_strict) + [check_libcufile(), check_nvidia_fs(), check_run_udev(),
-                                check_gpu()]
-        checks += gpu if gpu_strict else [informational(c) for c in gpu]
-    return checks
+    if config is not None:
+        checks.append(check_config_settings(config))
+    return checks + gpu_stack(skip_gpu, gpu_strict)
+
+
+def check_config_settings(config: dict[str, Any]) -> Check:
+    """The ``--config``'s ``nvme.*`` settings, by the tier's own rules (``check-config``
+    checks the rest of the file and each ``nvme.path``)."""
+    extra = config.get("extra_config") or {}
+    params = NVMeSettings.extra_config_params(extra if isinstance(extra, dict) else {})
+    if not params:
+        return Check("settings", SKIP, "the --config has no nvme.* settings")
+    errors = NVMeSettings.review(params, key_prefix=EXTRA_CONFIG_PREFIX).errors
+    if not errors:
+        return Check("settings", PASS, f"its {len(params)} nvme.* settings are valid")
+    return Check("settings", FAIL, "; ".join(str(e) for e in errors),
+                 "correct them; lmcache-nvme check-config YAML checks the whole file and "
+                 "each nvme.path")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -295,26 +197,15 @@ def run(args: argparse.Namespace) -> int:
     gpu_strict = args.gpu or gds_mode_of(config) is GdsMode.ON
     checks = run_checks(args.path, args.max_size_gb, args.min_free_gb, args.skip_gpu,
                         gpu_strict, config)
-    status = max(EXIT_FOR[c.status] for c in checks)
-    worst = {0: PASS, 1: WARN, 2: FAIL}[status]
+    status = exit_status(checks)
     gpu_note = ("GPU checks count (--gpu)" if args.gpu else
                 "GPU checks count (nvme.gds_mode: on in --config)" if gpu_strict else
                 "GPU checks skipped" if args.skip_gpu else
                 "GPU checks informational (--gpu makes them count)")
     if args.json:
         print_json({"command": "doctor", "path": str(args.path.absolute()),
-                    "checks": [asdict(c) for c in checks], "worst": worst,
+                    "checks": [asdict(c) for c in checks], "worst": WORST_FOR[status],
                     "gpu_strict": gpu_strict, "exit_status": status})
         return status
-    print(f"lmcache-nvme doctor {args.path.absolute()}")
-    width = max(len(c.name) for c in checks)
-    for c in checks:
-        print(f"  {c.status.upper():<4}  {c.name:<{width}}  {c.detail}")
-        if c.fix and c.status in (INFO, WARN, FAIL):
-            print(f"  {'':<4}  {'':<{width}}  {'fix' if c.status != INFO else 'if needed'}: "
-                  f"{c.fix}")
-    counts = {s: sum(c.status == s for c in checks) for s in (PASS, INFO, WARN, FAIL, SKIP)}
-    print(f"result: {worst.upper()} ({counts[PASS]} passed, {counts[INFO]} informational, "
-          f"{counts[WARN]} warnings, {counts[FAIL]} failures, {counts[SKIP]} skipped; "
-          f"{gpu_note}); exit status {status}")
+    print_report(f"lmcache-nvme doctor {args.path.absolute()}", checks, gpu_note)
     return status

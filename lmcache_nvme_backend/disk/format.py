@@ -121,8 +121,17 @@ class TensorMeta:
     nbytes: int
 
     def to_json(self) -> bytes:
-        """Compact JSON as stored in the header (cached: a chunk store sees few distinct metas)."""
-        return _meta_json(self)
+        """Compact JSON as stored in the header (built once per instance: the adapters reuse
+        one instance per layout, and every chunk written or read asks for it)."""
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> bytes:
+        return json.dumps(
+            {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
+             "fmt": self.fmt, "nbytes": self.nbytes},
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> TensorMeta:
@@ -174,14 +183,6 @@ def _parse_meta(raw: bytes) -> TensorMeta:
         raise FormatError(f"tensor metadata asks for {allocation} bytes")
     return TensorMeta(shapes=tuple(shapes), dtypes=tuple(dtypes), fmt=fmt, nbytes=nbytes)
 
-
-@functools.lru_cache(maxsize=1024)
-def _meta_json(meta: TensorMeta) -> bytes:
-    return json.dumps(
-        {"shapes": [list(s) for s in meta.shapes], "dtypes": list(meta.dtypes),
-         "fmt": meta.fmt, "nbytes": meta.nbytes},
-        separators=(",", ":"),
-    ).encode()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ atomic) and carry a per-writer suffix.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -49,9 +50,15 @@ _HOST = socket.gethostname().replace(".", "_").replace("-", "_")[:32] or "host"
 
 def key_digest(key: str) -> str:
     """Stable 128-bit digest of a full cache key; names the chunk file."""
-    return xxhash.xxh3_128_hexdigest(text_bytes(key))
+    return digest_of_key_bytes(text_bytes(key))
 
 
+def digest_of_key_bytes(key: bytes) -> str:
+    """``key_digest`` of a key already encoded (``format.text_bytes``)."""
+    return xxhash.xxh3_128_hexdigest(key)
+
+
+@functools.lru_cache(maxsize=4096)
 def namespace_id(namespace: str) -> str:
     """Stable 64-bit digest of a namespace (model name); names its directory."""
     return xxhash.xxh3_64_hexdigest(text_bytes(namespace))
@@ -134,6 +141,19 @@ class RootLayout:
             if NS_ID_RE.match(entry.name):
                 yield entry.name
 
+    def iter_tree_dirs(self) -> Iterator[str]:
+        """Every directory of the tree below ``ns/`` by its path relative to the root
+        (``ns/<ns16>``, ``ns/<ns16>/<aa>``, ``ns/<ns16>/<aa>/<bb>``), parents first.  Links
+        are skipped; a directory that cannot be listed is yielded, its contents are not."""
+        for ns in self.iter_namespace_ids():
+            yield f"ns/{ns}"
+            for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
+                if _SHARD_RE.match(shard1.name):
+                    yield f"ns/{ns}/{shard1.name}"
+                    for shard2 in _scandir_dirs(self.root, f"ns/{ns}/{shard1.name}"):
+                        if _SHARD_RE.match(shard2.name):
+                            yield f"ns/{ns}/{shard1.name}/{shard2.name}"
+
     def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
         """Every well-named regular chunk file with its ``lstat`` (taken through the open
         directory: one syscall, nothing followed); links, foreign names and files that
@@ -214,10 +234,13 @@ def split_tree_path(path: Path | str) -> tuple[str, str] | None:
     return parts[0], tail
 
 
-def temp_name(final_name: str) -> str:
-    """The temporary name beside ``final_name`` unique to this host, process and thread;
-    ``RootLayout.iter_temp_files`` parses the owner back out of it."""
-    return f"{final_name}{TEMP_INFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}"
+def temp_name(final_name: str, writer: int | None = None) -> str:
+    """The temporary name beside ``final_name`` unique to this host, process and writer
+    (the calling thread, or ``writer``: the native engine's writers never write the same
+    chunk at once, so 0 serves them all); ``RootLayout.iter_temp_files`` parses the owner
+    back out of it."""
+    tid = threading.get_ident() if writer is None else writer
+    return f"{final_name}{TEMP_INFIX}{_HOST}-{os.getpid()}-{tid}"
 
 
 def this_host() -> str:

@@ -53,6 +53,12 @@ def counters() -> dict[str, int]:
     return dict(_native.counters()) if _native is not None else {}
 
 
+def memory_view(address: int, length: int) -> memoryview | None:
+    """A writable byte view of ``length`` bytes at ``address`` (None without the engine);
+    the caller keeps the memory alive while the view is in use."""
+    return _native.memory_view(address, length) if _native is not None else None
+
+
 def simd() -> str:
     """The checksum loop the engine runs (``avx2``, ``sse2`` or ``scalar``)."""
     return str(_native.simd()) if _native is not None else ""

@@ -71,6 +71,26 @@ class Catalog:
                     self.touched.append((entry.root, digest))
         return hit
 
+    def lookup_many(self, digests: Iterable[str], root_healthy: Callable[[int], bool],
+                    now_ns: int, pin: bool = False,
+                    ns_ids: Sequence[str] | None = None) -> list[bool]:
+        """``lookup`` for several chunks under one lock hold (in ``ns_ids[i]``, if given)."""
+        hits: list[bool] = []
+        with self._lock:
+            for i, digest in enumerate(digests):
+                entry = self._index.get(digest)
+                hit = entry is not None and root_healthy(entry.root) and \
+                    (ns_ids is None or entry.ns_id == ns_ids[i])
+                if hit:
+                    assert entry is not None
+                    self._index.touch(digest, now_ns)
+                    if pin:
+                        self._index.pin(digest)
+                    if self.touched is not None:
+                        self.touched.append((entry.root, digest))
+                hits.append(hit)
+        return hits
+
     def entry(self, digest: str) -> IndexEntry | None:
         with self._lock:
             return self._index.get(digest)
@@ -160,14 +180,22 @@ class Catalog:
 
     def publish(self, entry: IndexEntry, reserved: int) -> None:
         """Index a chunk file just published, in place of its reservation."""
-        if self.members:
-            entry.owner = self.members[entry.root]
+        self.publish_many([(entry, reserved)])
+
+    def publish_many(self, published: Iterable[tuple[IndexEntry, int]]) -> None:
+        """``publish`` for several chunks under one lock hold (shared mode: the entries are
+        this member's, and its account hears of each, outside the lock)."""
+        done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
-            self._index.release(entry.root, reserved)
-            replaced = self._index.get(entry.digest)
-            self._index.add(entry)
+            for entry, reserved in published:
+                if self.members:
+                    entry.owner = self.members[entry.root]
+                self._index.release(entry.root, reserved)
+                done.append((entry, self._index.get(entry.digest), reserved))
+                self._index.add(entry)
         if self.accounting is not None:
-            self.accounting.on_publish(entry, replaced, reserved)
+            for entry, replaced, reserved in done:
+                self.accounting.on_publish(entry, replaced, reserved)
 
     def add_if_absent(self, entry: IndexEntry) -> None:
         """Index a chunk another process published (shared mode)."""

@@ -22,6 +22,7 @@ the directory tree and the manifest rebuild the index.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +56,7 @@ class ChunkStore:
         self.settings = settings
         self._stats = StoreStats()
         self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
-                                 settings.min_free_gb)
+                                 settings.min_free_gb, settings.shared)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
@@ -135,6 +136,17 @@ class ChunkStore:
         self._stats.add(Counter.LOOKUPS)
         self._stats.add(Counter.HITS if hit else Counter.MISSES)
         return hit
+
+    def lookup_many(self, keys: Sequence[tuple[str, str]], pin: bool = False) -> list[bool]:
+        """``lookup`` of each ``(key, namespace)`` under one lock hold (memory only)."""
+        hits = self._catalog.lookup_many((key_digest(key) for key, _ in keys),
+                                         self._roots.healthy, time.time_ns(), pin,
+                                         [namespace_id(ns) for _, ns in keys])
+        found = sum(hits)
+        self._stats.add(Counter.LOOKUPS, len(hits))
+        self._stats.add(Counter.HITS, found)
+        self._stats.add(Counter.MISSES, len(hits) - found)
+        return hits
 
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""
@@ -296,8 +308,12 @@ class ChunkStore:
         return [root.layout for root in self._roots]
 
     def describe_roots(self) -> list[RootInfo]:
-        """Each cache directory: path, O_DIRECT or not, in service or not."""
-        return self._roots.describe()
+        """Each cache directory: path, O_DIRECT or not, in service or not, free-space guard
+        and free space, budget share and bytes used."""
+        budgets = self._catalog.budgets
+        return [dataclasses.replace(info, capacity_bytes=budgets[i],
+                                    used_bytes=self._catalog.used_bytes(i))
+                for i, info in enumerate(self._roots.describe())]
 
     def healthy(self) -> bool:
         """Whether at least one cache directory is in service."""

@@ -176,7 +176,8 @@ class ChunkReader:
     def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
               wait: bool) -> None:
         plans = self.plan([read.key for read in reads])
-        batch = _Batch(len(reads), on_done, self._stats, self._gate)
+        batch = _Batch(len(reads), on_done, self._stats,
+                       self._gate if self.native is None else None)
         todo = [(i, plan, read.dest) for i, (read, plan) in enumerate(zip(reads, plans,
                                                                            strict=True))
                 if plan is not None and len(read.dest) >= plan.payload_len and
@@ -222,6 +223,13 @@ class ChunkReader:
     def _native_done(self, batch: _Batch, todo: list[tuple[int, ReadPlan, memoryview]],
                      result: native.Batch) -> None:
         """Account a batch the native engine finished; judge what it did not serve."""
+        if not result.details:  # everything served: the common case, counted in bulk
+            nbytes = sum(plan.payload_len for _, plan, _ in todo)
+            self._stats.add_many({Counter.READ_CHUNKS: len(todo), Counter.READ_BYTES: nbytes})
+            for root in {plan.root for _, plan, _ in todo}:
+                self._roots[root].consecutive_errors = 0
+            batch.chunks_done([(i, True, plan.payload_len) for i, plan, _ in todo])
+            return
         verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
                     for d in result.details}
         served = bytes_served = 0
@@ -236,8 +244,7 @@ class ChunkReader:
                 roots.add(plan.root)
             outcomes.append((i, ok, plan.payload_len))
         if served:
-            self._stats.add(Counter.READ_CHUNKS, served)
-            self._stats.add(Counter.READ_BYTES, bytes_served)
+            self._stats.add_many({Counter.READ_CHUNKS: served, Counter.READ_BYTES: bytes_served})
             for root in roots:
                 self._roots[root].consecutive_errors = 0
         batch.chunks_done(outcomes)
@@ -330,7 +337,9 @@ class _Batch:
     """One read call: the result of each chunk, and the call's counters once all are judged."""
 
     def __init__(self, size: int, on_done: Callable[[list[bool]], None], stats: StoreStats,
-                 gate: ReadPriorityGate) -> None:
+                 gate: ReadPriorityGate | None) -> None:
+        """``gate``: the Python writers' (they yield to reads in flight); None with the
+        native engine, whose writers see its reads themselves."""
         self.served = [False] * size
         self._on_done = on_done
         self._stats = stats
@@ -344,10 +353,10 @@ class _Batch:
         """``chunks`` reads were issued (the rest of the batch is already a miss)."""
         self._left = self._issued = chunks
         self._started = time.perf_counter()
-        if chunks:
-            self._gate.begin_read()
-        else:
+        if not chunks:
             self._finish()
+        elif self._gate is not None:
+            self._gate.begin_read()
 
     def chunks_done(self, outcomes: Iterable[tuple[int, bool, int]]) -> None:
         """Chunks were judged: (index in the call, served, payload bytes) each."""
@@ -358,14 +367,17 @@ class _Batch:
                 self._left -= 1
             last = self._left == 0
         if last:
-            self._gate.end_read()
+            if self._gate is not None:
+                self._gate.end_read()
             self._finish()
 
     def _finish(self) -> None:
         served = self.served.count(True)
         if self._issued:  # a batch of misses read nothing: no latency to record
             elapsed = time.perf_counter() - self._started
-            self._stats.add(Counter.READ_SECONDS, elapsed)
             self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed)
-        self._stats.add(Counter.READ_FAILURES, len(self.served) - served)
+        else:
+            elapsed = 0.0
+        self._stats.add_many({Counter.READ_SECONDS: elapsed,
+                              Counter.READ_FAILURES: len(self.served) - served})
         self._on_done(self.served)

@@ -37,6 +37,7 @@ from ..disk.safe_fs import (
     unlink_beneath,
 )
 from ..io.posix import probe_direct_io, probe_direct_read
+from .access import require_tree_access
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +68,34 @@ class RootState:
 
 @dataclass(frozen=True)
 class RootInfo:
-    """What the store tells the outside about one of its directories."""
+    """What the store tells the outside about one of its directories: where it is, whether
+    it reads with O_DIRECT and is in service, its free-space guard and the free space of its
+    filesystem now (None when ``statvfs`` fails), and its share of the byte budget and what
+    its chunk files use of it (``ChunkStore.describe_roots`` fills the last two)."""
 
     path: Path
     direct_io: bool
     healthy: bool
+    min_free_bytes: int = 0
+    free_bytes: int | None = None
+    capacity_bytes: int = 0
+    used_bytes: int = 0
 
 
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
-              min_free_gb: float | None = None) -> RootState:
+              min_free_gb: float | None = None, shared: bool = False) -> RootState:
     """Create the root's directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
 
+    An existing tree with directories this process cannot use (created by another user)
+    is refused with a message naming the directory, its owner and the fix (``access.py``).
     Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
     umask; nothing below the root is reached through a link.  A full filesystem (no
     block, no inode) does not stop the start: the store serves what the root holds and
-    drops writes (``capacity_drops``) until space frees.
+    drops writes (``capacity_drops``) until space frees.  In shared mode a tree on a
+    read-only filesystem is opened to be served (``store/member.py`` says so).
     """
+    if not (shared and _read_only_filesystem(path)):
+        require_tree_access(path)
     layout = RootLayout(path)
     dir_mode = dir_mode_for(file_mode)
     if not path.is_dir():
@@ -120,6 +133,13 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
                        "until space frees.", path, st.f_bavail * st.f_frsize // 2**20,
                        st.f_favail, min_free // 2**20)
     return state
+
+
+def _read_only_filesystem(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _probe(path: Path) -> bool:
@@ -171,8 +191,8 @@ class Roots(Sequence[RootState]):
 
     @classmethod
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
-             min_free_gb: float | None = None) -> Roots:
-        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb)
+             min_free_gb: float | None = None, shared: bool = False) -> Roots:
+        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared)
                     for i, path in enumerate(paths)])
 
     def __getitem__(self, i: int) -> RootState:  # type: ignore[override]
@@ -194,6 +214,9 @@ class Roots(Sequence[RootState]):
 
     def choose(self, digest: str) -> RootState | None:
         """The root that holds ``digest`` (None when every root is out of service)."""
+        if len(self._states) == 1:
+            only = self._states[0]
+            return only if only.healthy else None
         order = self.in_placement_order(digest)
         return order[0] if order else None
 
@@ -208,7 +231,17 @@ class Roots(Sequence[RootState]):
                          root.consecutive_errors)
 
     def describe(self) -> list[RootInfo]:
-        return [RootInfo(r.layout.root, r.direct, r.healthy) for r in self._states]
+        return [RootInfo(r.layout.root, r.direct, r.healthy, r.min_free_bytes,
+                         _free_bytes(r.layout.root)) for r in self._states]
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> None:

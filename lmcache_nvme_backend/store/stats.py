@@ -38,7 +38,7 @@ def path_counter(path: ReadPath | str, what: str) -> str:
     return f"path_{str(path).replace('-', '_')}_{what}"
 
 
-class Counter(enum.Enum):
+class Counter(str, enum.Enum):
     """Every counter the tier moves; the value is its key in the ``stats()`` snapshot."""
 
     LOOKUPS = "lookups"
@@ -97,6 +97,9 @@ def read_latency(path: ReadPath | str) -> str:
 
 
 HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
+_PATH_KEYS = {p: tuple(path_counter(p, w) for w in ("chunks", "bytes", "seconds"))
+              for p in ReadPath}
+_READ_LATENCY = {p: read_latency(p) for p in ReadPath}
 
 
 @dataclass(frozen=True)
@@ -137,27 +140,35 @@ class StoreStats:
 
     def add(self, counter: Counter, amount: float = 1) -> None:
         with self._lock:
-            self._counts[counter.value] += amount
+            self._counts[counter] += amount  # a member hashes and compares as its value
 
     def _observe(self, histogram: str, seconds: float) -> None:
         self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         self._sums[histogram] += seconds
 
+    def add_many(self, amounts: dict[Counter, float]) -> None:
+        """Several counters under one lock hold."""
+        with self._lock:
+            for counter, amount in amounts.items():
+                self._counts[counter] += amount
+
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
         """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total."""
+        chunks_key, bytes_key, seconds_key = _PATH_KEYS[path]
         with self._lock:
-            self._counts[path_counter(path, "chunks")] += chunks
-            self._counts[path_counter(path, "bytes")] += nbytes
-            self._counts[path_counter(path, "seconds")] += seconds
-            self._observe(read_latency(path), seconds)
+            self._counts[chunks_key] += chunks
+            self._counts[bytes_key] += nbytes
+            self._counts[seconds_key] += seconds
+            self._observe(_READ_LATENCY[path], seconds)
 
-    def record_write(self, nbytes: int, seconds: float) -> None:
-        """One chunk file written and published."""
+    def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
+        """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
         with self._lock:
-            self._counts[Counter.WRITES_COMPLETED.value] += 1
-            self._counts[Counter.WRITE_BYTES.value] += nbytes
-            self._counts[Counter.WRITE_SECONDS.value] += seconds
-            self._observe(WRITE_LATENCY, seconds)
+            self._counts[Counter.WRITES_COMPLETED] += count
+            self._counts[Counter.WRITE_BYTES] += nbytes
+            self._counts[Counter.WRITE_SECONDS] += seconds * count
+            self._buckets[WRITE_LATENCY][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += count
+            self._sums[WRITE_LATENCY] += seconds * count
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         with self._lock:

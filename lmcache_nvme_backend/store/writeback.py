@@ -7,47 +7,42 @@ until the write finishes), so its bound is a memory bound.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-from ..disk.format import TensorMeta
-from ..disk.layout import key_digest, namespace_id
+from ..disk.format import TensorMeta, file_size_for, text_bytes
+from ..disk.layout import digest_of_key_bytes, namespace_id
 
 
-@dataclass(frozen=True, eq=False)
 class ChunkWrite:
     """One chunk to persist.
 
     ``payload`` stays valid until the store calls ``release``, which it does
     exactly once whatever happens to the write; ``on_persisted`` runs after the
-    chunk file is published.
+    chunk file is published.  What the store derives from the key (its UTF-8, the
+    digest that names the file, the namespace's directory id) is computed once here.
     """
 
-    key: str
-    namespace: str
-    meta: TensorMeta
-    payload: memoryview
-    release: Callable[[], None]
-    on_persisted: Callable[[], None] | None = None
+    __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "nbytes",
+                 "file_size", "key_bytes", "digest", "ns_id")
 
-    @functools.cached_property
-    def digest(self) -> str:
-        """Names the chunk file (``layout.key_digest`` of the key)."""
-        return key_digest(self.key)
-
-    @functools.cached_property
-    def ns_id(self) -> str:
-        """Names the namespace directory."""
-        return namespace_id(self.namespace)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.payload)
+    def __init__(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
+                 release: Callable[[], None],
+                 on_persisted: Callable[[], None] | None = None) -> None:
+        self.key = key
+        self.namespace = namespace
+        self.meta = meta
+        self.payload = payload
+        self.release = release
+        self.on_persisted = on_persisted
+        self.nbytes = len(payload)
+        self.file_size = file_size_for(self.nbytes)  # bytes on disk, header and padding too
+        self.key_bytes = text_bytes(key)
+        self.digest = digest_of_key_bytes(self.key_bytes)  # names the chunk file
+        self.ns_id = namespace_id(namespace)  # names the namespace directory
 
 
 class WriteBackQueue:
@@ -98,8 +93,8 @@ class WriteBackQueue:
                     self._jobs.append(job)
                     self._bytes += job.nbytes
                     self._unfinished += 1
-                    self._has_jobs.notify()
                 accepted.append(fits)
+            self._has_jobs.notify(accepted.count(True))
         return accepted
 
     def take_share(self, takers: int, most: int) -> list[ChunkWrite]:

@@ -29,7 +29,6 @@ from ..config import NVMeSettings
 from ..disk.format import (
     combine_block_digests,
     encode_header,
-    file_size_for,
     max_key_bytes,
     text_bytes,
 )
@@ -149,8 +148,8 @@ class ChunkWriter:
         if self._closed:
             return SubmitResult.CLOSED
         budget = self._catalog.budgets[0]
-        too_big = file_size_for(write.nbytes) > budget or write.nbytes > self._queue.capacity
-        if too_big or len(text_bytes(write.key)) > max_key_bytes(write.namespace, write.meta):
+        too_big = write.file_size > budget or write.nbytes > self._queue.capacity
+        if too_big or len(write.key_bytes) > max_key_bytes(write.namespace, write.meta):
             if not self._stats.get(Counter.OVERSIZE_DROPS):
                 logger.warning(
                     "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
@@ -212,24 +211,35 @@ class ChunkWriter:
                ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[ChunkWrite]]:
         """Each job's root and reserved bytes; and the jobs with no root or no room (counted).
 
-        With ``deferred``, each placed job's eviction victims are appended to it (see
-        ``_reserve``)."""
+        With ``deferred`` (the native engine), each placed job's eviction victims are
+        appended to it (see ``_reserve``), and the jobs of one root are reserved together
+        (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
         dropped: list[ChunkWrite] = []
+        by_root: dict[int, tuple[RootState, list[ChunkWrite]]] = {}
         for job in jobs:
             root = self._roots.choose(job.digest)
-            size = file_size_for(job.nbytes)
-            victims: list[IndexEntry] | None = None if deferred is None else []
             if root is None:
                 self._stats.add(Counter.WRITE_FAILURES)
-            elif not self._reserve(root, size, victims):
-                self._stats.add(Counter.CAPACITY_DROPS)
+                dropped.append(job)
             else:
-                placed.append((job, root, size))
-                if deferred is not None and victims is not None:
-                    deferred.append(victims)
+                by_root.setdefault(root.index, (root, []))[1].append(job)
+        for root, mine in by_root.values():
+            victims: list[IndexEntry] = []
+            if deferred is not None and len(mine) > 1 and \
+                    self._reserve(root, sum(job.file_size for job in mine), victims):
+                placed += [(job, root, job.file_size) for job in mine]
+                deferred += [victims] + [[] for _ in mine[1:]]
                 continue
-            dropped.append(job)
+            for job in mine:
+                victims = []
+                if self._reserve(root, job.file_size, None if deferred is None else victims):
+                    placed.append((job, root, job.file_size))
+                    if deferred is not None:
+                        deferred.append(victims)
+                else:
+                    self._stats.add(Counter.CAPACITY_DROPS)
+                    dropped.append(job)
         return placed, dropped
 
     def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
@@ -281,8 +291,25 @@ class ChunkWriter:
         self._finish(dropped)
         if not placed:
             return
-        items = [self._write_item(job, root, gone)
-                 for (job, root, _), gone in zip(placed, victims, strict=True)]
+        settings = self.settings
+        fsync = _FSYNC_LEVEL[settings.fsync]
+        record_gpu = self.record_gpu_checksums
+        temp_suffix = temp_name("", writer=0)
+        fds: dict[int, int] = {}
+        items = []
+        for (job, root, _), gone in zip(placed, victims, strict=True):
+            layout = root.layout
+            fd = fds.get(root.index)
+            if fd is None:
+                fd = fds[root.index] = root_descriptor(layout.root)
+            final = job.digest + CHUNK_SUFFIX
+            items.append(WriteItem(
+                fd, layout.shard_rel(job.ns_id, job.digest).encode(),
+                (final + temp_suffix).encode(), final.encode(), job.payload,
+                job.key_bytes, text_bytes(job.namespace), job.meta.to_json(),
+                self._gpu_checksum(job) if record_gpu else None, root.direct,
+                settings.file_mode, settings.dir_mode, fsync,
+                tuple(layout.chunk_rel(v.ns_id, v.digest).encode() for v in gone)))
         try:
             self.native.submit_write(items, functools.partial(
                 self._written, placed, victims, time.perf_counter()))
@@ -292,49 +319,69 @@ class ChunkWriter:
             self._finish([job for job, _, _ in placed])
             raise
 
+    def _gpu_checksum(self, job: ChunkWrite) -> tuple[int, int]:
+        self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+        return host_checksum(job.payload)
+
     def _written(self, placed: list[tuple[ChunkWrite, RootState, int]],
                  victims: list[list[IndexEntry]], started: float, result: native.Batch
                  ) -> None:
         """A batch of native writes finished (on the engine's completion thread)."""
-        errors: dict[int, OSError | None] = {}
-        for index, status, err in result.details:
-            job, root, _ = placed[index]
-            if status == native.NEW_NAMESPACE:
-                write_namespace_file(root.layout, job.ns_id, job.namespace,
-                                     self.settings.file_mode)
-            else:
-                errors[index] = _os_error(err, root.layout.chunk_path(job.ns_id, job.digest))
         seconds = (time.perf_counter() - started) / len(placed)
         try:
+            errors = self._write_errors(placed, result)
+            for i, gone in enumerate(victims):
+                if gone:  # the first job of a root's reservation removed them
+                    self._free[placed[i][1].index].freed(sum(v.size for v in gone))
+            now = time.time_ns()
+            published = [(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now),
+                          size) for i, (job, root, size) in enumerate(placed) if i not in errors]
+            self._catalog.publish_many(published)
+            for root in {placed[i][1].index: placed[i][1] for i in range(len(placed))
+                         if i not in errors}.values():
+                root.consecutive_errors = 0
+                note_space(root)
+            if published:
+                self._stats.record_write(sum(placed[i][0].nbytes for i in range(len(placed))
+                                             if i not in errors), seconds, len(published))
             for i, (job, root, size) in enumerate(placed):
-                self._free[root.index].freed(sum(v.size for v in victims[i]))
-                error = errors.get(i)
-                if error is not None and error.errno == errno.ECANCELED:  # closing
+                if i not in errors:
+                    if job.on_persisted is not None:
+                        job.on_persisted()
+                elif (error := errors[i]).errno == errno.ECANCELED:  # closing: not a failure
                     self._catalog.release(root.index, size)
                 else:
                     self._settle(job, root, size, error, seconds)
         finally:
             self._finish([job for job, _, _ in placed])
 
+    def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
+                      result: native.Batch) -> dict[int, OSError]:
+        """The chunks of a batch that were not published, with the reason; a chunk that made
+        its namespace's directory gets the name file (and is published)."""
+        errors: dict[int, OSError] = {}
+        for index, status, err in result.details:
+            job, root, _ = placed[index]
+            if status == native.NEW_NAMESPACE:
+                write_namespace_file(root.layout, job.ns_id, job.namespace,
+                                     self.settings.file_mode)
+                continue
+            error: OSError | None = _os_error(err, root.layout.chunk_path(job.ns_id,
+                                                                          job.digest))
+            if err == errno.ENOENT:
+                # The cache directory itself was removed (and maybe made again): the
+                # Python engine opens it afresh by name, and the native engine's next
+                # writes go through the new descriptor.
+                error = self._write_python(job, root)
+            if error is not None:
+                errors[index] = error
+        return errors
+
     def _finish(self, jobs: list[ChunkWrite]) -> None:
         """The jobs ended (written or not): no longer pending, buffers released."""
         if jobs:
             self._catalog.end_pending(job.digest for job in jobs)
             self._end_jobs(jobs)
-
-    def _write_item(self, job: ChunkWrite, root: RootState, victims: list[IndexEntry]
-                    ) -> WriteItem:
-        gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
-        if gpu_sum is not None:
-            self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
-        final = job.digest + CHUNK_SUFFIX
-        layout = root.layout
-        return WriteItem(root_descriptor(layout.root), layout.shard_rel(job.ns_id, job.digest)
-                         .encode(), temp_name(final).encode(), final.encode(), job.payload,
-                         text_bytes(job.key), text_bytes(job.namespace), job.meta.to_json(),
-                         gpu_sum, root.direct, self.settings.file_mode, self.settings.dir_mode,
-                         _FSYNC_LEVEL[self.settings.fsync],
-                         tuple(layout.chunk_rel(v.ns_id, v.digest).encode() for v in victims))
 
     def _write_and_publish(self, root: RootState, job: ChunkWrite, final: Path) -> None:
         """Write the chunk under this thread's temp name and rename it to ``final``.
@@ -438,6 +485,8 @@ class ChunkWriter:
 
     def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
                deferred: list[IndexEntry] | None) -> None:
+        if not victims:
+            return
         if deferred is None:
             self.evict(victims)
             return

@@ -56,13 +56,20 @@ def test_sweep_prints_a_paste_ready_recommendation(run_cli: RunCLI, tmp_path: Pa
     proc = run_cli("bench", tmp_path, *SMALL, "--rw", "read", "--sweep",
                    "--sweep-threads", "1,2", "--sweep-iodepth", "1,4")
     assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines()
-            if line.strip() and line.split()[0] in ("1", "2")]
-    assert len(rows) == 4
+    assert "3 run(s) per point in interleaved rounds" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.strip() and line.split()[0] in ("1", "2", "8")]
+    assert len(rows) == 6  # the default's 8 threads are always measured too
+    for row in rows:  # the range of the three runs holds their median
+        low, high = map(float, row[4].split("-"))
+        assert low <= float(row[3]) <= high
     lines = proc.stdout.splitlines()
+    assert any(x.startswith("  default  nvme.io_threads 8, nvme.task_size_mb 64: ")
+               for x in lines)
+    assert any(x.startswith("  -> ") for x in lines)
     advice = lines[lines.index(next(x for x in lines if x.startswith("paste under"))) + 1:]
     assert advice[0].split(": ")[0] == "nvme.io_threads"
-    assert int(advice[0].split(": ")[1]) in (1, 2)
+    assert int(advice[0].split(": ")[1]) in (1, 2, 8)
     assert advice[1].startswith("nvme.task_size_mb: ")
 
 

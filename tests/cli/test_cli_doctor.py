@@ -176,3 +176,26 @@ def test_bad_option_value_is_a_usage_error(run_cli: RunCLI, tmp_path: Path) -> N
     proc = run_cli("doctor", tmp_path, "--min-free-gb", "lots")
     assert proc.returncode == 2
     assert "--min-free-gb" in proc.stderr and "'lots' is not a number" in proc.stderr
+
+
+def test_a_path_on_a_kernel_filesystem_says_what_is_wrong(run_cli: RunCLI) -> None:
+    proc = run_cli("doctor", "/proc/lmcache-nvme", "--skip-gpu", "--json")
+    check = checks_of(proc.stdout)["path"]
+    assert check["status"] == "fail" and proc.returncode == 2
+    assert check["detail"].startswith("/proc/lmcache-nvme does not exist, and it cannot be "
+                                      "created: /proc is on proc, a kernel filesystem that "
+                                      "holds no files")
+    assert "not writable" not in check["detail"]
+
+
+def test_a_config_with_a_misspelt_setting_fails_the_settings_check(run_cli: RunCLI,
+                                                                   tmp_path: Path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(f"chunk_size: 256\nextra_config:\n  nvme.path: {tmp_path}\n"
+                      "  nvme.max_size_gbb: 5\n")
+    proc = run_cli("doctor", tmp_path, "--config", config, "--skip-gpu", "--json")
+    check = checks_of(proc.stdout)["settings"]
+    assert check["status"] == "fail" and proc.returncode == 2
+    assert "nvme.max_size_gbb: unknown setting. did you mean 'nvme.max_size_gb'?" in \
+        check["detail"]
+    assert "check-config" in check["fix"]

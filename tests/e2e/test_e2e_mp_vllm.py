@@ -19,18 +19,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from support.paths import MP_SERVER_SCRIPT
+from support.mp_server import MPServer as Server
 from support.process import child_env, module_command
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
@@ -40,18 +35,11 @@ DRIVER = "support.e2e_vllm_driver"  # run by the vLLM environment's python
 CHUNK = 256
 FULL_CHUNK_TOKENS = 512  # 700-token prompt: two full chunks
 LOGPROB_TOLERANCE = 0.05  # bf16
-SERVER_START_S = 120
 VLLM_RUN_S = 400
 
 ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
        "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -60,65 +48,6 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     subprocess.run(module_command(DRIVER, "build-model", out, python=vllm_python), check=True,
                    timeout=300, env=child_env(**ENV), capture_output=True)
     return out
-
-
-class Server:
-    """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh."""
-
-    def __init__(self, cache_dir: Path, log: Path) -> None:
-        self.port, self.http_port = _free_port(), _free_port()
-        self.http = f"http://127.0.0.1:{self.http_port}"
-        self.log = log
-        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
-        # The example as a user runs it; only the ports, paths and sizes differ. The
-        # script finds ``lmcache`` on PATH: this interpreter's environment first.
-        env = dict(os.environ, **ENV, CACHE_DIR=str(cache_dir), MAX_SIZE_GB="1",
-                   MIN_FREE_GB="0", L1_GB="1", PORT=str(self.port),
-                   HTTP_PORT=str(self.http_port),
-                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-        self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
-                                     stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"lmcache server exited:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.http}/healthcheck", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"lmcache server not up in {SERVER_START_S} s:\n"
-                                     f"{log.read_text()[-4000:]}")
-            time.sleep(0.5)
-
-    def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.http}/status", timeout=10) as resp:
-            (adapter,) = json.loads(resp.read())["storage_manager"]["l2_adapters"]
-        return adapter  # type: ignore[no-any-return]
-
-    def metrics(self) -> dict[str, float]:
-        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name."""
-        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())
-                                 if k not in ("adapter", "cache_dir")): s.value
-                for family in text_string_to_metric_families(text)
-                if family.name.startswith("lmcache_nvme_") for s in family.samples}
-
-    def stop(self) -> None:
-        """SIGINT (a clean close saves the adapter's index), then SIGKILL if it hangs."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log_file.close()
 
 
 @pytest.fixture
@@ -165,7 +94,7 @@ def assert_same_first_token(cold: dict[str, Any], hit: dict[str, Any]) -> None:
 def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Path,
                                              servers: list[Server], tmp_path: Path) -> None:
     cache_dir = tmp_path / "nvme"
-    first = Server(cache_dir, tmp_path / "server1.log")
+    first = Server(cache_dir, tmp_path / "server1.log", env=ENV)
     servers.append(first)
     report = run_vllm(vllm_python, tiny_model, first, "cold", tmp_path / "vllm1.log")
 
@@ -183,7 +112,7 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
     assert len(chunk_files) == stored["entries"]
     first.stop()
 
-    second = Server(cache_dir, tmp_path / "server2.log")
+    second = Server(cache_dir, tmp_path / "server2.log", env=ENV)
     servers.append(second)
     before = second.status()
     assert before["recovered_entries"] == len(chunk_files) and before["read_chunks"] == 0

@@ -13,13 +13,17 @@ import pytest
 from lmcache.v1.cache_engine import LMCacheEngine
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from support.chunks import CHUNK as CHUNK_SIZE
+from support.chunks import put
 from support.engines import CHUNK, EXAMPLE_YAML, example_config_overrides
 from support.paths import DOCS_DIR
+from support.process import free_port
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend import metrics
 from lmcache_nvme_backend.adapters.backend import NVMeBackend
 from lmcache_nvme_backend.config import NVMeConfigError, NVMeSettings
+from lmcache_nvme_backend.disk.format import file_size_for
 from lmcache_nvme_backend.metrics import PREFIX, TierObserver, metric_names, stats_line
 from lmcache_nvme_backend.store import Counter
 from lmcache_nvme_backend.store.stats import LATENCY_BUCKETS_S, READ_PATHS, StoreStats, path_counter
@@ -39,12 +43,6 @@ from lmcache_nvme_backend.testing.engine import (
 )
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse(text: str) -> Samples:
@@ -76,7 +74,7 @@ def fresh_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def engine_with_metrics(tmp_path: Path, fresh_endpoint: None
                         ) -> Iterator[tuple[LMCacheEngine, CopyingCPUConnector, int]]:
-    port = _free_port()
+    port = free_port()
     overrides = example_config_overrides(tmp_path / "nvme")
     overrides["extra_config"]["nvme.metrics_port"] = port
     engine, connector = build_engine(load_config(EXAMPLE_YAML, overrides),
@@ -267,3 +265,28 @@ def test_bad_observability_settings_name_the_key(tmp_path: Path, key: str, raw: 
     with pytest.raises(NVMeConfigError, match=message.replace(".", r"\.")):
         NVMeSettings.from_extra_config({"nvme.path": str(tmp_path), "nvme.max_size_gb": 1,
                                         f"nvme.{key}": raw})
+
+
+def test_each_cache_directory_has_its_own_gauges(tmp_path: Path,
+                                                 open_store: StoreFactory) -> None:
+    roots = [tmp_path / "d0", tmp_path / "d1"]
+    store = open_store(*roots, max_size_gb=2, min_free_gb=0.5, manifest_interval_s=None)
+    observer = TierObserver.for_store("Tier", store, store.stats_snapshot)
+    try:
+        put(store, "key-0")
+        assert store.flush(30)
+        samples = registry_samples()
+        cache_dir = ",".join(str(r) for r in roots)
+        used = [value(samples, f"{PREFIX}_root_used_bytes", cache_dir, root=str(r))
+                for r in roots]
+        assert sorted(used) == [0, file_size_for(CHUNK_SIZE)]
+        assert sum(used) == value(samples, f"{PREFIX}_used_bytes", cache_dir)
+        for root in roots:
+            labels = {"root": str(root)}
+            assert value(samples, f"{PREFIX}_root_in_service", cache_dir, **labels) == 1
+            assert value(samples, f"{PREFIX}_root_capacity_bytes", cache_dir, **labels) == 2**30
+            assert value(samples, f"{PREFIX}_root_min_free_bytes", cache_dir, **labels) == 2**29
+            assert value(samples, f"{PREFIX}_root_free_bytes", cache_dir, **labels) > 0
+            assert value(samples, f"{PREFIX}_root_direct_io", cache_dir, **labels) in (0, 1)
+    finally:
+        observer.close()

@@ -175,15 +175,15 @@ def test_one_failing_path_is_taken_out_of_service(tmp_path: Path,
                                                   open_store: StoreFactory) -> None:
     monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 3600)
     bad_root, good_root = tmp_path / "bad", tmp_path / "good"
-    # One writer: with one per path, a second write can be in flight on the failing path
-    # when it goes out of service, and the failure count would depend on timing.
+    # One write in flight at a time: writes already on their way to the failing path when
+    # it goes out of service fail too, and how many there are would depend on timing.
     store = open_store(bad_root, good_root, write_threads=1)
     try:
         fail_writes_under(store, bad_root)
         keys = [f"k{i}" for i in range(30)]
         for key in keys:
             put(store, key, 4096)
-        assert store.flush(10)
+            assert store.flush(10)
         snap = store.stats_snapshot()
         assert snap["roots_offline"] == 1
         roots = store.describe_roots()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from .process import free_port
 
 _CONFIG = """
 NFS_CORE_PARAM {{ Protocols = 4; NFS_Port = {port}; Bind_addr = 127.0.0.1;
@@ -30,12 +31,6 @@ EXPORT {{
   FSAL {{ Name = VFS; }}
 }}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _kernel_filesystems() -> str:
@@ -57,7 +52,7 @@ def nfs_mount(workdir: Path) -> Iterator[Path]:
     export, mnt, recovery = workdir / "export", workdir / "mnt", workdir / "recovery"
     for d in (export, mnt, recovery):
         d.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     config = workdir / "ganesha.conf"
     config.write_text(_CONFIG.format(port=port, recovery=recovery, export=export))
     log = workdir / "ganesha.log"

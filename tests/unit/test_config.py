@@ -333,3 +333,29 @@ def test_unquoted_yaml_on_off_mean_on_off(extra: dict[str, Any], yaml_value: boo
     """YAML 1.1 loads an unquoted ``on``/``off`` as a boolean; it must still mean on/off."""
     settings = NVMeSettings.from_extra_config({**extra, "nvme.direct_io": yaml_value})
     assert settings.direct_io == expected
+
+
+# -- review: every problem, nothing created ----------------------------------------------------
+
+
+def test_review_reports_every_problem_and_creates_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "not" / "yet"
+    review = NVMeSettings.review({"path": str(target), "max_size_gbb": 1, "io_threads": 0,
+                                  "fsync": "always"}, key_prefix="nvme.")
+    assert review.settings is None
+    assert [str(e).split(":")[0] for e in review.errors] == [
+        "nvme.max_size_gbb", "nvme.max_size_gb", "nvme.io_threads", "nvme.fsync"]
+    assert "did you mean 'nvme.max_size_gb'?" in str(review.errors[0])
+    assert review.values["paths"] == (target,)  # what passed is there for path checks
+    assert not target.exists() and not target.parent.exists()
+
+
+def test_review_of_good_params_matches_what_the_tier_reads(params: dict[str, Any]) -> None:
+    review = NVMeSettings.review({**params, "fsync": "data"})
+    assert review.errors == []
+    assert review.settings == NVMeSettings.from_params({**params, "fsync": "data"})
+
+
+def test_the_tier_still_raises_the_first_problem(params: dict[str, Any]) -> None:
+    with pytest.raises(NVMeConfigError, match=r"^fsynch: unknown setting"):
+        NVMeSettings.from_params({**params, "io_threads": 0, "fsynch": "data"})

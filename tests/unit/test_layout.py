@@ -243,3 +243,13 @@ def test_iter_temp_files_ignores_temp_names_outside_shards(layout: RootLayout) -
     touch(layout.root / "x.kv.tmp-host-1-2")
     touch(layout.root / "ns" / namespace_id("m") / "x.kv.tmp-host-1-2")
     assert list(layout.iter_temp_files()) == []
+
+
+def test_tree_directories_are_walked_parents_first_without_links(tmp_path: Path) -> None:
+    layout = RootLayout(tmp_path)
+    ns = namespace_id("model")
+    (tmp_path / "ns" / ns / "ab" / "cd").mkdir(parents=True)
+    (tmp_path / "ns" / ns / "ab" / "zz").mkdir()  # not a shard name
+    (tmp_path / "ns" / ns / "ef").symlink_to(tmp_path / "ns" / ns / "ab")  # never followed
+    (tmp_path / "ns" / "not-a-namespace").mkdir()
+    assert list(layout.iter_tree_dirs()) == [f"ns/{ns}", f"ns/{ns}/ab", f"ns/{ns}/ab/cd"]

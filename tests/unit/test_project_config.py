@@ -46,3 +46,11 @@ def test_filtered_warnings_are_third_party_only(spec: str) -> None:
                  "test_project_config", "support.engines", "lmcache"):
         assert not pattern.match(ours), f"{spec} would hide warnings of {ours}"
 
+
+
+def test_the_latest_release_in_the_changelog_is_the_package_version() -> None:
+    import lmcache_nvme_backend
+
+    headings = re.findall(r"^## \[([^\]]+)\]", (REPO_ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert headings[0] == "Unreleased"
+    assert headings[1] == lmcache_nvme_backend.__version__

@@ -295,3 +295,12 @@ def test_gate_wait_is_bounded() -> None:
         assert gate.wait_for_readers() is True
         assert gate.wait_for_readers() is True
     assert gate.wait_for_readers() is False
+
+
+def test_take_ready_takes_everything_queued_without_waiting(queue: WriteBackQueue,
+                                                            job: MakeJob) -> None:
+    assert queue.take_ready() == []
+    jobs = [job(str(i), 1) for i in range(3)]
+    assert all(queue.offer_many(jobs, wait_s=0))
+    assert queue.take_ready() == jobs
+    assert queue.depth == 0 and queue.bytes_held == 3  # held until done

@@ -1,7 +1,8 @@
 """``lmcache-nvme bench PATH``: fio-style benchmark of the backend's own I/O engine.
 
-Single runs, ``--sweep`` over threads x queue depth (with a tuning
-recommendation), and ``--vs-fio`` (fio with the same parameters on the same
+Single runs, ``--sweep`` over threads x queue depth (repeated points, and a
+tuning recommendation that changes a default only beyond the noise:
+``tuning.py``), and ``--vs-fio`` (fio with the same parameters on the same
 files, interleaved repetitions, ratio of medians).  This module holds the
 arguments and runs the configurations; ``iobench.py`` says what is measured,
 ``report.py`` prints it, and ``docs/cli.md`` is the user's view.
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ...config import NVMeSettings
 from ...disk.format import file_size_for
 from ...io.posix import probe_direct_io
 from ..common import (
@@ -37,6 +39,7 @@ from ..common import (
 from . import report
 from .iobench import EngineBench, Workspace, drop_page_cache
 from .model import RW_MODES, WRITE_MODES, BenchConfig, RunResult
+from .tuning import Setting, advice_doc, advise
 
 DEFAULT_SWEEP_THREADS = [1, 2, 4, 8, 16]
 DEFAULT_SWEEP_IODEPTH = [1, 4, 16]
@@ -92,8 +95,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="run for this long (repeating passes) instead of one pass")
     p.add_argument("--repeat", type=positive_int, metavar="N",
                    help="repetitions per configuration; the median is reported "
-                        "(default 1, or 6 with --vs-fio: an even count lets each tool "
-                        "go first equally often)")
+                        "(default 1; 3 with --sweep, in interleaved rounds, for the spread "
+                        "its advice is judged against; 6 with --vs-fio: an even count lets "
+                        "each tool go first equally often)")
     p.add_argument("--checksum", action="store_true",
                    help="include the store's per-chunk xxh3 work in the timed loop "
                         "(checksum on write, verification on read)")
@@ -103,7 +107,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     sweep = p.add_argument_group("sweep")
     sweep.add_argument("--sweep", action="store_true",
                        help="run every combination of --sweep-threads x --sweep-iodepth "
-                            "(x --sweep-task-size) and print recommended settings")
+                            "(x --sweep-task-size), and the defaults, --repeat times, and "
+                            "print the settings to use: a change from the defaults only "
+                            "when it beats them beyond the run-to-run spread")
     sweep.add_argument("--sweep-threads", type=int_list_arg, metavar="LIST",
                        default=DEFAULT_SWEEP_THREADS,
                        help="threads to sweep (default 1,2,4,8,16)")
@@ -165,16 +171,28 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                      f"{short_size(MAX_BUFFER_BYTES)} of host memory")
 
 
+def default_setting(args: argparse.Namespace) -> Setting:
+    """What the tier runs without tuning lines: ``nvme.io_threads`` (reads) or one writer
+    per path (writes), and ``nvme.task_size_mb`` when task sizes are swept."""
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(NVMeSettings)}
+    threads = int(defaults["io_threads"]) if args.rw not in WRITE_MODES else 1
+    task = (int(float(defaults["task_size_mb"]) * MIB) if args.sweep_task_size
+            else args.task_size)
+    return Setting(threads, task)
+
+
 def _configs(args: argparse.Namespace) -> list[BenchConfig]:
     base = dict(rw=args.rw, bs=args.bs, size=args.size, direct=args.direct, dest=args.dest,
                 runtime=args.runtime, checksum=args.checksum, callers=args.callers)
     if not args.sweep:
         return [BenchConfig(threads=args.threads, iodepth=args.iodepth,
                             task_size=args.task_size, **base)]
-    tasks = args.sweep_task_size or [args.task_size]
+    default = default_setting(args)  # always measured: the advice is judged against it
+    tasks = sorted({*(args.sweep_task_size or [args.task_size]), default.task_size})
+    threads = sorted({*args.sweep_threads, default.threads})
     depths = args.sweep_iodepth if args.rw not in WRITE_MODES else [args.iodepth]
     return [BenchConfig(threads=t, iodepth=d, task_size=ts, **base)
-            for ts, t, d in itertools.product(tasks, args.sweep_threads, depths)]
+            for ts, t, d in itertools.product(tasks, threads, depths)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         from .fio import find_fio
 
         fio_binary = find_fio(args.fio_binary)
-    repeat = args.repeat or (6 if args.vs_fio else 1)
+    repeat = args.repeat or (6 if args.vs_fio else 3 if args.sweep else 1)
     path: Path = args.path.absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -230,33 +248,31 @@ def run(args: argparse.Namespace) -> int:
         if args.vs_fio:
             assert fio_binary is not None
             return _run_vs_fio(args, configs[0], bench, ws, fio_binary, repeat, where)
-        groups = []
-        for cfg in configs:
-            runs = []
-            for _ in range(repeat):
+        groups: list[list[RunResult]] = [[] for _ in configs]
+        for _ in range(repeat):  # rounds over every point: drift spreads over all of them
+            for cfg, runs in zip(configs, groups, strict=True):
                 if args.drop_caches and cfg.reads:
                     drop_page_cache(bench.read_paths(cfg))
                 runs.append(bench.run(cfg))
-            groups.append(runs)
     finally:
         ws.close()
     medians = [report.median_run(runs) for runs in groups]
-    recommendation = report.recommend(medians) if args.sweep else None
+    advice = advise(groups, default_setting(args)) if args.sweep else None
     if args.plot is not None:
         from .plot import plot_runs, plot_sweep
 
         if args.sweep:
-            plot_sweep(medians, args.plot, where)
+            plot_sweep(medians, groups, args.plot, where)
         else:
             plot_runs(groups[0], [], args.plot, where)
     if args.json:
-        print_json(report.results_doc(where, repeat, medians, groups, recommendation,
-                                      args.plot))
+        print_json(report.results_doc(where, repeat, medians, groups,
+                                      None if advice is None else
+                                      advice_doc(advice, configs[0].reads), args.plot))
         return 0
-    if args.sweep:
+    if advice is not None:
         report.print_sweep(medians, groups, where)
-        assert recommendation is not None
-        report.print_recommendation(recommendation)
+        report.print_recommendation(advice, configs[0].reads)
     else:
         report.print_summary("lmcache-nvme", groups[0], where)
     if args.plot is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..common import CLIError, short_size
 from .model import RunResult
+from .report import median_run
 
 LAT_KEYS = ("p50", "p90", "p99", "p99.9")
 
@@ -39,33 +40,42 @@ def _title(run: RunResult, where: str) -> str:
             f"{'O_DIRECT' if c.direct else 'buffered'}, {c.dest} destination\n{where}")
 
 
-def plot_sweep(points: list[RunResult], out: Path, where: str) -> None:
-    """Bandwidth and latency against I/O threads, one line per batch size (and task size).
+def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path,
+               where: str) -> None:
+    """Bandwidth (median, with the range of the runs as error bars) and latency against I/O
+    threads, one line per batch size (and task size).
 
-    ``points`` are the median runs of each sweep configuration.
+    ``points`` are the median runs of each sweep configuration, ``groups`` all its runs.
+    Legends sit below the axes, where they cover no line.
     """
     plt = _pyplot()
     first = points[0].config
-    series: dict[str, list[RunResult]] = defaultdict(list)
+    series: dict[str, list[tuple[RunResult, list[RunResult]]]] = defaultdict(list)
     task_sizes = {p.config.task_size for p in points}
-    for p in points:
+    for p, runs in zip(points, groups, strict=True):
         parts = []
         if first.reads:
             parts.append(f"iodepth {p.config.iodepth} (chunks per batch)")
         if len(task_sizes) > 1 or not parts:
             parts.append(f"task {short_size(p.config.task_size)}")
-        series[", ".join(parts)].append(p)
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 5.2))
+        series[", ".join(parts)].append((p, runs))
+    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 6.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     threads = sorted({p.config.threads for p in points})
-    for k, (name, runs) in enumerate(sorted(series.items(), key=lambda kv: _series_key(kv[0]))):
-        runs.sort(key=lambda r: r.config.threads)
-        x = [r.config.threads for r in runs]
+    for k, (name, line) in enumerate(sorted(series.items(), key=lambda kv: _series_key(kv[0]))):
+        line.sort(key=lambda pr: pr[0].config.threads)
+        x = [p.config.threads for p, _ in line]
         color = colors[k % len(colors)]
-        ax_bw.plot(x, [r.bw_bytes() / 1e9 for r in runs], marker="o", color=color, label=name)
+        median = [p.bw_bytes() / 1e9 for p, _ in line]
+        low = [m - min(r.bw_bytes() for r in runs) / 1e9 for m, (_, runs) in zip(median, line,
+                                                                                strict=True)]
+        high = [max(r.bw_bytes() for r in runs) / 1e9 - m for m, (_, runs) in zip(median, line,
+                                                                                 strict=True)]
+        ax_bw.errorbar(x, median, yerr=[low, high], marker="o", color=color, capsize=3,
+                       label=name)
         direction = "read" if first.reads else "write"
-        p50 = [r.dirs[direction].lat_ms.get("p50", 0.0) for r in runs]
-        p99 = [r.dirs[direction].lat_ms.get("p99", 0.0) for r in runs]
+        p50 = [p.dirs[direction].lat_ms.get("p50", 0.0) for p, _ in line]
+        p99 = [p.dirs[direction].lat_ms.get("p99", 0.0) for p, _ in line]
         ax_lat.plot(x, p50, marker="o", color=color, label=f"p50, {name}")
         ax_lat.plot(x, p99, marker="^", linestyle="--", color=color, label=f"p99, {name}")
     thread_label = ("I/O threads (nvme.io_threads)" if first.reads
@@ -78,12 +88,13 @@ def plot_sweep(points: list[RunResult], out: Path, where: str) -> None:
         ax.grid(True, which="major", alpha=0.3)
     ax_bw.set_ylabel("bandwidth (GB/s, 10^9 bytes per second)")
     ax_bw.set_ylim(bottom=0)
-    ax_bw.set_title("Bandwidth (payload bytes)")
-    ax_bw.legend(fontsize=8, loc="best")
+    ax_bw.set_title(f"Bandwidth (payload bytes): median of {len(groups[0])} run(s), bars "
+                    "from the slowest to the fastest")
+    ax_bw.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     ax_lat.set_ylabel("latency per chunk (ms, log scale)")
     ax_lat.set_yscale("log")
-    ax_lat.set_title("Latency per chunk as the caller sees it")
-    ax_lat.legend(fontsize=7, loc="best", ncol=1)
+    ax_lat.set_title("Latency per chunk as the caller sees it (median run)")
+    ax_lat.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     fig.suptitle(_title(points[0], where), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -120,7 +131,7 @@ def plot_runs(ours: list[RunResult], fio: list[RunResult], out: Path, where: str
     ax_bw.set_title(f"Bandwidth over {len(ours)} repetition(s)")
     ax_bw.legend(fontsize=8)
     ax_bw.grid(True, axis="y", alpha=0.3)
-    median_runs = [(tool, _median_run(runs), color) for tool, runs, color in tools]
+    median_runs = [(tool, median_run(runs), color) for tool, runs, color in tools]
     labels = [f"{d} {q}" for d in directions for q in LAT_KEYS]
     for t, (tool, run, color) in enumerate(median_runs):
         values = [run.dirs[d].lat_ms.get(q, 0.0) if d in run.dirs else 0.0
@@ -139,7 +150,3 @@ def plot_runs(ours: list[RunResult], fio: list[RunResult], out: Path, where: str
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
-
-def _median_run(runs: list[RunResult]) -> RunResult:
-    ordered = sorted(runs, key=lambda r: r.bw_bytes())
-    return ordered[(len(ordered) - 1) // 2]

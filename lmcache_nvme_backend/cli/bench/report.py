@@ -1,5 +1,5 @@
 """What ``lmcache-nvme bench`` prints: text and JSON reports, the comparison with fio,
-and the tuning recommendation of a ``--sweep``.
+and the tuning advice of a ``--sweep`` (decided in ``tuning.py``).
 
 Every function here works on finished ``RunResult`` records (``model.py``);
 nothing here runs I/O.
@@ -13,40 +13,13 @@ from typing import Any
 
 from ..common import MIB, short_size
 from .model import BenchConfig, DirStats, RunResult
-
-# A configuration within this fraction of the best bandwidth counts as "as good".
-RECOMMEND_WITHIN = 0.95
+from .tuning import Advice, Measured, settings_of
 
 
 def median_run(runs: list[RunResult]) -> RunResult:
     """The run of median total bandwidth (the lower middle one of an even count)."""
     ordered = sorted(runs, key=lambda r: r.bw_bytes())
     return ordered[(len(ordered) - 1) // 2]
-
-
-# -- sweep recommendation ---------------------------------------------------------------
-
-
-def recommend(medians: list[RunResult]) -> dict[str, Any]:
-    """Fewest threads (then best task size) within 95 % of the best mean bandwidth.
-
-    Bandwidth is averaged over the swept batch sizes, so the pick serves small
-    and large batches, not only the largest.
-    """
-    by_setting: dict[tuple[int, int], list[float]] = {}
-    for m in medians:
-        by_setting.setdefault((m.config.threads, m.config.task_size), []).append(m.bw_bytes())
-    score = {k: statistics.mean(v) for k, v in by_setting.items()}
-    best = max(score.values())
-    good = [k for k, v in score.items() if v >= RECOMMEND_WITHIN * best]
-    threads = min(t for t, _ in good)
-    task = max((k for k in good if k[0] == threads), key=lambda k: score[k])[1]
-    first = medians[0].config
-    key = "io_threads" if first.reads else "write_threads"
-    settings: dict[str, float | int] = {f"nvme.{key}": threads,
-                                        "nvme.task_size_mb": round(task / MIB, 3)}
-    return {"settings": settings, "mean_bw_gb_s": round(score[(threads, task)] / 1e9, 3),
-            "best_mean_bw_gb_s": round(best / 1e9, 3), "within": RECOMMEND_WITHIN}
 
 
 # -- comparison with fio ----------------------------------------------------------------
@@ -145,32 +118,44 @@ def print_summary(tool: str, runs: list[RunResult], where: str,
 
 
 def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str) -> None:
-    """One table row per swept configuration (its median run)."""
+    """One table row per swept configuration: its median run, and the range of its runs."""
     c = medians[0].config
     print(f"lmcache-nvme bench sweep: rw={c.rw}, bs={short_size(c.bs)}, "
           f"size={short_size(c.nchunks * c.bs)}, direct={int(c.direct)}, dest={c.dest}, "
-          f"{len(groups[0])} run(s) per point (median)")
+          f"{len(groups[0])} run(s) per point in interleaved rounds (median, and the range "
+          "of the runs)")
     print(f"  path: {where}")
     direction = "read" if c.reads else "write"
-    print(f"  {'threads':>7} {'iodepth':>7} {'task':>6} {'MiB/s':>8} {'GB/s':>6} {'IOPS':>8} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9}")
-    for m in medians:
+    print(f"  {'threads':>7} {'iodepth':>7} {'task':>6} {'MiB/s':>8} {'range MiB/s':>13} "
+          f"{'GB/s':>6} {'IOPS':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9}")
+    for m, runs in zip(medians, groups, strict=True):
         d = m.dirs[direction]
         iodepth = str(m.config.iodepth) if m.config.reads else "-"
+        bws = [r.bw_bytes() / MIB for r in runs]
+        spread = f"{min(bws):.0f}-{max(bws):.0f}"
         print(f"  {m.config.threads:>7} {iodepth:>7} {short_size(m.config.task_size):>6} "
-              f"{m.bw_bytes() / MIB:>8.0f} {m.bw_bytes() / 1e9:>6.2f} {d.iops:>8.1f} "
-              f"{d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
+              f"{m.bw_bytes() / MIB:>8.0f} {spread:>13} {m.bw_bytes() / 1e9:>6.2f} "
+              f"{d.iops:>8.1f} {d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
               f"{d.lat_ms.get('p99.9', 0):>9.2f}")
 
 
-def print_recommendation(rec: dict[str, Any]) -> None:
-    """The sweep's recommended settings, as YAML lines to paste."""
+def print_recommendation(advice: Advice, reads: bool) -> None:
+    """The sweep's advice and why, then the settings as YAML lines to paste."""
+    def line(label: str, m: Measured) -> str:
+        named = ", ".join(f"{k} {v:g}" for k, v in settings_of(m.setting, reads).items())
+        return (f"  {label:<8} {named}: {m.median / 1e9:.2f} GB/s (runs "
+                f"{m.low / 1e9:.2f}-{m.high / 1e9:.2f})")
+
     print()
-    print(f"Recommended settings (fewest threads within {rec['within'] * 100:.0f}% of the best "
-          f"bandwidth, {rec['mean_bw_gb_s']:.2f} of {rec['best_mean_bw_gb_s']:.2f} GB/s averaged "
-          "over the swept batch sizes);")
+    print(f"Recommendation ({advice.runs_per_point} run(s) per point; median bandwidth and "
+          "the range of the runs, averaged over the swept batch sizes):")
+    print(line("default", advice.default))
+    print(line("best", advice.best))
+    if advice.changed:
+        print(line("chosen", advice.chosen))
+    print(f"  -> {advice.reason}")
     print("paste under extra_config in the LMCache YAML (bare names in adapter_params):")
-    for k, v in rec["settings"].items():
+    for k, v in settings_of(advice.chosen.setting, reads).items():
         print(f"{k}: {v:g}")
 
 

@@ -27,6 +27,8 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,21 +76,27 @@ typedef struct batch {
     Py_ssize_t nbufs;
     atomic_long left;
     int async;
-    struct batch *next;
+    struct batch *next;     /* in the list of finished batches */
+    struct batch *incoming; /* in the stack of submitted batches */
 } batch;
 
+/* Submitting never waits for a worker: a submitter may hold the GIL, and on a machine
+ * with few cores a worker holding the queues' mutex can be descheduled for a whole time
+ * slice.  Batches are pushed onto a lock-free stack (`incoming`) and the workers woken by
+ * semaphores (posts never wait); a worker moves the stack into the FIFO queues under `mu`.
+ * Workers recheck the queues before they sleep, so a post is only a wake-up. */
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
-    pthread_cond_t work_cv;  /* read pieces queued */
-    pthread_cond_t wwork_cv; /* write jobs queued */
-    pthread_cond_t done_cv;  /* a batch finished */
+    pthread_cond_t done_cv; /* a batch finished */
+    sem_t read_sem, write_sem;
+    _Atomic(batch *) incoming;
     chunk_piece *head, *tail;
     write_job *whead, *wtail;
     batch *done_head, *done_tail;
-    long async_pending;
-    long reads_in_flight;
-    int stop;
+    atomic_long async_pending;
+    atomic_long reads_in_flight;
+    atomic_int stop;
     int nthreads, nwthreads;
     pthread_t *threads;
     pid_t *tids; /* kernel thread ids: readers first, then writers (recorded at start) */
@@ -308,8 +316,8 @@ static PyObject *batch_results(batch *b) {
 
 static void batch_request_done(Engine *self, batch *b) {
     if (atomic_fetch_sub(&b->left, 1) != 1) return;
+    if (b->kind == BATCH_READ) atomic_fetch_sub(&self->reads_in_flight, 1);
     pthread_mutex_lock(&self->mu);
-    if (b->kind == BATCH_READ) self->reads_in_flight--;
     if (b->async) {
         b->next = NULL;
         if (self->done_tail) self->done_tail->next = b;
@@ -340,37 +348,65 @@ static chunk_piece *pop_piece(Engine *self) {
     return p;
 }
 
-static void enqueue_reads(Engine *self, batch *b) {
-    pthread_mutex_lock(&self->mu);
-    self->reads_in_flight++;
-    for (size_t i = 0; i < b->npieces; i++) {
-        chunk_piece *p = &b->pieces[i];
-        p->next = NULL;
-        if (self->tail) self->tail->next = p;
-        else self->head = p;
-        self->tail = p;
-    }
-    if (b->npieces > 1) pthread_cond_broadcast(&self->work_cv);
-    else pthread_cond_signal(&self->work_cv);
-    pthread_mutex_unlock(&self->mu);
+/* Hands a batch to the threads without waiting for any of them (see Engine). */
+static void push_batch(Engine *self, batch *b) {
+    if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
+    batch *top = atomic_load(&self->incoming);
+    do {
+        b->incoming = top;
+    } while (!atomic_compare_exchange_weak(&self->incoming, &top, b));
+    size_t work = b->kind == BATCH_READ ? b->npieces : (size_t)b->n;
+    int threads = b->kind == BATCH_READ ? self->nthreads : self->nwthreads;
+    for (size_t i = 0; i < work && i < (size_t)threads; i++)
+        sem_post(b->kind == BATCH_READ ? &self->read_sem : &self->write_sem);
 }
 
-static void enqueue_writes(Engine *self, batch *b) {
-    pthread_mutex_lock(&self->mu);
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        write_job *j = &b->jobs[i];
-        j->next = NULL;
-        if (self->wtail) self->wtail->next = j;
-        else self->whead = j;
-        self->wtail = j;
+/* Moves submitted batches into the FIFO queues, oldest first.  Called with mu held. */
+static void drain_incoming(Engine *self) {
+    batch *stack = atomic_exchange(&self->incoming, NULL), *fifo = NULL;
+    while (stack) { /* reverse: the stack holds the newest first */
+        batch *next = stack->incoming;
+        stack->incoming = fifo;
+        fifo = stack;
+        stack = next;
     }
-    if (b->n > 1) pthread_cond_broadcast(&self->wwork_cv);
-    else pthread_cond_signal(&self->wwork_cv);
-    pthread_mutex_unlock(&self->mu);
+    for (batch *b = fifo; b; b = b->incoming) {
+        if (b->kind == BATCH_READ) {
+            for (size_t i = 0; i < b->npieces; i++) {
+                chunk_piece *p = &b->pieces[i];
+                p->next = NULL;
+                if (self->tail) self->tail->next = p;
+                else self->head = p;
+                self->tail = p;
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < b->n; i++) {
+                write_job *j = &b->jobs[i];
+                j->next = NULL;
+                if (self->wtail) self->wtail->next = j;
+                else self->whead = j;
+                self->wtail = j;
+            }
+        }
+    }
 }
 
-/* Records the calling thread's kernel id (readers first in `tids`, then writers). */
+/* The next write job.  Called with mu held. */
+static write_job *pop_write(Engine *self) {
+    write_job *j = self->whead;
+    if (j) {
+        self->whead = j->next;
+        if (self->whead == NULL) self->wtail = NULL;
+    }
+    return j;
+}
+
+/* Records the calling thread's kernel id (readers first in `tids`, then writers), and
+ * makes it a batch thread: waking it never preempts the thread that woke it (SCHED_BATCH,
+ * same share of the CPU otherwise), so a submitter that holds the GIL keeps running. */
 static void thread_started(Engine *self, int writer) {
+    struct sched_param none = {0};
+    pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
     pthread_mutex_lock(&self->mu);
     int slot = writer ? self->readers_wanted + self->writers_started++ : self->readers_started++;
     self->tids[slot] = (pid_t)syscall(SYS_gettid);
@@ -382,16 +418,19 @@ static void *read_worker(void *arg) {
     Engine *self = arg;
     pthread_setname_np(pthread_self(), "nvme-native-rd");
     thread_started(self, 0);
-    pthread_mutex_lock(&self->mu);
     for (;;) {
-        while (self->head == NULL && !self->stop) pthread_cond_wait(&self->work_cv, &self->mu);
-        chunk_piece *p = pop_piece(self);
-        if (p == NULL) break; /* stopped and drained */
-        pthread_mutex_unlock(&self->mu);
-        run_piece(self, p);
         pthread_mutex_lock(&self->mu);
+        drain_incoming(self);
+        chunk_piece *p = pop_piece(self);
+        pthread_mutex_unlock(&self->mu);
+        if (p) {
+            run_piece(self, p);
+        } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
+            break; /* stopped and drained */
+        } else {
+            while (sem_wait(&self->read_sem) != 0 && errno == EINTR) {}
+        }
     }
-    pthread_mutex_unlock(&self->mu);
     return NULL;
 }
 
@@ -401,29 +440,30 @@ static void *write_worker(void *arg) {
     /* background work: never take a core from the inference engine (a thread's own nice) */
     setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WRITER_NICE);
     thread_started(self, 1);
-    pthread_mutex_lock(&self->mu);
     for (;;) {
-        while (self->whead == NULL && !self->stop) pthread_cond_wait(&self->wwork_cv, &self->mu);
-        write_job *j = self->whead;
-        if (j == NULL) break; /* stopped and drained */
-        self->whead = j->next;
-        if (self->whead == NULL) self->wtail = NULL;
-        if (self->reads_in_flight > 0 && !self->stop) { /* reads go first, for a while */
-            struct timespec until;
+        pthread_mutex_lock(&self->mu);
+        drain_incoming(self);
+        write_job *j = pop_write(self);
+        if (j && atomic_load(&self->reads_in_flight) > 0 && !atomic_load(&self->stop)) {
+            struct timespec until; /* reads go first, for a while */
             clock_gettime(CLOCK_REALTIME, &until);
             until.tv_nsec += WRITERS_YIELD_NS;
             if (until.tv_nsec >= 1000000000L) {
                 until.tv_sec++;
                 until.tv_nsec -= 1000000000L;
             }
-            while (self->reads_in_flight > 0 && !self->stop)
+            while (atomic_load(&self->reads_in_flight) > 0 && !atomic_load(&self->stop))
                 if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
         }
         pthread_mutex_unlock(&self->mu);
-        run_write(self, j);
-        pthread_mutex_lock(&self->mu);
+        if (j) {
+            run_write(self, j);
+        } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
+            break; /* stopped and drained */
+        } else {
+            while (sem_wait(&self->write_sem) != 0 && errno == EINTR) {}
+        }
     }
-    pthread_mutex_unlock(&self->mu);
     return NULL;
 }
 
@@ -431,6 +471,7 @@ static void *write_worker(void *arg) {
 static void help_until_done(Engine *self, batch *b) {
     pthread_mutex_lock(&self->mu);
     while (atomic_load(&b->left) > 0) {
+        drain_incoming(self);
         chunk_piece *p = pop_piece(self);
         if (p) {
             pthread_mutex_unlock(&self->mu);
@@ -463,9 +504,9 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     pthread_mutex_init(&self->mu, NULL);
-    pthread_cond_init(&self->work_cv, NULL);
-    pthread_cond_init(&self->wwork_cv, NULL);
     pthread_cond_init(&self->done_cv, NULL);
+    sem_init(&self->read_sem, 0, 0);
+    sem_init(&self->write_sem, 0, 0);
     self->task_size = (size_t)task_size;
     self->readers_wanted = threads;
     self->threads = calloc((size_t)(threads + write_threads), sizeof(pthread_t));
@@ -501,7 +542,7 @@ static PyObject *Engine_thread_ids(Engine *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static int engine_open(Engine *self) {
-    if (self->threads == NULL || self->stop) {
+    if (self->threads == NULL || atomic_load(&self->stop)) {
         PyErr_SetString(PyExc_RuntimeError, "the native I/O engine is closed");
         return 0;
     }
@@ -514,7 +555,7 @@ static PyObject *Engine_read(Engine *self, PyObject *items) {
     if (b == NULL) return NULL;
     if (b->n) {
         RELEASE_GIL_BEGIN
-        enqueue_reads(self, b);
+        push_batch(self, b);
         help_until_done(self, b);
         RELEASE_GIL_END
     }
@@ -526,21 +567,13 @@ static PyObject *submit(Engine *self, batch *b, PyObject *token) {
     b->async = 1;
     Py_INCREF(token);
     b->token = token;
-    pthread_mutex_lock(&self->mu); /* held briefly by workers only: never waits on the GIL */
-    self->async_pending++;
-    pthread_mutex_unlock(&self->mu);
-    if (b->n == 0) {
+    atomic_fetch_add(&self->async_pending, 1);
+    if (b->n == 0) { /* nothing to do: finished at once (this takes mu, rarely) */
         atomic_store(&b->left, 1);
-        if (b->kind == BATCH_READ) {
-            pthread_mutex_lock(&self->mu);
-            self->reads_in_flight++;
-            pthread_mutex_unlock(&self->mu);
-        }
+        if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
         batch_request_done(self, b);
-    } else if (b->kind == BATCH_READ) {
-        enqueue_reads(self, b);
     } else {
-        enqueue_writes(self, b);
+        push_batch(self, b);
     }
     Py_RETURN_NONE;
 }
@@ -562,6 +595,7 @@ static PyObject *Engine_submit_write(Engine *self, PyObject *args) {
 static PyObject *Engine_cancel_writes(Engine *self, PyObject *Py_UNUSED(ignored)) {
     if (self->threads == NULL) return PyLong_FromLong(0);
     pthread_mutex_lock(&self->mu);
+    drain_incoming(self);
     write_job *j = self->whead;
     self->whead = self->wtail = NULL;
     pthread_mutex_unlock(&self->mu);
@@ -593,13 +627,14 @@ static PyObject *Engine_wait(Engine *self, PyObject *args) {
         until.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&self->mu);
-    while (self->done_head == NULL && !(self->stop && self->async_pending == 0)) {
+    while (self->done_head == NULL &&
+           !(atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0)) {
         if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
     }
     done = self->done_head;
     self->done_head = self->done_tail = NULL;
-    for (batch *b = done; b; b = b->next) self->async_pending--;
-    closed = done == NULL && self->stop && self->async_pending == 0;
+    for (batch *b = done; b; b = b->next) atomic_fetch_sub(&self->async_pending, 1);
+    closed = done == NULL && atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0;
     pthread_mutex_unlock(&self->mu);
     RELEASE_GIL_END
     if (closed) Py_RETURN_NONE;
@@ -655,13 +690,13 @@ done:
 }
 
 static void engine_stop(Engine *self) {
-    if (self->threads == NULL || self->stop) return;
+    if (self->threads == NULL || atomic_load(&self->stop)) return;
     pthread_mutex_lock(&self->mu);
-    self->stop = 1;
-    pthread_cond_broadcast(&self->work_cv);
-    pthread_cond_broadcast(&self->wwork_cv);
+    atomic_store(&self->stop, 1);
     pthread_cond_broadcast(&self->done_cv);
     pthread_mutex_unlock(&self->mu);
+    for (int i = 0; i < self->nthreads; i++) sem_post(&self->read_sem);
+    for (int i = 0; i < self->nwthreads; i++) sem_post(&self->write_sem);
     for (int i = 0; i < self->nthreads + self->nwthreads; i++) pthread_join(self->threads[i], NULL);
     pthread_mutex_lock(&self->mu);
     pthread_cond_broadcast(&self->done_cv); /* a wait() sees the drained engine */
@@ -689,9 +724,9 @@ static void Engine_dealloc(Engine *self) {
         free(self->threads);
         free(self->tids);
         pthread_mutex_destroy(&self->mu);
-        pthread_cond_destroy(&self->work_cv);
-        pthread_cond_destroy(&self->wwork_cv);
         pthread_cond_destroy(&self->done_cv);
+        sem_destroy(&self->read_sem);
+        sem_destroy(&self->write_sem);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -735,6 +770,19 @@ static PyObject *py_xxh3_64(PyObject *mod, PyObject *arg) {
     uint64_t h = xxh3_64(view.buf, (size_t)view.len);
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyObject *py_memory_view(PyObject *mod, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &length)) return NULL;
+    if (length < 0 || (address == 0 && length > 0)) {
+        PyErr_SetString(PyExc_ValueError, "memory_view needs an address and a length >= 0");
+        return NULL;
+    }
+    static char empty;
+    return PyMemoryView_FromMemory(length ? (char *)(uintptr_t)address : &empty, length,
+                                   PyBUF_WRITE);
 }
 
 static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
@@ -794,6 +842,9 @@ static PyObject *py_select_simd(PyObject *mod, PyObject *arg) {
 
 static PyMethodDef module_methods[] = {
     {"xxh3_64", py_xxh3_64, METH_O, "xxh3_64(buffer) -> int: XXH3-64 of the bytes."},
+    {"memory_view", py_memory_view, METH_VARARGS,
+     "memory_view(address, length) -> memoryview: writable bytes at address (the caller "
+     "keeps the memory alive while the view is used)."},
     {"encode_header", py_encode_header, METH_VARARGS,
      "encode_header(key, namespace, meta, payload_len, checksum, created_ns, gpu_checksum)"
      " -> bytes: a chunk header as the native writer builds it."},

@@ -1,0 +1,189 @@
+"""Checks of one cache directory: used by ``doctor`` and ``check-config``.
+
+Whether the path exists (or can be created) and is writable, its filesystem, O_DIRECT
+(the probe the store runs at start), free space against a budget, and alignment.  The
+only thing written is a probe file in an existing directory, removed at once; a
+missing path is checked in its nearest existing parent and is never created.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..config import min_free_bytes_for
+from ..disk.format import ALIGNMENT
+from ..io.posix import probe_direct_io
+from ..store.access import describe_owner, unusable_dirs, user_name
+from .check import FAIL, PASS, WARN, Check
+from .common import GIB, MountInfo, nearest_existing
+
+GOOD_LOCAL_FS = {"ext4", "xfs"}
+SHARED_FS = {"lustre", "gpfs", "beegfs", "wekafs", "nfs", "nfs4", "cephfs", "ceph"}
+COW_FS = {"btrfs", "zfs", "bcachefs"}
+MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs"}
+# Kernel filesystems that hold no files of their own: nothing can be created there.
+KERNEL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+             "devpts", "configfs", "pstore", "bpf", "mqueue", "hugetlbfs", "efivarfs"}
+LOW_FREE_GB = 10.0
+
+
+def check_path(path: Path, mount: MountInfo | None,
+               missing_status: str = WARN) -> tuple[Check, Path | None]:
+    """Exists (or can be created) and is writable; returns the directory to probe.
+
+    A missing path is reported with ``missing_status`` when its nearest existing parent
+    is writable (the tier creates it at start).
+    """
+    if path.exists() and not path.is_dir():
+        return Check("path", FAIL, f"{path} exists and is not a directory",
+                     "point nvme.path at a directory"), None
+    probe_dir = path if path.exists() else nearest_existing(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".doctor-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return _unwritable(path, probe_dir, mount, exc), None
+    if not path.exists():
+        return Check("path", missing_status, f"{path} does not exist yet; {probe_dir} is "
+                     "writable (checks below ran there)",
+                     "nothing to do if this is intended: the backend creates it"), probe_dir
+    return Check("path", PASS, f"{path} is a writable directory"), probe_dir
+
+
+def _unwritable(path: Path, probe_dir: Path, mount: MountInfo | None, exc: OSError) -> Check:
+    """Why no file can be created in ``probe_dir``, in words that match the cause."""
+    where = "" if path.exists() else f"{path} does not exist, and it cannot be created: "
+    if mount is not None and mount.fstype in KERNEL_FS:
+        return Check("path", FAIL, f"{where}{probe_dir} is on {mount.fstype}, a kernel "
+                     f"filesystem that holds no files ({exc.strerror})",
+                     "point nvme.path at a directory on the NVMe drive")
+    if exc.errno == errno.EROFS:
+        return Check("path", FAIL, f"{where}{probe_dir} is on a read-only filesystem",
+                     "remount it read-write, or choose another directory")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        me = user_name(os.geteuid())
+        return Check("path", FAIL, f"{where}{probe_dir} is {describe_owner(probe_dir)}; this "
+                     f"user ({me}) may not create files in it",
+                     f"grant the server's user write access (as root: chown {me}: "
+                     f"{probe_dir}), or choose another directory")
+    return Check("path", FAIL, f"{where}no file can be created in {probe_dir} "
+                 f"({exc.strerror})", "choose a directory on a writable local filesystem")
+
+
+def check_tree(path: Path) -> Check | None:
+    """An existing cache tree whose directories this user cannot use (made by another
+    user): the same check the store makes at start.  None when there is no tree."""
+    if not path.is_dir():
+        return None
+    problems = unusable_dirs(path)
+    if not problems:
+        return Check("cache tree", PASS, f"every directory of {path} is usable by "
+                     f"{user_name(os.geteuid())}")
+    me = user_name(os.geteuid())
+    return Check("cache tree", FAIL, f"{len(problems)} director"
+                 f"{'ies' if len(problems) > 1 else 'y'} of the tree cannot be listed and "
+                 f"written by {me}, e.g. {problems[0]} ({describe_owner(problems[0])}); the "
+                 "tier refuses to start",
+                 f"as root: chown -R {me}: {path} (or run the server as the owner)")
+
+
+def check_filesystem(mount: MountInfo | None) -> Check:
+    if mount is None:
+        return Check("filesystem", WARN, "not found in /proc/mounts",
+                     "check that /proc is mounted")
+    where = f"{mount.fstype} ({mount.device} on {mount.mountpoint})"
+    fs = mount.fstype
+    if fs in GOOD_LOCAL_FS:
+        return Check("filesystem", PASS, where)
+    if fs in SHARED_FS:
+        return Check("filesystem", PASS, f"{where}: shared filesystem, several processes or "
+                     "nodes can use one cache tree")
+    if fs in MEMORY_FS:
+        return Check("filesystem", WARN, f"{where}: memory, not a drive; the tier would "
+                     "duplicate host memory and GDS cannot read from it",
+                     "put nvme.path on an NVMe drive formatted ext4 or xfs")
+    if fs == "overlay" or fs.startswith("fuse"):
+        return Check("filesystem", WARN, f"{where}: container or FUSE filesystem, usually "
+                     "without O_DIRECT and slow for large files",
+                     "bind-mount a directory of the NVMe drive into the container "
+                     "(docker -v /mnt/nvme0/lmcache:/cache) and use that")
+    if fs in COW_FS:
+        return Check("filesystem", WARN, f"{where}: copy-on-write filesystem; checksumming "
+                     "and CoW cost bandwidth, and GDS does not support it",
+                     "prefer ext4 or xfs for the cache directory")
+    return Check("filesystem", WARN, f"{where}: not a filesystem this backend is tested on",
+                 "prefer ext4 or xfs on a local NVMe drive")
+
+
+def check_direct_io(probe_dir: Path, required: bool = False) -> Check:
+    """The store's O_DIRECT probe; ``required`` (``nvme.direct_io: on``): a refusal fails."""
+    try:
+        ok = probe_direct_io(probe_dir)
+    except OSError as exc:
+        return Check("O_DIRECT", FAIL, f"probe failed: {exc.strerror or exc}",
+                     "make the directory writable")
+    if ok:
+        return Check("O_DIRECT", PASS, "supported: reads bypass the page cache")
+    if required:
+        return Check("O_DIRECT", FAIL, "not supported here, and nvme.direct_io is 'on': the "
+                     "tier refuses to start", "put the cache on a local ext4 or xfs "
+                     "filesystem, or set nvme.direct_io: auto (buffered I/O)")
+    return Check("O_DIRECT", WARN, "not supported here: the backend falls back to buffered "
+                 "I/O (nvme.direct_io: auto) or refuses to start (on); GPUDirect Storage "
+                 "cannot work", "use a local ext4 or xfs filesystem on the NVMe drive")
+
+
+def check_free_space(probe_dir: Path, max_size_gb: float | None,
+                     min_free_gb: float | None) -> Check:
+    usage = shutil.disk_usage(probe_dir)
+    min_free_gb = min_free_bytes_for(min_free_gb, usage.total) / GIB  # None: auto
+    free_gb = usage.free / GIB
+    detail = f"{free_gb:.1f} GiB free of {usage.total / GIB:.1f} GiB"
+    if free_gb < min_free_gb:
+        return Check("free space", FAIL, f"{detail}, below the guard nvme.min_free_gb="
+                     f"{min_free_gb:g}: every write would be dropped",
+                     "free space on the drive or lower nvme.min_free_gb")
+    if max_size_gb is not None and max_size_gb + min_free_gb > free_gb:
+        return Check("free space", WARN, f"{detail}; nvme.max_size_gb={max_size_gb:g} plus "
+                     f"the guard {min_free_gb:g} GiB does not fit (counting space the cache "
+                     "already uses as taken): the free-space guard will evict before the "
+                     "budget is reached", "lower nvme.max_size_gb or free space")
+    if max_size_gb is None and free_gb < LOW_FREE_GB:
+        return Check("free space", WARN, f"{detail}: little room for a cache tier",
+                     "use a larger drive or free space")
+    return Check("free space", PASS, detail)
+
+
+def _logical_block_size(mount: MountInfo | None) -> int | None:
+    if mount is None or not mount.device.startswith("/dev/"):
+        return None
+    name = os.path.basename(os.path.realpath(mount.device))
+    for candidate in (f"/sys/class/block/{name}/queue/logical_block_size",
+                      f"/sys/class/block/{name}/../queue/logical_block_size"):
+        try:
+            with open(candidate) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def check_alignment(probe_dir: Path, mount: MountInfo | None) -> Check:
+    st = os.statvfs(probe_dir)
+    lbs = _logical_block_size(mount)
+    detail = f"filesystem block size {st.f_bsize} bytes"
+    if lbs is not None:
+        detail += f", device logical block size {lbs} bytes"
+    sizes = [st.f_bsize] + ([lbs] if lbs else [])
+    if all(s and ALIGNMENT % s == 0 for s in sizes):
+        return Check("alignment", PASS, f"{detail}; chunk payloads are {ALIGNMENT}-byte "
+                     "aligned, which O_DIRECT and GDS accept here")
+    return Check("alignment", WARN, f"{detail}: larger than the chunk format's {ALIGNMENT}-"
+                 "byte alignment, so O_DIRECT reads of payloads may be refused",
+                 f"format the filesystem with {ALIGNMENT}-byte blocks (mkfs.xfs -b size=4096, "
+                 "mkfs.ext4 -b 4096)")
