@@ -45,6 +45,7 @@ from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapt
 from ..disk.format import file_size_for
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
+from .lmcache_fixes import fix_cpu_split_kv_registration
 from .memory_objects import host_view, payload_view, tensor_meta_of
 from .object_keys import object_key_namespace, object_key_string
 
@@ -132,6 +133,7 @@ class NVMeL2Adapter(L2AdapterInterface):
     def __init__(self, config: NVMeL2AdapterConfig | Mapping[str, Any],
                  l1_memory_desc: L1MemoryDesc | None = None) -> None:
         store = open_store(TIER, lambda: _server_settings(config))
+        fix_cpu_split_kv_registration()  # SGLang's KV pools on a CPU server
         settings = store.settings
         super().__init__(max_capacity_bytes=settings.max_size_bytes)
         self.settings = settings

@@ -7,7 +7,7 @@
    L1), with a fresh vLLM: the hit can only come from our files (the adapter's
    ``read_chunks`` counts them).
 
-vLLM runs from its own environment (``tests/support/vllm_env.py`` explains why; the
+vLLM runs from its own environment (``tests/support/engine_env.py`` explains why; the
 ``vllm_python`` fixture is in ``conftest.py``);
 the model and tokenizer are built locally.  Every process is started and
 stopped here, each with a time limit.
@@ -16,17 +16,17 @@ stopped here, each with a time limit.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.mp_server import MPServer as Server
+from support import reports
+from support.mp_server import QUIET_ENV, MPServer, ServerFactory
 from support.process import child_env, module_command
+from support.reports import assert_same_first_token
 
 # The first run on a machine also builds vLLM's environment (a few minutes).
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -34,12 +34,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 DRIVER = "support.e2e_vllm_driver"  # run by the vLLM environment's python
 CHUNK = 256
 FULL_CHUNK_TOKENS = 512  # 700-token prompt: two full chunks
-LOGPROB_TOLERANCE = 0.05  # bf16
 VLLM_RUN_S = 400
 
-ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
-       "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+ENV = {**QUIET_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +48,7 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
-@pytest.fixture
-def servers() -> Iterator[list[Server]]:
-    started: list[Server] = []
-    yield started
-    for server in started:
-        server.stop()
-
-
-def run_vllm(python: Path, model: Path, server: Server, phase: str, log: Path
+def run_vllm(python: Path, model: Path, server: MPServer, phase: str, log: Path
              ) -> dict[str, Any]:
     cmd = module_command(DRIVER, "run", "--model", model, "--port", str(server.port),
                          "--http", server.http, "--phase", phase, python=python)
@@ -74,28 +64,18 @@ def run_vllm(python: Path, model: Path, server: Server, phase: str, log: Path
             with contextlib.suppress(ProcessLookupError):  # vLLM workers that outlived it
                 os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
-    for line in text.splitlines():
-        if line.startswith("E2E-REPORT "):
-            return json.loads(line[len("E2E-REPORT "):])  # type: ignore[no-any-return]
+    report = reports.find(text)
+    if report is not None:
+        return report
     raise AssertionError(f"vLLM run '{phase}' produced no report (rc {proc.returncode}):\n"
                          f"{text[-6000:]}\n--- server log ---\n{server.log.read_text()[-3000:]}")
 
 
-def assert_same_first_token(cold: dict[str, Any], hit: dict[str, Any]) -> None:
-    a, b = cold["logprobs"], hit["logprobs"]
-    top = max(a, key=a.get)
-    assert top in b, f"cold top token {top} missing from the hit's top-{len(b)}"
-    common = set(a) & set(b)
-    assert len(common) >= len(a) // 2
-    worst = max(abs(a[t] - b[t]) for t in common)
-    assert worst <= LOGPROB_TOLERANCE, f"first-token logprobs differ by {worst:.4f}"
-
-
 def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Path,
-                                             servers: list[Server], tmp_path: Path) -> None:
+                                             start_server: ServerFactory, tmp_path: Path
+                                             ) -> None:
     cache_dir = tmp_path / "nvme"
-    first = Server(cache_dir, tmp_path / "server1.log", env=ENV)
-    servers.append(first)
+    first = start_server(cache_dir, "server1", env=ENV)
     report = run_vllm(vllm_python, tiny_model, first, "cold", tmp_path / "vllm1.log")
 
     assert report["cold"]["num_cached_tokens"] == 0
@@ -112,8 +92,7 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
     assert len(chunk_files) == stored["entries"]
     first.stop()
 
-    second = Server(cache_dir, tmp_path / "server2.log", env=ENV)
-    servers.append(second)
+    second = start_server(cache_dir, "server2", env=ENV)
     before = second.status()
     assert before["recovered_entries"] == len(chunk_files) and before["read_chunks"] == 0
     restart = run_vllm(vllm_python, tiny_model, second, "restart", tmp_path / "vllm2.log")

