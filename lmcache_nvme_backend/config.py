@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .disk.layout import MARKER_NAME
 from .disk.safe_fs import dir_mode_for
 
 EXTRA_CONFIG_PREFIX = "nvme."
@@ -239,10 +240,11 @@ class _Directories(_Rule):
         return tuple(paths)
 
     @staticmethod
-    def prepare(path: Path, dir_mode: int, fail: _Fail) -> None:
+    def prepare(path: Path, dir_mode: int, fail: _Fail, shared: bool = False) -> None:
         """Create ``path`` (missing directories get ``dir_mode``, whatever the umask) and
         check that this process can create files in it.  A full filesystem (no space or no
-        inode for the probe) is fine: the store starts and serves what the path holds."""
+        inode for the probe) is fine: the store starts and serves what the path holds; so
+        is, in shared mode, a read-only cache directory (this member only reads there)."""
         missing = [p for p in (path, *path.parents) if not p.exists()]
         try:
             for p in reversed(missing):
@@ -263,6 +265,9 @@ class _Directories(_Rule):
             os.unlink(probe)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return
+            if shared and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and \
+                    (path / MARKER_NAME).is_file():
                 return
             why = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
             raise fail(f"'{path}' is not writable ({why})",
@@ -410,7 +415,8 @@ class _Parser:
         if review.settings is None:
             raise review.errors[0]
         for path in review.settings.paths:
-            _Directories.prepare(path, review.settings.dir_mode, self.failer("path"))
+            _Directories.prepare(path, review.settings.dir_mode, self.failer("path"),
+                                 shared=review.settings.shared)
         return review.settings
 
     def review(self) -> SettingsReview:

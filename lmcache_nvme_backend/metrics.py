@@ -116,8 +116,19 @@ METRICS: tuple[MetricSpec, ...] = (
              "(never followed or read; a miss)."),
     _counter("recovered_entries", "Chunks found on disk at start."),
     _counter("removed_temp_files", "Unpublished temp files removed at start."),
-    _counter("shared_adopted", "Shared mode: chunks another process wrote, found on disk."),
-    _counter("shared_vanished", "Shared mode: index entries whose file another process removed."),
+    _counter("shared_adopted", "Shared mode: chunks other members published, learned from "
+             "their journals."),
+    _counter("shared_vanished", "Shared mode: index entries other members deleted."),
+    _counter("shared_transfers", "Shared mode: chunks of other members this member evicted "
+             "(their bytes moved to its share)."),
+    _counter("shared_takeovers", "Shared mode: dead members whose share this member took over "
+             "(as janitor)."),
+    _counter("shared_reconciles", "Shared mode: walks of the tree that recounted the orphans "
+             "(as janitor)."),
+    _counter("ledger_updates", "Shared mode: versions of the directory's ledger this member "
+             "wrote."),
+    _counter("ledger_conflicts", "Shared mode: ledger updates redone because another member "
+             "wrote a version first."),
     _counter("gpu_checksum_failures", "GPU path: GPU-side checksum mismatches (never served)."),
     _counter("gpu_unverified_fallbacks", "GPU path: files without a GPU checksum, read "
              "through the host."),
@@ -129,6 +140,14 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("used_bytes", "Bytes on disk of published chunks (header and padding included)."),
     _gauge("reserved_bytes", "Bytes reserved by writes in progress."),
     _gauge("capacity_bytes", "Byte budget (max_size_gb) over all paths."),
+    _gauge("directory_budget_bytes", "Shared mode: the directory's one byte budget for all its "
+           "members (the ledger's; over all paths)."),
+    _gauge("member_bytes", "Shared mode: bytes of the chunk files this member owns."),
+    _gauge("member_cap_bytes", "Shared mode: this member's share of the directory's budget."),
+    _gauge("orphan_bytes", "Shared mode: bytes counted for chunks no live member owns."),
+    _gauge("members_live", "Shared mode: live members of the directory (this one included)."),
+    _gauge("members_dead", "Shared mode: members that stopped renewing their lease and are "
+           "not yet taken over."),
     _gauge("write_queue_chunks", "Chunks waiting to be written.", "pending_writes"),
     _gauge("write_queue_bytes", "Host memory held by queued writes.", "queue_bytes"),
     _gauge("roots_offline", "Cache directories taken out of service after I/O errors."),

@@ -113,6 +113,17 @@ def size_list_arg(text: str) -> list[int]:
     return sorted({size_arg(t.strip()) for t in items})
 
 
+def human_age(seconds: float | None, digits: int = 0) -> str:
+    """A duration in the largest unit it fills (``3.5 h``; ``-`` for none); seconds with
+    ``digits`` decimals."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.{digits}f} s"
+
+
 def human_bytes(n: float) -> str:
     """Binary units with one decimal: ``1.5 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -2,7 +2,8 @@
 
 Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is
 the time since last access as recorded in the manifest (the server saves it
-periodically and at close), else since the file was written.
+periodically and at close), else since the file was written.  A directory used in
+shared mode also shows its one budget and each member's share (``shared_view.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 from ..disk.layout import TEMP_INFIX
 from .cache import CacheRoot
-from .common import human_bytes, print_json
+from .common import human_age, human_bytes, print_json
+from .shared_view import print_shared, shared_report
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("< 1 min", 60.0),
@@ -31,8 +33,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "inspect", help="list and size a cache directory",
         description="Entries and bytes on disk per namespace (model), temporary and "
-                    "quarantined files, and a histogram of time since last access. "
-                    "Read-only; safe while a server uses the directory.",
+                    "quarantined files, a histogram of time since last access, and for a "
+                    "directory in shared mode its budget, each member's share and the dead "
+                    "members. Read-only; safe while a server uses the directory.",
         epilog="exit status: 0 success, 1 PATH is not a cache directory, 2 usage error")
     p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
                    help="cache directory (nvme.path); give each path of a multi-drive cache")
@@ -92,16 +95,8 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
         "quarantine": {"count": len(quarantined), "bytes": sum(s for _, s in quarantined)},
         "special_entries": [{"path": str(p.relative_to(root.path)), "kind": kind}
                             for p, kind in special],
+        "shared": shared_report(root.path),
     }
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 def print_report(rep: dict[str, Any]) -> None:
@@ -109,7 +104,7 @@ def print_report(rep: dict[str, Any]) -> None:
           f"(headers and padding included), {len(rep['namespaces'])} namespace(s)")
     m = rep["manifest"]
     if m["present"]:
-        print(f"  manifest: {m['entries']} entries, saved {_age(m['age_s'])} ago; "
+        print(f"  manifest: {m['entries']} entries, saved {human_age(m['age_s'])} ago; "
               f"{rep['files_in_manifest']} of the files are in it")
     else:
         print("  manifest: none yet (recency falls back to file times)")
@@ -119,14 +114,16 @@ def print_report(rep: dict[str, Any]) -> None:
         for n in rep["namespaces"]:
             print(f"  {n['name'] or '?':<{width}}  {n['id']:<16}  {n['files']:>8}  "
                   f"{human_bytes(n['bytes']):>10}")
+    if rep["shared"] is not None:
+        print_shared(rep["shared"])
     print(f"  temporary files: {rep['temp_files']['count']} "
           f"({human_bytes(rep['temp_files']['bytes'])}); quarantined files: "
           f"{rep['quarantine']['count']} ({human_bytes(rep['quarantine']['bytes'])})")
     for sp in rep["special_entries"]:
         print(f"  skipped {sp['path']}: a {sp['kind']} at a chunk file's name (never followed "
               "or read)")
-    print(f"  time since last access (newest {_age(rep['newest_access_age_s'])}, oldest "
-          f"{_age(rep['oldest_access_age_s'])}):")
+    print(f"  time since last access (newest {human_age(rep['newest_access_age_s'])}, oldest "
+          f"{human_age(rep['oldest_access_age_s'])}):")
     most = max([b["files"] for b in rep["age_histogram"]] + [1])
     for b in rep["age_histogram"]:
         bar = "#" * round(30 * b["files"] / most)

@@ -249,14 +249,19 @@ def this_host() -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host."""
+    """Whether a process with this id runs on this host (a zombie, killed and not yet
+    reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _scandir_dirs(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:

@@ -339,11 +339,28 @@ def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
         os.close(src_fd)
 
 
-def unlink_beneath(root: Path | str, rel: str) -> None:
-    """``unlink`` within the tree (a link is removed, never its target)."""
+def link_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
+    """``link(2)`` within the tree: a new name for an existing file, ``FileExistsError`` when
+    ``dst_rel`` exists (an atomic compare-and-set on every POSIX filesystem, network ones
+    included); neither parent is reached through a link and ``src`` itself is not followed."""
+    src_fd, src_name = _parent(root, src_rel)
+    try:
+        dst_fd, dst_name = _parent(root, dst_rel)
+        try:
+            os.link(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
+                    follow_symlinks=False)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+
+
+def unlink_beneath(root: Path | str, rel: str, directory: bool = False) -> None:
+    """``unlink`` within the tree (a link is removed, never its target); ``directory``:
+    ``rmdir`` of an empty directory instead."""
     fd, name = _parent(root, rel)
     try:
-        os.unlink(name, dir_fd=fd)
+        (os.rmdir if directory else os.unlink)(name, dir_fd=fd)
     finally:
         os.close(fd)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from ..disk.format import TensorMeta
 from .index import ChunkIndex, IndexEntry
@@ -21,6 +23,16 @@ logger = logging.getLogger(__name__)
 RemovalListener = Callable[[list[IndexEntry]], None]
 
 
+class Accounting(Protocol):
+    """Who hears of publishes and released reservations (shared mode: the member's
+    account of the directory's budget, ``store/share.py``)."""
+
+    def on_publish(self, entry: IndexEntry, replaced: IndexEntry | None,
+                   reserved: int) -> None: ...
+
+    def on_release(self, root: int, size: int) -> None: ...
+
+
 class Catalog:
     """Thread-safe index of published chunks, plus the keys queued for writing."""
 
@@ -29,6 +41,11 @@ class Catalog:
         self._index = ChunkIndex(list(budgets))
         self._pending: dict[str, ChunkWrite] = {}
         self._listeners: list[RemovalListener] = []
+        # shared mode: this member's id on each root (owner of what it publishes), the
+        # uses to share with the other members, and the account that counts its bytes
+        self.members: list[str] = []
+        self.touched: deque[tuple[int, str]] | None = None
+        self.accounting: Accounting | None = None
 
     @property
     def budgets(self) -> list[int]:
@@ -38,29 +55,39 @@ class Catalog:
     # -- lookups -------------------------------------------------------------
 
     def lookup(self, digest: str, root_healthy: Callable[[int], bool], now_ns: int,
-               pin: bool = False) -> bool:
-        """Whether a chunk is indexed on a healthy root; a hit counts as a use (and may pin)."""
+               pin: bool = False, ns_id: str | None = None) -> bool:
+        """Whether a chunk is indexed on a healthy root (in namespace ``ns_id``, if given);
+        a hit counts as a use (and may pin).  Memory only: no filesystem call."""
         with self._lock:
             entry = self._index.get(digest)
-            hit = entry is not None and root_healthy(entry.root)
+            hit = entry is not None and root_healthy(entry.root) and \
+                (ns_id is None or entry.ns_id == ns_id)
             if hit:
+                assert entry is not None
                 self._index.touch(digest, now_ns)
                 if pin:
                     self._index.pin(digest)
+                if self.touched is not None:
+                    self.touched.append((entry.root, digest))
         return hit
 
     def lookup_many(self, digests: Iterable[str], root_healthy: Callable[[int], bool],
-                    now_ns: int, pin: bool = False) -> list[bool]:
-        """``lookup`` for several chunks under one lock hold."""
+                    now_ns: int, pin: bool = False,
+                    ns_ids: Sequence[str] | None = None) -> list[bool]:
+        """``lookup`` for several chunks under one lock hold (in ``ns_ids[i]``, if given)."""
         hits: list[bool] = []
         with self._lock:
-            for digest in digests:
+            for i, digest in enumerate(digests):
                 entry = self._index.get(digest)
-                hit = entry is not None and root_healthy(entry.root)
+                hit = entry is not None and root_healthy(entry.root) and \
+                    (ns_ids is None or entry.ns_id == ns_ids[i])
                 if hit:
+                    assert entry is not None
                     self._index.touch(digest, now_ns)
                     if pin:
                         self._index.pin(digest)
+                    if self.touched is not None:
+                        self.touched.append((entry.root, digest))
                 hits.append(hit)
         return hits
 
@@ -103,6 +130,9 @@ class Catalog:
                 digest = write.digest
                 if digest in self._pending or digest in self._index:
                     self._index.touch(digest, now_ns)
+                    entry = self._index.get(digest)
+                    if entry is not None and self.touched is not None:
+                        self.touched.append((entry.root, digest))
                     fresh.append(False)
                 else:
                     self._pending[digest] = write
@@ -136,21 +166,36 @@ class Catalog:
                 self._index.remove(oldest.digest)
             return oldest
 
+    def note_reserved(self, root: int, size: int) -> None:
+        """Count bytes reserved by a decision taken elsewhere (shared mode's account)."""
+        with self._lock:
+            self._index.reserve(root, size)
+
     def release(self, root: int, size: int) -> None:
         """Give back a reservation (the write ended, published or not)."""
         with self._lock:
             self._index.release(root, size)
+        if self.accounting is not None:
+            self.accounting.on_release(root, size)
 
     def publish(self, entry: IndexEntry, reserved: int) -> None:
         """Index a chunk file just published, in place of its reservation."""
         self.publish_many([(entry, reserved)])
 
     def publish_many(self, published: Iterable[tuple[IndexEntry, int]]) -> None:
-        """``publish`` for several chunks under one lock hold."""
+        """``publish`` for several chunks under one lock hold (shared mode: the entries are
+        this member's, and its account hears of each, outside the lock)."""
+        done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
             for entry, reserved in published:
+                if self.members:
+                    entry.owner = self.members[entry.root]
                 self._index.release(entry.root, reserved)
+                done.append((entry, self._index.get(entry.digest), reserved))
                 self._index.add(entry)
+        if self.accounting is not None:
+            for entry, replaced, reserved in done:
+                self.accounting.on_publish(entry, replaced, reserved)
 
     def add_if_absent(self, entry: IndexEntry) -> None:
         """Index a chunk another process published (shared mode)."""
@@ -158,17 +203,19 @@ class Catalog:
             if entry.digest not in self._index:
                 self._index.add(entry)
 
-    def add_recovered(self, root: int, entries: Sequence[IndexEntry]) -> list[IndexEntry]:
+    def add_recovered(self, root: int, entries: Sequence[IndexEntry],
+                      enforce_budget: bool = True) -> list[IndexEntry]:
         """Index the chunks found at start (oldest first); the ones over the budget are returned.
 
         Over-budget entries (the budget was lowered, or the manifest was stale)
-        are removed least recently used first; the caller deletes their files.
+        are removed least recently used first; the caller deletes their files.  In
+        shared mode (``enforce_budget`` False) the directory's ledger decides instead.
         """
         over: list[IndexEntry] = []
         with self._lock:
             for entry in entries:
                 self._index.add(entry)
-            while self._index.used_bytes(root) > self._index.budgets[root]:
+            while enforce_budget and self._index.used_bytes(root) > self._index.budgets[root]:
                 victim = next(self._index.lru_order(root))
                 self._index.remove(victim.digest)
                 over.append(victim)
@@ -178,12 +225,75 @@ class Catalog:
         with self._lock:
             return self._index.remove(digest)
 
+    def remove_entries(self, entries: Iterable[IndexEntry]) -> list[IndexEntry]:
+        """Remove each entry that is still the indexed one for its digest (not one
+        published again meanwhile); the ones removed."""
+        removed = []
+        with self._lock:
+            for entry in entries:
+                if self._index.get(entry.digest) is entry:
+                    self._index.remove(entry.digest)
+                    removed.append(entry)
+        return removed
+
     def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
         """Take the entries out of the index under one lock hold; the ones that were there."""
         with self._lock:
             removed = [self._index.remove(digest) for digest in digests]
         return [entry for entry in removed if entry is not None]
 
+    # -- shared mode -------------------------------------------------------------
+
+    def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:
+        """Eviction candidates: least recently used unpinned entries worth ``need`` bytes."""
+        with self._lock:
+            return self._index.coldest(root, need, skip)
+
+    def apply_remote(self, published: Sequence[IndexEntry], deleted: Sequence[str],
+                     accessed: Sequence[str], now_ns: int
+                     ) -> tuple[int, list[IndexEntry], list[tuple[str, str]]]:
+        """What another member's journal said: chunks it published (indexed, most recently
+        used, owned by it), deleted and read.  Returns how many chunks were new here, the
+        entries removed, and ``(digest, previous owner)`` where two members published the
+        same chunk."""
+        added = 0
+        removed: list[IndexEntry] = []
+        doubles: list[tuple[str, str]] = []
+        with self._lock:
+            for digest in deleted:
+                gone = self._index.remove(digest)
+                if gone is not None:
+                    removed.append(gone)
+            for entry in published:
+                old = self._index.get(entry.digest)
+                if old is None:
+                    self._index.add(entry)
+                    added += 1
+                    continue
+                if old.owner and old.owner != entry.owner:
+                    doubles.append((entry.digest, old.owner))
+                old.owner = entry.owner
+                if old.meta is None:
+                    old.meta = entry.meta
+                self._index.touch(entry.digest, now_ns)
+            for digest in accessed:
+                self._index.touch(digest, now_ns)
+        return added, removed, doubles
+
+    def drop_owned_except(self, owner: str, keep: set[str]) -> list[IndexEntry]:
+        """Remove the entries ``owner`` owns that are not in ``keep`` (its snapshot)."""
+        with self._lock:
+            gone = [e for e in self._index.snapshot() if e.owner == owner and
+                    e.digest not in keep]
+            for entry in gone:
+                self._index.remove(entry.digest)
+        return gone
+
+    def owners(self, root: int) -> dict[str, tuple[str, int]]:
+        """``digest -> (owner, size)`` of every entry of ``root``."""
+        with self._lock:
+            entries = self._index.snapshot()
+        return {e.digest: (e.owner, e.size) for e in entries if e.root == root}
     # -- reporting ---------------------------------------------------------------
 
     def lru_entries(self, root: int) -> list[IndexEntry]:

@@ -9,7 +9,8 @@ host buffers.  The parts, each in its own module:
 * ``writer.py``   admission, the byte-bounded write-back queue and its threads,
   reservation and LRU eviction, atomic publish;
 * ``reads.py``    reads into host buffers and the judgement of every read;
-* ``shared.py``   shared mode: reconciling the index with other processes' files;
+* ``shared.py``   shared mode: one budget and one index for every process using the
+  directory (``ledger.py``, ``share.py``, ``journal.py``, ``leases.py``, ``janitor.py``);
 * ``recovery.py`` the index rebuilt at start, the manifest kept while running;
 * ``stats.py``    counters and histograms.
 
@@ -55,7 +56,7 @@ class ChunkStore:
         self.settings = settings
         self._stats = StoreStats()
         self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
-                                 settings.min_free_gb)
+                                 settings.min_free_gb, settings.shared)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
@@ -66,11 +67,16 @@ class ChunkStore:
                                    native_engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, engine, gate,
                                    self._stats, native_engine)
-        self._shared = SharedTree(self._catalog, self._roots, self._reader, self._stats)
         self._gate = gate
         self._closed = False
         for root in self._roots:
-            recover_root(root, self._catalog, self._stats, self._writer.evict)
+            recover_root(root, self._catalog, self._stats, self._writer.evict,
+                         enforce_budget=not settings.shared)
+        self._shared: SharedTree | None = None
+        if settings.shared:
+            self._shared = SharedTree(settings, self._catalog, self._roots, self._stats)
+            self._shared.start()
+            self._writer.shared = self._shared
         if native_engine is None:
             engine.warm_up(settings.io_threads)
         self._writer.start()
@@ -117,19 +123,25 @@ class ChunkStore:
         return hit
 
     def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
-        """``contains``, plus, with ``nvme.shared``, chunks that other processes published."""
+        """Whether ``key`` is stored in ``namespace`` (optionally pinned).
+
+        With ``nvme.shared`` the index also holds what the other processes using the
+        directory published (read from their journals in the background), so this never
+        touches the filesystem either; a file another process deleted meanwhile is a miss
+        when read.
+        """
         digest = key_digest(key)
-        if self.settings.shared:
-            self._shared.reconcile(key, digest, namespace)
-        return self._contains(digest, pin)
+        hit = self._catalog.lookup(digest, self._roots.healthy, time.time_ns(), pin,
+                                   namespace_id(namespace))
+        self._stats.add(Counter.LOOKUPS)
+        self._stats.add(Counter.HITS if hit else Counter.MISSES)
+        return hit
 
     def lookup_many(self, keys: Sequence[tuple[str, str]], pin: bool = False) -> list[bool]:
-        """``lookup`` of each ``(key, namespace)``; one lock hold for all of them unless
-        ``nvme.shared`` has each reconciled with the files first."""
-        if self.settings.shared:
-            return [self.lookup(key, namespace, pin=pin) for key, namespace in keys]
+        """``lookup`` of each ``(key, namespace)`` under one lock hold (memory only)."""
         hits = self._catalog.lookup_many((key_digest(key) for key, _ in keys),
-                                         self._roots.healthy, time.time_ns(), pin)
+                                         self._roots.healthy, time.time_ns(), pin,
+                                         [namespace_id(ns) for _, ns in keys])
         found = sum(hits)
         self._stats.add(Counter.LOOKUPS, len(hits))
         self._stats.add(Counter.HITS, found)
@@ -174,6 +186,16 @@ class ChunkStore:
             self._writer.unlink(entries)
             self._catalog.notify_removed(entries)
         return len(entries)
+
+    def refresh_shared(self) -> None:
+        """Shared mode: read the other members' journals and the ledger now, and share
+        this member's reads (done every 0.1 s in the background anyway)."""
+        if self._shared is not None:
+            self._shared.refresh()
+
+    def shared_members(self) -> list[str]:
+        """Shared mode: this process's member id on each root (empty otherwise)."""
+        return self._shared.member_ids() if self._shared is not None else []
 
     def add_removal_listener(self, listener: RemovalListener) -> None:
         """Call ``listener`` (outside the store lock) with entries that leave the index.
@@ -321,6 +343,8 @@ class ChunkStore:
         snap: dict[str, float] = dict(self._stats.snapshot())
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
+        if self._shared is not None:
+            snap.update(self._shared.describe())
         snap["direct_io_roots"] = sum(r.direct for r in self._roots)
         return snap
 
@@ -338,6 +362,8 @@ class ChunkStore:
         self._writer.close(self.settings.close_timeout_s)
         self._manifests.stop()
         self._manifests.save_all()
+        if self._shared is not None:
+            self._shared.close()
         if self._reader.native is not None:
             self._reader.native.close()
         self._io_pool.shutdown(wait=True)

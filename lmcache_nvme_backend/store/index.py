@@ -26,6 +26,8 @@ class IndexEntry:
     meta: TensorMeta | None
     last_access_ns: int = 0
     pins: int = 0
+    # shared mode: the member whose account counts the file ("": no live member's)
+    owner: str = ""
 
 
 class ChunkIndex:
@@ -103,6 +105,19 @@ class ChunkIndex:
                 victims.append(entry)
                 excess -= entry.size
         return victims if excess <= 0 else None
+
+    def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:
+        """Least recently used unpinned entries of ``root`` (not in ``skip``) whose sizes
+        add up to at least ``need`` bytes (fewer when the root has no more)."""
+        victims: list[IndexEntry] = []
+        for digest in self._lru[root]:
+            if need <= 0:
+                break
+            entry = self._entries[digest]
+            if entry.pins == 0 and digest not in skip:
+                victims.append(entry)
+                need -= entry.size
+        return victims
 
     def reserve(self, root: int, size: int) -> None:
         self._reserved[root] += size

@@ -29,8 +29,9 @@ MANIFEST_BYTES_PER_CHUNK = 1024
 
 
 def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
-                 evict: Callable[[list[IndexEntry]], None]) -> None:
-    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first).
+                 evict: Callable[[list[IndexEntry]], None], enforce_budget: bool = True) -> None:
+    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first;
+    in shared mode, ``enforce_budget`` False, the directory's ledger decides instead).
 
     The manifest is advice: which chunks exist and how many bytes each takes always come
     from the directory (``lstat``: regular files only, links never followed); the manifest
@@ -53,7 +54,7 @@ def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
         found.append(IndexEntry(loc.digest, loc.namespace_id, root.index, st.st_size, None,
                                 st.st_mtime_ns))
     found.sort(key=lambda e: e.last_access_ns)
-    over = catalog.add_recovered(root.index, found)
+    over = catalog.add_recovered(root.index, found, enforce_budget)
     evict(over)
     stats.add(Counter.RECOVERED_ENTRIES, len(found) - len(over))
     logger.info("NVMe tier: %s holds %d chunks (%.1f MiB); index rebuilt in %.3f s.",

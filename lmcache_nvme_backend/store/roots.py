@@ -36,7 +36,7 @@ from ..disk.safe_fs import (
     scandir_beneath,
     unlink_beneath,
 )
-from ..io.posix import probe_direct_io
+from ..io.posix import probe_direct_io, probe_direct_read
 from .access import require_tree_access
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class RootInfo:
 
 
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
-              min_free_gb: float | None = None) -> RootState:
+              min_free_gb: float | None = None, shared: bool = False) -> RootState:
     """Create the root's directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
 
     An existing tree with directories this process cannot use (created by another user)
@@ -91,9 +91,11 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
     Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
     umask; nothing below the root is reached through a link.  A full filesystem (no
     block, no inode) does not stop the start: the store serves what the root holds and
-    drops writes (``capacity_drops``) until space frees.
+    drops writes (``capacity_drops``) until space frees.  In shared mode a tree on a
+    read-only filesystem is opened to be served (``store/member.py`` says so).
     """
-    require_tree_access(path)
+    if not (shared and _read_only_filesystem(path)):
+        require_tree_access(path)
     layout = RootLayout(path)
     dir_mode = dir_mode_for(file_mode)
     if not path.is_dir():
@@ -112,7 +114,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
     _write_marker(path, file_mode)
-    direct = direct_io_mode != "off" and probe_direct_io(path, path / MARKER_NAME)
+    direct = direct_io_mode != "off" and _probe(path)
     if direct_io_mode == "on" and not direct:
         raise NVMeConfigError(
             f"nvme.direct_io: '{path}' does not support O_DIRECT (tmpfs, some network or "
@@ -131,6 +133,24 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
                        "until space frees.", path, st.f_bavail * st.f_frsize // 2**20,
                        st.f_favail, min_free // 2**20)
     return state
+
+
+def _read_only_filesystem(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _probe(path: Path) -> bool:
+    """O_DIRECT on ``path``: probed by writing, or (a read-only directory, which shared
+    mode serves) by reading the marker."""
+    try:
+        return probe_direct_io(path, path / MARKER_NAME)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        return probe_direct_read(path / MARKER_NAME)
 
 
 def _write_marker(path: Path, file_mode: int) -> None:
@@ -171,8 +191,8 @@ class Roots(Sequence[RootState]):
 
     @classmethod
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
-             min_free_gb: float | None = None) -> Roots:
-        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb)
+             min_free_gb: float | None = None, shared: bool = False) -> Roots:
+        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared)
                     for i, path in enumerate(paths)])
 
     def __getitem__(self, i: int) -> RootState:  # type: ignore[override]

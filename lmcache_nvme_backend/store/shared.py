@@ -1,57 +1,177 @@
-"""Shared mode: several processes (or nodes on a shared filesystem) on one directory tree.
+"""Shared mode: every process that uses a cache directory keeps one budget with the others.
 
-Each process keeps its own index, so before a lookup answers, the index is
-reconciled with the files: an index hit is confirmed with a ``stat`` (another
-process may have evicted the file) and an index miss looks on disk, in the
-order a writer would have placed the chunk, for a file another process
-published.  A file is adopted only if its header is ours, names this key and
-matches the file's size; the payload checksum is still verified on every read.
+With ``nvme.shared: true`` this process is a *member* of each of its roots
+(``RootMember``, ``member.py``): it holds an account of the root's one byte budget in the
+root's ledger (``ledger.py``, ``share.py``), says what it publishes, deletes and reads in
+its journal and follows the others' (``journal.py``: its index holds the whole directory,
+so a lookup is a dictionary lookup), renews a lease (``leases.py``), and, when it is the
+janitor, cleans up after members that died (``janitor.py``).  No server, no lock: the
+directory is the only thing the members share, so it works on a local disk and on a
+network filesystem alike.  ``docs/deployment.md`` says what is promised and how fast.
+
+Three background threads per store: ``nvme-shared`` (journals every ``INGEST_S``, the
+ledger every ``LEDGER_S``, the lease every ``HEARTBEAT_S``), ``nvme-janitor``, and
+``nvme-room``, which evicts ahead of the writes so that a store call seldom waits for an
+eviction (with the native engine, writes are placed on the thread that stores).
 """
 
 from __future__ import annotations
 
-import os
+import logging
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..disk.layout import namespace_id
+from ..config import NVMeSettings
 from .catalog import Catalog
 from .index import IndexEntry
-from .reads import ChunkReader
-from .roots import Roots
-from .stats import Counter, StoreStats
+from .leases import HEARTBEAT_S
+from .member import RootMember
+from .roots import Roots, RootState
+from .stats import StoreStats
+
+if TYPE_CHECKING:
+    from .writer import FreeSpaceGuard
+
+logger = logging.getLogger(__name__)
+
+READS_S = 0.025  # this member's reads are shared this often (recency lag elsewhere)
+INGEST_S = 0.1
+LEDGER_S = 0.25
+JANITOR_S = 1.0
+ROOM_WAIT_S = 0.5  # the nvme-room thread checks for stop this often when idle
 
 
 class SharedTree:
-    """Keeps one process's index in step with what other processes did to the files."""
+    """Shared mode for a store: one ``RootMember`` per root and the background threads."""
 
-    def __init__(self, catalog: Catalog, roots: Roots, reader: ChunkReader,
+    def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots,
                  stats: StoreStats) -> None:
         self._catalog = catalog
-        self._roots = roots
-        self._reader = reader
-        self._stats = stats
+        self.members = [RootMember(root, catalog.budgets[root.index], settings, catalog, stats)
+                        for root in roots]
+        self._room_wanted = threading.Event()
+        for member in self.members:
+            member.room_wanted = self._room_wanted
+        catalog.members = [m.member for m in self.members]
+        catalog.touched = deque(maxlen=1 << 20)
+        catalog.accounting = self
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
-    def reconcile(self, key: str, digest: str, namespace: str) -> None:
-        """Forget ``key`` (``digest``) if its file vanished; adopt it if another process
-        wrote it."""
-        entry = self._catalog.entry(digest)
-        if entry is not None:
-            path = self._roots[entry.root].layout.chunk_path(entry.ns_id, digest)
-            if os.path.exists(path):
-                return
-            self._reader.forget(digest)
-            self._stats.add(Counter.SHARED_VANISHED)
-        self._adopt(key, digest, namespace_id(namespace))
+    def start(self) -> None:
+        """Join every root, read the other members' journals once, start the threads."""
+        for member in self.members:
+            member.join()
+            member.ingest()
+        for name, loop in (("nvme-shared", self._loop), ("nvme-janitor", self._janitor_loop),
+                           ("nvme-room", self._room_loop)):
+            thread = threading.Thread(target=loop, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
-    def _adopt(self, key: str, digest: str, ns_id: str) -> None:
-        """Index a chunk file another process published."""
-        for root in self._roots.in_placement_order(digest):
-            path = root.layout.chunk_path(ns_id, digest)
-            verdict = self._reader.judge_header(root, path, key)
-            if verdict is None or verdict.header is None or not verdict.ok:
-                continue
-            size = verdict.header.file_size
-            self._catalog.add_if_absent(IndexEntry(digest, ns_id, root.index, size,
-                                                   verdict.header.tensor_meta, time.time_ns()))
-            self._stats.add(Counter.SHARED_ADOPTED)
+    # -- the catalogue's accounting ----------------------------------------------------------
+
+    def on_publish(self, entry: IndexEntry, replaced: IndexEntry | None, reserved: int) -> None:
+        self.members[entry.root].account.published(entry, replaced, reserved)
+
+    def on_release(self, root: int, size: int) -> None:
+        self.members[root].account.release(size)
+
+    # -- the writer's ------------------------------------------------------------------------
+
+    def reserve(self, root: RootState, size: int, guard: FreeSpaceGuard) -> bool:
+        return self.members[root.index].reserve(size, guard)
+
+    def delete(self, entries: list[IndexEntry]) -> None:
+        """Delete chunk files (LMCache's remove) with this directory's accounting."""
+        for member in self.members:
+            mine = [e for e in entries if e.root == member.root.index]
+            if mine:
+                member.account.delete(mine, evictions=False)
+
+    def refresh(self) -> None:
+        """Share this member's reads and read the others' journals and ledger now (the
+        background thread does this every ``INGEST_S``)."""
+        self._share_reads()
+        for member in self.members:
+            member.ingest()
+            member.sync()
+
+    def describe(self) -> dict[str, int]:
+        """Directory-wide figures, summed over the roots (``stats()`` keys)."""
+        total: dict[str, int] = {}
+        for member in self.members:
+            for key, value in member.describe().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def member_ids(self) -> list[str]:
+        return [m.member for m in self.members]
+
+    def _share_reads(self) -> None:
+        touched = self._catalog.touched
+        if not touched:
             return
+        per_root: dict[int, list[str]] = {}
+        while touched:
+            try:
+                root, digest = touched.popleft()
+            except IndexError:
+                break
+            per_root.setdefault(root, []).append(digest)
+        now = time.monotonic()
+        for root, digests in per_root.items():
+            self.members[root].account.note_reads(digests, now)
+
+    def _loop(self) -> None:
+        next_ingest = next_sync = next_beat = 0.0
+        while not self._stop.wait(READS_S):
+            now = time.monotonic()
+            self._guarded(self._share_reads)
+            for due, period, step in ((next_ingest, INGEST_S, "ingest"),
+                                      (next_sync, LEDGER_S, "sync"),
+                                      (next_beat, HEARTBEAT_S, "heartbeat")):
+                if now < due:
+                    continue
+                for member in self.members:
+                    self._guarded(getattr(member, step))
+                if step == "ingest":
+                    next_ingest = now + period
+                elif step == "sync":
+                    next_sync = now + period
+                else:
+                    next_beat = now + period
+
+    def _room_loop(self) -> None:
+        """Keep each root's headroom ready (evictions off the storing thread)."""
+        while not self._stop.is_set():
+            if not self._room_wanted.wait(ROOM_WAIT_S):
+                continue
+            self._room_wanted.clear()
+            for member in self.members:
+                self._guarded(member.keep_room)
+
+    def _janitor_loop(self) -> None:
+        while not self._stop.wait(JANITOR_S):
+            for member in self.members:
+                if member.is_janitor():
+                    self._guarded(member.janitor_round)
+
+    @staticmethod
+    def _guarded(step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:  # a background step must never end the thread
+            logger.exception("NVMe tier: shared-mode background step failed")
+
+    def close(self) -> None:
+        """Stop the threads and leave every root (after the writers finished)."""
+        self._stop.set()
+        self._room_wanted.set()
+        for thread in self._threads:
+            thread.join()
+        for member in self.members:
+            self._guarded(member.leave)

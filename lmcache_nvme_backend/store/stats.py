@@ -66,8 +66,11 @@ class Counter(str, enum.Enum):
     SPECIAL_FILES = "special_files"  # a link, directory or special file at a chunk path
     RECOVERED_ENTRIES = "recovered_entries"
     REMOVED_TEMP_FILES = "removed_temp_files"
-    SHARED_ADOPTED = "shared_adopted"
-    SHARED_VANISHED = "shared_vanished"
+    SHARED_ADOPTED = "shared_adopted"  # chunks learned from other members' journals
+    SHARED_VANISHED = "shared_vanished"  # entries other members deleted
+    SHARED_TRANSFERS = "shared_transfers"  # evicted chunks other members owned
+    SHARED_TAKEOVERS = "shared_takeovers"  # dead members taken over (as janitor)
+    SHARED_RECONCILES = "shared_reconciles"  # walks of the tree (as janitor)
     # GPU read path
     GPU_CHECKSUM_FAILURES = "gpu_checksum_failures"  # also counted in checksum_failures
     GPU_UNVERIFIED_FALLBACKS = "gpu_unverified_fallbacks"  # no GPU checksum: host-bounce

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import NVMeSettings
 from ..disk.format import (
@@ -49,6 +50,9 @@ from .roots import (
 )
 from .stats import Counter, StoreStats
 from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
+
+if TYPE_CHECKING:
+    from .shared import SharedTree
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,8 @@ class ChunkWriter:
                       for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
+        # Shared mode: the directory's budget is kept with the other members there.
+        self.shared: SharedTree | None = None
         # The native engine writes on threads of its own; the Python engine on these.
         self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
@@ -454,8 +460,12 @@ class ChunkWriter:
 
         With ``deferred`` the victims leave the index here but their files are only
         added to it: the write that needs the room removes them first (the native engine,
-        in the same job), and the free-space guard counts them as freed meanwhile.
+        in the same job), and the free-space guard counts them as freed meanwhile.  In
+        shared mode the room is the directory's one budget, kept with the other members
+        (``store/shared.py``): its victims are claimed and deleted there, never deferred.
         """
+        if self.shared is not None:
+            return self.shared.reserve(root, size, self._free[root.index])
         victims = self._catalog.reserve(root.index, size)
         if victims is None:
             return False
@@ -496,7 +506,11 @@ class ChunkWriter:
             self._catalog.notify_removed(victims)
 
     def unlink(self, entries: list[IndexEntry]) -> None:
-        """Remove the entries' files (one already gone is fine; other failures are logged)."""
+        """Remove the entries' files (one already gone is fine; other failures are logged;
+        shared mode: claimed and accounted for in the directory's ledger first)."""
+        if self.shared is not None:
+            self.shared.delete(entries)
+            return
         if self.native is None:
             for entry in entries:
                 unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from support.chunks import CHUNK as WRITTEN
+from support.chunks import put
 from support.cli import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import file_size_for
+from lmcache_nvme_backend.store.ledger import Account, LedgerChain
 
 
 def test_inspect_counts_every_namespace(run_cli: RunCLI, cache_dir: Path) -> None:
@@ -46,3 +50,26 @@ def test_inspect_without_a_path_is_a_usage_error(run_cli: RunCLI) -> None:
     proc = run_cli("inspect")
     assert proc.returncode == 2
     assert "usage: lmcache-nvme inspect" in proc.stderr
+
+
+def test_inspect_shows_a_shared_directorys_budget_and_members(
+        run_cli: RunCLI, tmp_path: Path, open_store: StoreFactory) -> None:
+    cache = tmp_path / "shared"
+    a = open_store(cache, shared=True, max_size_gb=0.01)
+    b = open_store(cache, shared=True, max_size_gb=0.01)
+    put(a, "k1")
+    assert a.flush(30)
+    dead = "vm-999997-deadbee1"  # an account whose process (on this host) is gone
+    LedgerChain(cache, dead, 0o600, 0o700).update(
+        lambda doc: doc.accounts.__setitem__(dead, Account(4096)) or True)
+    proc = run_cli("inspect", cache, "--json")
+    assert proc.returncode == 0, proc.stderr
+    shared = json.loads(proc.stdout)["roots"][0]["shared"]
+    assert shared["budget_bytes"] == int(0.01 * 2**30)
+    states = {m["member"]: m for m in shared["members"]}
+    (a_id,), (b_id,) = a.shared_members(), b.shared_members()
+    assert states[a_id]["state"] == "live" and states[b_id]["state"] == "live"
+    assert states[dead]["state"] == "dead (process gone)"
+    assert states[a_id]["share_bytes"] >= file_size_for(WRITTEN)  # its chunk is in its share
+    text = run_cli("inspect", cache).stdout
+    assert "shared budget: 10.2 MiB for every member" in text and dead in text

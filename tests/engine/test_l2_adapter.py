@@ -412,6 +412,7 @@ def test_shared_mode_finds_chunks_another_server_wrote(tmp_path: Path,
     two = open_adapter(tmp_path, shared=True)  # started before anything was stored
     keys, objs = make_keys(3), make_objs(3, seed=14)
     assert store(one, keys, objs).is_successful()
+    two.store.refresh_shared()  # what the background thread does every 0.1 s
     assert lookup(two, keys) == [True] * 3
     dest = make_objs(3, seed=None)
     assert load(two, keys, dest) == [True] * 3
@@ -419,4 +420,5 @@ def test_shared_mode_finds_chunks_another_server_wrote(tmp_path: Path,
     assert two.stats()["shared_adopted"] == 3
     two.submit_unlock(keys)
     one.delete(keys[:1])  # the other server evicts one: a miss here, not an error
+    two.store.refresh_shared()
     assert lookup(two, keys) == [False, True, True]

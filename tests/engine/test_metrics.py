@@ -131,9 +131,10 @@ def test_scraped_counters_follow_a_store_and_retrieve_through_the_engine(
     assert value(after, f"{PREFIX}_write_queue_chunks", cache_dir) == 0
 
 
-def test_every_counter_and_gauge_of_stats_is_exported(tmp_path: Path,
-                                                      open_store: StoreFactory) -> None:
-    store = open_store(tmp_path, manifest_interval_s=None)
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_counter_and_gauge_of_stats_is_exported(tmp_path: Path, open_store: StoreFactory,
+                                                      shared: bool) -> None:
+    store = open_store(tmp_path, manifest_interval_s=None, shared=shared)
     try:
         snapshot = store.stats_snapshot()
     finally:
@@ -142,8 +143,10 @@ def test_every_counter_and_gauge_of_stats_is_exported(tmp_path: Path,
     # Time per path and per write is the _sum of the latency histograms.
     exported |= {path_counter(p, "seconds") for p in READ_PATHS} | {"write_seconds"}
     gpu_only = {"gpu_pool_bytes", "gpu_pool_objects_lent"}  # the backend's, on CUDA workers
+    shared_only = {"directory_budget_bytes", "member_bytes", "member_cap_bytes", "orphan_bytes",
+                   "members_live", "members_dead", "ledger_updates", "ledger_conflicts"}
     assert set(snapshot) <= exported
-    assert exported - set(snapshot) == gpu_only
+    assert exported - set(snapshot) == gpu_only | (set() if shared else shared_only)
 
 
 def test_metric_names_follow_prometheus_conventions() -> None:

@@ -61,11 +61,11 @@ def test_crafted_metadata_is_a_quarantined_miss_never_an_exception(
     assert store.counter("invalid_files") == 1 and store.counter("quarantined_files") == 1
     assert not bad.exists()
     assert read(store, "intact", SIZE) == payload_for("intact", SIZE)
-    # the same file found by a shared-mode lookup (header judged at adoption)
+    # the same file indexed by a shared-mode member (from the listing): judged on read
     plant_crafted_chunk(root, "crafted-2", CRAFTED_METAS[case], bytes(4096))
     shared = open_store(tmp_path / "cache", shared=True)
-    shared.remove("crafted-2")  # forget what recovery indexed: adoption must judge it
-    plant_crafted_chunk(root, "crafted-2", CRAFTED_METAS[case], bytes(4096))
+    assert shared.tensor_meta("crafted-2") is None
+    assert read(shared, "crafted-2", 4096) is None
     assert not shared.lookup("crafted-2", NS)
     # verify reports it as bad instead of crashing
     plant_crafted_chunk(root, "crafted-3", CRAFTED_METAS[case], bytes(4096))
@@ -326,8 +326,8 @@ def test_manifest_temp_files_of_dead_writers_are_removed_at_start(
     assert read(store, "a", SIZE) == payload_for("a", SIZE)
 
 
-def test_shared_adoption_quarantines_a_short_file(tmp_path: Path,
-                                                  open_store: StoreFactory) -> None:
+def test_a_short_file_another_member_published_is_a_quarantined_miss(
+        tmp_path: Path, open_store: StoreFactory) -> None:
     root = tmp_path / "cache"
     writer = open_store(root, shared=True)
     reader = open_store(root, shared=True)
@@ -336,6 +336,9 @@ def test_shared_adoption_quarantines_a_short_file(tmp_path: Path,
     path = chunk_path(root, "short")
     with open(path, "r+b") as f:
         f.truncate(100)  # shorter than a header
+    reader.refresh_shared()  # the writer's journal: the chunk is indexed here now
+    assert reader.lookup("short", NS)
+    assert read(reader, "short", SIZE) is None
     assert not reader.lookup("short", NS)
     assert not path.exists()
     assert reader.counter("invalid_files") == 1 and reader.counter("quarantined_files") == 1

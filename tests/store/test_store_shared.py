@@ -1,21 +1,43 @@
-"""ChunkStore shared mode (``lookup`` on disk) and removal listeners, without LMCache."""
+"""Shared mode in one process: several stores (members) on one directory, one budget.
+
+The multi-process versions (SIGKILL, a real distributed filesystem, 4 writers) are in
+tests/robustness/test_robustness_shared_budget.py.  Here the members' background threads
+run too, but each test calls ``refresh_shared`` (what they do every 0.1 s) or a janitor
+round where it needs a result at once.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from support.mounts import tmpfs
 from support.stores import StoreFactory
 
+from lmcache_nvme_backend.disk.coordination import (
+    evicting_dir,
+    evicting_name,
+    journal_path,
+    lease_path,
+)
 from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
 from lmcache_nvme_backend.store.index import IndexEntry
+from lmcache_nvme_backend.store.ledger import Account, LedgerChain, LedgerDoc
+from lmcache_nvme_backend.store.share import ACCESS_RESOLUTION_S
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 NBYTES = 64 * 1024
+FILE = file_size_for(NBYTES)
 META = TensorMeta(shapes=((NBYTES,),), dtypes=("uint8",), fmt=1, nbytes=NBYTES)
 
 
@@ -32,6 +54,32 @@ def read(store: ChunkStore, key: str) -> bytes | None:
     return bytes(buf) if ok else None
 
 
+def budget_gb(chunks: int) -> float:
+    return chunks * FILE / 2**30
+
+
+def ledger_of(root: Path) -> LedgerDoc:
+    doc = LedgerChain(root, "reader-1-00000000", 0o600, 0o700).latest()
+    assert doc is not None
+    return doc
+
+
+def ledger(store: ChunkStore) -> LedgerDoc:
+    return ledger_of(store.layouts[0].root)
+
+
+def janitor_round(*stores: ChunkStore) -> None:
+    """One round of the janitor's duties by whichever store is the janitor."""
+    for store in stores:
+        for member in store._shared.members:  # type: ignore[union-attr]
+            if member.is_janitor():
+                member.janitor_round()
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return [p for p in (root / "ns").rglob("*.kv")]
+
+
 def test_lookup_equals_contains_without_shared_mode(tmp_path: Path,
                                                     open_store: StoreFactory) -> None:
     a = open_store(tmp_path)
@@ -39,59 +87,279 @@ def test_lookup_equals_contains_without_shared_mode(tmp_path: Path,
     put(a, "k1")
     assert a.lookup("k1", "model")
     assert not b.lookup("k1", "model")  # b's index was built before a wrote
-    assert b.counter("shared_adopted") == 0
+    assert not (tmp_path / "shared").exists()
 
 
-def test_shared_lookup_adopts_chunks_another_store_wrote(tmp_path: Path,
-                                                         open_store: StoreFactory) -> None:
+def test_members_see_what_the_others_published(tmp_path: Path,
+                                               open_store: StoreFactory) -> None:
     a = open_store(tmp_path, shared=True)
     b = open_store(tmp_path, shared=True)
-    c = open_store(tmp_path, shared=True)
     payload = put(a, "k1", fill=7)
-    assert not c.lookup("k1", "other-model")  # files are looked for in the key's namespace
-    assert not b.contains("k1")
+    b.refresh_shared()  # a's journal: what b's background thread reads every 0.1 s
+    assert not b.lookup("k1", "other-model")  # the key's namespace is part of the match
     assert b.lookup("k1", "model", pin=True)
     assert b.counter("shared_adopted") == 1
-    assert b.tensor_meta("k1") == META
+    assert b.tensor_meta("k1") == META  # from the journal: no header read needed
     assert read(b, "k1") == payload
-    assert b.usage()["used_bytes"] == file_size_for(NBYTES)
     assert b.unpin("k1")
     assert not b.lookup("absent", "model")
+    # a member that starts later finds it from the listing and a's journal
+    c = open_store(tmp_path, shared=True)
+    assert c.lookup("k1", "model") and read(c, "k1") == payload
+    # a deletes it: the others forget it when they read a's journal
+    assert a.remove("k1")
+    b.refresh_shared()
+    assert not b.lookup("k1", "model") and b.counter("shared_vanished") == 1
+    # a file deleted behind every member's back is a miss on read, never an error
+    put(a, "k2")
+    c.refresh_shared()
+    for path in chunk_files(tmp_path):
+        path.unlink()
+    assert c.lookup("k2", "model") and read(c, "k2") is None
+    assert not c.lookup("k2", "model")
 
 
-def test_shared_lookup_forgets_files_another_store_evicted(tmp_path: Path,
-                                                          open_store: StoreFactory) -> None:
+def test_a_lookup_makes_no_filesystem_call(tmp_path: Path, open_store: StoreFactory,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     a = open_store(tmp_path, shared=True)
     b = open_store(tmp_path, shared=True)
-    put(a, "k1")
-    assert b.lookup("k1", "model")
-    assert a.remove("k1")  # the other process evicts it
-    assert not b.lookup("k1", "model")
-    assert b.counter("shared_vanished") == 1
-    assert b.usage()["entries"] == 0
-    # and a read racing the removal is a miss, not an error
-    put(a, "k2")
-    assert b.lookup("k2", "model")
-    a.remove("k2")
-    assert read(b, "k2") is None
+    for i in range(20):
+        put(a, f"k{i}")
+    b.refresh_shared()
+    calls: list[str] = []
+    me = threading.get_ident()
+
+    def forbidden(name: str) -> Callable[..., Any]:
+        real = getattr(os, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == me:  # the background threads read journals
+                calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("stat", "lstat", "open", "scandir", "listdir", "access", "readlink"):
+        monkeypatch.setattr(os, name, forbidden(name))
+    hits = sum(b.lookup(f"k{i}", "model") for i in range(40) for _ in range(50))
+    assert hits == 20 * 50
+    assert b.lookup_prefix([(f"k{i}", "model") for i in range(30)]) == 20
+    monkeypatch.undo()
+    assert calls == []
 
 
-def test_shared_lookup_rejects_a_file_naming_another_key(tmp_path: Path,
-                                                         open_store: StoreFactory) -> None:
+def test_one_budget_for_every_member(tmp_path: Path, open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    for i in range(6):
+        put(a, f"a{i}")
+    b.refresh_shared()
+    for i in range(10):
+        put(b, f"b{i}")
+        assert len(chunk_files(tmp_path)) * FILE <= 8 * FILE
+    # b took the room of a's least recently used chunks: a's account shrank with them
+    a.refresh_shared()
+    assert b.counter("shared_transfers") >= 4
+    assert a.stats_snapshot()["member_bytes"] == FILE * sum(
+        a.lookup(f"a{i}", "model") for i in range(6))
+    doc = ledger(b)
+    assert doc.budget == 8 * FILE
+    assert doc.pool() >= 0 and sum(x.cap for x in doc.accounts.values()) + \
+        doc.orphans_cap <= doc.budget
+    for i in range(10):
+        if b.lookup(f"b{i}", "model"):
+            assert read(b, f"b{i}") == bytes([1]) * NBYTES
+
+
+def test_eviction_is_least_recently_used_across_members(tmp_path: Path,
+                                                        open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(10))
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(10))
+    hot = [f"hot{i}" for i in range(3)]
+    for key in hot:
+        put(a, key)
+    b.refresh_shared()
+    for i in range(30):
+        put(b, f"flood{i}")
+        for key in hot:  # a keeps reading its hot set; the others hear of it
+            assert a.lookup(key, "model")
+        a.refresh_shared()
+        time.sleep(ACCESS_RESOLUTION_S)  # reads are shared at most this often
+    b.refresh_shared()
+    assert all(b.lookup(key, "model") for key in hot)  # colder chunks went first
+    assert all(read(b, key) is not None for key in hot)
+    # the flood's newest fill the rest (a member may hold a chunk's worth of headroom)
+    assert sum(b.lookup(f"flood{i}", "model") for i in range(30)) >= 10 - 3 - 2
+
+
+def test_a_departed_members_chunks_become_orphans(tmp_path: Path,
+                                                  open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(4))
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(4))
+    (a_id,) = a.shared_members()
+    for i in range(3):
+        put(a, f"a{i}")
+    a.close()
+    b.refresh_shared()
+    assert ledger(b).accounts[a_id].state == "departed"
+    janitor_round(b)
+    doc = ledger(b)
+    assert a_id not in doc.accounts and doc.orphans_cap == 3 * FILE
+    assert not (tmp_path / lease_path(a_id)).exists()
+    assert not (tmp_path / journal_path(a_id, 1)).exists()
+    for i in range(4):  # b evicts the orphans like any chunk
+        put(b, f"b{i}")
+    assert ledger(b).orphans_cap == 0 and len(chunk_files(tmp_path)) == 4
+
+
+def test_budgets_that_differ_are_named_in_a_warning(tmp_path: Path, open_store: StoreFactory,
+                                                    package_log: pytest.LogCaptureFixture
+                                                    ) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=1)
+    package_log.set_level(logging.WARNING)
+    b = open_store(tmp_path, shared=True, max_size_gb=2)
+    text = package_log.text
+    assert "gives this member 2 GiB" in text and "budget is 1 GiB" in text
+    assert "1 GiB applies to every member" in text
+    b.refresh_shared()
+    a._shared.members[0].heartbeat()  # type: ignore[union-attr]
+    assert "is configured with 2 GiB for this path, the directory's budget is 1 GiB" in \
+        package_log.text
+    a.close()
+    b.close()
+    open_store(tmp_path, shared=True, max_size_gb=3)  # no member running: it may change
+    assert "the directory's budget was 1 GiB" in package_log.text
+    assert "3 GiB for this path) applies from now on" in package_log.text
+
+
+def test_a_newer_ledger_format_leaves_a_member_reading_only(
+        tmp_path: Path, open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
     a = open_store(tmp_path, shared=True)
     put(a, "k1")
-    src = a.layouts[0].chunk_path(namespace_id("model"), key_digest("k1"))
-    dst = a.layouts[0].chunk_path(namespace_id("model"), key_digest("k2"))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    os.link(src, dst)  # a file under k2's name whose header says k1
-    assert not a.lookup("k2", "model")
-    assert not dst.exists() and a.counter("invalid_files") == 1
+    chain = LedgerChain(tmp_path, a.shared_members()[0], 0o600, 0o700)
+    chain.update(lambda doc: doc.__setattr__("format", 99) or True)
+    b = open_store(tmp_path, shared=True)
+    assert "its ledger has format 99, this version writes format 1" in package_log.text
+    assert b.lookup("k1", "model") and read(b, "k1") is not None
+    put(b, "k2")
+    assert b.counter("capacity_drops") == 1 and not b.lookup("k2", "model")
+
+
+@pytest.fixture
+def readonly_tree(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("remounting a test filesystem read-only needs root")
+    with tmpfs(tmp_path / "ro", "32m") as mnt:
+        yield mnt
+
+
+def test_a_member_on_a_read_only_directory_serves_reads_and_says_so(
+        readonly_tree: Path, open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
+    a = open_store(readonly_tree, shared=True)
+    payload = put(a, "k1", fill=3)
+    a.close()
+    subprocess.run(["mount", "-o", "remount,ro", str(readonly_tree)], check=True)
+    try:
+        b = open_store(readonly_tree, shared=True)
+        assert "cannot take part in the directory's shared budget" in package_log.text
+        assert "writes nothing there" in package_log.text
+        assert b.lookup("k1", "model") and read(b, "k1") == payload
+        put(b, "k2")
+        assert b.counter("capacity_drops") == 1
+        b.close()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(readonly_tree)], check=True)
+
+
+def _dead_member_with_claims(tmp_path: Path, b: ChunkStore) -> tuple[str, list[str]]:
+    """A member that died half-way through two evictions of b's chunks: one whose
+    transfer it recorded (not yet deleted), one it had only claimed (renamed)."""
+    dead = "vm-999999-deadbeef"  # this host, a process id that does not exist
+    b.refresh_shared()
+    names = []
+    for key in ("b0", "b1"):
+        entry = b.entry(key)
+        assert entry is not None
+        name = evicting_name(entry.digest, entry.size, entry.owner)
+        (tmp_path / evicting_dir(dead)).mkdir(parents=True, exist_ok=True)
+        os.rename(b.chunk_path(key, "model"), tmp_path / evicting_dir(dead) / name)
+        names.append(name)
+
+    def add_dead(doc: LedgerDoc) -> bool:
+        doc.accounts[dead] = Account(FILE, budget=doc.budget)  # its cap: the recorded one
+        doc.accounts[dead].evicting.append(names[0])
+        doc.take(b.shared_members()[0], key_digest("b0"), FILE, doc.orphans_gen)
+        return True
+
+    LedgerChain(tmp_path, dead, 0o600, 0o700).update(add_dead)
+    return dead, names
+
+
+def test_the_janitor_finishes_a_dead_members_evictions(tmp_path: Path,
+                                                       open_store: StoreFactory) -> None:
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    for i in range(3):
+        put(b, f"b{i}")
+    dead, names = _dead_member_with_claims(tmp_path, b)
+    janitor_round(b)
+    doc = ledger(b)
+    assert dead not in doc.accounts  # merged into the orphans
+    assert not (tmp_path / evicting_dir(dead)).exists()
+    b.refresh_shared()
+    # both claimed chunks left b's account, each exactly once
+    assert b.stats_snapshot()["member_bytes"] == FILE
+    mine = doc.accounts[b.shared_members()[0]]
+    assert sum(x.cap for x in doc.accounts.values()) + doc.orphans_cap + doc.pool() == \
+        doc.budget and mine.cap >= 0
+    # the next walk recounts the orphans from the tree: the dead member held no file
+    b._shared.members[0].janitor.reconcile({})  # type: ignore[union-attr]
+    assert ledger(b).orphans_cap == 0
+
+
+def test_a_dead_members_account_is_taken_over(tmp_path: Path, open_store: StoreFactory,
+                                              package_log: pytest.LogCaptureFixture) -> None:
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    dead = "vm-999998-deadbee0"
+    LedgerChain(tmp_path, dead, 0o600, 0o700).update(
+        lambda doc: doc.accounts.__setitem__(dead, Account(3 * FILE)) or True)
+    janitor_round(b)
+    assert f"member {dead} is dead (its process is gone)" in package_log.text
+    doc = ledger(b)
+    assert dead not in doc.accounts and b.counter("shared_takeovers") == 1
+    assert doc.orphans_cap == 0  # the walk found none of its files: its share is back
+    assert doc.pool() == doc.budget - sum(x.cap for x in doc.accounts.values())
+
+
+def test_two_members_publishing_one_chunk_count_it_once(tmp_path: Path,
+                                                        open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    put(a, "same")
+    put(b, "same")  # b had not read a's journal yet: both wrote it
+    for _ in range(2):
+        a.refresh_shared()
+        b.refresh_shared()
+        janitor_round(a, b)
+    owned = a.stats_snapshot()["member_bytes"] + b.stats_snapshot()["member_bytes"]
+    assert owned == FILE and len(chunk_files(tmp_path)) == 1
+
+
+def test_a_chunk_deleted_behind_the_members_back_leaves_their_accounts(
+        tmp_path: Path, open_store: StoreFactory) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    put(a, "k1")
+    put(a, "k2")
+    os.unlink(a.chunk_path("k1", "model"))  # e.g. lmcache-nvme gc, an operator's rm
+    janitor = a._shared.members[0].janitor  # type: ignore[union-attr]
+    janitor.reconcile({})
+    a.refresh_shared()
+    assert a.stats_snapshot()["member_bytes"] == FILE and not a.lookup("k1", "model")
 
 
 def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
                                                       open_store: StoreFactory) -> None:
-    budget_gb = 2 * file_size_for(NBYTES) / 1024**3
-    store = open_store(tmp_path, max_size_gb=budget_gb)
+    store = open_store(tmp_path, max_size_gb=budget_gb(2))
     removed: list[list[IndexEntry]] = []
     store.add_removal_listener(removed.append)
     store.add_removal_listener(lambda entries: 1 / 0)  # a failing listener is contained
@@ -101,7 +369,7 @@ def test_removal_listener_sees_evictions_and_removals(tmp_path: Path,
     assert [[e.digest for e in batch] for batch in removed] == [[key_digest("a")]]
     assert store.remove("b")
     assert [e.digest for e in removed[-1]] == [key_digest("b")]
-    assert removed[-1][0].size == file_size_for(NBYTES)
+    assert removed[-1][0].size == FILE
     os.unlink(store.layouts[0].chunk_path(namespace_id("model"), key_digest("c")))
     assert read(store, "c") is None  # the vanished file leaves the index, listeners hear it
     assert [e.digest for e in removed[-1]] == [key_digest("c")]
@@ -117,3 +385,21 @@ def test_submit_release_and_persisted_callbacks(tmp_path: Path,
                                   on_persisted=lambda: events.append("persisted"))])
     assert store.flush(30)
     assert events == ["persisted", "released"]
+
+
+
+
+def test_every_path_keeps_its_share_of_the_budget(tmp_path: Path,
+                                                  open_store: StoreFactory) -> None:
+    paths = (tmp_path / "d0", tmp_path / "d1")
+    a = open_store(*paths, shared=True, max_size_gb=budget_gb(8))
+    b = open_store(*paths, shared=True, max_size_gb=budget_gb(8))
+    for i in range(12):
+        put(a, f"a{i}")
+        put(b, f"b{i}")
+    for path in paths:  # 8 chunks over two paths: 4 each, one ledger and budget per path
+        assert len(chunk_files(path)) <= 4
+        assert ledger_of(path).budget == 4 * FILE
+    b.refresh_shared()
+    on_disk = sum(len(chunk_files(p)) for p in paths)
+    assert sum(b.lookup(f"{w}{i}", "model") for w in "ab" for i in range(12)) == on_disk

@@ -84,7 +84,7 @@ def shared(role: str, cache_dir: Path, seed: int) -> None:
             evict_from_cpu(engine, keys)
             got = retrieve_prompt(engine, tokens, connector)
             _report({"hit_tokens_after_evict": int(got.ret_mask.sum()),
-                     "vanished": conn.stats().get("shared_vanished", 0)})
+                     "read_failures": conn.stats()["read_failures"]})
     finally:
         destroy_engine(role)
 

@@ -1,0 +1,320 @@
+"""The janitor of a shared root: finishes what dead members left, keeps the ledger true.
+
+One member is the janitor: the live member with the smallest id, as each member sees it
+(two may act for a moment while views differ; every step below is a ledger update that
+re-checks its premise, or an idempotent file removal, so that is harmless).  Each round:
+
+* a member whose lease stopped moving (``store/leases.py``) is marked dead;
+* a dead or departed member's claimed victims are settled (the ones whose transfer it
+  had not recorded are taken from their owners) and deleted, then its account is merged
+  into the orphans' (its cap keeps counting its files: nothing is over-committed), and
+  its lease, journal and evicting directory are removed;
+* after a death, and every ``RECONCILE_S`` (or ten times as long as the last walk took),
+  the tree is walked: temp files of dead writers are removed, the orphans' cap is
+  recounted from the files no live member owns (what a dead member held but never wrote
+  returns to the pool here), and chunks a live member still counts but that are gone
+  (deleted by ``lmcache-nvme gc``, quarantined) are released from its account;
+* a ledger over its budget (the budget was lowered, or a walk found more) is trimmed by
+  evicting the least recently used chunks into the pool.
+
+A janitor killed at any point leaves a ledger version that is whole (each update is one
+``link``) and files the next janitor recognises by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+
+from ..disk.coordination import (
+    EVICTING_DIR,
+    LEDGER_DIR,
+    MEMBER_RE,
+    MEMBERS_DIR,
+    evicting_dir,
+    journal_path,
+    lease_member,
+    parse_evicting_name,
+    parse_journal_name,
+)
+from ..disk.layout import TempFile
+from ..disk.safe_fs import lstat_beneath, remove_quietly, scandir_beneath
+from .catalog import Catalog
+from .leases import Lease, Liveness, on_this_host_and_gone, remove_member_files
+from .ledger import DEAD, DEPARTED, LIVE, LedgerDoc, remove_tree_quietly
+from .roots import unlink_quietly
+from .share import Account
+from .stats import Counter, StoreStats
+
+logger = logging.getLogger(__name__)
+
+RECONCILE_S = 60.0
+WALK_SHARE = 10  # periodic walks take at most a tenth of the janitor's time
+GRACE_S = 0.5  # after a walk: the journals of what was published meanwhile are read
+
+
+def _tag(host: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", host)[:32]
+
+
+class Janitor:
+    """The janitor's duties on one root (run by whichever member is the janitor)."""
+
+    def __init__(self, account: Account, liveness: Liveness, catalog: Catalog,
+                 stats: StoreStats, ingest: Callable[[], None]) -> None:
+        self.account = account
+        self.path = account.path
+        self.member = account.member
+        self.liveness = liveness
+        self._catalog = catalog
+        self._stats = stats
+        self._ingest = ingest
+        self._walk_due = True
+        self._next_walk = 0.0
+        self._dead_writers: set[tuple[str, int]] = set()
+        self.walks = 0
+        self.last_walk_s = 0.0
+
+    def tick(self, leases: dict[str, Lease], now: float) -> None:
+        """One round of duties (see the module doc)."""
+        doc = self.account.chain.latest()
+        if doc is None:
+            return
+        for member, acct in doc.accounts.items():
+            if member != self.member and acct.state == LIVE and not self.liveness.alive(member):
+                self._declare_dead(member, leases.get(member))
+        doc = self.account.chain.cached or doc
+        for member, acct in list(doc.accounts.items()):
+            if acct.state in (DEAD, DEPARTED):
+                self._settle(member)
+                self._merge(member, acct.state)
+        self._remove_strays(leases)
+        if self._walk_due or now >= self._next_walk:
+            self.reconcile(leases)
+        self.trim()
+        self._release_doubles()
+
+    # -- dead and departed members --------------------------------------------------------
+
+    def _declare_dead(self, member: str, lease: Lease | None) -> None:
+        def change(doc: LedgerDoc) -> bool:
+            acct = doc.accounts.get(member)
+            if acct is None or acct.state != LIVE:
+                return False
+            acct.state = DEAD
+            return True
+
+        if self.account.update(change) is None:
+            return
+        if lease is not None:
+            self._dead_writers.add((_tag(lease.host), lease.pid))
+        silent = self.liveness.silent_for(member)
+        why = ("its process is gone" if on_this_host_and_gone(member) else
+               f"its lease has not moved for {silent:.0f} s" if silent is not None else
+               "it has no lease")
+        logger.warning("NVMe tier: %s: member %s is dead (%s); taking over its share of "
+                       "the budget.", self.path, member, why)
+        self._stats.add(Counter.SHARED_TAKEOVERS)
+        self._walk_due = True
+
+    def _settle(self, member: str) -> None:
+        """Finish a gone member's evictions: record the transfers it had not, delete."""
+        names = [e.name for e in scandir_beneath(self.path, evicting_dir(member))]
+        if not names:
+            return
+        doc = self.account.chain.cached
+        acct = doc.accounts.get(member) if doc is not None else None
+        recorded = set(acct.evicting) if acct is not None else set()
+        unrecorded = [(n, p) for n in names if n not in recorded
+                      and (p := parse_evicting_name(n)) is not None]
+        if unrecorded and acct is not None:
+            def change(doc: LedgerDoc) -> bool:
+                gone = doc.accounts.get(member)
+                if gone is None:
+                    return False
+                todo = [(n, p) for n, p in unrecorded if n not in gone.evicting]
+                for _, (digest, size, owner) in todo:
+                    doc.take(owner, digest, size, claim_gen=-1)  # the orphans: at the walk
+                gone.evicting.extend(n for n, _ in todo)
+                return bool(todo)
+
+            if self.account.update(change) is None:
+                return
+        for name in names:
+            remove_quietly(self.path, f"{evicting_dir(member)}/{name}")
+
+    def _merge(self, member: str, state: str) -> None:
+        cap = 0
+
+        def change(doc: LedgerDoc) -> bool:
+            nonlocal cap
+            acct = doc.accounts.get(member)
+            if acct is None or acct.state == LIVE:
+                return False
+            cap = acct.cap
+            doc.merge_into_orphans(member)
+            return True
+
+        if self.account.update(change) is None:
+            return
+        self._remove_member_files(member)
+        self.liveness.forget(member)
+        logger.info("NVMe tier: %s: the %s member %s's chunks (%.1f MiB) now count as "
+                    "orphans.", self.path, state, member, cap / 2**20)
+
+    def _remove_member_files(self, member: str) -> None:
+        remove_member_files(self.path, member)
+        for entry in scandir_beneath(self.path, MEMBERS_DIR):
+            parsed = parse_journal_name(entry.name)
+            if parsed is not None and parsed[0] == member:
+                remove_quietly(self.path, journal_path(member, parsed[1]))
+        remove_tree_quietly(self.path, evicting_dir(member))
+
+    def _remove_strays(self, leases: dict[str, Lease]) -> None:
+        """Files of members the ledger no longer knows and that are not starting up."""
+        doc = self.account.chain.cached
+        if doc is None:
+            return
+        known = set(doc.accounts)
+
+        def stray(member: str) -> bool:
+            return member not in known and member != self.member and \
+                not self.liveness.alive(member)
+
+        names = {lease_member(e.name) for e in scandir_beneath(self.path, MEMBERS_DIR)}
+        names |= {p[0] for e in scandir_beneath(self.path, MEMBERS_DIR)
+                  if (p := parse_journal_name(e.name)) is not None}
+        names |= {e.name for e in scandir_beneath(self.path, EVICTING_DIR)
+                  if MEMBER_RE.match(e.name)}
+        for member in names:
+            if member and stray(member):
+                self._remove_member_files(member)
+        for entry in scandir_beneath(self.path, LEDGER_DIR):
+            if entry.name.startswith(".tmp-"):
+                owner = entry.name[len(".tmp-"):].rsplit("-", 1)[0]
+                if MEMBER_RE.match(owner) and owner not in doc.live() and stray(owner) or \
+                        MEMBER_RE.match(owner) and on_this_host_and_gone(owner):
+                    remove_quietly(self.path, f"{LEDGER_DIR}/{entry.name}")
+
+    # -- the walk -------------------------------------------------------------------------
+
+    def reconcile(self, leases: dict[str, Lease]) -> None:
+        """Walk the tree: remove dead writers' temp files, recount the orphans, release
+        vanished chunks from live accounts (see the module doc)."""
+        started = time.monotonic()
+        self._walk_due = False
+        self._next_walk = started + RECONCILE_S
+        doc0 = self.account.chain.latest()
+        if doc0 is None:
+            return
+        before = self._catalog.owners(self.account.root.index)
+        layout = self.account.root.layout
+        files: dict[str, int] = {}
+        namespaces: dict[str, str] = {}
+        for loc in layout.iter_chunks():
+            files[loc.digest] = loc.stat.st_size
+            namespaces[loc.digest] = loc.namespace_id
+        live_writers = {(_tag(lease.host), lease.pid) for m, lease in leases.items()
+                        if self.liveness.alive(m)}
+        for temp in layout.iter_temp_files():
+            if self._temp_of_dead_writer(temp, live_writers):
+                unlink_quietly(temp.path, layout.root)
+                self._stats.add(Counter.REMOVED_TEMP_FILES)
+        time.sleep(GRACE_S)
+        self._ingest()
+        claimed = {p[0] for d in scandir_beneath(self.path, EVICTING_DIR)
+                   for e in scandir_beneath(self.path, f"{EVICTING_DIR}/{d.name}")
+                   if (p := parse_evicting_name(e.name)) is not None}
+        doc1 = self.account.chain.latest()
+        if doc1 is None or doc1.orphans_gen != doc0.orphans_gen:
+            return  # another janitor recounted meanwhile
+        live = set(doc1.live())
+        now_owners = self._catalog.owners(self.account.root.index)
+        # a file no live member owns, or no journal explains, that is still there
+        orphan_bytes = sum(size for d, size in files.items()
+                           if now_owners.get(d, ("", 0))[0] not in live
+                           and (d in now_owners or d not in before)
+                           and self._still_there(d, namespaces.get(d, "")))
+        vanished = [(d, owner) for d, (owner, _) in before.items()
+                    if owner in live and d not in files and d not in claimed
+                    and now_owners.get(d, ("", 0))[0] == owner]
+
+        def change(doc: LedgerDoc) -> bool:
+            if doc.orphans_gen != doc0.orphans_gen:
+                return False
+            doc.orphans_cap = orphan_bytes
+            doc.orphans_gen += 1
+            for digest, owner in vanished:
+                release(doc, owner, digest)
+            return True
+
+        if self.account.update(change) is not None:
+            self.walks += 1
+            self.last_walk_s = time.monotonic() - started
+            # a tree that takes long to walk (millions of chunks on a network filesystem)
+            # is walked at most a tenth of the time
+            self._next_walk = started + max(RECONCILE_S, WALK_SHARE * self.last_walk_s)
+            self._stats.add(Counter.SHARED_RECONCILES)
+            if vanished:
+                removed = self._catalog.remove_entries(
+                    e for e in self._catalog.entries([d for d, _ in vanished]) if e is not None)
+                self._catalog.notify_removed(removed)
+
+    def _still_there(self, digest: str, ns_id: str) -> bool:
+        """Whether a chunk file the walk listed is still there (not evicted meanwhile)."""
+        layout = self.account.root.layout
+        try:
+            lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _temp_of_dead_writer(self, temp: TempFile, live_writers: set[tuple[str, int]]) -> bool:
+        writer = (_tag(temp.host), temp.pid)
+        if writer in live_writers:
+            return False
+        # a member declared dead; else this host's process is gone, or an hour old
+        return writer in self._dead_writers or temp.is_stale()
+
+    # -- over budget, double counts ------------------------------------------------------
+
+    def trim(self) -> None:
+        """Evict (into the pool) while the accounts hold more than the budget."""
+        for _ in range(64):
+            doc = self.account.chain.cached
+            if doc is None or doc.pool() >= 0:
+                return
+            if self.account.evict(-doc.pool(), to_pool=True) < 0:
+                return
+
+    def _release_doubles(self) -> None:
+        """Chunks two live members both count (both wrote them at once): one file, so
+        the earlier owner is released from it."""
+        doubles, self.account.doubles = self.account.doubles, []
+        if not doubles:
+            return
+        owners = self._catalog.owners(self.account.root.index)
+        todo = [(d, other) for d, other in doubles if owners.get(d, ("", 0))[0] not in
+                ("", other)]
+        if not todo:
+            return
+
+        def change(doc: LedgerDoc) -> bool:
+            changed = False
+            for digest, other in todo:
+                changed |= release(doc, other, digest)
+            return changed
+
+        self.account.update(change)
+
+
+def release(doc: LedgerDoc, owner: str, digest: str) -> bool:
+    """Tell a live ``owner`` to stop counting ``digest`` (its cap stays: the room is its)."""
+    acct = doc.accounts.get(owner)
+    if acct is None or acct.state != LIVE:
+        return False
+    acct.freed.append((acct.next_seq, digest, 0))
+    acct.next_seq += 1
+    return True

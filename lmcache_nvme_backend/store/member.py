@@ -1,0 +1,373 @@
+"""This process as a member of one shared root (see ``shared.py``, docs/deployment.md).
+
+A ``RootMember`` joins the root's ledger (or serves reads only, saying why), renews its
+lease, follows the other members' journals into the index, follows the ledger (its
+account, acknowledgements, spare headroom), keeps headroom ready for writes, and leaves
+cleanly.  Its janitor duties are in ``janitor.py``, its account in ``share.py``.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..config import NVMeSettings
+from ..disk.coordination import LEDGER_DIR, MEMBERS_DIR, evicting_dir, new_member_id
+from ..disk.format import FORMAT_VERSION
+from ..disk.safe_fs import lstat_beneath, makedirs_beneath
+from .catalog import Catalog
+from .index import IndexEntry
+from .janitor import Janitor
+from .journal import JournalTail, JournalWriter
+from .leases import (
+    LEASE_S,
+    Lease,
+    Liveness,
+    new_lease,
+    on_this_host_and_gone,
+    read_leases,
+    remove_member_files,
+    write_lease,
+)
+from .ledger import (
+    DEAD,
+    LEDGER_FORMAT,
+    LIVE,
+    LedgerChain,
+    LedgerDoc,
+    LedgerError,
+)
+from .ledger import Account as LedgerAccount
+from .roots import RootState, note_full
+from .share import Account
+from .stats import Counter, StoreStats
+
+if TYPE_CHECKING:
+    from .writer import FreeSpaceGuard
+
+logger = logging.getLogger(__name__)
+
+CATCH_UP_S = 0.02  # an evicter reads the journals again if its view is older than this
+MAX_REFILL = 64 << 20
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.4g} GiB"
+
+
+class RootMember:
+    """This process as a member of one shared root."""
+
+    def __init__(self, root: RootState, budget: int, settings: NVMeSettings, catalog: Catalog,
+                 stats: StoreStats) -> None:
+        self.root = root
+        self.path = root.layout.root
+        self.budget = budget
+        self._settings = settings
+        self._catalog = catalog
+        self._stats = stats
+        self.read_only: str | None = None  # why this member cannot write, if it cannot
+        self.leases: dict[str, Lease] = {}
+        self._lease_ok = -1e18
+        self._largest = 0
+        self._warned: set[str] = set()
+        self._ingest_lock = threading.Lock()
+        self._ingested_at = -1e18
+        self.room_wanted = threading.Event()  # set when the headroom fell below its target
+        self._new_identity()
+
+    def _new_identity(self) -> None:
+        self.member = new_member_id()
+        chain = LedgerChain(self.path, self.member, self._settings.file_mode,
+                            self._settings.dir_mode, durable=self._settings.fsync == "full")
+        self.account = Account(self.root, self.member, self._catalog, self._stats, chain,
+                               refill=min(self.budget // 256, MAX_REFILL),
+                               catch_up=self._catch_up)
+        self.tail = JournalTail(self.path, self.member, self.root.direct)
+        self.liveness = Liveness()
+        self.lease = new_lease(self.member)
+        self.janitor = Janitor(self.account, self.liveness, self._catalog, self._stats,
+                               self.ingest)
+
+    # -- joining and leaving ---------------------------------------------------------------
+
+    def join(self) -> None:
+        """Create this member's lease, journal and account (or serve reads only)."""
+        try:
+            for rel in (MEMBERS_DIR, LEDGER_DIR, evicting_dir(self.member)):
+                makedirs_beneath(self.path, rel, self._settings.dir_mode)
+            self.heartbeat(raise_errors=True)
+            self.account.journal = JournalWriter(self.path, self.member,
+                                                 self._settings.file_mode)
+        except OSError as exc:
+            self._serve_reads_only(exc.strerror or str(exc))
+            return
+        try:
+            self._enter_ledger()
+        except (LedgerError, OSError) as exc:
+            self._serve_reads_only(f"the ledger: {exc}")
+
+    def _enter_ledger(self) -> None:
+        chain = self.account.chain
+        doc = chain.latest()
+        if doc is not None and doc.format > LEDGER_FORMAT:
+            self._serve_reads_only(
+                f"its ledger has format {doc.format}, this version writes format "
+                f"{LEDGER_FORMAT}; the newer format applies: upgrade this member")
+            return
+        mine = LedgerAccount(0, LIVE, self.budget, FORMAT_VERSION)
+        if doc is None:
+            first = LedgerDoc(0, self.budget, self.member, {self.member: mine},
+                              orphans_cap=self._catalog.used_bytes(self.root.index))
+            if chain.create(first):
+                self.account.adopt(first)
+                logger.info("NVMe tier: %s: shared budget of %s for every member of this "
+                            "directory (ledger created; %.1f MiB already on disk).",
+                            self.path, _gib(self.budget), first.orphans_cap / 2**20)
+                return
+        before: dict[str, int] = {}
+        before_by: list[str] = [""]
+
+        def change(doc: LedgerDoc) -> bool:
+            before["budget"] = doc.budget
+            before_by[0] = doc.budget_by
+            running = [m for m in doc.live() if m != self.member and m in self.leases
+                       and not on_this_host_and_gone(m)]
+            if doc.budget != self.budget and not running:
+                doc.budget, doc.budget_by = self.budget, self.member
+            doc.accounts[self.member] = LedgerAccount(0, LIVE, self.budget, FORMAT_VERSION)
+            return True
+
+        joined = self.account.update(change)
+        if joined is None:
+            raise LedgerError("could not add this member's account")
+        if before["budget"] != self.budget:
+            if joined.budget == self.budget:
+                logger.warning(
+                    "NVMe tier: %s: the directory's budget was %s (set by member %s); no "
+                    "member is running, so this member's nvme.max_size_gb (%s for this "
+                    "path) applies from now on.", self.path, _gib(before["budget"]),
+                    before_by[0], _gib(self.budget))
+            else:
+                logger.warning(
+                    "NVMe tier: %s: nvme.max_size_gb gives this member %s for this path, "
+                    "but the directory's budget is %s (set by member %s, which is "
+                    "running); %s applies to every member. Give every member the same "
+                    "nvme.max_size_gb.", self.path, _gib(self.budget), _gib(joined.budget),
+                    joined.budget_by, _gib(joined.budget))
+
+    def _serve_reads_only(self, why: str) -> None:
+        self.read_only = why
+        self._catalog.members[self.root.index] = ""
+        logger.warning("NVMe tier: %s: cannot take part in the directory's shared budget "
+                       "(%s): this process serves the chunks the members publish and writes "
+                       "nothing there (writes are dropped and counted in capacity_drops).",
+                       self.path, why)
+
+    def leave(self) -> None:
+        """A clean exit: the account keeps exactly the bytes it owns (its headroom goes
+        back to the pool) and becomes the orphans' at the janitor's next round."""
+        if self.read_only is None and self.account.journal is not None:
+            if not self.account.fenced:
+                self.account.leaving = True
+                self.account.update(self.account.departing_cap())
+            self.account.journal.close()
+            remove_member_files(self.path, self.member)
+        self.tail.close()
+
+    # -- background ------------------------------------------------------------------------
+
+    def _catch_up(self) -> None:
+        if time.monotonic() - self._ingested_at > CATCH_UP_S:
+            self.ingest()
+
+    def ingest(self) -> None:
+        """Apply what the other members' journals say since the last call."""
+        with self._ingest_lock:
+            self._ingested_at = time.monotonic()
+            batches = self.tail.poll()
+            now_ns = time.time_ns()
+            for batch in batches:
+                published = list(batch.published.values())
+                deleted = list(batch.deleted)
+                if batch.first:  # history, in no order with the others': ask the directory
+                    published = [p for p in published if self._catalog.entry(p.digest)
+                                 is not None or self._file_exists(p.digest, p.ns_id)]
+                    deleted = [d for d in deleted if (e := self._catalog.entry(d)) is not None
+                               and not self._file_exists(d, e.ns_id)]
+                entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta,
+                                      now_ns, owner=batch.member) for p in published]
+                added, removed, doubles = self._catalog.apply_remote(
+                    entries, deleted, batch.accessed, now_ns)
+                if batch.snapshot is not None:
+                    removed += self._catalog.drop_owned_except(batch.member, batch.snapshot)
+                self._catalog.notify_removed(removed)
+                self._stats.add(Counter.SHARED_ADOPTED, added)
+                self._stats.add(Counter.SHARED_VANISHED, len(removed))
+                if len(self.account.doubles) < 65536:
+                    self.account.doubles.extend(doubles)
+
+    def _file_exists(self, digest: str, ns_id: str) -> bool:
+        layout = self.root.layout
+        try:
+            lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def heartbeat(self, raise_errors: bool = False) -> None:
+        """Renew this member's lease and read the others'."""
+        if self.read_only is None:
+            lease = self.lease
+            lease.seq += 1
+            stats = self.account.stats()
+            lease.owned_bytes, lease.owned_chunks = stats["owned_bytes"], stats["owned_chunks"]
+            lease.cap, lease.reserved = stats["cap"], stats["reserved"]
+            lease.budget, lease.chunk_format, lease.ledger_format = \
+                self.budget, FORMAT_VERSION, LEDGER_FORMAT
+            lease.newest_read_age_s, lease.oldest_read_age_s = \
+                self.account.read_ages(time.time_ns())
+            try:
+                write_lease(self.path, lease, self._settings.file_mode)
+                self._lease_ok = time.monotonic()
+            except OSError as exc:
+                if raise_errors:
+                    raise
+                self._warn_once("lease", "NVMe tier: %s: cannot renew this member's lease "
+                                "(%s); it stops writing after %.0f s without one.",
+                                self.path, exc, LEASE_S / 2)
+        self.leases = read_leases(self.path)
+        self.liveness.observe(self.leases)
+        self._compare_settings()
+
+    def _compare_settings(self) -> None:
+        doc = self.account.chain.cached
+        if doc is None:
+            return
+        for member, lease in self.leases.items():
+            if member == self.member:
+                continue
+            if lease.budget and lease.budget != doc.budget:
+                self._warn_once(
+                    f"budget:{member}", "NVMe tier: %s: member %s (host %s, pid %d) is "
+                    "configured with %s for this path, the directory's budget is %s (set by "
+                    "member %s); %s applies to every member.", self.path, member, lease.host,
+                    lease.pid, _gib(lease.budget), _gib(doc.budget), doc.budget_by,
+                    _gib(doc.budget))
+            if lease.chunk_format and lease.chunk_format != FORMAT_VERSION:
+                self._warn_once(
+                    f"format:{member}", "NVMe tier: %s: member %s writes chunk format %d, "
+                    "this member format %d; each member writes its own and reads formats up "
+                    "to its own, so %s.", self.path, member, lease.chunk_format,
+                    FORMAT_VERSION, "its chunks are misses here" if lease.chunk_format >
+                    FORMAT_VERSION else "both read this member's older files")
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+    def sync(self) -> None:
+        """Follow the ledger: adopt it, acknowledge, return spare headroom, and keep the
+        journal compact; a member taken over as dead rejoins under a new id."""
+        if self.read_only is not None:
+            return
+        doc = self.account.chain.latest()
+        if doc is not None:
+            self.account.adopt(doc)
+        if self.account.fenced:
+            self._rejoin()
+            return
+        self.account.tidy(keep=2 * max(self.headroom_target(), self._largest))
+        journal = self.account.journal
+        if journal is not None:
+            if journal.wants_rotation(len(self.account.owned)):
+                journal.rotate(self.account.owned_lines())
+            journal.retire_old()
+
+    def _rejoin(self) -> None:
+        old = self.member
+        if self.account.journal is not None:
+            self.account.journal.close()
+        self.tail.close()
+        self._new_identity()
+        self._catalog.members[self.root.index] = self.member
+        logger.warning("NVMe tier: %s: member %s rejoins the directory as %s.", self.path,
+                       old, self.member)
+        self.join()
+
+    def janitor_round(self) -> None:
+        self.janitor.tick(self.leases, time.monotonic())
+
+    def is_janitor(self) -> bool:
+        doc = self.account.chain.cached
+        if doc is None or self.read_only is not None or self.account.fenced:
+            return False
+        live = [m for m in doc.live() if m == self.member or self.liveness.alive(m)]
+        return bool(live) and min(live) == self.member
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def may_write(self) -> bool:
+        if self.read_only is not None or self.account.fenced or self.account.journal is None:
+            return False
+        if time.monotonic() - self._lease_ok > LEASE_S / 2:
+            self._warn_once("fenced", "NVMe tier: %s: this member's lease is %.0f s old; it "
+                            "stops writing until it is renewed (its share may be taken over).",
+                            self.path, time.monotonic() - self._lease_ok)
+            return False
+        return True
+
+    def headroom_target(self) -> int:
+        """The headroom kept ready in the background, so that a write (placed on the
+        thread that stores, with the native engine) seldom waits for an eviction:
+        ``refill`` (budget / 256, at most 64 MiB) when that holds whole chunks, else none
+        (a small budget is not emptied ahead of writes that may never come)."""
+        return self.account.refill if self.account.refill >= self._largest > 0 else 0
+
+    def keep_room(self) -> None:
+        """Restore the headroom target (the ``nvme-room`` thread)."""
+        target = self.headroom_target()
+        if target and self.account.headroom() < target and self.may_write():
+            self.account.ensure_headroom(target)
+
+    def reserve(self, size: int, guard: FreeSpaceGuard) -> bool:
+        """Reserve ``size`` bytes of this directory's budget (and of free space)."""
+        if not self.may_write():
+            return False
+        self._largest = max(self._largest, size)
+        if not self.account.make_room(size):
+            return False
+        if self.account.headroom() < self.headroom_target():
+            self.room_wanted.set()
+        self._catalog.note_reserved(self.root.index, size)
+        while not guard.room_for(size):
+            if self.account.evict(size) < 0:
+                self._catalog.release(self.root.index, size)
+                note_full(self.root, None)
+                return False
+            guard.refresh()
+        return True
+
+    def describe(self) -> dict[str, int]:
+        doc = self.account.chain.cached
+        stats = self.account.stats()
+        live = [m for m in doc.live() if m == self.member or self.liveness.alive(m)] \
+            if doc is not None else []
+        return {
+            "directory_budget_bytes": doc.budget if doc is not None else 0,
+            "member_bytes": stats["owned_bytes"],
+            "member_cap_bytes": stats["cap"],
+            "members_live": len(live),
+            "members_dead": 0 if doc is None else sum(
+                a.state == DEAD or (a.state == LIVE and m not in live)
+                for m, a in doc.accounts.items()),
+            "orphan_bytes": doc.orphans_cap if doc is not None else 0,
+            "ledger_updates": self.account.chain.updates,
+            "ledger_conflicts": self.account.chain.conflicts,
+        }
+
+

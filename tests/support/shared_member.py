@@ -1,0 +1,151 @@
+"""One member of a shared cache directory, for the shared-budget tests
+(tests/robustness/test_robustness_shared_budget.py) and bench/bench_shared.py.
+
+Run as ``python -m support.shared_member ROLE CACHE --budget-bytes N ...``:
+
+``writer``  stores ``<prefix>-0``, ``<prefix>-1``, ... as fast as the store takes them for
+            ``--seconds``; between batches it looks up and reads recent chunks of the
+            members named in ``--peers`` (how far each got: ``--progress``) and compares
+            every byte.
+``hot``     stores ``--hot`` chunks, prints ``HOT``, then reads them again and again
+            (lookup, read, compare) for ``--seconds``.
+
+It prints ``READY <member ids>`` once its store is open (and, with ``--go FILE``, starts
+when that file exists, so that all members start together), and one JSON line at the end.
+Payloads are a function of the key, so any member can check any chunk.  With the store
+of an older checkout on ``PYTHONPATH`` (no ``refresh_shared``) it runs just the same:
+the benchmark's "before" column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lmcache_nvme_backend
+
+from .chunks import NS, meta_for, read
+from .stores import open_store
+
+BATCH = 4
+
+
+@functools.lru_cache(maxsize=256)
+def payload(key: str, size: int) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
+def _store(args: argparse.Namespace) -> Any:
+    return open_store(args.cache, shared=True, max_size_gb=args.budget_bytes / 2**30,
+                      write_queue_mb=max(8, 4 * args.size // 2**20 + 1),
+                      queue_full_policy="wait", io_threads=2, write_threads=1)
+
+
+def _put(store: Any, key: str, size: int) -> None:
+    store.submit(key, NS, meta_for(size), memoryview(payload(key, size)), release=lambda: None)
+
+
+def _check(store: Any, key: str, size: int, counts: dict[str, int], what: str) -> None:
+    """Look ``key`` up and, on a hit, read it and compare every byte."""
+    counts["lookups"] += 1
+    if not store.lookup(key, NS):
+        counts[f"{what}_misses"] += 1
+        return
+    got = read(store, key, size)
+    if got is None:
+        counts[f"{what}_read_misses"] += 1  # deleted between lookup and read: a miss
+        return
+    counts[f"{what}_served"] += 1
+    counts["wrong"] += got != payload(key, size)
+
+
+def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
+    peers = [p for p in args.peers.split(",") if p and p != args.prefix]
+    rng = random.Random(args.prefix)
+    deadline = time.monotonic() + args.seconds
+    written = 0
+    while time.monotonic() < deadline:
+        for _ in range(BATCH):
+            _put(store, f"{args.prefix}-{written}", args.size)
+            written += 1
+        store.flush(60)
+        if args.progress is not None:
+            (args.progress / args.prefix).write_text(str(written))
+        for _ in range(len(peers)):
+            peer = rng.choice(peers)
+            theirs = _progress(args.progress, peer, written)
+            recent = rng.randrange(max(0, theirs - 24), max(1, theirs - 2))  # likely there
+            _check(store, f"{peer}-{recent}", args.size, counts, "peer")
+    counts["written"] = written
+
+
+def _progress(directory: Path | None, peer: str, default: int) -> int:
+    """How many chunks ``peer`` has written (it says so in ``directory``)."""
+    try:
+        return int((directory / peer).read_text()) if directory is not None else default
+    except (OSError, ValueError):
+        return default
+
+
+def hot(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
+    keys = [f"{args.prefix}-hot-{i}" for i in range(args.hot)]
+    for key in keys:
+        _put(store, key, args.size)
+    store.flush(60)
+    print("HOT", flush=True)
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        for key in keys:
+            _check(store, key, args.size, counts, "hot")
+        time.sleep(args.pause)
+    counts["written"] = len(keys)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m support.shared_member")
+    parser.add_argument("role", choices=["writer", "hot"])
+    parser.add_argument("cache", type=Path)
+    parser.add_argument("--budget-bytes", type=int, required=True)
+    parser.add_argument("--size", type=int, default=1 << 20)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--peers", default="")
+    parser.add_argument("--hot", type=int, default=8)
+    parser.add_argument("--pause", type=float, default=0.05)
+    parser.add_argument("--go", type=Path, help="start once this file exists")
+    parser.add_argument("--progress", type=Path,
+                        help="directory where writers say how far they got")
+    args = parser.parse_args()
+    store = _store(args)
+    ids = store.shared_members() if hasattr(store, "shared_members") else []
+    print("READY", " ".join(ids), flush=True)
+    deadline = time.monotonic() + 300
+    while args.go is not None and not args.go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    counts = dict.fromkeys(["lookups", "wrong", "written", "peer_served", "peer_misses",
+                            "peer_read_misses", "hot_served", "hot_misses",
+                            "hot_read_misses"], 0)
+    started = time.monotonic()
+    (writer if args.role == "writer" else hot)(args, store, counts)
+    seconds = time.monotonic() - started
+    snap = store.stats_snapshot()
+    store.close()
+    result: dict[str, Any] = {"prefix": args.prefix, "role": args.role, "seconds": seconds,
+                              "package": str(Path(lmcache_nvme_backend.__file__).parent),
+                              "write_mb_s": counts["written"] * args.size / seconds / 1e6,
+                              **counts}
+    for key in ("capacity_drops", "evictions", "shared_transfers", "shared_adopted",
+                "write_failures", "queue_full_drops", "ledger_conflicts", "ledger_updates"):
+        result[key] = snap.get(key, 0)
+    print(json.dumps(result), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

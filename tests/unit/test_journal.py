@@ -1,0 +1,89 @@
+"""Member journals: checksummed lines, partial appends, order within a batch, snapshots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lmcache_nvme_backend.disk.coordination import MEMBERS_DIR, journal_path
+from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.store import journal as journal_module
+from lmcache_nvme_backend.store.journal import (
+    Batch,
+    JournalTail,
+    JournalWriter,
+    accessed_lines,
+    deleted_line,
+    parse_lines,
+    published_line,
+)
+
+W, R = "hostW-1-0000000a", "hostR-2-0000000b"
+D1, D2, D3 = "1" * 32, "2" * 32, "3" * 32
+NS = "ab" * 8
+META = TensorMeta(shapes=((4096,),), dtypes=("uint8",), fmt=1, nbytes=4096)
+
+
+def writer(root: Path) -> JournalWriter:
+    (root / MEMBERS_DIR).mkdir(parents=True, exist_ok=True)
+    return JournalWriter(root, W, 0o600)
+
+
+def test_records_round_trip_and_damaged_lines_are_skipped() -> None:
+    data = b"".join([published_line(D1, NS, 8192, META), published_line(D2, NS, 8192, None),
+                     *accessed_lines([D1, D2]), deleted_line(D3)])
+    damaged = data.replace(b" P " + D2.encode(), b" P " + D3.encode())  # checksum no longer fits
+    batch = Batch(W)
+    assert parse_lines(damaged + b"garbage line\n", batch, None) is None
+    assert list(batch.published) == [D1] and batch.published[D1].meta == META
+    assert batch.accessed == [D1, D2] and list(batch.deleted) == [D3]
+    assert batch.bad_lines == 2
+
+
+def test_later_records_of_a_digest_win_within_a_batch() -> None:
+    batch = Batch(W)
+    parse_lines(published_line(D1, NS, 8192, META) + deleted_line(D1) +
+                deleted_line(D2) + published_line(D2, NS, 8192, META), batch, None)
+    assert list(batch.published) == [D2] and list(batch.deleted) == [D1]
+
+
+def test_a_tail_reads_only_whole_new_lines(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    tail = JournalTail(tmp_path, R, direct=False)
+    w.append([published_line(D1, NS, 8192, META)])
+    (first,) = tail.poll()
+    assert first.first and list(first.published) == [D1]
+    line = published_line(D2, NS, 8192, META)
+    fd = os.open(tmp_path / journal_path(W, 1), os.O_WRONLY | os.O_APPEND)
+    os.write(fd, line[:20])  # an append caught half-way
+    assert tail.poll() == []
+    os.write(fd, line[20:])
+    os.close(fd)
+    (second,) = tail.poll()
+    assert not second.first and list(second.published) == [D2]
+    assert tail.poll() == []
+    w.close()
+
+
+def test_a_new_generation_starts_with_a_snapshot(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    w = writer(tmp_path)
+    tail = JournalTail(tmp_path, R, direct=True)  # O_DIRECT where the filesystem takes it
+    w.append([published_line(D1, NS, 8192, META), published_line(D2, NS, 8192, META)])
+    tail.poll()
+    w.append([deleted_line(D1), *accessed_lines([D2] * 10)])
+    assert not w.wants_rotation(owned=1)
+    monkeypatch.setattr(journal_module, "ROTATE_BYTES", 10)
+    assert w.wants_rotation(owned=0)  # large, and four times what one chunk's snapshot takes
+    w.rotate([published_line(D2, NS, 8192, META)])
+    assert (tmp_path / journal_path(W, 2)).exists()
+    batches = tail.poll()
+    assert [list(b.deleted) for b in batches] == [[D1]]  # the old generation finished first
+    assert batches[0].snapshot == {D2}
+    w.retire_old(now=1e18)
+    assert not (tmp_path / journal_path(W, 1)).exists()
+    w.close(remove=True)
+    assert tail.poll() == [] and tail.members() == []
+    tail.close()
