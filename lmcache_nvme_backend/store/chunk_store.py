@@ -40,6 +40,7 @@ from .catalog import Catalog, RemovalListener
 from .index import IndexEntry
 from .reads import ChunkRead, ChunkReader, ReadPlan
 from .recovery import ManifestKeeper, recover_root
+from .room import Room
 from .roots import RootInfo, Roots
 from .shared import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
@@ -65,18 +66,19 @@ class ChunkStore:
         gate = ReadPriorityGate()
         self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats,
                                    native_engine)
-        self._writer = ChunkWriter(settings, self._catalog, self._roots, engine, gate,
-                                   self._stats, native_engine)
+        self._room = Room(self._catalog, self._roots, self._stats, native_engine)
+        self._writer = ChunkWriter(settings, self._catalog, self._roots, self._room, engine,
+                                   gate, self._stats, native_engine)
         self._gate = gate
         self._closed = False
         for root in self._roots:
-            recover_root(root, self._catalog, self._stats, self._writer.evict,
+            recover_root(root, self._catalog, self._stats, self._room.evict,
                          enforce_budget=not settings.shared)
         self._shared: SharedTree | None = None
         if settings.shared:
             self._shared = SharedTree(settings, self._catalog, self._roots, self._stats)
             self._shared.start()
-            self._writer.shared = self._shared
+            self._room.shared = self._shared
         if native_engine is None:
             engine.warm_up(settings.io_threads)
         self._writer.start()
@@ -183,7 +185,7 @@ class ChunkStore:
         """Delete chunks (pinned or not), their files in one batch; how many were stored."""
         entries = self._catalog.remove_many(key_digest(key) for key in keys)
         if entries:
-            self._writer.unlink(entries)
+            self._room.unlink(entries)
             self._catalog.notify_removed(entries)
         return len(entries)
 

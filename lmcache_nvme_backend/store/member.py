@@ -46,7 +46,7 @@ from .share import Account
 from .stats import Counter, StoreStats
 
 if TYPE_CHECKING:
-    from .writer import FreeSpaceGuard
+    from .free_space import FreeSpaceGuard
 
 logger = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ from ..disk.safe_fs import (
 )
 from ..io.posix import probe_direct_io, probe_direct_read
 from .access import require_tree_access
+from .free_space import free_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -236,12 +237,11 @@ class Roots(Sequence[RootState]):
 
 
 def _free_bytes(path: Path) -> int | None:
-    """Bytes an unprivileged writer may still use on ``path``'s filesystem."""
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem (None: unknown)."""
     try:
-        st = os.statvfs(path)
+        return free_bytes(path)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
 
 
 def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> None:

@@ -33,7 +33,7 @@ from .roots import Roots, RootState
 from .stats import StoreStats
 
 if TYPE_CHECKING:
-    from .writer import FreeSpaceGuard
+    from .free_space import FreeSpaceGuard
 
 logger = logging.getLogger(__name__)
 

@@ -7,13 +7,12 @@ against that root's budget (evicting least recently used, unpinned chunks, and m
 while the filesystem is below ``nvme.min_free_gb``), write
 ``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place: the whole batch in
 one call of the native engine (``io/native.py``) when it is built, chunk by chunk
-through the Python engine otherwise.  Only then is a chunk indexed, and only then
-is its host memory released.
+through the Python engine otherwise (``chunk_files.py``).  Only then is a chunk
+indexed, and only then is its host memory released.  Room and eviction: ``room.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
 import functools
@@ -23,36 +22,22 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..config import NVMeSettings
-from ..disk.format import (
-    combine_block_digests,
-    encode_header,
-    max_key_bytes,
-    namespace_bytes,
-)
+from ..disk.format import max_key_bytes, namespace_bytes
 from ..disk.gpusum import host_checksum
 from ..disk.layout import CHUNK_SUFFIX, temp_name
-from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath, root_descriptor
+from ..disk.safe_fs import root_descriptor
 from ..io import native
 from ..io.native import NativeEngine, WriteItem
-from ..io.posix import NotAChunkFile, PosixIOEngine, create_in_dir
+from ..io.posix import NotAChunkFile, PosixIOEngine
 from .catalog import Catalog
+from .chunk_files import write_chunk_file
 from .index import IndexEntry
-from .roots import (
-    Roots,
-    RootState,
-    note_full,
-    note_space,
-    unlink_quietly,
-    write_namespace_file,
-)
+from .room import Room
+from .roots import Roots, RootState, note_full, note_space, write_namespace_file
 from .stats import Counter, StoreStats
 from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
-
-if TYPE_CHECKING:
-    from .shared import SharedTree
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +60,11 @@ class SubmitResult(enum.Enum):
 class ChunkWriter:
     """Admission and write-back of one store."""
 
-    def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots,
+    def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots, room: Room,
                  engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats,
                  native_engine: NativeEngine | None = None) -> None:
         self.settings = settings
+        self.room = room
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
@@ -87,12 +73,8 @@ class ChunkWriter:
         self._stats = stats
         self._queue = WriteBackQueue(settings.write_queue_bytes)
         self._closed = False
-        self._free = [FreeSpaceGuard(root.layout.root, root.min_free_bytes)
-                      for root in roots]
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
-        # Shared mode: the directory's budget is kept with the other members there.
-        self.shared: SharedTree | None = None
         # The native engine writes on threads of its own; the Python engine on these.
         self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
@@ -227,13 +209,13 @@ class ChunkWriter:
         for root, mine in by_root.values():
             victims: list[IndexEntry] = []
             if deferred is not None and len(mine) > 1 and \
-                    self._reserve(root, sum(job.file_size for job in mine), victims):
+                    self.room.reserve(root, sum(job.file_size for job in mine), victims):
                 placed += [(job, root, job.file_size) for job in mine]
                 deferred += [victims] + [[] for _ in mine[1:]]
                 continue
             for job in mine:
                 victims = []
-                if self._reserve(root, job.file_size, None if deferred is None else victims):
+                if self.room.reserve(root, job.file_size, None if deferred is None else victims):
                     placed.append((job, root, job.file_size))
                     if deferred is not None:
                         deferred.append(victims)
@@ -259,7 +241,7 @@ class ChunkWriter:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             # A full filesystem is not a failing drive: drop this write, keep serving.
             self._stats.add(Counter.CAPACITY_DROPS)
-            self._free[root.index].refresh()
+            self.room.guards[root.index].refresh()
             note_full(root, error)
         elif isinstance(error, NotAChunkFile):
             # A link or file planted where the tree needs a directory: never followed,
@@ -273,7 +255,8 @@ class ChunkWriter:
 
     def _write_python(self, job: ChunkWrite, root: RootState) -> OSError | None:
         try:
-            self._write_and_publish(root, job, root.layout.chunk_path(job.ns_id, job.digest))
+            write_chunk_file(root, job, self.engine, self.settings,
+                             self._gpu_checksum if self.record_gpu_checksums else None)
         except OSError as exc:
             return exc
         return None
@@ -331,7 +314,7 @@ class ChunkWriter:
             errors = self._write_errors(placed, result)
             for i, gone in enumerate(victims):
                 if gone:  # the first job of a root's reservation removed them
-                    self._free[placed[i][1].index].freed(sum(v.size for v in gone))
+                    self.room.guards[placed[i][1].index].freed(sum(v.size for v in gone))
             now = time.time_ns()
             published = [(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now),
                           size) for i, (job, root, size) in enumerate(placed) if i not in errors]
@@ -382,66 +365,6 @@ class ChunkWriter:
             self._catalog.end_pending(job.digest for job in jobs)
             self._end_jobs(jobs)
 
-    def _write_and_publish(self, root: RootState, job: ChunkWrite, final: Path) -> None:
-        """Write the chunk under this thread's temp name and rename it to ``final``.
-
-        Create, rename and (``fsync: full``) directory sync all go through one
-        descriptor of the shard directory, opened beneath the root without following
-        a link; it is opened afresh for every chunk, so a directory replaced meanwhile
-        is never written through.  The temp file is removed if anything fails.
-        """
-        dir_fd = self._open_shard_dir(root, job, final.parent)
-        tmp = temp_name(final.name)
-        try:
-            try:
-                self._write_temp(dir_fd, tmp, root, job)
-                os.rename(tmp, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dir_fd)
-                raise
-            if self.settings.fsync == "full":
-                os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def _open_shard_dir(self, root: RootState, job: ChunkWrite, directory: Path) -> int:
-        """A descriptor of the chunk's shard directory, created (and the namespace's name
-        file with it) when it does not exist yet."""
-        rel = root.layout.relative(directory)
-        try:
-            return open_dir_beneath(root.layout.root, rel)
-        except FileNotFoundError:
-            pass
-        dir_fd = open_dirs_beneath(root.layout.root, rel, self.settings.dir_mode)
-        try:
-            write_namespace_file(root.layout, job.ns_id, job.namespace, self.settings.file_mode)
-        except BaseException:
-            os.close(dir_fd)
-            raise
-        return dir_fd
-
-    def _write_temp(self, dir_fd: int, tmp: str, root: RootState, job: ChunkWrite) -> None:
-        """Write the temp file: payload hashed while it is written, header (v2) last."""
-        def header_for(digests: list[int]) -> bytes:
-            gpu_sum = host_checksum(job.payload) if self.record_gpu_checksums else None
-            if gpu_sum is not None:
-                self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
-            return encode_header(job.key, job.namespace, job.meta, job.nbytes,
-                                 combine_block_digests(digests), gpu_checksum=gpu_sum)
-
-        try:
-            fd = create_in_dir(dir_fd, tmp, root.direct, self.settings.file_mode)
-        except FileExistsError:
-            # Left by a dead writer that had this thread's host, pid and thread id.
-            os.unlink(tmp, dir_fd=dir_fd)
-            fd = create_in_dir(dir_fd, tmp, root.direct, self.settings.file_mode)
-        try:
-            self.engine.write_hashed_to(fd, job.payload, header_for, direct=root.direct,
-                                        sync_data=self.settings.fsync != "none")
-        finally:
-            os.close(fd)
-
     def _end_jobs(self, jobs: list[ChunkWrite]) -> None:
         try:
             for job in jobs:
@@ -451,79 +374,6 @@ class ChunkWriter:
                     logger.exception("NVMe tier: releasing the buffer of %s failed", job.key)
         finally:
             self._queue.done_many(jobs)
-
-    # -- capacity --------------------------------------------------------------
-
-    def _reserve(self, root: RootState, size: int,
-                 deferred: list[IndexEntry] | None = None) -> bool:
-        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
-
-        With ``deferred`` the victims leave the index here but their files are only
-        added to it: the write that needs the room removes them first (the native engine,
-        in the same job), and the free-space guard counts them as freed meanwhile.  In
-        shared mode the room is the directory's one budget, kept with the other members
-        (``store/shared.py``): its victims are claimed and deleted there, never deferred.
-        """
-        if self.shared is not None:
-            return self.shared.reserve(root, size, self._free[root.index])
-        victims = self._catalog.reserve(root.index, size)
-        if victims is None:
-            return False
-        guard = self._free[root.index]
-        self._evict(victims, guard, deferred)
-        while not guard.room_for(size):
-            oldest = self._catalog.pop_oldest_unpinned(root.index)
-            if oldest is None:
-                self._catalog.release(root.index, size)
-                note_full(root, None)
-                return False
-            self._evict([oldest], guard, deferred)
-            if deferred is None:
-                guard.refresh()
-        return True
-
-    def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
-               deferred: list[IndexEntry] | None) -> None:
-        if not victims:
-            return
-        if deferred is None:
-            self.evict(victims)
-            return
-        deferred += victims
-        guard.will_free(sum(victim.size for victim in victims))
-        self._evicted(victims)
-
-    def evict(self, victims: list[IndexEntry]) -> None:
-        """Delete the files of entries already taken out of the index, and say so."""
-        if victims:
-            self.unlink(victims)
-            self._evicted(victims)
-
-    def _evicted(self, victims: list[IndexEntry]) -> None:
-        if victims:
-            self._stats.add(Counter.EVICTIONS, len(victims))
-            self._stats.add(Counter.EVICTED_BYTES, sum(victim.size for victim in victims))
-            self._catalog.notify_removed(victims)
-
-    def unlink(self, entries: list[IndexEntry]) -> None:
-        """Remove the entries' files (one already gone is fine; other failures are logged;
-        shared mode: claimed and accounted for in the directory's ledger first)."""
-        if self.shared is not None:
-            self.shared.delete(entries)
-            return
-        if self.native is None:
-            for entry in entries:
-                unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
-                                                                         entry.digest))
-            return
-        roots = [self._roots[entry.root] for entry in entries]
-        errors = self.native.unlink([
-            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest))
-            for root, e in zip(roots, entries, strict=True)])
-        for root, entry, err in zip(roots, entries, errors, strict=True):
-            if err not in (0, errno.ENOENT):
-                logger.debug("could not remove %s: %s", root.layout.chunk_path(
-                    entry.ns_id, entry.digest), os.strerror(err))
 
     # -- shutdown --------------------------------------------------------------
 
@@ -562,61 +412,3 @@ def _lower_thread_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
     except (AttributeError, OSError) as exc:
         logger.debug("could not lower the writer thread's priority: %s", exc)
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-class FreeSpaceGuard:
-    """Keeps ``min_free`` bytes free on one root's filesystem without a ``statvfs`` per write.
-
-    The kernel is asked again after ``CHECK_BYTES`` were written or ``CHECK_S``
-    passed since it was last asked, and whenever the running estimate comes within
-    ``CHECK_BYTES`` of the floor, so near the floor every decision is exact.
-    """
-
-    CHECK_BYTES = 256 << 20
-    CHECK_S = 1.0
-
-    def __init__(self, path: Path, min_free: int) -> None:
-        self._path = path
-        self._min_free = min_free
-        self._lock = threading.Lock()
-        self._free = 0
-        self._written = 0
-        self._asked_at = -self.CHECK_S
-        self._pending = 0  # bytes of evicted files whose removal is still queued
-
-    def will_free(self, nbytes: int) -> None:
-        """Evicted files that a queued write removes before it writes: count them as free."""
-        with self._lock:
-            self._pending += nbytes
-            self._free += nbytes
-
-    def freed(self, nbytes: int) -> None:
-        """Those files are gone now (the kernel's next answer includes them)."""
-        with self._lock:
-            self._pending -= nbytes
-
-    def refresh(self) -> None:
-        """Ask the kernel now (after a deletion, or when a write found the disk full)."""
-        with self._lock:
-            self._asked_at = -self.CHECK_S
-
-    def room_for(self, size: int) -> bool:
-        """Whether ``size`` more bytes keep the floor; if so they are counted as written."""
-        with self._lock:
-            now = time.monotonic()
-            if (now - self._asked_at >= self.CHECK_S or self._written >= self.CHECK_BYTES
-                    or self._free - size - self.CHECK_BYTES < self._min_free):
-                self._free = free_bytes(self._path) + self._pending
-                self._asked_at = now
-                self._written = 0
-            if self._free - size < self._min_free:
-                return False
-            self._free -= size
-            self._written += size
-            return True
-

@@ -16,8 +16,8 @@ from support.mounts import tmpfs
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.config import NVMeConfigError
+from lmcache_nvme_backend.store import free_space
 from lmcache_nvme_backend.store import roots as roots_mod
-from lmcache_nvme_backend.store import writer as writer_mod
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,7 +60,7 @@ def test_enospc_drops_the_write_leaves_no_partial_file_and_reads_keep_working(
         small_fs: Path, monkeypatch: pytest.MonkeyPatch, open_store: StoreFactory) -> None:
     # Another tenant fills the filesystem between the free-space check and the write:
     # the guard sees plenty of room, the write itself gets ENOSPC.
-    monkeypatch.setattr(writer_mod, "free_bytes", lambda path: 1 << 40)
+    monkeypatch.setattr(free_space, "free_bytes", lambda path: 1 << 40)
     store = open_store(small_fs / "cache")
     try:
         keys = [f"k{i}" for i in range(12)]  # 12 MiB into 8 MiB: must hit ENOSPC

@@ -1,4 +1,4 @@
-"""store/writer.py FreeSpaceGuard: the free-space floor without a statvfs per write, and
+"""store/free_space.py FreeSpaceGuard: the free-space floor without a statvfs per write, and
 evicted files whose removal is still queued (the native engine removes them with the
 write that needed the room)."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_nvme_backend.store import writer
-from lmcache_nvme_backend.store.writer import FreeSpaceGuard
+from lmcache_nvme_backend.store import free_space
+from lmcache_nvme_backend.store.free_space import FreeSpaceGuard
 
 MIB = 1 << 20
 
@@ -29,7 +29,7 @@ class Disk:
 @pytest.fixture
 def disk(monkeypatch: pytest.MonkeyPatch) -> Disk:
     d = Disk(1000 * MIB)
-    monkeypatch.setattr(writer, "free_bytes", d)
+    monkeypatch.setattr(free_space, "free_bytes", d)
     return d
 
 

@@ -1,0 +1,111 @@
+"""Room for new chunks: reservations against each root's budget and free-space floor,
+eviction of the least recently used unpinned chunks, and removal of chunk files.
+
+In shared mode the room is the directory's one budget, kept with the other members
+(``store/shared.py``); otherwise it is this process's share in the ``Catalog``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ..disk.safe_fs import root_descriptor
+from ..io.native import NativeEngine
+from .catalog import Catalog
+from .free_space import FreeSpaceGuard
+from .index import IndexEntry
+from .roots import Roots, RootState, note_full, unlink_quietly
+from .stats import Counter, StoreStats
+
+if TYPE_CHECKING:
+    from .shared import SharedTree
+
+logger = logging.getLogger(__name__)
+
+
+class Room:
+    """Capacity of one store's roots."""
+
+    def __init__(self, catalog: Catalog, roots: Roots, stats: StoreStats,
+                 native_engine: NativeEngine | None) -> None:
+        self._catalog = catalog
+        self._roots = roots
+        self._stats = stats
+        self._native = native_engine
+        #: One free-space floor per root (``nvme.min_free_gb``).
+        self.guards = [FreeSpaceGuard(root.layout.root, root.min_free_bytes) for root in roots]
+        #: Shared mode: the directory's budget is kept with the other members there.
+        self.shared: SharedTree | None = None
+
+    def reserve(self, root: RootState, size: int,
+                deferred: list[IndexEntry] | None = None) -> bool:
+        """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
+
+        With ``deferred`` the victims leave the index here but their files are only
+        added to it: the write that needs the room removes them first (the native engine,
+        in the same job), and the free-space guard counts them as freed meanwhile.  In
+        shared mode the victims are claimed and deleted with the other members, never
+        deferred.
+        """
+        guard = self.guards[root.index]
+        if self.shared is not None:
+            return self.shared.reserve(root, size, guard)
+        victims = self._catalog.reserve(root.index, size)
+        if victims is None:
+            return False
+        self._evict(victims, guard, deferred)
+        while not guard.room_for(size):
+            oldest = self._catalog.pop_oldest_unpinned(root.index)
+            if oldest is None:
+                self._catalog.release(root.index, size)
+                note_full(root, None)
+                return False
+            self._evict([oldest], guard, deferred)
+            if deferred is None:
+                guard.refresh()
+        return True
+
+    def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
+               deferred: list[IndexEntry] | None) -> None:
+        if not victims:
+            return
+        if deferred is None:
+            self.evict(victims)
+            return
+        deferred += victims
+        guard.will_free(sum(victim.size for victim in victims))
+        self._evicted(victims)
+
+    def evict(self, victims: list[IndexEntry]) -> None:
+        """Delete the files of entries already taken out of the index, and say so."""
+        if victims:
+            self.unlink(victims)
+            self._evicted(victims)
+
+    def _evicted(self, victims: list[IndexEntry]) -> None:
+        self._stats.add(Counter.EVICTIONS, len(victims))
+        self._stats.add(Counter.EVICTED_BYTES, sum(victim.size for victim in victims))
+        self._catalog.notify_removed(victims)
+
+    def unlink(self, entries: list[IndexEntry]) -> None:
+        """Remove the entries' files (one already gone is fine; other failures are logged;
+        shared mode: claimed and accounted for in the directory's ledger first)."""
+        if self.shared is not None:
+            self.shared.delete(entries)
+            return
+        if self._native is None:
+            for entry in entries:
+                unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
+                                                                         entry.digest))
+            return
+        roots = [self._roots[entry.root] for entry in entries]
+        errors = self._native.unlink([
+            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest))
+            for root, e in zip(roots, entries, strict=True)])
+        for root, entry, err in zip(roots, entries, errors, strict=True):
+            if err not in (0, errno.ENOENT):
+                logger.debug("could not remove %s: %s", root.layout.chunk_path(
+                    entry.ns_id, entry.digest), os.strerror(err))
