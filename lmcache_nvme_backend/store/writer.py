@@ -1,4 +1,4 @@
-"""Writing chunks: admission, the write-back threads, reservation and eviction, publishing.
+"""Writing chunks: admission, the write-back threads, placement, publishing.
 
 A store call only registers and enqueues (``submit_many``); writer threads take
 their share of the byte-bounded queue as a batch, yield to reads in flight, pick
