@@ -59,37 +59,30 @@ class Catalog:
         """Whether a chunk is indexed on a healthy root (in namespace ``ns_id``, if given);
         a hit counts as a use (and may pin).  Memory only: no filesystem call."""
         with self._lock:
-            entry = self._index.get(digest)
-            hit = entry is not None and root_healthy(entry.root) and \
-                (ns_id is None or entry.ns_id == ns_id)
-            if hit:
-                assert entry is not None
-                self._index.touch(digest, now_ns)
-                if pin:
-                    self._index.pin(digest)
-                if self.touched is not None:
-                    self.touched.append((entry.root, digest))
-        return hit
+            return self._hit(digest, root_healthy, now_ns, pin, ns_id)
 
     def lookup_many(self, digests: Iterable[str], root_healthy: Callable[[int], bool],
                     now_ns: int, pin: bool = False,
                     ns_ids: Sequence[str] | None = None) -> list[bool]:
         """``lookup`` for several chunks under one lock hold (in ``ns_ids[i]``, if given)."""
-        hits: list[bool] = []
         with self._lock:
-            for i, digest in enumerate(digests):
-                entry = self._index.get(digest)
-                hit = entry is not None and root_healthy(entry.root) and \
-                    (ns_ids is None or entry.ns_id == ns_ids[i])
-                if hit:
-                    assert entry is not None
-                    self._index.touch(digest, now_ns)
-                    if pin:
-                        self._index.pin(digest)
-                    if self.touched is not None:
-                        self.touched.append((entry.root, digest))
-                hits.append(hit)
-        return hits
+            return [self._hit(digest, root_healthy, now_ns, pin,
+                              None if ns_ids is None else ns_ids[i])
+                    for i, digest in enumerate(digests)]
+
+    def _hit(self, digest: str, root_healthy: Callable[[int], bool], now_ns: int, pin: bool,
+             ns_id: str | None) -> bool:
+        """One lookup, with the lock held."""
+        entry = self._index.get(digest)
+        if entry is None or not root_healthy(entry.root) or \
+                (ns_id is not None and entry.ns_id != ns_id):
+            return False
+        self._index.touch(digest, now_ns)
+        if pin:
+            self._index.pin(digest)
+        if self.touched is not None:
+            self.touched.append((entry.root, digest))
+        return True
 
     def entry(self, digest: str) -> IndexEntry | None:
         with self._lock:
