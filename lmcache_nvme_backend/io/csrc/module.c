@@ -3,8 +3,9 @@
  * Python decides per batch (which files, which buffers, what to expect); this module runs
  * the per-chunk loop (chunkio.c) on its own threads and gives each batch back whole.  A
  * batch costs the interpreter at most one release and re-acquire of the GIL: `read`
- * releases it once for the whole batch; `submit_read` and `submit_write` do not release it
- * at all, and one `wait` (which releases it once) hands back every batch finished by then.
+ * releases it once for the whole batch; `submit_read` and `submit_write` release it only to
+ * wake sleeping workers, and one `wait` (which releases it once) hands back every batch
+ * finished by then.
  *
  * Engine(threads, write_threads, task_size):
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
@@ -97,6 +98,7 @@ typedef struct {
     batch *done_head, *done_tail;
     atomic_long async_pending;
     atomic_long reads_in_flight;
+    atomic_int read_sleepers, write_sleepers; /* workers in (or entering) sem_wait */
     atomic_int stop;
     int nthreads, nwthreads;
     pthread_t *threads;
@@ -349,17 +351,47 @@ static chunk_piece *pop_piece(Engine *self) {
     return p;
 }
 
-/* Hands a batch to the threads without waiting for any of them (see Engine). */
-static void push_batch(Engine *self, batch *b) {
+/* Hands a batch to the threads without waiting for any of them (see Engine); returns how
+ * many workers to wake for it.  The batch may be finished (and freed) by the time this
+ * returns, so nothing of it is read after it is pushed. */
+static int push_batch(Engine *self, batch *b) {
+    size_t work = b->kind == BATCH_READ ? b->npieces : (size_t)b->n;
+    int threads = b->kind == BATCH_READ ? self->nthreads : self->nwthreads;
     if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
     batch *top = atomic_load(&self->incoming);
     do {
         b->incoming = top;
     } while (!atomic_compare_exchange_weak(&self->incoming, &top, b));
-    size_t work = b->kind == BATCH_READ ? b->npieces : (size_t)b->n;
-    int threads = b->kind == BATCH_READ ? self->nthreads : self->nwthreads;
-    for (size_t i = 0; i < work && i < (size_t)threads; i++)
-        sem_post(b->kind == BATCH_READ ? &self->read_sem : &self->write_sem);
+    return work < (size_t)threads ? (int)work : threads;
+}
+
+static void wake(sem_t *sem, int count) {
+    for (int i = 0; i < count; i++) sem_post(sem);
+}
+
+/* Pushes an asynchronous batch and wakes its workers.  Waking a sleeping thread is a system
+ * call that costs a VM tens of microseconds, so it happens without the GIL (as LMCache's
+ * native connectors submit); while every worker is busy a post is only an atomic add, and
+ * the GIL is kept. */
+static void push_and_wake(Engine *self, batch *b) {
+    int reading = b->kind == BATCH_READ;
+    sem_t *sem = reading ? &self->read_sem : &self->write_sem;
+    atomic_int *sleepers = reading ? &self->read_sleepers : &self->write_sleepers;
+    int count = push_batch(self, b);
+    if (atomic_load(sleepers) > 0) {
+        RELEASE_GIL_BEGIN
+        wake(sem, count);
+        RELEASE_GIL_END
+    } else {
+        wake(sem, count);
+    }
+}
+
+/* A worker sleeps until a post. */
+static void sleep_on(sem_t *sem, atomic_int *sleepers) {
+    atomic_fetch_add(sleepers, 1);
+    while (sem_wait(sem) != 0 && errno == EINTR) {}
+    atomic_fetch_sub(sleepers, 1);
 }
 
 /* Moves submitted batches into the FIFO queues, oldest first.  Called with mu held. */
@@ -429,7 +461,7 @@ static void *read_worker(void *arg) {
         } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
             break; /* stopped and drained */
         } else {
-            while (sem_wait(&self->read_sem) != 0 && errno == EINTR) {}
+            sleep_on(&self->read_sem, &self->read_sleepers);
         }
     }
     return NULL;
@@ -462,7 +494,7 @@ static void *write_worker(void *arg) {
         } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
             break; /* stopped and drained */
         } else {
-            while (sem_wait(&self->write_sem) != 0 && errno == EINTR) {}
+            sleep_on(&self->write_sem, &self->write_sleepers);
         }
     }
     return NULL;
@@ -556,7 +588,7 @@ static PyObject *Engine_read(Engine *self, PyObject *items) {
     if (b == NULL) return NULL;
     if (b->n) {
         RELEASE_GIL_BEGIN
-        push_batch(self, b);
+        wake(&self->read_sem, push_batch(self, b));
         help_until_done(self, b);
         RELEASE_GIL_END
     }
@@ -574,7 +606,7 @@ static PyObject *submit(Engine *self, batch *b, PyObject *token) {
         if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
         batch_request_done(self, b);
     } else {
-        push_batch(self, b);
+        push_and_wake(self, b);
     }
     Py_RETURN_NONE;
 }
