@@ -27,9 +27,10 @@ small executors, and results are handed over under one lock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -188,16 +189,18 @@ class NVMeL2Adapter(L2AdapterInterface):
         as the interface defines) if any chunk could not be persisted, e.g.
         dropped on a full write queue.
         """
-        task_id = self._new_task_id()
-        task = _StoreTask(task_id, list(keys), shares=len(keys) + 1,
-                          persisted=[False] * len(keys), sizes=[0] * len(keys),
-                          digests=[""] * len(keys))
+        n = len(keys)
         with self._lock:
-            self._store_tasks[task_id] = task
+            task_id = self._next_task_id
+            self._next_task_id += 1
+            task = self._store_tasks[task_id] = _StoreTask(
+                task_id, list(keys), shares=n + 1, persisted=[False] * n, sizes=[0] * n,
+                digests=[""] * n)
+        release = functools.partial(self._chunk_released, task)
         try:
-            if len(keys) != len(objects):
-                raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-            writes = [self._chunk_write(task, i, key, obj)
+            if n != len(objects):
+                raise ValueError(f"{n} keys but {len(objects)} objects")
+            writes = [self._chunk_write(task, i, key, obj, release)
                       for i, (key, obj) in enumerate(zip(keys, objects, strict=True))]
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
@@ -220,12 +223,11 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._chunk_released(task)  # the submitter's share
         return task_id
 
-    def _chunk_write(self, task: _StoreTask, i: int, key: ObjectKey,
-                     obj: MemoryObj) -> ChunkWrite:
+    def _chunk_write(self, task: _StoreTask, i: int, key: ObjectKey, obj: MemoryObj,
+                     release: Callable[[], None]) -> ChunkWrite:
         meta = tensor_meta_of(obj)
         write = ChunkWrite(object_key_string(key), object_key_namespace(key), meta,
-                           payload_view(obj, meta.nbytes),
-                           release=lambda: self._chunk_released(task),
+                           payload_view(obj, meta.nbytes), release=release,
                            on_persisted=lambda: self._chunk_persisted(task, i, meta.nbytes))
         task.digests[i] = write.digest
         return write

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from ..disk.format import TensorMeta
 
 
-@dataclass
+@dataclass(slots=True)
 class IndexEntry:
-    """One published chunk file."""
+    """One published chunk file (slots: a store indexes millions, and builds one per write)."""
 
     digest: str
     ns_id: str

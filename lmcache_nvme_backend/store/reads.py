@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,12 +41,12 @@ from .writeback import ReadPriorityGate
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ChunkRead:
+class ChunkRead(NamedTuple):
     """One chunk to read: its key and a writable host buffer of at least its payload length.
 
     ``length``, when given, is the payload length the caller's buffer layout needs;
-    a chunk stored with another length is a miss (and not a damaged file).
+    a chunk stored with another length is a miss (and not a damaged file).  (A named tuple:
+    a load builds one per chunk.)
     """
 
     key: str

@@ -101,11 +101,12 @@ class Room:
                 unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
                                                                          entry.digest))
             return
-        roots = [self._roots[entry.root] for entry in entries]
-        errors = self._native.unlink([
-            (root_descriptor(root.layout.root), root.layout.chunk_rel(e.ns_id, e.digest))
-            for root, e in zip(roots, entries, strict=True)])
-        for root, entry, err in zip(roots, entries, errors, strict=True):
+        fds = {index: root_descriptor(self._roots[index].layout.root)
+               for index in {entry.root for entry in entries}}
+        layouts = [root.layout for root in self._roots]
+        errors = self._native.unlink([(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
+                                      for e in entries])
+        for entry, err in zip(entries, errors, strict=True):
             if err not in (0, errno.ENOENT):
-                logger.debug("could not remove %s: %s", root.layout.chunk_path(
+                logger.debug("could not remove %s: %s", layouts[entry.root].chunk_path(
                     entry.ns_id, entry.digest), os.strerror(err))

@@ -104,43 +104,50 @@ class ChunkWriter:
         a chunk that is not queued).  One lock round and one writer wake-up serve
         the whole batch, which keeps the engine's store path short.
         """
-        if bad := next((w for w in writes if w.meta.nbytes != w.nbytes), None):
+        if any(w.meta.nbytes != w.nbytes for w in writes):
+            bad = next(w for w in writes if w.meta.nbytes != w.nbytes)
             for w in writes:
                 w.release()
             raise ValueError(f"tensor metadata says {bad.meta.nbytes} bytes, payload has "
                              f"{bad.nbytes}")
-        results = [self._admission(w) for w in writes]
+        if self._closed:
+            results = [SubmitResult.CLOSED] * len(writes)
+        else:
+            budget, capacity = self._catalog.budgets[0], self._queue.capacity
+            results = [SubmitResult.QUEUED if w.file_size <= budget and w.nbytes <= capacity
+                       and len(w.key_bytes) <= max_key_bytes(w.namespace, w.meta)
+                       else self._oversize(w, budget) for w in writes]
         admitted = [i for i, r in enumerate(results) if r is SubmitResult.QUEUED]
         fresh = self._catalog.register([writes[i] for i in admitted], time.time_ns())
+        jobs = {}
         for i, is_new in zip(admitted, fresh, strict=True):
-            if not is_new:
+            if is_new:
+                jobs[i] = writes[i]
+            else:
                 results[i] = SubmitResult.DUPLICATE
-        jobs = {i: writes[i] for i, is_new in zip(admitted, fresh, strict=True) if is_new}
         if jobs:
             self._enqueue(jobs, results)
             if self.native is not None:
                 self._dispatch(self._queue.take_ready())
-        for w, result in zip(writes, results, strict=True):
-            if result is not SubmitResult.QUEUED:
-                w.release()
-        self._stats.add(Counter.DUPLICATE_PUTS, results.count(SubmitResult.DUPLICATE))
+        if results.count(SubmitResult.QUEUED) < len(writes):
+            for w, result in zip(writes, results, strict=True):
+                if result is not SubmitResult.QUEUED:
+                    w.release()
+        if duplicates := len(admitted) - len(jobs):
+            self._stats.add(Counter.DUPLICATE_PUTS, duplicates)
         return results
 
-    def _admission(self, write: ChunkWrite) -> SubmitResult:
-        if self._closed:
-            return SubmitResult.CLOSED
-        budget = self._catalog.budgets[0]
-        too_big = write.file_size > budget or write.nbytes > self._queue.capacity
-        if too_big or len(write.key_bytes) > max_key_bytes(write.namespace, write.meta):
-            if not self._stats.get(Counter.OVERSIZE_DROPS):
-                logger.warning(
-                    "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
-                    "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
-                    "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", write.nbytes,
-                    self._queue.capacity, budget)
-            self._stats.add(Counter.OVERSIZE_DROPS)
-            return SubmitResult.OVERSIZE
-        return SubmitResult.QUEUED
+    def _oversize(self, write: ChunkWrite, budget: int) -> SubmitResult:
+        """A chunk too big for the queue or the budget, or with a key too long for the header:
+        dropped, counted, and said once."""
+        if not self._stats.get(Counter.OVERSIZE_DROPS):
+            logger.warning(
+                "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
+                "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
+                "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", write.nbytes,
+                self._queue.capacity, budget)
+        self._stats.add(Counter.OVERSIZE_DROPS)
+        return SubmitResult.OVERSIZE
 
     def _enqueue(self, jobs: dict[int, ChunkWrite], results: list[SubmitResult]) -> None:
         """Offer the jobs to the queue; mark the ones it refuses in ``results``."""
@@ -276,6 +283,7 @@ class ChunkWriter:
             return
         settings = self.settings
         fsync = _FSYNC_LEVEL[settings.fsync]
+        file_mode, dir_mode = settings.file_mode, settings.dir_mode
         record_gpu = self.record_gpu_checksums
         temp_suffix = temp_name("", writer=0)
         fds: dict[int, int] = {}
@@ -285,12 +293,13 @@ class ChunkWriter:
             fd = fds.get(root.index)
             if fd is None:
                 fd = fds[root.index] = root_descriptor(layout.root)
-            final = job.digest + CHUNK_SUFFIX
+            digest = job.digest
+            final = digest + CHUNK_SUFFIX
             items.append(WriteItem(
-                fd, layout.shard_rel(job.ns_id, job.digest), final + temp_suffix, final,
+                fd, layout.shard_rel(job.ns_id, digest), final + temp_suffix, final,
                 job.payload, job.key_bytes, namespace_bytes(job.namespace), job.meta.to_json(),
-                self._gpu_checksum(job) if record_gpu else None, root.direct,
-                settings.file_mode, settings.dir_mode, fsync,
+                self._gpu_checksum(job) if record_gpu else None, root.direct, file_mode,
+                dir_mode, fsync,
                 tuple(layout.chunk_rel(v.ns_id, v.digest) for v in gone) if gone else ()))
         try:
             self.native.submit_write(items, functools.partial(
@@ -311,26 +320,27 @@ class ChunkWriter:
         """A batch of native writes finished (on the engine's completion thread)."""
         seconds = (time.perf_counter() - started) / len(placed)
         try:
-            errors = self._write_errors(placed, result)
-            for i, gone in enumerate(victims):
+            errors = self._write_errors(placed, result) if result.details else {}
+            for (_, root, _), gone in zip(placed, victims, strict=True):
                 if gone:  # the first job of a root's reservation removed them
-                    self.room.guards[placed[i][1].index].freed(sum(v.size for v in gone))
+                    self.room.guards[root.index].freed(sum(v.size for v in gone))
+            written = [p for i, p in enumerate(placed) if i not in errors] if errors else placed
             now = time.time_ns()
-            published = [(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now),
-                          size) for i, (job, root, size) in enumerate(placed) if i not in errors]
-            self._catalog.publish_many(published)
-            for root in {placed[i][1].index: placed[i][1] for i in range(len(placed))
-                         if i not in errors}.values():
+            self._catalog.publish_many([
+                (IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now), size)
+                for job, root, size in written])
+            for root in {root.index: root for _, root, _ in written}.values():
                 root.consecutive_errors = 0
                 note_space(root)
-            if published:
-                self._stats.record_write(sum(placed[i][0].nbytes for i in range(len(placed))
-                                             if i not in errors), seconds, len(published))
-            for i, (job, root, size) in enumerate(placed):
-                if i not in errors:
-                    if job.on_persisted is not None:
-                        job.on_persisted()
-                elif (error := errors[i]).errno == errno.ECANCELED:  # closing: not a failure
+            if written:
+                self._stats.record_write(sum(job.nbytes for job, _, _ in written), seconds,
+                                         len(written))
+            for job, _, _ in written:
+                if job.on_persisted is not None:
+                    job.on_persisted()
+            for i, error in errors.items():
+                job, root, size = placed[i]
+                if error.errno == errno.ECANCELED:  # closing: not a failure
                     self._catalog.release(root.index, size)
                 else:
                     self._settle(job, root, size, error, seconds)
