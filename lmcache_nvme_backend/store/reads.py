@@ -142,15 +142,17 @@ class ChunkReader:
                 if entry is not None and entry.meta is None:  # recovered from disk
                     self._meta_from_header(key, digest, entry)
             entries = self._catalog.entries(digests)
+        roots = [root if root.healthy else None for root in self._roots]
         plans: list[ReadPlan | None] = []
         for key, digest, entry in zip(keys, digests, entries, strict=True):
-            if entry is None or entry.meta is None or not self._roots.healthy(entry.root):
+            root = None if entry is None else roots[entry.root]
+            if root is None or entry is None or entry.meta is None:
                 plans.append(None)
                 continue
-            root = self._roots[entry.root]
-            plans.append(ReadPlan(key, digest, root.layout.chunk_rel(entry.ns_id, digest),
+            layout = root.layout
+            plans.append(ReadPlan(key, digest, layout.chunk_rel(entry.ns_id, digest),
                                   entry.meta.nbytes, entry.meta, root.direct, root.index,
-                                  root.layout.root))
+                                  layout.root))
         return plans
 
     def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
@@ -227,7 +229,7 @@ class ChunkReader:
             self._stats.add_many({Counter.READ_CHUNKS: len(todo), Counter.READ_BYTES: nbytes})
             for root in {plan.root for _, plan, _ in todo}:
                 self._roots[root].consecutive_errors = 0
-            batch.chunks_done([(i, True, plan.payload_len) for i, plan, _ in todo])
+            batch.all_served([i for i, _, _ in todo], nbytes)
             return
         verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
                     for d in result.details}
@@ -366,9 +368,25 @@ class _Batch:
                 self._left -= 1
             last = self._left == 0
         if last:
-            if self._gate is not None:
-                self._gate.end_read()
-            self._finish()
+            self._ended()
+
+    def all_served(self, indices: list[int], nbytes: int) -> None:
+        """``chunks_done`` for chunks that were all served (``nbytes`` in all): the call's
+        whole batch, in the common case."""
+        with self._lock:
+            for index in indices:
+                self.served[index] = True
+            self._bytes += nbytes
+            self._left -= len(indices)
+            last = self._left == 0
+        if last:
+            self._ended()
+
+    def _ended(self) -> None:
+        """The last chunk was judged."""
+        if self._gate is not None:
+            self._gate.end_read()
+        self._finish()
 
     def _finish(self) -> None:
         served = self.served.count(True)
