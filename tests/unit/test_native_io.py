@@ -13,6 +13,7 @@ import os
 import random
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -288,6 +289,27 @@ def test_close_finishes_queued_writes_and_cancel_ends_the_rest(engine_for, tmp_p
     shard = (tmp_path / REL).parent  # made by the first write, if any ran
     on_disk = sorted(p.name for p in shard.iterdir()) if shard.exists() else []
     assert on_disk == sorted(f"c{i}.kv" for i in written)
+
+
+
+def test_waking_sleeping_workers_releases_the_gil_once(tmp_path: Path) -> None:
+    """A submission wakes idle workers without the GIL (one release for the batch: the wake
+    is a system call); the batch then comes back from ``wait`` with its token."""
+    engine = _native.Engine(1, 2, 4 * MIB)
+    try:
+        engine.thread_ids()  # every worker started,
+        time.sleep(0.2)  # and asleep: nothing was submitted
+        payload = memoryview(payload_for(BLOCK_SIZE))
+        before = native.counters()
+        engine.submit_write([write_item(tmp_path, payload)], "token")
+        after = native.counters()
+        assert after["gil_releases"] - before["gil_releases"] == 1
+        done = engine.wait(30.0)
+        assert [(token, statuses) for token, (statuses, _) in done] == \
+            [("token", bytes([native.OK]))]
+        assert (tmp_path / REL.rpartition("/")[0] / "chunk.kv").stat().st_size > BLOCK_SIZE
+    finally:
+        engine.close()
 
 
 # -- writes ----------------------------------------------------------------------------------
