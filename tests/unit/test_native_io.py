@@ -298,8 +298,9 @@ def test_waking_sleeping_workers_releases_the_gil_once(tmp_path: Path) -> None:
     engine = _native.Engine(1, 2, 4 * MIB)
     try:
         engine.thread_ids()  # every worker started,
-        time.sleep(0.2)  # and asleep: nothing was submitted
+        time.sleep(0.5)  # and asleep: nothing was submitted
         payload = memoryview(payload_for(BLOCK_SIZE))
+        (tmp_path / REL).parent.mkdir(parents=True)  # (a new namespace is another status)
         before = native.counters()
         engine.submit_write([write_item(tmp_path, payload)], "token")
         after = native.counters()
