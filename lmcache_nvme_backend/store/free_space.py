@@ -65,4 +65,3 @@ class FreeSpaceGuard:
             self._free -= size
             self._written += size
             return True
-

@@ -145,8 +145,7 @@ class ChunkReader:
         roots = [root if root.healthy else None for root in self._roots]
         plans: list[ReadPlan | None] = []
         for key, digest, entry in zip(keys, digests, entries, strict=True):
-            root = None if entry is None else roots[entry.root]
-            if root is None or entry is None or entry.meta is None:
+            if entry is None or entry.meta is None or (root := roots[entry.root]) is None:
                 plans.append(None)
                 continue
             layout = root.layout
@@ -229,7 +228,7 @@ class ChunkReader:
             self._stats.add_many({Counter.READ_CHUNKS: len(todo), Counter.READ_BYTES: nbytes})
             for root in {plan.root for _, plan, _ in todo}:
                 self._roots[root].consecutive_errors = 0
-            batch.all_served([i for i, _, _ in todo], nbytes)
+            batch.chunks_done([(i, True, plan.payload_len) for i, plan, _ in todo])
             return
         verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
                     for d in result.details}
@@ -368,25 +367,9 @@ class _Batch:
                 self._left -= 1
             last = self._left == 0
         if last:
-            self._ended()
-
-    def all_served(self, indices: list[int], nbytes: int) -> None:
-        """``chunks_done`` for chunks that were all served (``nbytes`` in all): the call's
-        whole batch, in the common case."""
-        with self._lock:
-            for index in indices:
-                self.served[index] = True
-            self._bytes += nbytes
-            self._left -= len(indices)
-            last = self._left == 0
-        if last:
-            self._ended()
-
-    def _ended(self) -> None:
-        """The last chunk was judged."""
-        if self._gate is not None:
-            self._gate.end_read()
-        self._finish()
+            if self._gate is not None:
+                self._gate.end_read()
+            self._finish()
 
     def _finish(self) -> None:
         served = self.served.count(True)

@@ -104,8 +104,7 @@ class ChunkWriter:
         a chunk that is not queued).  One lock round and one writer wake-up serve
         the whole batch, which keeps the engine's store path short.
         """
-        if any(w.meta.nbytes != w.nbytes for w in writes):
-            bad = next(w for w in writes if w.meta.nbytes != w.nbytes)
+        if bad := next((w for w in writes if w.meta.nbytes != w.nbytes), None):
             for w in writes:
                 w.release()
             raise ValueError(f"tensor metadata says {bad.meta.nbytes} bytes, payload has "
