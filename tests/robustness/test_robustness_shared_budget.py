@@ -2,10 +2,11 @@
 
 Real processes (``support.shared_member``) write distinct keys as fast as they can, read
 each other's chunks and compare every byte, while the bytes on disk are sampled every
-0.5 s (docs/deployment.md).  ``local``: four members on one directory; ``gluster``: two
-members on each of two FUSE mounts of one GlusterFS volume (two "nodes"; the samples are
-taken on the brick, where the files really are).  The 60 s acceptance runs, with the
-per-process budgets of earlier versions beside them, are ``bench/bench_shared.py``.
+0.5 s, every member stopped for the sample (docs/deployment.md).  ``local``: four members
+on one directory; ``gluster``: two members on each of two FUSE mounts of one GlusterFS
+volume (two "nodes"; the samples are taken on the brick, where the files really are).
+The 60 s acceptance runs, with the per-process budgets of earlier versions beside them,
+are ``bench/bench_shared.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from support.process import child_env, module_command
 from support.shared_run import (
     DiskSampler,
     Member,
+    running_pids,
     start_member,
     start_writers,
     stop_all,
@@ -60,8 +62,10 @@ class Nodes:
     def cache_for(self, i: int) -> Path:
         return self.paths[i % len(self.paths)]
 
-    def sampler(self) -> DiskSampler:
-        return DiskSampler(self.real, filesystem=self.filesystem)
+    def sampler(self, members: list[Member]) -> DiskSampler:
+        """A sampler that stops ``members`` (as they are when it samples) for each sample."""
+        return DiskSampler(self.real, filesystem=self.filesystem,
+                           pause=lambda: running_pids(members))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,7 @@ def test_members_keep_one_budget_and_serve_each_other(nodes: Nodes, tmp_path: Pa
     prefixes = ["m0", "m1", "m2", "m3"]
     members: list[Member] = []
     try:
-        with nodes.sampler() as sampler:
+        with nodes.sampler(members) as sampler:
             start_writers(members, nodes.paths, prefixes, budget, SIZE, SECONDS,
                           tmp_path / "go")
             results = [m.result() for m in members]
@@ -142,7 +146,7 @@ def test_a_killed_member_leaks_nothing(nodes: Nodes, victim: str, tmp_path: Path
     prefixes = ["k0", "k1", "k2"]
     members: list[Member] = []
     try:
-        with nodes.sampler() as sampler:
+        with nodes.sampler(members) as sampler:
             start_writers(members, nodes.paths, prefixes, budget, SIZE, SECONDS + 6,
                           tmp_path / "go")
             time.sleep(2.0)  # the directory is full: every write evicts

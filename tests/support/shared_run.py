@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from .process import child_env, module_command
 
 SAMPLE_S = 0.5
+SETTLE_S = 0.05  # after every member stopped: what a filesystem daemon still applies
 
 
 def tree_bytes(root: Path) -> int:
@@ -64,24 +66,69 @@ def other_bytes(root: Path) -> int:
     return total
 
 
+@contextlib.contextmanager
+def frozen(pids: Sequence[int], timeout_s: float = 5.0) -> Iterator[None]:
+    """Stop the processes ``pids`` (SIGSTOP) and wait until every thread of each is
+    stopped, so that the filesystem holds still while it is measured; continue them after.
+    A process that is gone or a zombie is skipped."""
+    stopped = []
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        deadline = time.monotonic() + timeout_s
+        while not all(_all_threads_stopped(pid) for pid in stopped):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes {stopped} did not stop within {timeout_s} s")
+            time.sleep(0.001)
+        time.sleep(SETTLE_S)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # the thread ended
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
 class DiskSampler:
     """Samples the bytes of chunk files under ``root`` every ``SAMPLE_S`` on a thread.
 
-    With ``filesystem`` (a tmpfs holding nothing but this cache) a sample is that
-    filesystem's used bytes (``statvfs``: one instant) less what was used before and less
-    the cache's coordination and metadata files; without, it is a walk of the tree
-    (``tree_bytes``), which on a busy tree also counts files deleted and created while it
-    runs.
+    With ``filesystem`` (a filesystem holding nothing but this cache) a sample is that
+    filesystem's used bytes (``statvfs``) less what was used before and less the cache's
+    coordination and metadata files (a walk); without, it is a walk of the tree
+    (``tree_bytes``).  With ``pause`` (the member processes' ids, asked at each sample)
+    every member is stopped while a sample is taken: the tree holds still, so the walk and
+    ``statvfs`` see one instant (else a walk of a busy tree races the writers, and the
+    ledger versions written meanwhile count as chunks).
     """
 
     def __init__(self, root: Path, interval_s: float = SAMPLE_S,
-                 filesystem: Path | None = None) -> None:
+                 filesystem: Path | None = None,
+                 pause: Callable[[], Sequence[int]] | None = None) -> None:
         self.root = root
         self.interval_s = interval_s
         self.filesystem = filesystem
+        self.pause = pause
         self._base = filesystem_used(filesystem) if filesystem is not None else 0
         self.samples: list[int] = []
         self.times: list[float] = []  # time.monotonic() of each sample
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -92,8 +139,16 @@ class DiskSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None and exc[0] is None:
+            raise RuntimeError("the disk sampler failed") from self.error
 
     def sample(self) -> int:
+        if self.pause is None:
+            return self._measure()
+        with frozen(self.pause()):
+            return self._measure()
+
+    def _measure(self) -> int:
         if self.filesystem is None:
             return tree_bytes(self.root)
         # what is not chunks first: it only grows, so a sample errs on the high side
@@ -101,10 +156,13 @@ class DiskSampler:
         return filesystem_used(self.filesystem) - self._base - other
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.sample())
-            self.times.append(time.monotonic())
-            self._stop.wait(self.interval_s)
+        try:
+            while not self._stop.is_set():
+                self.samples.append(self.sample())
+                self.times.append(time.monotonic())
+                self._stop.wait(self.interval_s)
+        except BaseException as exc:  # raised in the test's thread by __exit__
+            self.error = exc
 
     @property
     def peak(self) -> int:
@@ -189,6 +247,11 @@ def start_writers(members: list[Member], caches: Sequence[Path], prefixes: Seque
         members.append(start_member("writer", caches[i % len(caches)], prefix, budget, size,
                                     seconds, prefixes, go=go, env=env))
     go.touch()
+
+
+def running_pids(members: Sequence[Member]) -> list[int]:
+    """The process ids of the members not yet waited for (a sampler's ``pause``)."""
+    return [m.proc.pid for m in members if m.proc.returncode is None]
 
 
 def stop_all(members: Sequence[Member]) -> None:
