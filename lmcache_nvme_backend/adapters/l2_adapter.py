@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,16 +100,15 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
 class _StoreTask:
     """Completion state of one store task: finishes when every chunk is released.
 
-    Chunks settle on the store's threads without a lock: each writes only its own slot of
-    ``persisted`` / ``sizes`` / ``digests``, and ``next(released)`` (atomic) tells the one
-    that releases last, which completes the task."""
+    Chunks settle on the store's threads without a lock: the store marks each of ``writes``
+    ``persisted`` before releasing it, and ``next(released)`` (atomic) tells the one that
+    releases last, which completes the task."""
 
     task_id: L2TaskId
     keys: list[ObjectKey]
     shares: int  # one per chunk, plus one held by the submitter
-    persisted: list[bool] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    digests: list[str] = field(default_factory=list)
+    writes: list[ChunkWrite] = field(default_factory=list)
+    duplicates: int = 0  # chunks already on the drive (or being written by another task)
     refused: bool = False
     released: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -193,15 +192,15 @@ class NVMeL2Adapter(L2AdapterInterface):
         with self._lock:
             task_id = self._next_task_id
             self._next_task_id += 1
-            task = self._store_tasks[task_id] = _StoreTask(
-                task_id, list(keys), shares=n + 1, persisted=[False] * n, sizes=[0] * n,
-                digests=[""] * n)
+            task = self._store_tasks[task_id] = _StoreTask(task_id, list(keys), shares=n + 1)
         release = functools.partial(self._chunk_released, task)
         try:
             if n != len(objects):
                 raise ValueError(f"{n} keys but {len(objects)} objects")
-            writes = [self._chunk_write(task, i, key, obj, release)
-                      for i, (key, obj) in enumerate(zip(keys, objects, strict=True))]
+            task.writes = [ChunkWrite(object_key_string(key), object_key_namespace(key),
+                                      meta := tensor_meta_of(obj),
+                                      payload_view(obj, meta.nbytes), release)
+                           for key, obj in zip(keys, objects, strict=True)]
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
             task.refused = True
@@ -209,45 +208,31 @@ class NVMeL2Adapter(L2AdapterInterface):
             self._chunk_released(task)
             return task_id
         try:
-            results = self.store.submit_many(writes)
+            results = self.store.submit_many(task.writes)
         except Exception:  # submit_many has released every chunk
             logger.exception("NVMe L2 adapter: store task %d failed to submit", task_id)
             task.refused = True
             self._chunk_released(task)
             return task_id
-        for i, result in enumerate(results):
-            if result is SubmitResult.DUPLICATE:
-                task.persisted[i] = True  # already on the drive (or being written)
-            elif result is not SubmitResult.QUEUED:
-                task.refused = True
+        if results.count(SubmitResult.QUEUED) < n:
+            task.duplicates = results.count(SubmitResult.DUPLICATE)
+            task.refused = task.duplicates + results.count(SubmitResult.QUEUED) < n
         self._chunk_released(task)  # the submitter's share
         return task_id
-
-    def _chunk_write(self, task: _StoreTask, i: int, key: ObjectKey, obj: MemoryObj,
-                     release: Callable[[], None]) -> ChunkWrite:
-        meta = tensor_meta_of(obj)
-        write = ChunkWrite(object_key_string(key), object_key_namespace(key), meta,
-                           payload_view(obj, meta.nbytes), release=release,
-                           on_persisted=lambda: self._chunk_persisted(task, i, meta.nbytes))
-        task.digests[i] = write.digest
-        return write
-
-    @staticmethod
-    def _chunk_persisted(task: _StoreTask, i: int, nbytes: int) -> None:
-        task.persisted[i] = True
-        task.sizes[i] = nbytes
 
     def _chunk_released(self, task: _StoreTask) -> None:
         if next(task.released) < task.shares:
             return
-        ok = not task.refused and all(task.persisted)
-        stored = [(k, d, file_size_for(n))
-                  for k, d, n in zip(task.keys, task.digests, task.sizes, strict=True) if n]
+        persisted = [w for w in task.writes if w.persisted]
+        ok = not task.refused and len(persisted) + task.duplicates == len(task.writes)
+        stored = [(k, w.digest, file_size_for(w.nbytes))
+                  for k, w in zip(task.keys, task.writes, strict=True) if w.persisted and w.nbytes]
         with self._lock:
             del self._store_tasks[task.task_id]
             for key, digest, size in stored:
                 self._reported[digest] = (key, size)
-            self._completed_stores[task.task_id] = L2StoreResult(ok, sum(task.sizes))
+            self._completed_stores[task.task_id] = L2StoreResult(
+                ok, sum(w.nbytes for w in persisted))
         if stored:
             self._notify_keys_stored([k for k, _, _ in stored], [s for _, _, s in stored])
         self._store_efd.notify()

@@ -21,13 +21,14 @@ class ChunkWrite:
     """One chunk to persist.
 
     ``payload`` stays valid until the store calls ``release``, which it does
-    exactly once whatever happens to the write; ``on_persisted`` runs after the
-    chunk file is published.  What the store derives from the key (its UTF-8, the
-    digest that names the file, the namespace's directory id) is computed once here.
+    exactly once whatever happens to the write; ``persisted`` is set and then
+    ``on_persisted`` runs once the chunk file is published (before ``release``).  What the
+    store derives from the key (its UTF-8, the digest that names the file, the namespace's
+    directory id) is computed once here.
     """
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "nbytes",
-                 "file_size", "key_bytes", "digest", "ns_id")
+                 "file_size", "key_bytes", "digest", "ns_id", "persisted")
 
     def __init__(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
                  release: Callable[[], None],
@@ -43,6 +44,7 @@ class ChunkWrite:
         self.key_bytes = text_bytes(key)
         self.digest = digest_of_key_bytes(self.key_bytes)  # names the chunk file
         self.ns_id = namespace_id(namespace)  # names the namespace directory
+        self.persisted = False
 
 
 class WriteBackQueue:
@@ -73,11 +75,13 @@ class WriteBackQueue:
         with self._cond:
             return len(self._jobs)
 
-    def offer_many(self, jobs: list[ChunkWrite], wait_s: float) -> list[bool]:
+    def offer_many(self, jobs: list[ChunkWrite], wait_s: float,
+                   hand_over: bool = False) -> list[bool]:
         """Enqueue each job if there is room, waiting up to ``wait_s`` in all for it.
 
         Returns, per job, whether it was enqueued.  Writers are woken once for
-        the whole batch.
+        the whole batch.  With ``hand_over`` the accepted jobs are only accounted for (their
+        bytes held until ``done_many``): the caller hands them to a writer itself.
         """
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
@@ -90,11 +94,13 @@ class WriteBackQueue:
                     self._cond.wait(remaining)
                 fits = not self._closed and self._bytes + job.nbytes <= self.capacity
                 if fits:
-                    self._jobs.append(job)
+                    if not hand_over:
+                        self._jobs.append(job)
                     self._bytes += job.nbytes
                     self._unfinished += 1
                 accepted.append(fits)
-            self._has_jobs.notify(accepted.count(True))
+            if not hand_over:
+                self._has_jobs.notify(accepted.count(True))
         return accepted
 
     def take_share(self, takers: int, most: int) -> list[ChunkWrite]:
@@ -105,13 +111,6 @@ class WriteBackQueue:
                 self._has_jobs.wait()
             count = min(most, max(1, -(-len(self._jobs) // takers)), len(self._jobs))
             return [self._jobs.popleft() for _ in range(count)]
-
-    def take_ready(self) -> list[ChunkWrite]:
-        """Every queued job, without waiting (empty when none is queued)."""
-        with self._cond:
-            jobs = list(self._jobs)
-            self._jobs.clear()
-            return jobs
 
     def done_many(self, jobs: list[ChunkWrite]) -> None:
         """The jobs were written (or dropped): their bytes and count leave the queue."""

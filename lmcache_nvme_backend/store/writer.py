@@ -75,6 +75,8 @@ class ChunkWriter:
         self._closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
+        # The native engine's writers share one temp-name suffix (see ``temp_name``).
+        self._native_temp_suffix = temp_name("", writer=0)
         # The native engine writes on threads of its own; the Python engine on these.
         self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
@@ -125,9 +127,9 @@ class ChunkWriter:
             else:
                 results[i] = SubmitResult.DUPLICATE
         if jobs:
-            self._enqueue(jobs, results)
+            accepted = self._enqueue(jobs, results)
             if self.native is not None:
-                self._dispatch(self._queue.take_ready())
+                self._dispatch(accepted)
         if results.count(SubmitResult.QUEUED) < len(writes):
             for w, result in zip(writes, results, strict=True):
                 if result is not SubmitResult.QUEUED:
@@ -148,23 +150,29 @@ class ChunkWriter:
         self._stats.add(Counter.OVERSIZE_DROPS)
         return SubmitResult.OVERSIZE
 
-    def _enqueue(self, jobs: dict[int, ChunkWrite], results: list[SubmitResult]) -> None:
-        """Offer the jobs to the queue; mark the ones it refuses in ``results``."""
+    def _enqueue(self, jobs: dict[int, ChunkWrite], results: list[SubmitResult]
+                 ) -> list[ChunkWrite]:
+        """Offer the jobs to the queue (with the native engine, the queue only holds their
+        bytes: the caller dispatches them); mark the ones it refuses in ``results``; the
+        accepted ones."""
         wait = self.settings.queue_full_policy == "wait"
         if wait and self._queue.bytes_held + sum(j.nbytes for j in jobs.values()) > \
                 self._queue.capacity:
             self._stats.add(Counter.QUEUE_FULL_WAITS)
-        accepted = self._queue.offer_many(list(jobs.values()), wait_s=1e9 if wait else 0.0)
-        refused = [(i, job) for (i, job), ok in zip(jobs.items(), accepted, strict=True)
-                   if not ok]
+        offered = list(jobs.values())
+        ok = self._queue.offer_many(offered, wait_s=1e9 if wait else 0.0,
+                                    hand_over=self.native is not None)
+        refused = [(i, job) for (i, job), fits in zip(jobs.items(), ok, strict=True)
+                   if not fits]
         self._stats.add(Counter.WRITES_ENQUEUED, len(jobs) - len(refused))
         if not refused:
-            return
+            return offered
         self._catalog.end_pending(job.digest for _, job in refused)
         for i, _ in refused:
             results[i] = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
         if not self._closed:
             self._stats.add(Counter.QUEUE_FULL_DROPS, len(refused))
+        return [job for job, fits in zip(offered, ok, strict=True) if fits]
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""
@@ -240,6 +248,7 @@ class ChunkWriter:
             root.consecutive_errors = 0
             note_space(root)
             self._stats.record_write(job.nbytes, seconds)
+            job.persisted = True
             if job.on_persisted is not None:
                 job.on_persisted()
             return
@@ -284,7 +293,7 @@ class ChunkWriter:
         fsync = _FSYNC_LEVEL[settings.fsync]
         file_mode, dir_mode = settings.file_mode, settings.dir_mode
         record_gpu = self.record_gpu_checksums
-        temp_suffix = temp_name("", writer=0)
+        temp_suffix = self._native_temp_suffix
         fds: dict[int, int] = {}
         items = []
         for (job, root, _), gone in zip(placed, victims, strict=True):
@@ -335,6 +344,7 @@ class ChunkWriter:
                 self._stats.record_write(sum(job.nbytes for job, _, _ in written), seconds,
                                          len(written))
             for job, _, _ in written:
+                job.persisted = True
                 if job.on_persisted is not None:
                     job.on_persisted()
             for i, error in errors.items():

@@ -297,10 +297,12 @@ def test_gate_wait_is_bounded() -> None:
     assert gate.wait_for_readers() is False
 
 
-def test_take_ready_takes_everything_queued_without_waiting(queue: WriteBackQueue,
-                                                            job: MakeJob) -> None:
-    assert queue.take_ready() == []
-    jobs = [job(str(i), 1) for i in range(3)]
-    assert all(queue.offer_many(jobs, wait_s=0))
-    assert queue.take_ready() == jobs
-    assert queue.depth == 0 and queue.bytes_held == 3  # held until done
+def test_handed_over_jobs_hold_their_bytes_until_done_but_are_not_queued(
+        queue: WriteBackQueue, job: MakeJob) -> None:
+    jobs = [job(str(i), 400) for i in range(3)]
+    assert queue.offer_many(jobs, wait_s=0, hand_over=True) == [True, True, False]
+    assert queue.depth == 0 and queue.bytes_held == 800  # the caller writes them itself
+    assert not queue.wait_empty(0.01)
+    queue.done_many(jobs[:2])
+    assert queue.bytes_held == 0 and queue.wait_empty(0.01)
+    assert queue.close() == []
