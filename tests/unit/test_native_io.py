@@ -313,6 +313,46 @@ def test_waking_sleeping_workers_releases_the_gil_once(tmp_path: Path) -> None:
         engine.close()
 
 
+def test_a_worker_already_being_woken_is_not_woken_again_without_the_gil(
+        tmp_path: Path) -> None:
+    """Right after a submission woke the only writer, the next one finds it woken (or busy
+    with a 32 MiB write): its post is made with the GIL kept."""
+    engine = _native.Engine(1, 1, 4 * MIB)
+    try:
+        engine.thread_ids()
+        time.sleep(0.5)
+        (tmp_path / REL).parent.mkdir(parents=True)
+        big = memoryview(payload_for(32 * MIB))
+        small = memoryview(payload_for(BLOCK_SIZE))
+        before = native.counters()
+        engine.submit_write([write_item(tmp_path, big, name="big.kv")], "big")
+        middle = native.counters()
+        engine.submit_write([write_item(tmp_path, small, name="small.kv")], "small")
+        after = native.counters()
+        assert middle["wake_releases"] - before["wake_releases"] == 1
+        assert after["gil_releases"] - middle["gil_releases"] == 0
+        tokens = []
+        while len(tokens) < 2:
+            tokens += [token for token, _ in engine.wait(30.0)]
+        assert sorted(tokens) == ["big", "small"]
+    finally:
+        engine.close()
+
+
+def test_finished_batches_are_taken_without_letting_go_of_the_gil(tmp_path: Path) -> None:
+    engine = _native.Engine(1, 1, 4 * MIB)
+    try:
+        (tmp_path / REL).parent.mkdir(parents=True)
+        engine.submit_write([write_item(tmp_path, memoryview(payload_for(BLOCK_SIZE)))], "t")
+        time.sleep(0.5)  # long done
+        before = native.counters()
+        done = engine.wait(30.0)
+        assert native.counters()["gil_releases"] == before["gil_releases"]
+        assert [token for token, _ in done] == ["t"]
+    finally:
+        engine.close()
+
+
 # -- writes ----------------------------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@
 #define WRITERS_YIELD_NS 50000000L /* a write waits at most this long for reads in flight */
 
 static _Atomic uint64_t gil_releases;
+static _Atomic uint64_t wake_releases; /* of which: to wake sleeping workers */
 
 #define RELEASE_GIL_BEGIN               \
     atomic_fetch_add(&gil_releases, 1); \
@@ -99,6 +100,7 @@ typedef struct {
     atomic_long async_pending;
     atomic_long reads_in_flight;
     atomic_int read_sleepers, write_sleepers; /* workers in (or entering) sem_wait */
+    atomic_int read_waking, write_waking;     /* of them, woken and not yet running */
     atomic_int stop;
     int nthreads, nwthreads;
     pthread_t *threads;
@@ -371,14 +373,20 @@ static void wake(sem_t *sem, int count) {
 
 /* Pushes an asynchronous batch and wakes its workers.  Waking a sleeping thread is a system
  * call that costs a VM tens of microseconds, so it happens without the GIL (as LMCache's
- * native connectors submit); while every worker is busy a post is only an atomic add, and
- * the GIL is kept. */
+ * native connectors submit); while every worker is busy, or every sleeper already has a
+ * wake on its way (a woken writer, at nice 10, may take a while to run), a post is an atomic
+ * add or a futex call that finds no one to wake, and the GIL is kept.  Every post is made
+ * either way: ``waking`` only decides whether to let go of the GIL. */
 static void push_and_wake(Engine *self, batch *b) {
     int reading = b->kind == BATCH_READ;
     sem_t *sem = reading ? &self->read_sem : &self->write_sem;
     atomic_int *sleepers = reading ? &self->read_sleepers : &self->write_sleepers;
+    atomic_int *waking = reading ? &self->read_waking : &self->write_waking;
     int count = push_batch(self, b);
-    if (atomic_load(sleepers) > 0) {
+    int asleep = atomic_load(sleepers) - atomic_load(waking);
+    if (asleep > 0) {
+        atomic_fetch_add(waking, count < asleep ? count : asleep);
+        atomic_fetch_add(&wake_releases, 1);
         RELEASE_GIL_BEGIN
         wake(sem, count);
         RELEASE_GIL_END
@@ -387,11 +395,13 @@ static void push_and_wake(Engine *self, batch *b) {
     }
 }
 
-/* A worker sleeps until a post. */
-static void sleep_on(sem_t *sem, atomic_int *sleepers) {
+/* A worker sleeps until a post (and no longer counts as being woken). */
+static void sleep_on(sem_t *sem, atomic_int *sleepers, atomic_int *waking) {
     atomic_fetch_add(sleepers, 1);
     while (sem_wait(sem) != 0 && errno == EINTR) {}
     atomic_fetch_sub(sleepers, 1);
+    int w = atomic_load(waking);
+    while (w > 0 && !atomic_compare_exchange_weak(waking, &w, w - 1)) {}
 }
 
 /* Moves submitted batches into the FIFO queues, oldest first.  Called with mu held. */
@@ -461,7 +471,7 @@ static void *read_worker(void *arg) {
         } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
             break; /* stopped and drained */
         } else {
-            sleep_on(&self->read_sem, &self->read_sleepers);
+            sleep_on(&self->read_sem, &self->read_sleepers, &self->read_waking);
         }
     }
     return NULL;
@@ -494,7 +504,7 @@ static void *write_worker(void *arg) {
         } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
             break; /* stopped and drained */
         } else {
-            sleep_on(&self->write_sem, &self->write_sleepers);
+            sleep_on(&self->write_sem, &self->write_sleepers, &self->write_waking);
         }
     }
     return NULL;
@@ -644,13 +654,17 @@ static PyObject *Engine_cancel_writes(Engine *self, PyObject *Py_UNUSED(ignored)
     return PyLong_FromLong(cancelled);
 }
 
-static PyObject *Engine_wait(Engine *self, PyObject *args) {
-    double timeout;
-    if (!PyArg_ParseTuple(args, "d", &timeout)) return NULL;
-    batch *done = NULL;
-    int closed = 0;
-    if (self->threads == NULL) Py_RETURN_NONE;
-    RELEASE_GIL_BEGIN
+/* Takes the finished asynchronous batches.  Called with mu held. */
+static batch *take_done(Engine *self) {
+    batch *done = self->done_head;
+    self->done_head = self->done_tail = NULL;
+    for (batch *b = done; b; b = b->next) atomic_fetch_sub(&self->async_pending, 1);
+    return done;
+}
+
+/* Waits up to ``timeout`` seconds for finished batches (without the GIL); sets ``closed``
+ * when the engine stopped and nothing is left. */
+static batch *wait_done(Engine *self, double timeout, int *closed) {
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += (time_t)timeout;
@@ -664,12 +678,27 @@ static PyObject *Engine_wait(Engine *self, PyObject *args) {
            !(atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0)) {
         if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
     }
-    done = self->done_head;
-    self->done_head = self->done_tail = NULL;
-    for (batch *b = done; b; b = b->next) atomic_fetch_sub(&self->async_pending, 1);
-    closed = done == NULL && atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0;
+    batch *done = take_done(self);
+    *closed = done == NULL && atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0;
     pthread_mutex_unlock(&self->mu);
-    RELEASE_GIL_END
+    return done;
+}
+
+static PyObject *Engine_wait(Engine *self, PyObject *args) {
+    double timeout;
+    if (!PyArg_ParseTuple(args, "d", &timeout)) return NULL;
+    int closed = 0;
+    if (self->threads == NULL) Py_RETURN_NONE;
+    /* batches already finished are taken without letting go of the GIL (the workers hold
+     * mu only for moments) */
+    pthread_mutex_lock(&self->mu);
+    batch *done = take_done(self);
+    pthread_mutex_unlock(&self->mu);
+    if (done == NULL) {
+        RELEASE_GIL_BEGIN
+        done = wait_done(self, timeout, &closed);
+        RELEASE_GIL_END
+    }
     if (closed) Py_RETURN_NONE;
     PyObject *out = PyList_New(0);
     while (done) {
@@ -847,8 +876,9 @@ static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
 }
 
 static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{sKsKsK}", "gil_releases",
-                         (unsigned long long)atomic_load(&gil_releases), "hash_cpu_ns",
+    return Py_BuildValue("{sKsKsKsK}", "gil_releases",
+                         (unsigned long long)atomic_load(&gil_releases), "wake_releases",
+                         (unsigned long long)atomic_load(&wake_releases), "hash_cpu_ns",
                          (unsigned long long)atomic_load(&chunkio_hash_cpu_ns), "hashed_bytes",
                          (unsigned long long)atomic_load(&chunkio_hashed_bytes));
 }
@@ -882,7 +912,8 @@ static PyMethodDef module_methods[] = {
      "encode_header(key, namespace, meta, payload_len, checksum, created_ns, gpu_checksum)"
      " -> bytes: a chunk header as the native writer builds it."},
     {"counters", py_counters, METH_NOARGS,
-     "counters() -> dict: GIL releases, hashing CPU nanoseconds and bytes hashed."},
+     "counters() -> dict: GIL releases (and of them, to wake workers), hashing CPU "
+     "nanoseconds and bytes hashed."},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the hashing loop in use."},
     {"select_simd", py_select_simd, METH_O,
      "select_simd(name) -> bool: use the scalar, sse2 or avx2 hashing loop (tests)."},
