@@ -31,7 +31,14 @@ After two warm-up rounds the child runs ``--seconds`` of rounds and reports:
 * GIL-releasing calls per chunk made under the adapter's own frames, from a separate
   traced child (``sys.setprofile`` in every thread, a few rounds): blocking system calls of
   ``os``/``select``/``time``, ``Condition.wait``, hashing, the ``openat2`` ctypes call, plus
-  the exact count our native engine keeps of its own releases.
+  the exact count our native engine keeps of its own releases (split into the wakes of
+  idle workers and the rest).
+
+The filesystem matters for the CPU figures: ext4 *without* a journal (``journal_task``
+under ``/sys/fs/ext4/<dev>/`` says ``<none>``) skips every inode deleted in the last ~35 s
+when it allocates one (``recently_deleted``), so file creation costs more kernel CPU with
+every run of a create-and-delete loop like this one.  Measure on the filesystem the cache
+will use, or on a journaled ext4 or XFS image (``docs/benchmarks.md``).
 
 py-spy's ``--gil`` sampling was the first tool tried: on this 2-vCPU machine it saw less
 than half of the GIL-held time the meter measures in a controlled test (its samples land
@@ -199,6 +206,7 @@ class Driver:
                 "gibps": gib / wall, "cpu_s_per_gib": cpu / gib,
                 "hash_cpu_s_per_gib": native["hash_cpu_ns"] / 1e9 / gib if native else None,
                 "native_gil_releases": native.get("gil_releases"),
+                "native_wake_releases": native.get("wake_releases"),
                 "gil_s_per_gib": (gil1[0] - gil0[0]) / gib,
                 "gil_cpu_s_per_gib": (gil1[2] - gil0[2]) / gib,
                 "gil_main_s_per_gib": (main1[0] - main0[0]) / gib,
@@ -311,10 +319,12 @@ def trace(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dict[
     chunks = result["chunks"]
     calls = sum(result["trace"].values())
     native = result.get("native_gil_releases") or 0
+    wakes = result.get("native_wake_releases") or 0
     what = {k: round(v / chunks, 2) for k, v in sorted(result["trace"].items(),
                                                          key=lambda kv: -kv[1])}
     if native:
-        what["native engine"] = round(native / chunks, 2)
+        what["native engine: waking idle workers"] = round(wakes / chunks, 2)
+        what["native engine: waiting, unlink, reads"] = round((native - wakes) / chunks, 2)
     return {"releases_per_chunk": (calls + native) / chunks, "what": what}
 
 
