@@ -35,7 +35,7 @@ After two warm-up rounds the child runs ``--seconds`` of rounds and reports:
   idle workers and the rest).
 
 The filesystem matters for the CPU figures: ext4 *without* a journal (``journal_task``
-under ``/sys/fs/ext4/<dev>/`` says ``<none>``) skips every inode deleted in the last ~35 s
+under ``/sys/fs/ext4/<dev>/`` says ``<none>``) skips every inode deleted in the last minute
 when it allocates one (``recently_deleted``), so file creation costs more kernel CPU with
 every run of a create-and-delete loop like this one.  Measure on the filesystem the cache
 will use, or on a journaled ext4 or XFS image (``docs/benchmarks.md``).
