@@ -18,7 +18,7 @@ from ..config import min_free_bytes_for
 from ..disk.format import ALIGNMENT
 from ..io.posix import probe_direct_io
 from ..store.access import describe_owner, unusable_dirs, user_name
-from .check import FAIL, PASS, WARN, Check
+from .check import FAIL, INFO, PASS, WARN, Check
 from .common import GIB, MountInfo, nearest_existing
 
 GOOD_LOCAL_FS = {"ext4", "xfs"}
@@ -29,6 +29,7 @@ MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs"}
 KERNEL_FS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
              "devpts", "configfs", "pstore", "bpf", "mqueue", "hugetlbfs", "efivarfs"}
 LOW_FREE_GB = 10.0
+EXT4_SYSFS = Path("/sys/fs/ext4")
 
 
 def check_path(path: Path, mount: MountInfo | None,
@@ -92,12 +93,30 @@ def check_tree(path: Path) -> Check | None:
                  f"as root: chown -R {me}: {path} (or run the server as the owner)")
 
 
-def check_filesystem(mount: MountInfo | None) -> Check:
+def ext4_has_journal(mount: MountInfo, sysfs: Path = EXT4_SYSFS) -> bool | None:
+    """Whether an ext4 mount keeps a journal (its ``journal_task`` in sysfs is not
+    ``<none>``); None when sysfs does not say."""
+    name = os.path.basename(os.path.realpath(mount.device))
+    try:
+        return (sysfs / name / "journal_task").read_text().strip() != "<none>"
+    except OSError:
+        return None
+
+
+def check_filesystem(mount: MountInfo | None, ext4_sysfs: Path = EXT4_SYSFS) -> Check:
     if mount is None:
         return Check("filesystem", WARN, "not found in /proc/mounts",
                      "check that /proc is mounted")
     where = f"{mount.fstype} ({mount.device} on {mount.mountpoint})"
     fs = mount.fstype
+    if fs == "ext4" and ext4_has_journal(mount, ext4_sysfs) is False:
+        return Check("filesystem", INFO, f"{where}: ext4 without a journal, which does not "
+                     "reuse an inode deleted in the last minute and checks every candidate: "
+                     "creating chunk files costs more kernel CPU the more the cache evicts "
+                     "(2-5x a journaled ext4's on the benchmark's writers, "
+                     "docs/benchmarks.md)",
+                     "give the filesystem a journal (unmounted: tune2fs -O has_journal "
+                     f"{mount.device}) or use xfs")
     if fs in GOOD_LOCAL_FS:
         return Check("filesystem", PASS, where)
     if fs in SHARED_FS:

@@ -28,6 +28,34 @@ def tmpfs(mountpoint: Path, size: str, inodes: int | None = None) -> Iterator[Pa
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
+@contextlib.contextmanager
+def ext4_image(mountpoint: Path, size_mb: int, journal: bool) -> Iterator[Path]:
+    """Mount a fresh ext4 of ``size_mb`` (with or without a journal) from an image file
+    beside ``mountpoint``, through a loop device; the test is skipped where that is not
+    permitted or ``mkfs.ext4`` is missing."""
+    image = mountpoint.with_name(mountpoint.name + ".img")
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    features = [] if journal else ["-O", "^has_journal"]
+    try:
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", *features, str(image)],
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("mkfs.ext4 is not installed (Debian package e2fsprogs)")
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-o", "loop", str(image), str(mountpoint)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {r.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=False)
+        image.unlink(missing_ok=True)
+
+
 def fill_bytes(directory: Path) -> Path:
     """Write a file in ``directory`` until the filesystem has no free block left."""
     filler = directory / "filler"
