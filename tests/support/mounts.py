@@ -16,16 +16,9 @@ import pytest
 def tmpfs(mountpoint: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
     """Mount a tmpfs at ``mountpoint`` (created), unmounted afterwards; the test is skipped
     where mounting is not permitted."""
-    mountpoint.mkdir(parents=True, exist_ok=True)
     options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a test tmpfs here: {r.stderr.strip()}")
-    try:
+    with _mounted(["-t", "tmpfs", "-o", options, "tmpfs"], mountpoint, "a test tmpfs"):
         yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 @contextlib.contextmanager
@@ -44,16 +37,26 @@ def ext4_image(mountpoint: Path, size_mb: int, journal: bool) -> Iterator[Path]:
         pytest.skip("mkfs.ext4 is not installed (Debian package e2fsprogs)")
     if made.returncode != 0:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-o", "loop", str(image), str(mountpoint)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a loop device here: {r.stderr.strip()}")
     try:
-        yield mountpoint
+        with _mounted(["-o", "loop", str(image)], mountpoint, "a loop device"):
+            yield mountpoint
     finally:
-        subprocess.run(["umount", str(mountpoint)], check=False)
         image.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _mounted(mount_args: list[str], mountpoint: Path, what: str) -> Iterator[None]:
+    """``mount MOUNT_ARGS MOUNTPOINT`` (created), lazily unmounted afterwards; the test is
+    skipped, naming ``what``, where that is not permitted."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", *mount_args, str(mountpoint)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount {what} here: {r.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 def fill_bytes(directory: Path) -> Path:
