@@ -189,10 +189,10 @@ class NVMeL2Adapter(L2AdapterInterface):
         dropped on a full write queue.
         """
         n = len(keys)
+        task_id = self._new_task_id()
+        task = _StoreTask(task_id, list(keys), shares=n + 1)
         with self._lock:
-            task_id = self._next_task_id
-            self._next_task_id += 1
-            task = self._store_tasks[task_id] = _StoreTask(task_id, list(keys), shares=n + 1)
+            self._store_tasks[task_id] = task
         release = functools.partial(self._chunk_released, task)
         try:
             if n != len(objects):
@@ -214,9 +214,9 @@ class NVMeL2Adapter(L2AdapterInterface):
             task.refused = True
             self._chunk_released(task)
             return task_id
-        if results.count(SubmitResult.QUEUED) < n:
+        if (queued := results.count(SubmitResult.QUEUED)) < n:
             task.duplicates = results.count(SubmitResult.DUPLICATE)
-            task.refused = task.duplicates + results.count(SubmitResult.QUEUED) < n
+            task.refused = queued + task.duplicates < n
         self._chunk_released(task)  # the submitter's share
         return task_id
 

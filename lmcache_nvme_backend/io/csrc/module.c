@@ -4,8 +4,8 @@
  * the per-chunk loop (chunkio.c) on its own threads and gives each batch back whole.  A
  * batch costs the interpreter at most one release and re-acquire of the GIL: `read`
  * releases it once for the whole batch; `submit_read` and `submit_write` release it only to
- * wake sleeping workers, and one `wait` (which releases it once) hands back every batch
- * finished by then.
+ * wake sleeping workers, and one `wait` (which releases it only when nothing has finished
+ * yet) hands back every batch finished by then.
  *
  * Engine(threads, write_threads, task_size):
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
