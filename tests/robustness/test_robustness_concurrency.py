@@ -30,14 +30,15 @@ from support.stores import StoreFactory
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_four_processes_share_one_tree(tmp_path: Path, open_store: StoreFactory) -> None:
+def test_four_processes_share_one_tree(tmp_path: Path, open_store: StoreFactory,
+                                      native_io: str | None) -> None:
     cache = tmp_path / "cache"
     open_store(cache, max_size_gb=0.01, manifest_interval_s=None).close()
     ctx = multiprocessing.get_context("fork")
     pipes, procs = [], []
     for n in range(PROCS):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker, args=(str(cache), n, child))
+        proc = ctx.Process(target=worker, args=(str(cache), n, native_io, child))
         proc.start()
         child.close()
         pipes.append(parent)
@@ -46,10 +47,8 @@ def test_four_processes_share_one_tree(tmp_path: Path, open_store: StoreFactory)
     while any(p.is_alive() for p in procs):
         peak = max(peak, _bytes_on_disk(cache))
         time.sleep(0.02)
+    assert [proc.exitcode for proc in procs] == [0] * PROCS
     results = [pipe.recv() for pipe in pipes]
-    for proc in procs:
-        proc.join(10)
-        assert proc.exitcode == 0
     served = sum(r[0] for r in results)
     wrong = sum(r[1] for r in results)
     print(f"served {served} verified reads, {wrong} wrong; peak {peak} bytes on disk; "

@@ -31,12 +31,13 @@ def size_of(i: int) -> int:
 DATA = {i: payload_for(f"shared-{i}", size_of(i)) for i in range(KEYS)}
 
 
-def worker(path: str, seed: int, conn: Connection) -> None:
-    """Random operations for ``DURATION_S`` with a ``TOTAL_BUDGET / PROCS`` budget; sends
-    (verified reads served, wrong ones, stats snapshot) over ``conn``."""
+def worker(path: str, seed: int, native_io: str | None, conn: Connection) -> None:
+    """Random operations for ``DURATION_S`` with a ``TOTAL_BUDGET / PROCS`` budget and
+    ``nvme.native_io`` = ``native_io``; sends (verified reads served, wrong ones, stats
+    snapshot) over ``conn``."""
     rng = random.Random(seed)
     store = open_store(path, max_size_gb=TOTAL_BUDGET / PROCS / 2**30,
-                       manifest_interval_s=0.2, io_threads=2)
+                       manifest_interval_s=0.2, io_threads=2, native_io=native_io)
     served = wrong = 0
     deadline = time.monotonic() + DURATION_S
     while time.monotonic() < deadline:

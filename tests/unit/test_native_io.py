@@ -475,3 +475,27 @@ def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Pat
     for key, payload in payloads.items():
         data = (tmp_path / REL).parent.joinpath(f"{key}.kv").read_bytes()
         assert data[HEADER_SIZE:HEADER_SIZE + len(payload)] == payload
+
+
+def test_a_finished_read_never_hands_back_a_batch_allocated_after_it(
+        engine_for, tmp_path: Path) -> None:
+    """A worker that ends the last request of a synchronous read must not touch that batch
+    again: ``read()`` returns and frees it at once, and the next batch (here a write) is
+    often allocated in the same memory; taken for the read, it came back finished before its
+    write ran (FAILED, errno 0) and was freed under the writer (a crash)."""
+    n = 4096
+    write_python(tmp_path, payload_for(n))
+    engine = engine_for(threads=2)
+    dests = [dest_for(n, "aligned") for _ in range(3)]
+    payload = memoryview(payload_for(1))
+    done = Done()
+    rounds = 3000
+    for i in range(rounds):
+        assert engine.read([item(tmp_path, d, n) for d in dests]).statuses == \
+            bytes([native.OK]) * 3
+        engine.submit_write([write_item(tmp_path, payload, name=f"w{i}.kv")], done(i))
+    batches = done.wait_for(rounds)
+    assert {i: b.details for i, b in batches.items() if b.statuses != bytes([native.OK])} == {}
+    written = (tmp_path / REL).parent
+    assert all(written.joinpath(f"w{i}.kv").stat().st_size == HEADER_SIZE + 4096
+               for i in range(rounds))

@@ -319,11 +319,16 @@ static PyObject *batch_results(batch *b) {
 
 /* -- the threads --------------------------------------------------------------------------- */
 
+/* One request of `b` ended.  The thread that ends the last one of a synchronous batch must
+ * not read `b` after its decrement: the caller of read() may see `left` reach 0, free the
+ * batch, and another batch may be allocated in its memory (a write batch taken for this
+ * one would come back finished before its writes ran). */
 static void batch_request_done(Engine *self, batch *b) {
+    int reading = b->kind == BATCH_READ, async = b->async;
     if (atomic_fetch_sub(&b->left, 1) != 1) return;
-    if (b->kind == BATCH_READ) atomic_fetch_sub(&self->reads_in_flight, 1);
+    if (reading) atomic_fetch_sub(&self->reads_in_flight, 1);
     pthread_mutex_lock(&self->mu);
-    if (b->async) {
+    if (async) {
         b->next = NULL;
         if (self->done_tail) self->done_tail->next = b;
         else self->done_head = b;
