@@ -361,15 +361,20 @@ def test_concurrent_controllers_are_safe(tmp_path: Path,
     assert store(adapter, base_keys, base_objs).is_successful()
     errors: list[BaseException] = []
     task_ids: list[int] = []
+    # LMCache keeps a stored object (read-locked in L1) until its task completes; the write
+    # reads it in place, so the objects must outlive the tasks here too
+    stored_objs: list[MemoryObj] = []
     store_lock = threading.Lock()
 
     def storer() -> None:
         try:
             for r in range(6):
                 keys = make_keys(3, start=1000 + 3 * r)
-                task = adapter.submit_store_task(keys, make_objs(3, seed=100 + r))
+                objs = make_objs(3, seed=100 + r)
+                task = adapter.submit_store_task(keys, objs)
                 with store_lock:
                     task_ids.append(task)
+                    stored_objs.extend(objs)
         except BaseException as exc:
             errors.append(exc)
 
@@ -396,7 +401,11 @@ def test_concurrent_controllers_are_safe(tmp_path: Path,
         wait_fd(adapter.get_store_event_fd())
         done.update(adapter.pop_completed_store_tasks())
     assert all(done[t].is_successful() for t in task_ids)
-    assert lookup(adapter, make_keys(18, start=1000)) == [True] * 18
+    stored_keys = make_keys(18, start=1000)
+    assert lookup(adapter, stored_keys) == [True] * 18
+    dest = make_objs(18, seed=None)
+    assert load(adapter, stored_keys, dest) == [True] * 18
+    assert all(same(a, b) for a, b in zip(stored_objs, dest, strict=True))
 
 
 def test_report_status(tmp_path: Path, open_adapter: AdapterFactory) -> None:
