@@ -499,3 +499,47 @@ def test_a_finished_read_never_hands_back_a_batch_allocated_after_it(
     written = (tmp_path / REL).parent
     assert all(written.joinpath(f"w{i}.kv").stat().st_size == HEADER_SIZE + 4096
                for i in range(rounds))
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
+        tmp_path: Path, kind: str) -> None:
+    """A submitter that found the engine open may push its batch only after ``close()`` let
+    every worker go (a submitter preempted between the two, or here: an item whose fd is read
+    through Python code that closes the engine).  Such a batch ran on no thread and never came
+    back: ``wait()`` never said the engine was drained, so closing a store hung.  It is now
+    refused (the engine is closed) or run and handed back."""
+    n = 4096
+    write_python(tmp_path, payload_for(n))
+    engine = _native.Engine(1, 1, 64 * MIB)
+    fd = root_descriptor(tmp_path)
+
+    class ClosesTheEngine:
+        def __index__(self) -> int:
+            engine.close()
+            return fd
+
+    closing = ClosesTheEngine()
+    dest = dest_for(n, "aligned")
+    if kind == "read":
+        items: list[tuple[object, ...]] = [item(tmp_path, dest, n)._replace(root_fd=closing)]
+        submit = engine.submit_read
+    else:
+        items = [write_item(tmp_path, memoryview(payload_for(n)), name="late.kv")._replace(
+            root_fd=closing)]
+        submit = engine.submit_write
+    try:
+        submit(items, "late")
+        submitted = True
+    except RuntimeError as exc:
+        assert "closed" in str(exc)
+        submitted = False
+    handed_back = []
+    for _ in range(50):  # up to ~10 s
+        if (done := engine.wait(0.2)) is None:
+            break
+        handed_back += done
+    else:
+        pytest.fail("wait() never reported the closed engine drained: a batch was lost")
+    assert [(token, statuses) for token, (statuses, _) in handed_back] == \
+        ([("late", bytes([native.OK]))] if submitted else [])

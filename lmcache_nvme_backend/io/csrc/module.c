@@ -87,7 +87,13 @@ typedef struct batch {
  * with few cores a worker holding the queues' mutex can be descheduled for a whole time
  * slice.  Batches are pushed onto a lock-free stack (`incoming`) and the workers woken by
  * semaphores (posts never wait); a worker moves the stack into the FIFO queues under `mu`.
- * Workers recheck the queues before they sleep, so a post is only a wake-up. */
+ * Workers recheck the queues before they sleep, so a post is only a wake-up.
+ *
+ * Closing seals the stack (`incoming` becomes SEALED, which refuses every later push): a
+ * submitter that found the engine open can push after close() let the workers go, and a
+ * batch pushed then would run on no thread and never come back.  A worker seals only once
+ * stopped, with its queue and the stack empty under `mu`, and leaves only once it is sealed,
+ * so every batch pushed before runs. */
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
@@ -108,6 +114,9 @@ typedef struct {
     int readers_started, writers_started, readers_wanted;
     size_t task_size;
 } Engine;
+
+static batch sealed_marker;
+#define SEALED (&sealed_marker)
 
 /* -- batches ----------------------------------------------------------------------------- */
 
@@ -358,15 +367,26 @@ static chunk_piece *pop_piece(Engine *self) {
     return p;
 }
 
+static PyObject *closed_error(void) {
+    PyErr_SetString(PyExc_RuntimeError, "the native I/O engine is closed");
+    return NULL;
+}
+
 /* Hands a batch to the threads without waiting for any of them (see Engine); returns how
- * many workers to wake for it.  The batch may be finished (and freed) by the time this
- * returns, so nothing of it is read after it is pushed. */
+ * many workers to wake for it, or -1 when the engine is closed (the batch is not taken).
+ * The batch may be finished (and freed) by the time this returns, so nothing of it is read
+ * after it is pushed. */
 static int push_batch(Engine *self, batch *b) {
-    size_t work = b->kind == BATCH_READ ? b->npieces : (size_t)b->n;
-    int threads = b->kind == BATCH_READ ? self->nthreads : self->nwthreads;
-    if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
+    int reading = b->kind == BATCH_READ;
+    size_t work = reading ? b->npieces : (size_t)b->n;
+    int threads = reading ? self->nthreads : self->nwthreads;
+    if (reading) atomic_fetch_add(&self->reads_in_flight, 1);
     batch *top = atomic_load(&self->incoming);
     do {
+        if (top == SEALED) {
+            if (reading) atomic_fetch_sub(&self->reads_in_flight, 1);
+            return -1;
+        }
         b->incoming = top;
     } while (!atomic_compare_exchange_weak(&self->incoming, &top, b));
     return work < (size_t)threads ? (int)work : threads;
@@ -376,18 +396,20 @@ static void wake(sem_t *sem, int count) {
     for (int i = 0; i < count; i++) sem_post(sem);
 }
 
-/* Pushes an asynchronous batch and wakes its workers.  Waking a sleeping thread is a system
- * call that costs a VM tens of microseconds, so it happens without the GIL (as LMCache's
- * native connectors submit); while every worker is busy, or every sleeper already has a
- * wake on its way (a woken writer, at nice 10, may take a while to run), a post is an atomic
- * add or a futex call that finds no one to wake, and the GIL is kept.  Every post is made
- * either way: ``waking`` only decides whether to let go of the GIL. */
-static void push_and_wake(Engine *self, batch *b) {
+/* Pushes an asynchronous batch and wakes its workers (0), or refuses it when closed (-1).
+ * Waking a sleeping thread is a system call that costs a VM tens of microseconds, so it
+ * happens without the GIL (as LMCache's native connectors submit); while every worker is
+ * busy, or every sleeper already has a wake on its way (a woken writer, at nice 10, may take
+ * a while to run), a post is an atomic add or a futex call that finds no one to wake, and
+ * the GIL is kept.  Every post is made either way: ``waking`` only decides whether to let go
+ * of the GIL. */
+static int push_and_wake(Engine *self, batch *b) {
     int reading = b->kind == BATCH_READ;
     sem_t *sem = reading ? &self->read_sem : &self->write_sem;
     atomic_int *sleepers = reading ? &self->read_sleepers : &self->write_sleepers;
     atomic_int *waking = reading ? &self->read_waking : &self->write_waking;
     int count = push_batch(self, b);
+    if (count < 0) return -1;
     int asleep = atomic_load(sleepers) - atomic_load(waking);
     if (asleep > 0) {
         atomic_fetch_add(waking, count < asleep ? count : asleep);
@@ -398,6 +420,7 @@ static void push_and_wake(Engine *self, batch *b) {
     } else {
         wake(sem, count);
     }
+    return 0;
 }
 
 /* A worker sleeps until a post (and no longer counts as being woken). */
@@ -411,7 +434,10 @@ static void sleep_on(sem_t *sem, atomic_int *sleepers, atomic_int *waking) {
 
 /* Moves submitted batches into the FIFO queues, oldest first.  Called with mu held. */
 static void drain_incoming(Engine *self) {
-    batch *stack = atomic_exchange(&self->incoming, NULL), *fifo = NULL;
+    batch *stack = atomic_load(&self->incoming), *fifo = NULL;
+    while (stack && stack != SEALED &&
+           !atomic_compare_exchange_weak(&self->incoming, &stack, NULL)) {}
+    if (stack == SEALED) stack = NULL; /* sealed empty: nothing was pushed since */
     while (stack) { /* reverse: the stack holds the newest first */
         batch *next = stack->incoming;
         stack->incoming = fifo;
@@ -437,6 +463,20 @@ static void drain_incoming(Engine *self) {
             }
         }
     }
+}
+
+/* Whether a stopped worker whose queue is empty may leave: it seals the empty stack (or
+ * finds it sealed), after which nothing can be pushed; a wait() then may see the engine
+ * drained.  Called with mu held, so no batch is between the stack and a queue.  A stopped
+ * worker that may not leave (a batch was pushed after its drain) goes round again rather
+ * than sleep: the batch's posts may be for the other workers, and close() posts only once. */
+static int may_leave(Engine *self) {
+    if (!atomic_load(&self->stop)) return 0;
+    batch *empty = NULL;
+    if (!atomic_compare_exchange_strong(&self->incoming, &empty, SEALED) && empty != SEALED)
+        return 0;
+    pthread_cond_broadcast(&self->done_cv);
+    return 1;
 }
 
 /* The next write job.  Called with mu held. */
@@ -470,12 +510,13 @@ static void *read_worker(void *arg) {
         pthread_mutex_lock(&self->mu);
         drain_incoming(self);
         chunk_piece *p = pop_piece(self);
+        int leave = p == NULL && may_leave(self);
         pthread_mutex_unlock(&self->mu);
         if (p) {
             run_piece(self, p);
-        } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
+        } else if (leave) {
             break; /* stopped and drained */
-        } else {
+        } else if (!atomic_load(&self->stop)) { /* stopped: never sleeps (see may_leave) */
             sleep_on(&self->read_sem, &self->read_sleepers, &self->read_waking);
         }
     }
@@ -492,6 +533,7 @@ static void *write_worker(void *arg) {
         pthread_mutex_lock(&self->mu);
         drain_incoming(self);
         write_job *j = pop_write(self);
+        int leave = j == NULL && may_leave(self);
         if (j && atomic_load(&self->reads_in_flight) > 0 && !atomic_load(&self->stop)) {
             struct timespec until; /* reads go first, for a while */
             clock_gettime(CLOCK_REALTIME, &until);
@@ -506,9 +548,9 @@ static void *write_worker(void *arg) {
         pthread_mutex_unlock(&self->mu);
         if (j) {
             run_write(self, j);
-        } else if (atomic_load(&self->stop) && atomic_load(&self->incoming) == NULL) {
+        } else if (leave) {
             break; /* stopped and drained */
-        } else {
+        } else if (!atomic_load(&self->stop)) { /* stopped: never sleeps (see may_leave) */
             sleep_on(&self->write_sem, &self->write_sleepers, &self->write_waking);
         }
     }
@@ -589,9 +631,10 @@ static PyObject *Engine_thread_ids(Engine *self, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* A quick refusal before a batch is built; push_batch has the last word. */
 static int engine_open(Engine *self) {
     if (self->threads == NULL || atomic_load(&self->stop)) {
-        PyErr_SetString(PyExc_RuntimeError, "the native I/O engine is closed");
+        closed_error();
         return 0;
     }
     return 1;
@@ -602,26 +645,42 @@ static PyObject *Engine_read(Engine *self, PyObject *items) {
     batch *b = read_batch_new(self, items);
     if (b == NULL) return NULL;
     if (b->n) {
+        int count;
         RELEASE_GIL_BEGIN
-        wake(&self->read_sem, push_batch(self, b));
-        help_until_done(self, b);
+        count = push_batch(self, b);
+        if (count >= 0) {
+            wake(&self->read_sem, count);
+            help_until_done(self, b);
+        }
         RELEASE_GIL_END
+        if (count < 0) {
+            batch_free(b);
+            return closed_error();
+        }
     }
     return batch_results(b);
 }
 
-/* Hands an asynchronous batch to the threads; it comes back from wait(). */
+/* Hands an asynchronous batch to the threads; it comes back from wait().  It counts as
+ * pending before it can be refused, so a wait() that saw the engine sealed with nothing
+ * pending never misses it; a refusal wakes a wait() that saw it pending. */
 static PyObject *submit(Engine *self, batch *b, PyObject *token) {
     b->async = 1;
     Py_INCREF(token);
     b->token = token;
     atomic_fetch_add(&self->async_pending, 1);
-    if (b->n == 0) { /* nothing to do: finished at once (this takes mu, rarely) */
+    if (b->n == 0 && atomic_load(&self->incoming) != SEALED) {
+        /* nothing to do: finished at once (this takes mu, rarely) */
         atomic_store(&b->left, 1);
         if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
         batch_request_done(self, b);
-    } else {
-        push_and_wake(self, b);
+    } else if (b->n == 0 || push_and_wake(self, b) < 0) {
+        atomic_fetch_sub(&self->async_pending, 1);
+        pthread_mutex_lock(&self->mu);
+        pthread_cond_broadcast(&self->done_cv);
+        pthread_mutex_unlock(&self->mu);
+        batch_free(b);
+        return closed_error();
     }
     Py_RETURN_NONE;
 }
@@ -667,8 +726,14 @@ static batch *take_done(Engine *self) {
     return done;
 }
 
+/* Whether the engine is closed and drained: sealed (nothing more can come) and every
+ * asynchronous batch taken. */
+static int drained(Engine *self) {
+    return atomic_load(&self->incoming) == SEALED && atomic_load(&self->async_pending) == 0;
+}
+
 /* Waits up to ``timeout`` seconds for finished batches (without the GIL); sets ``closed``
- * when the engine stopped and nothing is left. */
+ * when the engine is closed and drained. */
 static batch *wait_done(Engine *self, double timeout, int *closed) {
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
@@ -679,12 +744,11 @@ static batch *wait_done(Engine *self, double timeout, int *closed) {
         until.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&self->mu);
-    while (self->done_head == NULL &&
-           !(atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0)) {
+    while (self->done_head == NULL && !drained(self)) {
         if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
     }
     batch *done = take_done(self);
-    *closed = done == NULL && atomic_load(&self->stop) && atomic_load(&self->async_pending) == 0;
+    *closed = done == NULL && drained(self);
     pthread_mutex_unlock(&self->mu);
     return done;
 }
@@ -756,18 +820,16 @@ done:
     return result;
 }
 
+/* Only the first caller stops and joins the threads (two close() calls at once would join
+ * each thread twice); the others return at once, and wait() tells when all is drained. */
 static void engine_stop(Engine *self) {
-    if (self->threads == NULL || atomic_load(&self->stop)) return;
+    if (self->threads == NULL || atomic_exchange(&self->stop, 1)) return;
     pthread_mutex_lock(&self->mu);
-    atomic_store(&self->stop, 1);
-    pthread_cond_broadcast(&self->done_cv);
+    pthread_cond_broadcast(&self->done_cv); /* writers waiting for reads go at once */
     pthread_mutex_unlock(&self->mu);
     for (int i = 0; i < self->nthreads; i++) sem_post(&self->read_sem);
     for (int i = 0; i < self->nwthreads; i++) sem_post(&self->write_sem);
     for (int i = 0; i < self->nthreads + self->nwthreads; i++) pthread_join(self->threads[i], NULL);
-    pthread_mutex_lock(&self->mu);
-    pthread_cond_broadcast(&self->done_cv); /* a wait() sees the drained engine */
-    pthread_mutex_unlock(&self->mu);
 }
 
 static PyObject *Engine_close(Engine *self, PyObject *Py_UNUSED(ignored)) {
