@@ -32,7 +32,12 @@ After two warm-up rounds the child runs ``--seconds`` of rounds and reports:
   traced child (``sys.setprofile`` in every thread, a few rounds): blocking system calls of
   ``os``/``select``/``time``, ``Condition.wait``, hashing, the ``openat2`` ctypes call, plus
   the exact count our native engine keeps of its own releases (split into the wakes of
-  idle workers and the rest).
+  idle workers and the rest);
+* Python calls per chunk (functions and built-ins, every thread, from the same traced
+  child): the Python work per chunk, counted rather than timed, so it does not move with
+  the machine's noise; split by thread in the JSON.  A call's cost varies (a built-in that
+  parses a batch is not a ``len``), so it is a guide to where the GIL time goes, not a
+  measure of it.
 
 The filesystem matters for the CPU figures: ext4 *without* a journal (``journal_task``
 under ``/sys/fs/ext4/<dev>/`` says ``<none>``) skips every inode deleted in the last minute
@@ -95,6 +100,11 @@ RELEASING = {
      "_xxhash.xxh3_64_intdigest", "_xxhash.xxh3_64_digest", "_xxhash.xxh64_intdigest",
      "_xxhash.xxh3_128_hexdigest"}
 RELEASING_PY = {"Condition.wait", "_Openat2.__call__"}
+
+
+def thread_group(name: str) -> str:
+    """A thread's name without its number (``nvme-writer-3`` -> ``nvme-writer``)."""
+    return name.rstrip("0123456789").rstrip("-_") or name
 
 
 def shape_for(size_mb: int) -> dict[str, int]:
@@ -239,6 +249,7 @@ class Tracer:
     def __init__(self, adapter_files: tuple[str, ...]) -> None:
         self.adapter_files = adapter_files
         self.counts: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()  # every call, by thread
         self.active = False
 
     def _under_adapter(self, frame: Any) -> bool:
@@ -252,6 +263,8 @@ class Tracer:
     def hook(self, frame: Any, event: str, arg: Any) -> None:
         if not self.active:
             return
+        if event in ("call", "c_call"):
+            self.calls[thread_group(threading.current_thread().name)] += 1
         if event == "c_call":
             owner = getattr(arg, "__self__", None)
             module = getattr(arg, "__module__", None) or type(owner).__module__
@@ -286,6 +299,7 @@ def child(args: argparse.Namespace) -> int:
                                 before=lambda: setattr(tracer, "active", True))
             tracer.active = False
             result["trace"] = dict(tracer.counts)
+            result["python_calls"] = dict(tracer.calls)
         else:
             result = driver.run(args.op, args.seconds, None)
         print("RESULT " + json.dumps(result), flush=True)
@@ -325,7 +339,11 @@ def trace(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dict[
     if native:
         what["native engine: waking idle workers"] = round(wakes / chunks, 2)
         what["native engine: waiting, unlink, reads"] = round((native - wakes) / chunks, 2)
-    return {"releases_per_chunk": (calls + native) / chunks, "what": what}
+    per_thread = {k: round(v / chunks, 1) for k, v in sorted(
+        result["python_calls"].items(), key=lambda kv: -kv[1])}
+    return {"releases_per_chunk": (calls + native) / chunks, "what": what,
+            "python_calls_per_chunk": sum(result["python_calls"].values()) / chunks,
+            "python_calls_by_thread": per_thread}
 
 
 def med(values: list[float]) -> str:
@@ -336,8 +354,9 @@ def table(runs: list[dict[str, Any]], traces: dict[str, dict[str, Any]],
           systems: list[str], sizes: list[int], ops: list[str]) -> list[str]:
     lines = ["| object | op | system | GiB/s | CPU-s/GiB | of which checksum | GIL-s/GiB "
              "| of which main thread | GIL CPU-s/GiB | ceiling GiB/s | GIL vs fs_native "
-             "(CPU) | GIL acquisitions / chunk | adapter's releasing calls / chunk |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(CPU) | GIL acquisitions / chunk | adapter's releasing calls / chunk "
+             "| Python calls / chunk |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         for op in ops:
             def pick(system: str, metric: str, op: str = op,
@@ -364,7 +383,8 @@ def table(runs: list[dict[str, Any]], traces: dict[str, dict[str, Any]],
                          f"{ratio(system, 'gil_s_per_gib')} "
                          f"({ratio(system, 'gil_cpu_s_per_gib')})" + ("" if ok else " FAILED"),
                          med(pick(system, "gil_acquisitions_per_chunk")),
-                         f"{tr['releases_per_chunk']:.2f}" if tr else "n/a"]
+                         f"{tr['releases_per_chunk']:.2f}" if tr else "n/a",
+                         f"{tr['python_calls_per_chunk']:.0f}" if tr else "n/a"]
                 lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -43,7 +43,6 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
-from ..disk.format import file_size_for
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
@@ -223,18 +222,24 @@ class NVMeL2Adapter(L2AdapterInterface):
     def _chunk_released(self, task: _StoreTask) -> None:
         if next(task.released) < task.shares:
             return
-        persisted = [w for w in task.writes if w.persisted]
-        ok = not task.refused and len(persisted) + task.duplicates == len(task.writes)
-        stored = [(k, w.digest, file_size_for(w.nbytes))
-                  for k, w in zip(task.keys, task.writes, strict=True) if w.persisted and w.nbytes]
+        persisted = nbytes = 0
+        keys, sizes, digests = [], [], []
+        for key, write in zip(task.keys, task.writes, strict=True):
+            if write.persisted:
+                persisted += 1
+                nbytes += write.nbytes
+                if write.nbytes:
+                    keys.append(key)
+                    sizes.append(write.file_size)
+                    digests.append(write.digest)
+        ok = not task.refused and persisted + task.duplicates == len(task.writes)
         with self._lock:
             del self._store_tasks[task.task_id]
-            for key, digest, size in stored:
+            for key, digest, size in zip(keys, digests, sizes, strict=True):
                 self._reported[digest] = (key, size)
-            self._completed_stores[task.task_id] = L2StoreResult(
-                ok, sum(w.nbytes for w in persisted))
-        if stored:
-            self._notify_keys_stored([k for k, _, _ in stored], [s for _, _, s in stored])
+            self._completed_stores[task.task_id] = L2StoreResult(ok, nbytes)
+        if keys:
+            self._notify_keys_stored(keys, sizes)
         self._store_efd.notify()
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:

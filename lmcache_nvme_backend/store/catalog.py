@@ -176,13 +176,15 @@ class Catalog:
         self.publish_many([(entry, reserved)])
 
     def publish_many(self, published: Iterable[tuple[IndexEntry, int]]) -> None:
-        """``publish`` for several chunks under one lock hold (shared mode: the entries are
-        this member's, and its account hears of each, outside the lock)."""
+        """``publish`` for several chunks under one lock hold, each no longer pending
+        (shared mode: the entries are this member's, and its account hears of each, outside
+        the lock)."""
         done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
             for entry, reserved in published:
                 if self.members:
                     entry.owner = self.members[entry.root]
+                self._pending.pop(entry.digest, None)
                 self._index.release(entry.root, reserved)
                 done.append((entry, self._index.get(entry.digest), reserved))
                 self._index.add(entry)

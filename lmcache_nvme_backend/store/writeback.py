@@ -60,19 +60,21 @@ class WriteBackQueue:
         self._bytes = 0
         self._unfinished = 0  # jobs enqueued and not yet done (zero-byte ones included)
         self._closed = False
+        self._waiting = 0  # producers waiting for room, and flushes: done_many wakes them
         lock = threading.Lock()
+        self._lock = lock
         self._cond = threading.Condition(lock)
         # Writers wait for jobs, producers (policy "wait") for room: separate wake-ups.
         self._has_jobs = threading.Condition(lock)
 
     @property
     def bytes_held(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._bytes
 
     @property
     def depth(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._jobs)
 
     def offer_many(self, jobs: list[ChunkWrite], wait_s: float,
@@ -85,13 +87,13 @@ class WriteBackQueue:
         """
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
-        with self._cond:
+        with self._lock:
             for job in jobs:
                 while not self._closed and self._bytes + job.nbytes > self.capacity:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
-                    self._cond.wait(remaining)
+                    self._wait(remaining)
                 fits = not self._closed and self._bytes + job.nbytes <= self.capacity
                 if fits:
                     if not hand_over:
@@ -106,7 +108,7 @@ class WriteBackQueue:
     def take_share(self, takers: int, most: int) -> list[ChunkWrite]:
         """This taker's share of the queued jobs (1 / ``takers`` of them, at least one, at
         most ``most``), blocking; empty once the queue is closed and empty."""
-        with self._cond:
+        with self._lock:
             while not self._jobs and not self._closed:
                 self._has_jobs.wait()
             count = min(most, max(1, -(-len(self._jobs) // takers)), len(self._jobs))
@@ -114,25 +116,35 @@ class WriteBackQueue:
 
     def done_many(self, jobs: list[ChunkWrite]) -> None:
         """The jobs were written (or dropped): their bytes and count leave the queue."""
-        with self._cond:
-            self._bytes -= sum(job.nbytes for job in jobs)
+        freed = sum(job.nbytes for job in jobs)
+        with self._lock:  # on every write's completion: no notify when no one waits
+            self._bytes -= freed
             self._unfinished -= len(jobs)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
+
+    def _wait(self, timeout_s: float) -> None:
+        """Wait (holding the lock) for ``done_many`` or ``close``."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout_s)
+        finally:
+            self._waiting -= 1
 
     def wait_empty(self, timeout_s: float) -> bool:
         """Wait until every enqueued job is done (a zero-byte one too); False on timeout."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             while self._bytes > 0 or self._unfinished > 0:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cond.wait(remaining)
+                self._wait(remaining)
             return True
 
     def close(self) -> list[ChunkWrite]:
         """Stop accepting jobs; return the ones never taken (the caller ends them)."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             left = list(self._jobs)
             self._jobs.clear()

@@ -354,7 +354,10 @@ class ChunkWriter:
                 else:
                     self._settle(job, root, size, error, seconds)
         finally:
-            self._finish([job for job, _, _ in placed])
+            jobs = [job for job, _, _ in placed]
+            if unpublished := [job.digest for job in jobs if not job.persisted]:
+                self._catalog.end_pending(unpublished)  # publishing ended the others'
+            self._end_jobs(jobs)
 
     def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
                       result: native.Batch) -> dict[int, OSError]:

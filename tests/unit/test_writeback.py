@@ -69,9 +69,9 @@ def job() -> MakeJob:
 @pytest.fixture
 def queue() -> Iterator[WriteBackQueue]:
     q = WriteBackQueue(CAPACITY)
-    cond = SignallingCondition()
+    cond = SignallingCondition(q._lock)
     q._cond = cond  # type: ignore[assignment]
-    q._has_jobs = SignallingCondition(cond, cond.waiting)  # type: ignore[assignment]
+    q._has_jobs = SignallingCondition(q._lock, cond.waiting)  # type: ignore[assignment]
     yield q
     q.close()
 
