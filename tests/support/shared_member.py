@@ -4,11 +4,13 @@
 Run as ``python -m support.shared_member ROLE CACHE --budget-bytes N ...``:
 
 ``writer``  stores ``<prefix>-0``, ``<prefix>-1``, ... as fast as the store takes them for
-            ``--seconds``; between batches it looks up and reads recent chunks of the
+            ``--seconds`` (with ``--chunks N``: until N are written, ``--seconds`` the
+            limit); between batches it looks up and reads recent chunks of the
             members named in ``--peers`` (how far each got: ``--progress``) and compares
             every byte.
 ``hot``     stores ``--hot`` chunks, prints ``HOT``, then reads them again and again
-            (lookup, read, compare) for ``--seconds``.
+            (lookup, read, compare) for ``--seconds`` (with ``--until FILE``: until that
+            file exists, ``--seconds`` the limit).
 
 It prints ``READY <member ids>`` once its store is open (and, with ``--go FILE``, starts
 when that file exists, so that all members start together), and one JSON line at the end.
@@ -70,7 +72,7 @@ def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None
     rng = random.Random(args.prefix)
     deadline = time.monotonic() + args.seconds
     written = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (args.chunks is None or written < args.chunks):
         for _ in range(BATCH):
             _put(store, f"{args.prefix}-{written}", args.size)
             written += 1
@@ -100,7 +102,7 @@ def hot(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
     store.flush(60)
     print("HOT", flush=True)
     deadline = time.monotonic() + args.seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (args.until is not None and args.until.exists()):
         for key in keys:
             _check(store, key, args.size, counts, "hot")
         time.sleep(args.pause)
@@ -118,6 +120,8 @@ def main() -> None:
     parser.add_argument("--peers", default="")
     parser.add_argument("--hot", type=int, default=8)
     parser.add_argument("--pause", type=float, default=0.05)
+    parser.add_argument("--chunks", type=int, help="writer: stop once this many are written")
+    parser.add_argument("--until", type=Path, help="hot: stop once this file exists")
     parser.add_argument("--go", type=Path, help="start once this file exists")
     parser.add_argument("--progress", type=Path,
                         help="directory where writers say how far they got")
