@@ -192,8 +192,7 @@ class ChunkWriter:
                                  len(jobs))
                 self._stats.add(Counter.WRITE_FAILURES, len(jobs))
             finally:
-                self._catalog.end_pending(job.digest for job in jobs)
-                self._end_jobs(jobs)
+                self._finish(jobs)
 
     def _persist(self, jobs: list[ChunkWrite]) -> None:
         """Place, reserve, write and publish a batch through the Python engine."""
@@ -354,10 +353,7 @@ class ChunkWriter:
                 else:
                     self._settle(job, root, size, error, seconds)
         finally:
-            jobs = [job for job, _, _ in placed]
-            if unpublished := [job.digest for job in jobs if not job.persisted]:
-                self._catalog.end_pending(unpublished)  # publishing ended the others'
-            self._end_jobs(jobs)
+            self._finish([job for job, _, _ in placed])
 
     def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
                       result: native.Batch) -> dict[int, OSError]:
@@ -383,11 +379,10 @@ class ChunkWriter:
 
     def _finish(self, jobs: list[ChunkWrite]) -> None:
         """The jobs ended (written or not): no longer pending, buffers released."""
-        if jobs:
-            self._catalog.end_pending(job.digest for job in jobs)
-            self._end_jobs(jobs)
-
-    def _end_jobs(self, jobs: list[ChunkWrite]) -> None:
+        if not jobs:
+            return
+        if unpublished := [job.digest for job in jobs if not job.persisted]:
+            self._catalog.end_pending(unpublished)  # publishing ended the others'
         try:
             for job in jobs:
                 try:
@@ -408,9 +403,7 @@ class ChunkWriter:
             if self.native is not None:  # writes not started end as cancelled
                 self.native.cancel_writes()
                 self.flush(CANCEL_WAIT_S)
-        left = self._queue.close()
-        self._catalog.end_pending(job.digest for job in left)
-        self._end_jobs(left)
+        self._finish(self._queue.close())
         for t in self.threads:
             t.join()
 

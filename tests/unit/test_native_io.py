@@ -505,7 +505,7 @@ def test_a_finished_read_never_hands_back_a_batch_allocated_after_it(
 def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
         tmp_path: Path, kind: str) -> None:
     """A submitter that found the engine open may push its batch only after ``close()`` let
-    every worker go (a submitter preempted between the two, or here: an item whose fd is read
+    every worker go, if it lets go of the GIL in between (here: an item whose fd is read
     through Python code that closes the engine).  Such a batch ran on no thread and never came
     back: ``wait()`` never said the engine was drained, so closing a store hung.  It is now
     refused (the engine is closed) or run and handed back."""
