@@ -8,8 +8,9 @@ requests), configured with the recipe's config file (only the port changed):
 1. ``store``: three prompts arrive cold and finish; LMCRadixCache stores the whole chunks
    (four: the short prompt has none).
 2. ``load`` after ``POST /cache/clear``: a fresh SGLang process (empty radix tree) hits
-   both long prompts in full, loads them from the NVMe files, byte for byte; with 320
-   tokens of one in its radix tree, it loads only the rest of the hit.
+   both long prompts in full, loads them from the NVMe files, byte for byte; with L1
+   emptied again and 320 tokens of one in its radix tree, it loads only the rest of the
+   hit (one chunk from its file), byte for byte.
 3. ``load`` after a server restart: the same, from the files the new server recovered.
 """
 
@@ -52,7 +53,8 @@ def run_sglang(python: Path, model: Path, server: MPServer, page_size: int, phas
     config_file.write_text(yaml.safe_dump(config))
     proc = subprocess.run(module_command(DRIVER, "radix", "--model", model, "--config",
                                          config_file, "--page-size", str(page_size),
-                                         "--phase", phase, python=python),
+                                         "--phase", phase, "--http", server.http,
+                                         python=python),
                           capture_output=True, text=True, timeout=RUN_S, env=child_env(**ENV))
     report = reports.find(proc.stdout)
     if report is not None:
@@ -64,6 +66,10 @@ def run_sglang(python: Path, model: Path, server: MPServer, page_size: int, phas
 
 
 def assert_loaded(report: dict[str, Any]) -> None:
+    """A and B loaded in full from the files (two chunks each), byte for byte; then, with
+    320 tokens of B in the radix tree and B's first chunk in L1, the rest of B's hit (its
+    second chunk) from the file."""
+    assert (report["ab_reads"], report["partial_reads"]) == (4, 1), report
     for name in ("a", "b"):
         assert report[name] == {"host_hit_length": 2 * CHUNK, "radix": 0,
                                 "loaded": 2 * CHUNK, "mismatches": 0}, name
@@ -85,11 +91,11 @@ def test_sglang_lmc_radix_cache_through_nvme_l2(page_size: int, sglang_python: P
 
     server.clear_l1()
     assert_loaded(run_sglang(sglang_python, tiny_model, server, page_size, "load", tmp_path))
-    assert server.status()["read_chunks"] - status["read_chunks"] == 4  # from the files
+    assert server.status()["read_chunks"] - status["read_chunks"] == 5  # from the files
     server.stop()
 
     server = start_server(cache_dir, "server2")
     assert server.status()["recovered_entries"] == 4
     assert_loaded(run_sglang(sglang_python, tiny_model, server, page_size, "load", tmp_path))
     after = server.status()
-    assert after["read_chunks"] == 4 and after["checksum_failures"] == 0
+    assert after["read_chunks"] == 5 and after["checksum_failures"] == 0

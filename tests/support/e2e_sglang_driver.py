@@ -13,8 +13,11 @@ the forward pass would, ``support.sglang_side.prompt_kv``), ``cache_finished_req
 * ``store``: prompts A (700 tokens), B (600) and a short one (200) arrive cold and finish;
   LMCRadixCache stores their whole chunks.
 * ``load`` (a fresh process: empty radix tree, fresh pools): A and B hit LMCache in full and
-  load back, byte for byte; then B's first 320 tokens are in the radix tree (a finished
-  request inserted them) and a new B request loads only the rest of B's hit.
+  load back, byte for byte; then, with the server's L1 emptied again, B's first 320 tokens
+  are in the radix tree (a finished request inserted them, and stored B's first chunk in
+  L1) and a new B request loads only the rest of B's hit: its second chunk, from the file.
+  The report counts the adapter's chunk reads of each step (``--http``: the server's
+  HTTP address).
 
 Prints its report (``support.reports``), with its pid: the test checks that the process
 left no shared-memory segment behind (it unlinks its pools' names as a normal exit would).
@@ -37,7 +40,7 @@ for _k, _v in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
 import torch  # noqa: E402
 
 from support import reports, sglang_cpu  # noqa: E402
-from support.mp_server import shm_segments  # noqa: E402
+from support.mp_server import adapter_status, clear_l1, settle, shm_segments  # noqa: E402
 from support.sglang_side import ModelShape, prompt_kv  # noqa: E402
 from support.sglang_workload import PROMPT_A, PROMPT_B, SHORT  # noqa: E402
 
@@ -153,8 +156,9 @@ def store(s: Scheduler) -> dict[str, Any]:
     return report
 
 
-def load(s: Scheduler) -> dict[str, Any]:
+def load(s: Scheduler, http: str) -> dict[str, Any]:
     report: dict[str, Any] = {}
+    reads = adapter_status(http)["read_chunks"]
     for name, tokens in (("a", PROMPT_A), ("b", PROMPT_B)):
         req = s.request(f"{name}-load", tokens)
         admitted = s.admit(req)
@@ -162,10 +166,18 @@ def load(s: Scheduler) -> dict[str, Any]:
                         "radix": len(admitted["radix"]), "loaded": len(admitted["loaded"]),
                         "mismatches": s.mismatches(admitted["loaded"], tokens[:512], 0)}
         s.finish(req, torch.cat([admitted["radix"], admitted["loaded"]]))
-    # A fresh tree with B's first RADIX_PART tokens, then B again.
+    report["ab_reads"] = adapter_status(http)["read_chunks"] - reads
+    # A fresh tree with B's first RADIX_PART tokens, then B again.  The server commits what
+    # ``store_kv`` handed it after the call returns, and whether L1 took A's and B's chunks
+    # again depends on how those stores met the retrieves' temporary copies: let it settle
+    # and empty L1, so that what B finds where is fixed.
+    settle(http)
+    clear_l1(http)
     s.cache.reset()
+    reads = adapter_status(http)["read_chunks"]
     part = s.request("b-part", PROMPT_B[:RADIX_PART])
     s.finish(part, torch.empty(0, dtype=torch.int64))
+    settle(http)  # B's first chunk, stored by that request, is in L1
     req = s.request("b-partial", PROMPT_B)
     admitted = s.admit(req)
     radix = admitted["radix"]
@@ -174,6 +186,7 @@ def load(s: Scheduler) -> dict[str, Any]:
         "loaded": len(admitted["loaded"]),
         "mismatches": s.mismatches(admitted["loaded"], PROMPT_B[:512], len(radix)),
         "radix_mismatches": s.mismatches(radix, PROMPT_B[: len(radix)], 0)}
+    report["partial_reads"] = adapter_status(http)["read_chunks"] - reads
     return report
 
 
@@ -185,9 +198,10 @@ def main() -> None:
     r.add_argument("--config", required=True)
     r.add_argument("--page-size", type=int, default=1)
     r.add_argument("--phase", choices=["store", "load"], required=True)
+    r.add_argument("--http", required=True, help="the lmcache server's HTTP address")
     args = parser.parse_args()
     scheduler = Scheduler(args.model, args.config, args.page_size)
-    report = (store if args.phase == "store" else load)(scheduler)
+    report = store(scheduler) if args.phase == "store" else load(scheduler, args.http)
     report["pid"] = os.getpid()
     scheduler.cache.lmcache_connector.close()
     # The pools live in POSIX shared memory (LMCache moved them there to share them with

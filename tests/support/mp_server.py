@@ -71,6 +71,26 @@ def clear_l1(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
         time.sleep(0.1)
 
 
+def settle(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait until the server has nothing in flight: no L1 object staged or locked (a store
+    that ``store_kv`` has returned from may still be staged; a retrieve's temporary copies
+    stay until it is done) and no L2 write pending.  Its L1 status then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = http_json(f"{http}/status")["storage_manager"]
+        l1, (adapter,) = status["l1_manager"], status["l2_adapters"]
+        busy = {name: l1[name] for name in ("staging_object_count", "write_locked_count",
+                                            "read_locked_count", "temporary_count")
+                if l1[name]}
+        if adapter["pending_writes"]:
+            busy["pending_writes"] = adapter["pending_writes"]
+        if not busy:
+            return l1  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server is still busy after {timeout_s:.0f} s: {busy}")
+        time.sleep(0.05)
+
+
 def wait_persisted(http: str, entries: int, timeout_s: float = 60.0) -> dict[str, Any]:
     """Wait until the adapter holds ``entries`` chunks and has no write pending (the
     server writes L1 to L2 in the background); its status then."""
