@@ -53,6 +53,18 @@ Medians over ``--runs`` (systems in rotated order each run), then a Markdown tab
 
     sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive
 
+``--paired`` measures the same figures differently: one child per size and op holds every
+system, prepares each, then measures ``--windows`` windows of ``--seconds`` (2) per system,
+taking the systems in turn (order rotated each window).  Each window of ours has a window of
+``fs_native`` next to it, on the same machine state, in the same process, so the ratio of a
+pair cancels what moves between runs and processes (on this 2-vCPU machine single runs of
+the separate mode span 1.0-1.8x); the table gives each figure's median for both and the
+median of the per-window ratios with their range.  The other systems' threads sit idle in
+the process meanwhile (they hold no GIL); no traced child in this mode::
+
+    sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive \
+        --paired --systems nvme,fs_native
+
 Needs CPython 3.11 on Linux and a C compiler (for the meter).
 """
 
@@ -70,6 +82,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +152,7 @@ class Driver:
         fill_store_buffers([self.side], seed=size_mb)
         self.chunks_per_round = IN_FLIGHT * self.shape["num_keys"]
         self.bytes_per_round = self.chunks_per_round * self.shape["size"]
+        self.index, self.ok, self.verified = 0, True, True  # rounds done, and their outcome
 
     def round(self, op: str, index: int) -> bool:
         """One LMCache bench round; True when every key of it succeeded."""
@@ -167,47 +181,53 @@ class Driver:
                                              strict=True)
                    for s, lo in zip(stored, loaded, strict=True))
 
-    def run(self, op: str, seconds: float | None, rounds: int | None,
-            before: Any = None) -> dict[str, Any]:
-        """Warm up, call ``before()``, then rounds for ``seconds`` (or ``rounds`` rounds)."""
+    def prepare(self, op: str) -> None:
+        """Store the working set (loads), then the warm-up rounds."""
         if op == "load":
             for i in range(LOAD_SET_ROUNDS):
                 if not self.round("store", i):
                     raise SystemExit(f"{self.system}: storing the working set failed")
-        index = 0
-        ok = True
-        verified = True
-
-        def one() -> None:
-            nonlocal index, ok, verified
-            if op == "store":
-                ok &= self.round("store", LOAD_SET_ROUNDS + index)
-                self.delete(LOAD_SET_ROUNDS + index - 2)
-            else:
-                ok &= self.round("load", index % LOAD_SET_ROUNDS)
-                if index % LOAD_SET_ROUNDS == 0:
-                    verified &= self.loaded_equal()
-            index += 1
-
+        self.index, self.ok, self.verified = 0, True, True
         for _ in range(WARMUP_ROUNDS):
-            one()
+            self.step(op)
+
+    def step(self, op: str) -> None:
+        """One measured round (a store also deletes the keys of the round before last)."""
+        if op == "store":
+            self.ok &= self.round("store", LOAD_SET_ROUNDS + self.index)
+            self.delete(LOAD_SET_ROUNDS + self.index - 2)
+        else:
+            self.ok &= self.round("load", self.index % LOAD_SET_ROUNDS)
+            if self.index % LOAD_SET_ROUNDS == 0:
+                self.verified &= self.loaded_equal()
+        self.index += 1
+
+    def run(self, op: str, seconds: float | None, rounds: int | None,
+            before: Any = None) -> dict[str, Any]:
+        """Warm up, call ``before()``, then rounds for ``seconds`` (or ``rounds`` rounds)."""
+        self.prepare(op)
         if before is not None:
             before()
-        measured_from = index
+        return self.measure(op, seconds, rounds)
+
+    def measure(self, op: str, seconds: float | None, rounds: int | None) -> dict[str, Any]:
+        """Rounds for ``seconds`` (or ``rounds`` rounds) after ``prepare``, and what they
+        cost: every figure is of the whole process over those rounds."""
+        measured_from = self.index
         native_before = native_counters()
         main_id = threading.get_native_id()
         gil0, main0 = gilmeter.read(), gilmeter.read_thread(main_id)
         by_thread0 = gil_by_thread()
         cpu0, wall0 = cpu_seconds(), time.perf_counter()
         while (seconds is not None and time.perf_counter() - wall0 < seconds) or \
-                (rounds is not None and index - measured_from < rounds):
-            one()
+                (rounds is not None and self.index - measured_from < rounds):
+            self.step(op)
         wall = time.perf_counter() - wall0
         cpu = cpu_seconds() - cpu0
         gil1, main1 = gilmeter.read(), gilmeter.read_thread(main_id)
         by_thread1 = gil_by_thread()
         native_after = native_counters()
-        n_rounds = index - measured_from
+        n_rounds = self.index - measured_from
         chunks = n_rounds * self.chunks_per_round
         gib = n_rounds * self.bytes_per_round / GIB
         native = {k: native_after[k] - native_before.get(k, 0) for k in native_after}
@@ -225,7 +245,7 @@ class Driver:
                 "gil_s_per_gib_by_thread": {
                     name: (held - by_thread0.get(name, 0.0)) / gib
                     for name, held in sorted(by_thread1.items(), key=lambda kv: -kv[1])},
-                "all_ok": ok, "verified": verified}
+                "all_ok": self.ok, "verified": self.verified}
 
     def close(self) -> None:
         self.side.adapter.close()
@@ -308,24 +328,56 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+def paired_child(args: argparse.Namespace) -> int:
+    """Every system in this one process, measured in short windows taken in turn (the order
+    rotated each window), so that each window of one has a neighbour of the other on the
+    same machine state: the ratio of a pair cancels the drift between processes and runs."""
+    nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
+    gilmeter.start()
+    systems = args.systems.split(",")
+    drivers = [Driver(system, args.size_mb, args.dir, nvme_params) for system in systems]
+    try:
+        for driver in drivers:
+            driver.prepare(args.op)
+        for window in range(args.windows):
+            shift = window % len(drivers)
+            for driver in drivers[shift:] + drivers[:shift]:
+                result = driver.measure(args.op, args.seconds, None)
+                result["window"] = window
+                print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        for driver in drivers:
+            driver.close()
+    return 0
+
+
 # -- parent --------------------------------------------------------------------------------
 
 
 def run_child(args: argparse.Namespace, system: str, size_mb: int, op: str,
               trace: int = 0) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, str(args.path), "--child", "--system", system,
+    (result,) = child_results(args, ["--system", system], size_mb, op, trace)
+    return result
+
+
+def child_results(args: argparse.Namespace, which: list[str], size_mb: int, op: str,
+                  trace: int = 0) -> list[dict[str, Any]]:
+    """Run a child (``which``: ``--system S``, or ``--paired``) and collect its results."""
+    cmd = [sys.executable, __file__, str(args.path), "--child", *which,
+           "--systems", args.systems, "--windows", str(args.windows),
            "--size-mb", str(size_mb), "--op", op, "--dir", str(args.path),
            "--seconds", str(args.seconds), "--nvme-params", args.nvme_params,
            "--trace", str(trace)]
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
                LMCACHE_DISABLE_BANNER="1", LMCACHE_LOG_LEVEL="WARNING",
                OMP_WAIT_POLICY="PASSIVE", LD_PRELOAD=str(args.meter))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{system} {op} {size_mb} MiB: child exited ({proc.returncode}) "
-                       "without a result")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=3600)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    if not results or proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(which)} {op} {size_mb} MiB: child exited "
+                           f"({proc.returncode}) with {len(results)} results")
+    return results
 
 
 def trace(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dict[str, Any]:
@@ -389,6 +441,73 @@ def table(runs: list[dict[str, Any]], traces: dict[str, dict[str, Any]],
     return lines
 
 
+#: Paired figures: (column, how a window's result gives it).
+PAIRED_METRICS: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
+    ("GIL-s/GiB", lambda r: r["gil_s_per_gib"]),
+    ("of which main thread", lambda r: r["gil_main_s_per_gib"]),
+    ("GIL CPU-s/GiB", lambda r: r["gil_cpu_s_per_gib"]),
+    ("CPU-s/GiB outside the checksum", lambda r: r["cpu_s_per_gib"]
+     - (r["hash_cpu_s_per_gib"] or 0.0)),
+    ("GiB/s", lambda r: r["gibps"]),
+]
+
+
+def paired_table(results: list[dict[str, Any]], systems: list[str], sizes: list[int],
+                 ops: list[str]) -> list[str]:
+    """Per system against ``fs_native``: each figure's median over the windows for both, and
+    the median of the per-window ratios with their range (the pairs' spread)."""
+    lines = ["| object | op | system | " + " | ".join(
+        f"{name}: median / `fs_native`, ratio [range]" for name, _ in PAIRED_METRICS)
+        + " | windows |", "|---|---|---|" + "---|" * (len(PAIRED_METRICS) + 1)]
+    for size in sizes:
+        for op in ops:
+            mine = [r for r in results if r["size_mb"] == size and r["op"] == op]
+            base = {r["window"]: r for r in mine if r["system"] == "fs_native"}
+            for system in systems:
+                if system == "fs_native":
+                    continue
+                pairs = [(r, base[r["window"]]) for r in mine
+                         if r["system"] == system and r["window"] in base]
+                ok = all(r["all_ok"] and r["verified"] for pair in pairs for r in pair)
+                cells = [f"{size} MiB", op, system + ("" if ok else " FAILED")]
+                for _, value in PAIRED_METRICS:
+                    ratios = [value(a) / value(b) for a, b in pairs if value(b) > 0]
+                    cells.append(
+                        f"{statistics.median([value(a) for a, _ in pairs]):.4g} / "
+                        f"{statistics.median([value(b) for _, b in pairs]):.4g}, "
+                        f"{statistics.median(ratios):.2f}x "
+                        f"[{min(ratios):.2f}–{max(ratios):.2f}]" if ratios else "n/a")
+                cells.append(str(len(pairs)))
+                lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int],
+                  ops: list[str]) -> int:
+    if "fs_native" not in systems or len(systems) < 2:
+        raise SystemExit("--paired compares with fs_native: --systems must name it and "
+                         "at least one other")
+    results: list[dict[str, Any]] = []
+    for size in sizes:
+        for op in ops:
+            found = child_results(args, ["--paired"], size, op)
+            for r in found:
+                print(f"window {r['window']} {size} MiB {r['system']} {op}: "
+                      f"{r['gibps']:.2f} GiB/s, GIL {r['gil_s_per_gib']:.4f} s/GiB (main "
+                      f"{r['gil_main_s_per_gib']:.4f})" +
+                      ("" if r["all_ok"] and r["verified"] else " FAILED"), flush=True)
+            results += found
+    lines = paired_table(results, systems, sizes, ops)
+    where = (f"{args.path}, {os.cpu_count()} CPUs, one process per size and op holding "
+             f"{', '.join(systems)}; {args.windows} windows of {args.seconds:g} s each, "
+             "order rotated")
+    print("\n" + where + "\n" + "\n".join(lines))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"where": where, "windows": results, "table": lines},
+                                        indent=1))
+    return 0 if all(r["all_ok"] and r["verified"] for r in results) else 1
+
+
 def parent(args: argparse.Namespace) -> int:
     systems = args.systems.split(",")
     sizes = [int(s) for s in args.sizes_mb.split(",")]
@@ -396,6 +515,8 @@ def parent(args: argparse.Namespace) -> int:
     args.path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as build_dir:
         args.meter = gilmeter.build(Path(build_dir))
+        if args.paired:
+            return paired_parent(args, systems, sizes, ops)
         traces: dict[str, dict[str, Any]] = {}
         if args.trace_rounds:
             for size in sizes:
@@ -441,12 +562,18 @@ def main() -> int:
     parser.add_argument("--sizes-mb", default="2,16,64", help="object sizes (default 2,16,64)")
     parser.add_argument("--ops", default="store,load")
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration (3)")
-    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds (8)")
+    parser.add_argument("--seconds", type=float,
+                        help="measured seconds per run (8), or per window with --paired (2)")
     parser.add_argument("--trace-rounds", type=int, default=4,
                         help="rounds of the traced child that counts GIL round trips (0: none)")
     parser.add_argument("--nvme-params", default="{}",
                         help="extra adapter_params for NVMeL2Adapter (JSON)")
     parser.add_argument("--json", type=Path, help="write every run and the table here")
+    parser.add_argument("--paired", action="store_true",
+                        help="every system in one process per size and op, measured in "
+                             "alternating windows; ratios to fs_native per window pair")
+    parser.add_argument("--windows", type=int, default=12,
+                        help="--paired: windows per system (12), each --seconds long")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
@@ -454,7 +581,11 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    return child(args) if args.child else parent(args)
+    if args.seconds is None:
+        args.seconds = 2.0 if args.paired else 8.0
+    if args.child:
+        return paired_child(args) if args.paired else child(args)
+    return parent(args)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
 from .memory_objects import host_view, payload_view, tensor_meta_of
-from .object_keys import object_key_namespace, object_key_string
+from .object_keys import object_key_parts, object_key_string
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -196,8 +196,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         try:
             if n != len(objects):
                 raise ValueError(f"{n} keys but {len(objects)} objects")
-            task.writes = [ChunkWrite(object_key_string(key), object_key_namespace(key),
-                                      meta := tensor_meta_of(obj),
+            task.writes = [ChunkWrite(*object_key_parts(key), meta := tensor_meta_of(obj),
                                       payload_view(obj, meta.nbytes), release)
                            for key, obj in zip(keys, objects, strict=True)]
         except Exception:
@@ -260,8 +259,7 @@ class NVMeL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            hits = self.store.lookup_many([(object_key_string(key), object_key_namespace(key))
-                                           for key in keys], pin=True)
+            hits = self.store.lookup_many([object_key_parts(key) for key in keys], pin=True)
             for i, hit in enumerate(hits):
                 if hit:
                     bitmap.set(i)

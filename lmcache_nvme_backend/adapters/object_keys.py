@@ -7,6 +7,8 @@ LMCache's ``fs`` L2 adapter uses for file names; the namespace is the model (and
 
 from __future__ import annotations
 
+import functools
+
 from lmcache.v1.distributed.api import ObjectKey
 
 _SEP = "@"
@@ -18,9 +20,25 @@ def object_key_string(key: ObjectKey) -> str:
     ``@`` cannot occur in a model name or a salt (``ObjectKey`` rejects it), so
     the string is reversible (:func:`parse_object_key_string`).
     """
-    base = (f"{key.model_name}{_SEP}{key.kv_rank:#010x}{_SEP}{key.object_group_id:x}"
-            f"{_SEP}{key.chunk_hash.hex()}")
-    return f"{base}{_SEP}{key.cache_salt}" if key.cache_salt else base
+    return object_key_parts(key)[0]
+
+
+def object_key_parts(key: ObjectKey) -> tuple[str, str]:
+    """:func:`object_key_string` and :func:`object_key_namespace` of ``key``, together (the
+    store path asks for both for every chunk)."""
+    head, tail, namespace = _key_affixes(key.model_name, key.kv_rank, key.object_group_id,
+                                         key.cache_salt)
+    return head + key.chunk_hash.hex() + tail, namespace
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_affixes(model_name: str, kv_rank: int, group: int, salt: str) -> tuple[str, str, str]:
+    """What a key string has before and after the chunk hash, and the namespace: a process
+    sees few models, ranks and salts, and formats them once each."""
+    head = f"{model_name}{_SEP}{kv_rank:#010x}{_SEP}{group:x}{_SEP}"
+    if salt:
+        return head, f"{_SEP}{salt}", f"{model_name}{_SEP}{salt}"
+    return head, "", model_name
 
 
 def parse_object_key_string(text: str) -> ObjectKey | None:
@@ -38,4 +56,4 @@ def parse_object_key_string(text: str) -> ObjectKey | None:
 
 def object_key_namespace(key: ObjectKey) -> str:
     """Per-model, per-``cache_salt`` namespace (its own directory in each root)."""
-    return f"{key.model_name}{_SEP}{key.cache_salt}" if key.cache_salt else key.model_name
+    return object_key_parts(key)[1]

@@ -53,10 +53,15 @@ def counters() -> dict[str, int]:
     return dict(_native.counters()) if _native is not None else {}
 
 
-def memory_view(address: int, length: int) -> memoryview | None:
-    """A writable byte view of ``length`` bytes at ``address`` (None without the engine);
-    the caller keeps the memory alive while the view is in use."""
-    return _native.memory_view(address, length) if _native is not None else None
+def _no_memory_view(address: int, length: int) -> memoryview | None:
+    return None
+
+
+#: ``memory_view(address, length)``: a writable byte view of ``length`` bytes at ``address``
+#: (None without the engine); the caller keeps the memory alive while the view is in use.
+#: The extension's own function when it is built (called for every chunk moved).
+memory_view: Callable[[int, int], memoryview | None] = (
+    _native.memory_view if _native is not None else _no_memory_view)
 
 
 def simd() -> str:

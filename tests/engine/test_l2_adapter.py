@@ -35,6 +35,7 @@ from lmcache_nvme_backend.adapters.l2_adapter import (
 )
 from lmcache_nvme_backend.adapters.object_keys import (
     object_key_namespace,
+    object_key_parts,
     object_key_string,
     parse_object_key_string,
 )
@@ -195,6 +196,17 @@ def test_key_strings_are_reversible_and_namespaced() -> None:
     (salted,) = make_keys(1, salt="u1")
     assert object_key_namespace(salted) == "org/model@u1"
     assert object_key_namespace(make_keys(1)[0]) == "org/model"
+
+
+def test_key_strings_keep_the_form_files_on_disk_were_named_by() -> None:
+    """A chunk file's name is the digest of this string: files written by earlier versions
+    are found only while it stays ``model@0xRANK@GROUP@HASH[@salt]`` exactly."""
+    key = ObjectKey(chunk_hash=bytes(range(8)), model_name="org/model", kv_rank=5,
+                    object_group_id=26)
+    assert object_key_string(key) == "org/model@0x00000005@1a@0001020304050607"
+    salted = ObjectKey(chunk_hash=b"\xff", model_name="m", kv_rank=0, cache_salt="u1")
+    assert object_key_parts(salted) == ("m@0x00000000@0@ff@u1", "m@u1")
+    assert object_key_parts(key) == (object_key_string(key), "org/model")
 
 
 # -- the interface ----------------------------------------------------------------------
