@@ -55,6 +55,11 @@ assert store.flush(10)
 assert read(store, "a") == payload_for("a")
 print(store.io_engine_name)
 store.close()
+import ctypes
+from lmcache_nvme_backend.adapters.memory_objects import memory_at
+buf = bytearray(b"host memory")  # the adapters' views of memory objects: through ctypes
+assert bytes(memory_at(ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)),
+                       len(buf))) == b"host memory"
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=120, check=True)
