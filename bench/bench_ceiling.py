@@ -328,6 +328,39 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The adapter calls LMCache's bench makes on its own thread (``--methods`` times them).
+BENCH_CALLS = ("submit_store_task", "pop_completed_store_tasks", "delete", "submit_load_task",
+               "query_load_result", "submit_lookup_and_lock_task",
+               "query_lookup_and_lock_result", "submit_unlock")
+
+
+class MethodMeter:
+    """GIL-held seconds of the calling thread inside each of an adapter's methods.
+
+    The meter closes a hold only when the GIL is released, so each call is bracketed by
+    ``time.sleep(0)`` (a release): one extra GIL round trip per call, counted in the call's
+    figure (a few microseconds when other threads want the GIL: the main thread's total
+    grows by 5-15 % at 2 MiB).  Nested brackets inflate far more; one level is timed."""
+
+    def __init__(self, adapter: Any, methods: tuple[str, ...]) -> None:
+        self.held: dict[str, float] = collections.defaultdict(float)
+        for name in methods:
+            if hasattr(adapter, name):
+                setattr(adapter, name, self._wrap(name, getattr(adapter, name)))
+
+    def _wrap(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            me = threading.get_native_id()
+            time.sleep(0)
+            before = gilmeter.read_thread(me)[0]
+            try:
+                return method(*args, **kwargs)
+            finally:
+                time.sleep(0)
+                self.held[name] += gilmeter.read_thread(me)[0] - before
+        return timed
+
+
 def paired_child(args: argparse.Namespace) -> int:
     """Every system in this one process, measured in short windows taken in turn (the order
     rotated each window), so that each window of one has a neighbour of the other on the
@@ -336,14 +369,22 @@ def paired_child(args: argparse.Namespace) -> int:
     gilmeter.start()
     systems = args.systems.split(",")
     drivers = [Driver(system, args.size_mb, args.dir, nvme_params) for system in systems]
+    meters = {id(d): MethodMeter(d.side.adapter, BENCH_CALLS) for d in drivers
+              if args.methods}
     try:
         for driver in drivers:
             driver.prepare(args.op)
         for window in range(args.windows):
             shift = window % len(drivers)
             for driver in drivers[shift:] + drivers[:shift]:
+                meter = meters.get(id(driver))
+                before = dict(meter.held) if meter else {}
                 result = driver.measure(args.op, args.seconds, None)
                 result["window"] = window
+                if meter is not None:
+                    result["main_gil_us_per_chunk_by_method"] = {
+                        name: (held - before.get(name, 0.0)) / result["chunks"] * 1e6
+                        for name, held in meter.held.items()}
                 print("RESULT " + json.dumps(result), flush=True)
     finally:
         for driver in drivers:
@@ -364,6 +405,7 @@ def child_results(args: argparse.Namespace, which: list[str], size_mb: int, op: 
                   trace: int = 0) -> list[dict[str, Any]]:
     """Run a child (``which``: ``--system S``, or ``--paired``) and collect its results."""
     cmd = [sys.executable, __file__, str(args.path), "--child", *which,
+           *(["--methods"] if args.methods else []),
            "--systems", args.systems, "--windows", str(args.windows),
            "--size-mb", str(size_mb), "--op", op, "--dir", str(args.path),
            "--seconds", str(args.seconds), "--nvme-params", args.nvme_params,
@@ -482,6 +524,31 @@ def paired_table(results: list[dict[str, Any]], systems: list[str], sizes: list[
     return lines
 
 
+def methods_table(results: list[dict[str, Any]], systems: list[str], sizes: list[int],
+                  ops: list[str]) -> list[str]:
+    """``--methods``: the main thread's GIL-held microseconds per chunk in each adapter
+    method, median over the windows, a column per system."""
+    lines = ["| object | op | method (main thread) | " + " | ".join(
+        f"`{system}` GIL µs / chunk" for system in systems) + " |",
+        "|---|---|---|" + "---|" * len(systems)]
+    for size in sizes:
+        for op in ops:
+            mine = [r for r in results if r["size_mb"] == size and r["op"] == op
+                    and "main_gil_us_per_chunk_by_method" in r]
+            for name in BENCH_CALLS:
+                cells = []
+                for system in systems:
+                    values = [r["main_gil_us_per_chunk_by_method"][name] for r in mine
+                              if r["system"] == system
+                              and name in r["main_gil_us_per_chunk_by_method"]]
+                    cells.append(f"{statistics.median(values):.1f}"
+                                 if values and max(values) > 0 else "-")
+                if any(cell != "-" for cell in cells):  # a call the op makes
+                    lines.append(f"| {size} MiB | {op} | `{name}` | " + " | ".join(cells)
+                                 + " |")
+    return lines
+
+
 def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int],
                   ops: list[str]) -> int:
     if "fs_native" not in systems or len(systems) < 2:
@@ -498,6 +565,8 @@ def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int]
                       ("" if r["all_ok"] and r["verified"] else " FAILED"), flush=True)
             results += found
     lines = paired_table(results, systems, sizes, ops)
+    if args.methods:
+        lines += [""] + methods_table(results, systems, sizes, ops)
     where = (f"{args.path}, {os.cpu_count()} CPUs, one process per size and op holding "
              f"{', '.join(systems)}; {args.windows} windows of {args.seconds:g} s each, "
              "order rotated")
@@ -574,6 +643,9 @@ def main() -> int:
                              "alternating windows; ratios to fs_native per window pair")
     parser.add_argument("--windows", type=int, default=12,
                         help="--paired: windows per system (12), each --seconds long")
+    parser.add_argument("--methods", action="store_true",
+                        help="--paired: also the main thread's GIL time in each adapter "
+                             "method LMCache's bench calls (adds a GIL round trip per call)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
