@@ -82,7 +82,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -342,11 +342,15 @@ class MethodMeter:
     figure (a few microseconds when other threads want the GIL: the main thread's total
     grows by 5-15 % at 2 MiB).  Nested brackets inflate far more; one level is timed."""
 
-    def __init__(self, adapter: Any, methods: tuple[str, ...]) -> None:
+    def __init__(self, adapter: Any, methods: Sequence[str]) -> None:
         self.held: dict[str, float] = collections.defaultdict(float)
-        for name in methods:
-            if hasattr(adapter, name):
-                setattr(adapter, name, self._wrap(name, getattr(adapter, name)))
+        for name in methods:  # dotted: a method of an object the adapter holds
+            *path, method = name.split(".")
+            owner = adapter
+            for attribute in path:
+                owner = getattr(owner, attribute, None)
+            if owner is not None and hasattr(owner, method):
+                setattr(owner, method, self._wrap(name, getattr(owner, method)))
 
     def _wrap(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -369,8 +373,9 @@ def paired_child(args: argparse.Namespace) -> int:
     gilmeter.start()
     systems = args.systems.split(",")
     drivers = [Driver(system, args.size_mb, args.dir, nvme_params) for system in systems]
-    meters = {id(d): MethodMeter(d.side.adapter, BENCH_CALLS) for d in drivers
-              if args.methods}
+    methods = args.methods.split(",") if args.methods else BENCH_CALLS
+    meters = {id(d): MethodMeter(d.side.adapter, methods) for d in drivers
+              if args.methods is not None}
     try:
         for driver in drivers:
             driver.prepare(args.op)
@@ -405,7 +410,7 @@ def child_results(args: argparse.Namespace, which: list[str], size_mb: int, op: 
                   trace: int = 0) -> list[dict[str, Any]]:
     """Run a child (``which``: ``--system S``, or ``--paired``) and collect its results."""
     cmd = [sys.executable, __file__, str(args.path), "--child", *which,
-           *(["--methods"] if args.methods else []),
+           *(["--methods", args.methods] if args.methods is not None else []),
            "--systems", args.systems, "--windows", str(args.windows),
            "--size-mb", str(size_mb), "--op", op, "--dir", str(args.path),
            "--seconds", str(args.seconds), "--nvme-params", args.nvme_params,
@@ -535,7 +540,8 @@ def methods_table(results: list[dict[str, Any]], systems: list[str], sizes: list
         for op in ops:
             mine = [r for r in results if r["size_mb"] == size and r["op"] == op
                     and "main_gil_us_per_chunk_by_method" in r]
-            for name in BENCH_CALLS:
+            for name in dict.fromkeys(name for r in mine
+                                      for name in r["main_gil_us_per_chunk_by_method"]):
                 cells = []
                 for system in systems:
                     values = [r["main_gil_us_per_chunk_by_method"][name] for r in mine
@@ -565,7 +571,7 @@ def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int]
                       ("" if r["all_ok"] and r["verified"] else " FAILED"), flush=True)
             results += found
     lines = paired_table(results, systems, sizes, ops)
-    if args.methods:
+    if args.methods is not None:
         lines += [""] + methods_table(results, systems, sizes, ops)
     where = (f"{args.path}, {os.cpu_count()} CPUs, one process per size and op holding "
              f"{', '.join(systems)}; {args.windows} windows of {args.seconds:g} s each, "
@@ -643,9 +649,11 @@ def main() -> int:
                              "alternating windows; ratios to fs_native per window pair")
     parser.add_argument("--windows", type=int, default=12,
                         help="--paired: windows per system (12), each --seconds long")
-    parser.add_argument("--methods", action="store_true",
+    parser.add_argument("--methods", nargs="?", const="", metavar="CALLS",
                         help="--paired: also the main thread's GIL time in each adapter "
-                             "method LMCache's bench calls (adds a GIL round trip per call)")
+                             "method LMCache's bench calls (adds a GIL round trip per "
+                             "call); or in CALLS, methods of objects the adapter holds "
+                             "(e.g. store.submit_many: time nested calls one per run)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
