@@ -339,8 +339,9 @@ class MethodMeter:
 
     The meter closes a hold only when the GIL is released, so each call is bracketed by
     ``time.sleep(0)`` (a release): one extra GIL round trip per call, counted in the call's
-    figure (a few microseconds when other threads want the GIL: the main thread's total
-    grows by 5-15 % at 2 MiB).  Nested brackets inflate far more; one level is timed."""
+    figure: a bracketed no-op held the GIL 37 µs per call on a busy 2-vCPU machine (each
+    acquisition starts cold), about 1 µs per chunk at 32 chunks per call, all of it at one.
+    Nested brackets inflate the outer call more; time one level per run."""
 
     def __init__(self, adapter: Any, methods: Sequence[str]) -> None:
         self.held: dict[str, float] = collections.defaultdict(float)
