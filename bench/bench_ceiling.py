@@ -117,7 +117,7 @@ RELEASING_PY = {"Condition.wait", "_Openat2.__call__"}
 
 def thread_group(name: str) -> str:
     """A thread's name without its number (``nvme-writer-3`` -> ``nvme-writer``)."""
-    return name.rstrip("0123456789").rstrip("-_") or name
+    return name.rstrip("0123456789").rstrip("-_ ") or name
 
 
 def shape_for(size_mb: int) -> dict[str, int]:
@@ -258,8 +258,7 @@ def gil_by_thread() -> dict[str, float]:
     held: dict[str, float] = collections.defaultdict(float)
     for thread in threading.enumerate():
         if thread.native_id is not None:
-            name = thread.name.rstrip("0123456789").rstrip("-_ ") or thread.name
-            held[name] += gilmeter.read_thread(thread.native_id)[0]
+            held[thread_group(thread.name)] += gilmeter.read_thread(thread.native_id)[0]
     return dict(held)
 
 
@@ -306,8 +305,13 @@ class Tracer:
         threading.setprofile(self.hook)
 
 
+def child_nvme_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The adapter's parameters in a child: a budget no run fills, no free-space floor."""
+    return {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
+
+
 def child(args: argparse.Namespace) -> int:
-    nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
+    nvme_params = child_nvme_params(args)
     gilmeter.start()
     tracer = Tracer(ADAPTER_FILES[args.system]) if args.trace else None
     if tracer is not None:
@@ -370,7 +374,7 @@ def paired_child(args: argparse.Namespace) -> int:
     """Every system in this one process, measured in short windows taken in turn (the order
     rotated each window), so that each window of one has a neighbour of the other on the
     same machine state: the ratio of a pair cancels the drift between processes and runs."""
-    nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
+    nvme_params = child_nvme_params(args)
     gilmeter.start()
     systems = args.systems.split(",")
     drivers = [Driver(system, args.size_mb, args.dir, nvme_params) for system in systems]
