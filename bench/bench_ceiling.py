@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import resource
@@ -87,9 +88,11 @@ from pathlib import Path
 from typing import Any
 
 import gilmeter
-from bench_l2_paired import fill_store_buffers, open_side, round_keys  # run as a script
+from bench_l2 import NVME_PACKAGES  # this directory: run as a script
+from bench_l2_paired import fill_store_buffers, open_side, round_keys
 
 SYSTEMS = ("nvme", "fs_native", "fs")
+BASELINE = "base"  # --baseline: this package as of another revision
 GIB = 1 << 30
 TASK_MB = 16
 IN_FLIGHT = 4
@@ -98,6 +101,7 @@ LOAD_SET_ROUNDS = 6
 # Whose frames count as "the adapter's own" in a trace.
 ADAPTER_FILES = {
     "nvme": ("lmcache_nvme_backend/",),
+    "base": ("lmcache_nvme_backend_base/",),
     "fs_native": ("l2_adapters/native_connector_l2_adapter.py",
                   "l2_adapters/fs_native_l2_adapter.py"),
     "fs": ("l2_adapters/fs_l2_adapter.py",),
@@ -130,10 +134,13 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def native_counters() -> dict[str, float]:
-    """The native engine's own counters (GIL releases, hash CPU), when it is loaded."""
+def native_counters(system: str) -> dict[str, float]:
+    """The native engine's own counters (GIL releases, hash CPU) of one of our systems (each
+    package loads its own copy of the extension), when it is loaded."""
+    if system not in NVME_PACKAGES:
+        return {}
     try:
-        from lmcache_nvme_backend.io import native
+        native = importlib.import_module(NVME_PACKAGES[system] + ".io.native")
     except ImportError:
         return {}
     return native.counters() if native.available() else {}
@@ -149,6 +156,10 @@ class Driver:
         self.system = system
         self.shape = shape_for(size_mb)
         self.side = open_side(system, root, self.shape, nvme_params)
+        package = NVME_PACKAGES.get(system)
+        if package and not type(self.side.adapter).__module__.startswith(package + "."):
+            raise SystemExit(f"{system}: LMCache loaded {type(self.side.adapter).__module__}, "
+                             f"not {package}")
         fill_store_buffers([self.side], seed=size_mb)
         self.chunks_per_round = IN_FLIGHT * self.shape["num_keys"]
         self.bytes_per_round = self.chunks_per_round * self.shape["size"]
@@ -214,7 +225,7 @@ class Driver:
         """Rounds for ``seconds`` (or ``rounds`` rounds) after ``prepare``, and what they
         cost: every figure is of the whole process over those rounds."""
         measured_from = self.index
-        native_before = native_counters()
+        native_before = native_counters(self.system)
         main_id = threading.get_native_id()
         gil0, main0 = gilmeter.read(), gilmeter.read_thread(main_id)
         by_thread0 = gil_by_thread()
@@ -226,7 +237,7 @@ class Driver:
         cpu = cpu_seconds() - cpu0
         gil1, main1 = gilmeter.read(), gilmeter.read_thread(main_id)
         by_thread1 = gil_by_thread()
-        native_after = native_counters()
+        native_after = native_counters(self.system)
         n_rounds = self.index - measured_from
         chunks = n_rounds * self.chunks_per_round
         gib = n_rounds * self.bytes_per_round / GIB
@@ -423,6 +434,9 @@ def child_results(args: argparse.Namespace, which: list[str], size_mb: int, op: 
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
                LMCACHE_DISABLE_BANNER="1", LMCACHE_LOG_LEVEL="WARNING",
                OMP_WAIT_POLICY="PASSIVE", LD_PRELOAD=str(args.meter))
+    if args.baseline_dir is not None:  # where ``--baseline`` built the other revision
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.baseline_dir),
+                                                          env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=3600)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
                if line.startswith("RESULT ")]
@@ -505,18 +519,18 @@ PAIRED_METRICS: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
 
 
 def paired_table(results: list[dict[str, Any]], systems: list[str], sizes: list[int],
-                 ops: list[str]) -> list[str]:
-    """Per system against ``fs_native``: each figure's median over the windows for both, and
+                 ops: list[str], reference: str = "fs_native") -> list[str]:
+    """Per system against ``reference``: each figure's median over the windows for both, and
     the median of the per-window ratios with their range (the pairs' spread)."""
     lines = ["| object | op | system | " + " | ".join(
-        f"{name}: median / `fs_native`, ratio [range]" for name, _ in PAIRED_METRICS)
+        f"{name}: median / `{reference}`, ratio [range]" for name, _ in PAIRED_METRICS)
         + " | windows |", "|---|---|---|" + "---|" * (len(PAIRED_METRICS) + 1)]
     for size in sizes:
         for op in ops:
             mine = [r for r in results if r["size_mb"] == size and r["op"] == op]
-            base = {r["window"]: r for r in mine if r["system"] == "fs_native"}
+            base = {r["window"]: r for r in mine if r["system"] == reference}
             for system in systems:
-                if system == "fs_native":
+                if system == reference:
                     continue
                 pairs = [(r, base[r["window"]]) for r in mine
                          if r["system"] == system and r["window"] in base]
@@ -562,8 +576,9 @@ def methods_table(results: list[dict[str, Any]], systems: list[str], sizes: list
 
 def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int],
                   ops: list[str]) -> int:
-    if "fs_native" not in systems or len(systems) < 2:
-        raise SystemExit("--paired compares with fs_native: --systems must name it and "
+    reference = BASELINE if args.baseline else "fs_native"
+    if reference not in systems or len(systems) < 2:
+        raise SystemExit(f"--paired compares with {reference}: --systems must name it and "
                          "at least one other")
     results: list[dict[str, Any]] = []
     for size in sizes:
@@ -575,12 +590,13 @@ def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int]
                       f"{r['gil_main_s_per_gib']:.4f})" +
                       ("" if r["all_ok"] and r["verified"] else " FAILED"), flush=True)
             results += found
-    lines = paired_table(results, systems, sizes, ops)
+    lines = paired_table(results, systems, sizes, ops, reference)
     if args.methods is not None:
         lines += [""] + methods_table(results, systems, sizes, ops)
     where = (f"{args.path}, {os.cpu_count()} CPUs, one process per size and op holding "
              f"{', '.join(systems)}; {args.windows} windows of {args.seconds:g} s each, "
-             "order rotated")
+             "order rotated" + (f"; {BASELINE} is revision {args.baseline}"
+                                if args.baseline else ""))
     print("\n" + where + "\n" + "\n".join(lines))
     if args.json is not None:
         args.json.write_text(json.dumps({"where": where, "windows": results, "table": lines},
@@ -596,6 +612,10 @@ def parent(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as build_dir:
         args.meter = gilmeter.build(Path(build_dir))
         if args.paired:
+            if args.baseline:
+                args.baseline_dir = build_baseline(args.baseline, Path(build_dir))
+                systems += [] if BASELINE in systems else [BASELINE]
+                args.systems = ",".join(systems)
             return paired_parent(args, systems, sizes, ops)
         traces: dict[str, dict[str, Any]] = {}
         if args.trace_rounds:
@@ -634,6 +654,26 @@ def parent(args: argparse.Namespace) -> int:
     return 0 if all(r["all_ok"] and r["verified"] for r in runs) else 1
 
 
+def build_baseline(revision: str, into: Path) -> Path:
+    """This package as of git ``revision``, its native extension built, under the name
+    ``lmcache_nvme_backend_base`` in a directory of ``into`` (returned: for ``PYTHONPATH``),
+    so that one process can hold both revisions' adapters (system ``base``)."""
+    repo = Path(__file__).resolve().parent.parent
+    source, packages = into / "baseline-source", into / "baseline"
+    source.mkdir()
+    packages.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", revision],
+                             stdout=subprocess.PIPE, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=source,
+                   stdout=subprocess.DEVNULL, check=True)
+    package = source / NVME_PACKAGES["nvme"]
+    if not list((package / "io").glob("_native*.so")):
+        raise SystemExit(f"--baseline {revision}: its native extension did not build")
+    package.rename(packages / NVME_PACKAGES[BASELINE])
+    return packages
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -659,6 +699,11 @@ def main() -> int:
                              "method LMCache's bench calls (adds a GIL round trip per "
                              "call); or in CALLS, methods of objects the adapter holds "
                              "(e.g. store.submit_many: time nested calls one per run)")
+    parser.add_argument("--baseline", metavar="REVISION",
+                        help="--paired: also hold this package as of git REVISION (built "
+                             "here, system 'base') and give every ratio against it: a "
+                             "change's effect measured in pairs")
+    parser.add_argument("--baseline-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
@@ -668,6 +713,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.seconds is None:
         args.seconds = 2.0 if args.paired else 8.0
+    if args.baseline and not args.paired:
+        parser.error("--baseline needs --paired")
     if args.child:
         return paired_child(args) if args.paired else child(args)
     return parent(args)

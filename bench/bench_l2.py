@@ -40,9 +40,14 @@ ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DI
 SYSTEMS = ("nvme", "fs_native", "fs", "fio")
 
 
+#: The package each of our systems loads: ``base`` is another revision of this one, which
+#: ``bench_ceiling.py --baseline`` builds and puts on the path under that name.
+NVME_PACKAGES = {"nvme": "lmcache_nvme_backend", "base": "lmcache_nvme_backend_base"}
+
+
 def adapter_json(system: str, path: Path, nvme_params: dict[str, Any]) -> str:
-    if system == "nvme":
-        return json.dumps({"type": "plugin", "module_path": "lmcache_nvme_backend",
+    if system in NVME_PACKAGES:
+        return json.dumps({"type": "plugin", "module_path": NVME_PACKAGES[system],
                            "class_name": "NVMeL2Adapter",
                            "adapter_params": {"path": str(path), **nvme_params}})
     if system == "fs_native":

@@ -295,11 +295,12 @@ class NVMeL2Adapter(L2AdapterInterface):
         return task_id
 
     def _loaded(self, task_id: L2TaskId, keys: list[ObjectKey], served: list[bool]) -> None:
-        bitmap = Bitmap(len(keys))
-        for i, ok in enumerate(served):
-            if ok:
-                bitmap.set(i)
-        loaded = [key for key, ok in zip(keys, served, strict=True) if ok]
+        if all(served):  # the common case: one call sets every bit
+            bitmap, loaded = Bitmap(len(keys), len(keys)), keys
+        else:
+            bitmap = Bitmap(len(keys))
+            bitmap.batched_set([i for i, ok in enumerate(served) if ok])
+            loaded = [key for key, ok in zip(keys, served, strict=True) if ok]
         if loaded:
             self._notify_keys_accessed(loaded)
         self._finish(self._completed_loads, self._load_efd, task_id, bitmap)

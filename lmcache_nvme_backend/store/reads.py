@@ -176,17 +176,17 @@ class ChunkReader:
     def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
               wait: bool) -> None:
         plans = self.plan([read.key for read in reads])
-        batch = _Batch(len(reads), on_done, self._stats,
-                       self._gate if self.native is None else None)
         todo = [(i, plan, read.dest) for i, (read, plan) in enumerate(zip(reads, plans,
                                                                            strict=True))
                 if plan is not None and len(read.dest) >= plan.payload_len and
                 read.length in (None, plan.payload_len)]  # else not here, or another layout
+        if todo and self.native is not None:
+            self._read_native(len(reads), todo, on_done, wait)
+            return
+        batch = _Batch(len(reads), on_done, self._stats,
+                       self._gate if self.native is None else None)
         batch.start(len(todo))
         if not todo:
-            return
-        if self.native is not None:
-            self._read_native(todo, batch, wait)
             return
         requests = [ReadRequest(plan.path, plan.payload_len, dest, plan.direct,
                                 on_done=functools.partial(self._judged, batch, i, plan))
@@ -203,10 +203,12 @@ class ChunkReader:
 
     # -- the native engine ---------------------------------------------------------------
 
-    def _read_native(self, todo: list[tuple[int, ReadPlan, memoryview]], batch: _Batch,
-                     wait: bool) -> None:
-        """The batch through the native engine: one GIL round trip for all of it."""
+    def _read_native(self, size: int, todo: list[tuple[int, ReadPlan, memoryview]],
+                     on_done: Callable[[list[bool]], None], wait: bool) -> None:
+        """The batch through the native engine: one GIL round trip for all of it, and one
+        completion call that judges, accounts and answers the whole call."""
         assert self.native is not None
+        started = time.perf_counter()
         fds: dict[int, int] = {}
         items = []
         for _, plan, dest in todo:
@@ -215,39 +217,48 @@ class ChunkReader:
                 fd = fds[plan.root] = root_descriptor(plan.root_dir)
             items.append(ReadItem(fd, plan.rel, dest, plan.payload_len, plan.direct,
                                   text_bytes(plan.key), plan.meta.to_json()))
+        done = functools.partial(self._native_done, size, todo, on_done, started)
         if wait:
-            self._native_done(batch, todo, self.native.read(items))
+            done(self.native.read(items))
         else:
-            self.native.submit_read(items, functools.partial(self._native_done, batch, todo))
+            self.native.submit_read(items, done)
 
-    def _native_done(self, batch: _Batch, todo: list[tuple[int, ReadPlan, memoryview]],
+    def _native_done(self, size: int, todo: list[tuple[int, ReadPlan, memoryview]],
+                     on_done: Callable[[list[bool]], None], started: float,
                      result: native.Batch) -> None:
-        """Account a batch the native engine finished; judge what it did not serve."""
-        if not result.details:  # everything served: the common case, counted in bulk
-            nbytes = sum(plan.payload_len for _, plan, _ in todo)
-            self._stats.add_many({Counter.READ_CHUNKS: len(todo), Counter.READ_BYTES: nbytes})
-            for root in {plan.root for _, plan, _ in todo}:
-                self._roots[root].consecutive_errors = 0
-            batch.chunks_done([(i, True, plan.payload_len) for i, plan, _ in todo])
-            return
-        verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
-                    for d in result.details}
-        served = bytes_served = 0
-        roots = set()
-        outcomes = []
-        for k, (i, plan, _) in enumerate(todo):
-            judged = verdicts.get(k)
-            ok = judged is None or judged
-            if judged is None:
-                served += 1
-                bytes_served += plan.payload_len
-                roots.add(plan.root)
-            outcomes.append((i, ok, plan.payload_len))
-        if served:
-            self._stats.add_many({Counter.READ_CHUNKS: served, Counter.READ_BYTES: bytes_served})
+        """A read call the native engine finished: judge what it did not serve, account the
+        call under one lock hold, answer ``on_done`` (also when accounting fails: a chunk is
+        marked served only once its bytes were verified)."""
+        served = [False] * size
+        try:
+            if not result.details and len(todo) == size:  # the common case: all served
+                served = [True] * size
+                chunks = engine_chunks = size
+                nbytes = engine_bytes = sum(plan.payload_len for _, plan, _ in todo)
+                roots = {plan.root for _, plan, _ in todo}
+            else:
+                verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
+                            for d in result.details}
+                chunks = nbytes = engine_chunks = engine_bytes = 0
+                roots = set()
+                for k, (i, plan, _) in enumerate(todo):
+                    judged = verdicts.get(k)
+                    if judged is None:  # served by the engine (``complete`` counted the rest)
+                        engine_chunks += 1
+                        engine_bytes += plan.payload_len
+                        roots.add(plan.root)
+                    if judged is None or judged:
+                        served[i] = True
+                        chunks += 1
+                        nbytes += plan.payload_len
             for root in roots:
                 self._roots[root].consecutive_errors = 0
-        batch.chunks_done(outcomes)
+            seconds = time.perf_counter() - started
+            self._stats.record_read(ReadPath.POSIX, chunks, nbytes, seconds, {
+                Counter.READ_CHUNKS: engine_chunks, Counter.READ_BYTES: engine_bytes,
+                Counter.READ_SECONDS: seconds, Counter.READ_FAILURES: size - chunks})
+        finally:
+            on_done(served)
 
     def _native_verdict(self, plan: ReadPlan, dest: memoryview, error: int,
                         header: bytes | None, computed: int) -> bool:
@@ -373,11 +384,11 @@ class _Batch:
 
     def _finish(self) -> None:
         served = self.served.count(True)
+        failures = {Counter.READ_FAILURES: len(self.served) - served}
         if self._issued:  # a batch of misses read nothing: no latency to record
             elapsed = time.perf_counter() - self._started
-            self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed)
+            self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed,
+                                    {Counter.READ_SECONDS: elapsed, **failures})
         else:
-            elapsed = 0.0
-        self._stats.add_many({Counter.READ_SECONDS: elapsed,
-                              Counter.READ_FAILURES: len(self.served) - served})
+            self._stats.add_many(failures)
         self._on_done(self.served)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import StrChoice
@@ -146,20 +147,26 @@ class StoreStats:
         self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         self._sums[histogram] += seconds
 
-    def add_many(self, amounts: dict[Counter, float]) -> None:
+    def add_many(self, amounts: Mapping[Counter, float]) -> None:
         """Several counters under one lock hold."""
         with self._lock:
             for counter, amount in amounts.items():
                 self._counts[counter] += amount
 
-    def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
-        """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total."""
+    def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float,
+                    counters: Mapping[Counter, float] | None = None) -> None:
+        """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total; and
+        ``counters`` the call moves, under the same lock hold (the read path's completion
+        runs once per call)."""
         chunks_key, bytes_key, seconds_key = _PATH_KEYS[path]
         with self._lock:
             self._counts[chunks_key] += chunks
             self._counts[bytes_key] += nbytes
             self._counts[seconds_key] += seconds
             self._observe(_READ_LATENCY[path], seconds)
+            if counters:
+                for counter, amount in counters.items():
+                    self._counts[counter] += amount
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""

@@ -228,16 +228,25 @@ def test_event_fds_are_distinct_and_closed(tmp_path: Path) -> None:
 def test_store_lookup_load_round_trip_is_byte_exact(tmp_path: Path,
                                                     open_adapter: AdapterFactory) -> None:
     adapter = open_adapter(tmp_path)
+    accessed: list[list[ObjectKey]] = []
+    listener = type("Listener", (), {
+        "on_l2_keys_stored": lambda self, keys, sizes: None,
+        "on_l2_keys_accessed": lambda self, keys: accessed.append(list(keys)),
+        "on_l2_keys_deleted": lambda self, keys: None})
+    adapter.register_listener(listener())
     keys, objs = make_keys(6), make_objs(6, seed=1)
     result = store(adapter, keys, objs)
     assert result.is_successful() and result.bytes_transferred() == 6 * CHUNK_BYTES
     missing = make_keys(2, start=100)
     assert lookup(adapter, keys + missing) == [True] * 6 + [False] * 2
     dest = make_objs(8, seed=None)
-    assert load(adapter, keys + missing, dest) == [True] * 6 + [False] * 2
+    assert load(adapter, [*keys[:3], *missing, *keys[3:]], dest[:3] + dest[6:] + dest[3:6]) \
+        == [True] * 3 + [False] * 2 + [True] * 3
     for src, got in zip(objs, dest[:6], strict=True):
         assert same(src, got)  # every chunk, the first of the batch included
     assert all(bool((d.tensor == 0xEE).all()) for d in dest[6:])  # type: ignore[union-attr]
+    assert load(adapter, keys[:2], make_objs(2, seed=None)) == [True, True]
+    assert accessed == [keys, keys[:2]]  # what each load served, for LMCache's LRU
     adapter.submit_unlock(keys)
     # files: one per chunk, header + aligned payload, in the model's namespace
     ns = namespace_id("org/model")

@@ -14,6 +14,7 @@ from support.stores import StoreFactory
 from lmcache_nvme_backend.config import NVMeConfigError
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.store.chunk_store import ChunkRead
+from lmcache_nvme_backend.store.stats import ReadPath, path_counter, read_latency
 
 
 def test_the_store_names_its_engine(open_store: StoreFactory, native_io: str) -> None:
@@ -89,3 +90,10 @@ def test_a_batch_of_mixed_outcomes_is_judged_chunk_by_chunk(open_store: StoreFac
     assert store.counter("quarantined_files") == 1
     assert not store.contains("gone") and not store.contains("bad")
     assert store.counter("read_chunks") == 2
+    # one read call: its served and failed chunks, bytes and latency counted once each
+    served_bytes = sizes["ok"] + sizes["short"]
+    assert store.counter("read_bytes") == served_bytes
+    assert store.counter("read_failures") == 3
+    assert store.counter(path_counter(ReadPath.POSIX, "chunks")) == 2
+    assert store.counter(path_counter(ReadPath.POSIX, "bytes")) == served_bytes
+    assert store.histograms()[read_latency(ReadPath.POSIX)].count == 1
