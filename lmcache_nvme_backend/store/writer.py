@@ -75,8 +75,11 @@ class ChunkWriter:
         self._closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
-        # The native engine's writers share one temp-name suffix (see ``temp_name``).
+        # The native engine's writers share one temp-name suffix (see ``temp_name``); its
+        # write items carry the file mode, directory mode and fsync level.
         self._native_temp_suffix = temp_name("", writer=0)
+        self._native_modes = (settings.file_mode, settings.dir_mode,
+                              _FSYNC_LEVEL[settings.fsync])
         # The native engine writes on threads of its own; the Python engine on these.
         self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
@@ -288,9 +291,7 @@ class ChunkWriter:
         self._finish(dropped)
         if not placed:
             return
-        settings = self.settings
-        fsync = _FSYNC_LEVEL[settings.fsync]
-        file_mode, dir_mode = settings.file_mode, settings.dir_mode
+        file_mode, dir_mode, fsync = self._native_modes
         record_gpu = self.record_gpu_checksums
         temp_suffix = self._native_temp_suffix
         fds: dict[int, int] = {}
