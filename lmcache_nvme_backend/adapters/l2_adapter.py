@@ -40,7 +40,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
-from lmcache.v1.platform import create_event_notifier
+from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_notifier
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
@@ -149,6 +149,12 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
+        # A task finished on the native engine's completion thread is signalled when that
+        # thread goes back to waiting, in the GIL release it makes anyway (an eventfd's
+        # notify is a write of 1, which the engine makes): a GIL round trip less per task.
+        native_engine = store.native_engine
+        self._signal_later = native_engine.signal_later if native_engine is not None and \
+            isinstance(self._store_efd, EventfdNotifier) else None
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-lookup")
         # Chunks found on disk at start count toward usage; their keys are not known
         # until read, so they are accounted as one untracked amount.
@@ -239,7 +245,7 @@ class NVMeL2Adapter(L2AdapterInterface):
             self._completed_stores[task.task_id] = L2StoreResult(ok, nbytes)
         if keys:
             self._notify_keys_stored(keys, sizes)
-        self._store_efd.notify()
+        self._signal(self._store_efd)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -308,12 +314,18 @@ class NVMeL2Adapter(L2AdapterInterface):
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._take(self._completed_loads, task_id)
 
-    def _finish(self, results: dict[L2TaskId, Bitmap], efd: Any, task_id: L2TaskId,
+    def _finish(self, results: dict[L2TaskId, Bitmap], efd: EventNotifier, task_id: L2TaskId,
                 bitmap: Bitmap) -> None:
         """Hand a finished lookup or load to LMCache: store its bitmap, signal its fd."""
         with self._lock:
             results[task_id] = bitmap
-        efd.notify()
+        self._signal(efd)
+
+    def _signal(self, efd: EventNotifier) -> None:
+        """Tell LMCache that ``efd``'s kind of task finished (deferred on the native engine's
+        completion thread: see ``__init__``)."""
+        if self._signal_later is None or not self._signal_later(efd.fileno()):
+            efd.notify()
 
     def _take(self, results: dict[L2TaskId, Bitmap], task_id: L2TaskId) -> Bitmap | None:
         with self._lock:

@@ -31,6 +31,8 @@ else:
     _MISSING = ""
 
 OK, JUDGE, FAILED, NEW_NAMESPACE = 0, 1, 2, 3
+#: Eventfds one ``wait`` may signal (``NativeEngine.signal_later``).
+MAX_WAIT_SIGNALS: int = getattr(_native, "MAX_WAIT_SIGNALS", 0)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class NativeEngine:
             raise RuntimeError(unavailable_reason())
         self._engine = _native.Engine(threads, write_threads, task_size)
         self._threads = threads
+        self._signals: list[int] = []  # eventfds the completer's next wait writes
         self._completer = threading.Thread(target=self._complete, name="nvme-io-done",
                                            daemon=True)
         self._completer.start()
@@ -148,10 +151,26 @@ class NativeEngine:
         """Writes not started yet end as ``ECANCELED`` (a closing store); how many."""
         return int(self._engine.cancel_writes())
 
-    def wait(self, timeout_s: float) -> list[tuple[OnDone, Batch]] | None:
-        """Finished batches (``[]`` after ``timeout_s``); None once closed and drained."""
-        done = self._engine.wait(timeout_s)
+    def wait(self, timeout_s: float, signals: tuple[int, ...] = ()
+             ) -> list[tuple[OnDone, Batch]] | None:
+        """Finished batches (``[]`` after ``timeout_s``); None once closed and drained.  First
+        adds 1 to each eventfd in ``signals`` (at most ``MAX_WAIT_SIGNALS``), in the release
+        of the GIL that waiting makes anyway."""
+        done = self._engine.wait(timeout_s, signals)
         return None if done is None else [(token, Batch(*res)) for token, res in done]
+
+    def signal_later(self, eventfd: int) -> bool:
+        """In a batch's ``on_done`` (on ``nvme-io-done``): have ``eventfd`` signalled when the
+        thread goes back to waiting, moments later, in the same GIL release (signalling it
+        here would release and re-acquire the GIL once more).  False on any other thread:
+        the caller signals it itself."""
+        if threading.get_ident() != self._completer.ident:
+            return False
+        if eventfd not in self._signals:
+            if len(self._signals) == MAX_WAIT_SIGNALS:
+                return False
+            self._signals.append(eventfd)
+        return True
 
     def unlink(self, items: Sequence[tuple[int, str]]) -> list[int]:
         """Remove chunk files ``(root_fd, rel)`` on the calling thread; an errno per item (0:
@@ -165,7 +184,9 @@ class NativeEngine:
             self._completer.join()
 
     def _complete(self) -> None:
-        while (done := self.wait(1.0)) is not None:
+        signals = self._signals
+        while (done := self.wait(1.0, tuple(signals))) is not None:
+            signals.clear()
             for on_done, batch in done:
                 try:
                     on_done(batch)

@@ -353,6 +353,73 @@ def test_finished_batches_are_taken_without_letting_go_of_the_gil(tmp_path: Path
         engine.close()
 
 
+def eventfd_count(fd: int) -> int:
+    """What the eventfd holds (0 when nothing signalled it); reading resets it."""
+    try:
+        return os.eventfd_read(fd)
+    except BlockingIOError:
+        return 0
+
+
+@pytest.fixture
+def eventfds() -> Iterator[list[int]]:
+    made = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(3)]
+    yield made
+    for fd in made:
+        os.close(fd)
+
+
+def test_wait_signals_eventfds_in_the_release_it_makes(tmp_path: Path,
+                                                       eventfds: list[int]) -> None:
+    """The eventfds handed to ``wait`` are signalled in one GIL release, which also waits
+    (or takes what finished meanwhile)."""
+    engine = _native.Engine(1, 1, 4 * MIB)
+    try:
+        before = native.counters()
+        assert engine.wait(0.01, (eventfds[0], eventfds[1])) == []  # nothing finished
+        assert native.counters()["gil_releases"] - before["gil_releases"] == 1
+        assert [eventfd_count(fd) for fd in eventfds] == [1, 1, 0]
+        (tmp_path / REL).parent.mkdir(parents=True)
+        engine.submit_write([write_item(tmp_path, memoryview(payload_for(BLOCK_SIZE)))], "t")
+        time.sleep(0.5)  # long done
+        before = native.counters()
+        assert [token for token, _ in engine.wait(30.0, (eventfds[2],))] == ["t"]
+        assert native.counters()["gil_releases"] - before["gil_releases"] == 1
+        assert [eventfd_count(fd) for fd in eventfds] == [0, 0, 1]
+        with pytest.raises(ValueError, match="at most 16 eventfds"):
+            engine.wait(0.01, (eventfds[0],) * 17)
+        with pytest.raises(ValueError, match="not a file descriptor"):
+            engine.wait(0.01, (-1,))
+        with pytest.raises(TypeError):
+            engine.wait(0.01, [eventfds[0]])  # a tuple, as NativeEngine passes it
+        assert [eventfd_count(fd) for fd in eventfds] == [0, 0, 0]  # refused: none written
+    finally:
+        engine.close()
+    assert engine.wait(0.01, (eventfds[0],)) is None  # closed, and still signalled
+    assert eventfd_count(eventfds[0]) == 1
+
+
+def test_a_callback_signals_its_eventfd_when_the_completer_waits_again(
+        engine_for, tmp_path: Path, eventfds: list[int]) -> None:
+    engine = engine_for()
+    assert not engine.signal_later(eventfds[0])  # not on the completion thread
+    deferred: list[tuple[bool, bool, int]] = []
+    done = threading.Event()
+
+    def on_done(batch: native.Batch) -> None:
+        deferred.append((engine.signal_later(eventfds[0]), engine.signal_later(eventfds[0]),
+                         eventfd_count(eventfds[0])))  # not yet written
+        done.set()
+
+    (tmp_path / REL).parent.mkdir(parents=True)
+    engine.submit_write([write_item(tmp_path, memoryview(payload_for(BLOCK_SIZE)))], on_done)
+    assert done.wait(30)
+    deadline = time.monotonic() + 30
+    while (count := eventfd_count(eventfds[0])) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deferred == [(True, True, 0)] and count == 1  # once, however often it was asked
+
+
 # -- writes ----------------------------------------------------------------------------------
 
 

@@ -5,14 +5,18 @@
  * batch costs the interpreter at most one release and re-acquire of the GIL: `read`
  * releases it once for the whole batch; `submit_read` and `submit_write` release it only to
  * wake sleeping workers, and one `wait` (which releases it only when nothing has finished
- * yet) hands back every batch finished by then.
+ * yet, or to signal the eventfds the previous batches' callbacks left to it) hands back
+ * every batch finished by then.
  *
  * Engine(threads, write_threads, task_size):
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
  *   submit_read(items, token)                 asynchronous; the batch comes back from wait
  *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
  *                                             each waits up to 50 ms while reads are in flight)
- *   wait(timeout_s) -> [(token, statuses, details)], or None once closed and drained
+ *   wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and
+ *                                             drained; first adds 1 to each eventfd in
+ *                                             signals (at most MAX_WAIT_SIGNALS), in the
+ *                                             same release of the GIL
  *   cancel_writes() -> int                    queued writes not started end as ECANCELED
  *   unlink(items) -> [errno]                  blocking, on the calling thread
  *   close()                                   queued work finishes first
@@ -28,6 +32,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <semaphore.h>
@@ -44,6 +49,7 @@
 
 #define WRITER_NICE 10
 #define WRITERS_YIELD_NS 50000000L /* a write waits at most this long for reads in flight */
+#define MAX_WAIT_SIGNALS 16          /* eventfds one wait() may signal */
 
 static _Atomic uint64_t gil_releases;
 static _Atomic uint64_t wake_releases; /* of which: to wake sleeping workers */
@@ -753,18 +759,52 @@ static batch *wait_done(Engine *self, double timeout, int *closed) {
     return done;
 }
 
+/* Adds 1 to each eventfd (a waiter's wake-up: a system call that may cost a VM tens of
+ * microseconds, so it is made without the GIL).  A full counter (EAGAIN) already signals. */
+static void signal_eventfds(const int *fds, Py_ssize_t n) {
+    const uint64_t one = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ssize_t written;
+        do written = write(fds[i], &one, sizeof one);
+        while (written < 0 && errno == EINTR);
+    }
+}
+
 static PyObject *Engine_wait(Engine *self, PyObject *args) {
     double timeout;
-    if (!PyArg_ParseTuple(args, "d", &timeout)) return NULL;
+    PyObject *signals = NULL;
+    int fds[MAX_WAIT_SIGNALS];
+    if (!PyArg_ParseTuple(args, "d|O!", &timeout, &PyTuple_Type, &signals)) return NULL;
+    Py_ssize_t nsignals = signals ? PyTuple_GET_SIZE(signals) : 0;
+    if (nsignals > MAX_WAIT_SIGNALS) {
+        PyErr_Format(PyExc_ValueError, "wait() signals at most %d eventfds", MAX_WAIT_SIGNALS);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nsignals; i++) {
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(signals, i));
+        if (fd < 0 || fd > INT_MAX) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "not a file descriptor");
+            return NULL;
+        }
+        fds[i] = (int)fd;
+    }
     int closed = 0;
-    if (self->threads == NULL) Py_RETURN_NONE;
+    if (self->threads == NULL) {
+        signal_eventfds(fds, nsignals);
+        Py_RETURN_NONE;
+    }
     /* batches already finished are taken without letting go of the GIL (the workers hold
-     * mu only for moments) */
-    pthread_mutex_lock(&self->mu);
-    batch *done = take_done(self);
-    pthread_mutex_unlock(&self->mu);
+     * mu only for moments), unless there are eventfds to signal: then one release serves
+     * both */
+    batch *done = NULL;
+    if (nsignals == 0) {
+        pthread_mutex_lock(&self->mu);
+        done = take_done(self);
+        pthread_mutex_unlock(&self->mu);
+    }
     if (done == NULL) {
         RELEASE_GIL_BEGIN
+        signal_eventfds(fds, nsignals);
         done = wait_done(self, timeout, &closed);
         RELEASE_GIL_END
     }
@@ -868,7 +908,8 @@ static PyMethodDef Engine_methods[] = {
     {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
      "submit_write(items, token): start a write batch; wait() returns it with its token."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
-     "wait(timeout_s) -> [(token, statuses, details)], or None once closed and drained."},
+     "wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and "
+     "drained; first adds 1 to each eventfd of the tuple signals, without the GIL."},
     {"cancel_writes", (PyCFunction)Engine_cancel_writes, METH_NOARGS,
      "cancel_writes() -> int: queued writes not started yet end as ECANCELED."},
     {"unlink", (PyCFunction)Engine_unlink, METH_O,
@@ -1003,7 +1044,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "OK", CHUNK_OK) < 0 ||
         PyModule_AddIntConstant(m, "JUDGE", CHUNK_JUDGE) < 0 ||
         PyModule_AddIntConstant(m, "FAILED", CHUNK_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "NEW_NAMESPACE", CHUNK_NEW_NAMESPACE) < 0) {
+        PyModule_AddIntConstant(m, "NEW_NAMESPACE", CHUNK_NEW_NAMESPACE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_WAIT_SIGNALS", MAX_WAIT_SIGNALS) < 0) {
         Py_DECREF(&EngineType);
         Py_DECREF(m);
         return NULL;
