@@ -68,6 +68,15 @@ the process meanwhile (they hold no GIL); no traced child in this mode::
     sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive \
         --paired --systems nvme,fs_native
 
+``--baseline REVISION`` (with ``--paired``) also builds this package as of a git revision
+into a temporary directory, imports it as ``lmcache_nvme_backend_base`` (system ``base``)
+beside this tree's, and gives every ratio against it: what a change does, in pairs, without
+the drift between runs.  Run it once on an unchanged tree (``--baseline HEAD``) to see the
+spread that means nothing::
+
+    sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive \
+        --paired --baseline main --systems nvme --sizes-mb 16
+
 Needs CPython 3.11 on Linux and a C compiler (for the meter).
 """
 
