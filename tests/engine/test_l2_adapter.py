@@ -41,6 +41,7 @@ from lmcache_nvme_backend.adapters.object_keys import (
 )
 from lmcache_nvme_backend.disk.format import HEADER_SIZE, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.io import native
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,9 +226,12 @@ def test_event_fds_are_distinct_and_closed(tmp_path: Path) -> None:
             os.fstat(fd)
 
 
-def test_store_lookup_load_round_trip_is_byte_exact(tmp_path: Path,
-                                                    open_adapter: AdapterFactory) -> None:
-    adapter = open_adapter(tmp_path)
+@pytest.mark.parametrize("engine", ["auto", "off"], ids=["native-when-built", "python"])
+def test_store_lookup_load_round_trip_is_byte_exact(tmp_path: Path, open_adapter: AdapterFactory,
+                                                    engine: str) -> None:
+    """Each I/O engine (tasks finish on different threads, and signal LMCache differently)."""
+    adapter = open_adapter(tmp_path, native_io=engine)
+    assert (adapter.store.native_engine is None) == (engine == "off" or not native.available())
     accessed: list[list[ObjectKey]] = []
     listener = type("Listener", (), {
         "on_l2_keys_stored": lambda self, keys, sizes: None,
