@@ -112,8 +112,7 @@ WARMUP_ROUNDS = 2
 LOAD_SET_ROUNDS = 6
 # Whose frames count as "the adapter's own" in a trace.
 ADAPTER_FILES = {
-    "nvme": ("lmcache_nvme_backend/",),
-    "base": ("lmcache_nvme_backend_base/",),
+    **{system: (package + "/",) for system, package in NVME_PACKAGES.items()},
     "fs_native": ("l2_adapters/native_connector_l2_adapter.py",
                   "l2_adapters/fs_native_l2_adapter.py"),
     "fs": ("l2_adapters/fs_l2_adapter.py",),

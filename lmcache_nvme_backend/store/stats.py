@@ -150,8 +150,11 @@ class StoreStats:
     def add_many(self, amounts: Mapping[Counter, float]) -> None:
         """Several counters under one lock hold."""
         with self._lock:
-            for counter, amount in amounts.items():
-                self._counts[counter] += amount
+            self._add_locked(amounts)
+
+    def _add_locked(self, amounts: Mapping[Counter, float]) -> None:
+        for counter, amount in amounts.items():
+            self._counts[counter] += amount
 
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float,
                     counters: Mapping[Counter, float] | None = None) -> None:
@@ -165,8 +168,7 @@ class StoreStats:
             self._counts[seconds_key] += seconds
             self._observe(_READ_LATENCY[path], seconds)
             if counters:
-                for counter, amount in counters.items():
-                    self._counts[counter] += amount
+                self._add_locked(counters)
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
