@@ -114,14 +114,11 @@ class ChunkWriter:
                 w.release()
             raise ValueError(f"tensor metadata says {bad.meta.nbytes} bytes, payload has "
                              f"{bad.nbytes}")
+        admitted: list[int] = []
         if self._closed:
             results = [SubmitResult.CLOSED] * len(writes)
         else:
-            budget, capacity = self._catalog.budgets[0], self._queue.capacity
-            results = [SubmitResult.QUEUED if w.file_size <= budget and w.nbytes <= capacity
-                       and len(w.key_bytes) <= max_key_bytes(w.namespace, w.meta)
-                       else self._oversize(w, budget) for w in writes]
-        admitted = [i for i, r in enumerate(results) if r is SubmitResult.QUEUED]
+            results, admitted = self._admit(writes)
         fresh = self._catalog.register([writes[i] for i in admitted], time.time_ns())
         jobs = {}
         for i, is_new in zip(admitted, fresh, strict=True):
@@ -140,6 +137,25 @@ class ChunkWriter:
         if duplicates := len(admitted) - len(jobs):
             self._stats.add(Counter.DUPLICATE_PUTS, duplicates)
         return results
+
+    def _admit(self, writes: Sequence[ChunkWrite]) -> tuple[list[SubmitResult], list[int]]:
+        """QUEUED for each write that fits the queue, the budget and the header (the others
+        dropped as oversize), and the indices of those that do."""
+        budget, capacity = self._catalog.budgets[0], self._queue.capacity
+        results: list[SubmitResult] = []
+        admitted: list[int] = []
+        meta = namespace = None
+        key_room = 0
+        for i, w in enumerate(writes):
+            if w.meta is not meta or w.namespace != namespace:  # a task's chunks share them
+                meta, namespace = w.meta, w.namespace
+                key_room = max_key_bytes(namespace, meta)
+            if w.file_size <= budget and w.nbytes <= capacity and len(w.key_bytes) <= key_room:
+                results.append(SubmitResult.QUEUED)
+                admitted.append(i)
+            else:
+                results.append(self._oversize(w, budget))
+        return results, admitted
 
     def _oversize(self, write: ChunkWrite, budget: int) -> SubmitResult:
         """A chunk too big for the queue or the budget, or with a key too long for the header:
@@ -213,16 +229,10 @@ class ChunkWriter:
         appended to it (see ``_reserve``), and the jobs of one root are reserved together
         (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
-        dropped: list[ChunkWrite] = []
-        by_root: dict[int, tuple[RootState, list[ChunkWrite]]] = {}
-        for job in jobs:
-            root = self._roots.choose(job.digest)
-            if root is None:
-                self._stats.add(Counter.WRITE_FAILURES)
-                dropped.append(job)
-            else:
-                by_root.setdefault(root.index, (root, []))[1].append(job)
-        for root, mine in by_root.values():
+        by_root, dropped = self._by_root(jobs)
+        if dropped:
+            self._stats.add(Counter.WRITE_FAILURES, len(dropped))
+        for root, mine in by_root:
             victims: list[IndexEntry] = []
             if deferred is not None and len(mine) > 1 and \
                     self.room.reserve(root, sum(job.file_size for job in mine), victims):
@@ -239,6 +249,23 @@ class ChunkWriter:
                     self._stats.add(Counter.CAPACITY_DROPS)
                     dropped.append(job)
         return placed, dropped
+
+    def _by_root(self, jobs: list[ChunkWrite]
+                 ) -> tuple[list[tuple[RootState, list[ChunkWrite]]], list[ChunkWrite]]:
+        """The jobs grouped by the root each goes to; and those no root can take (every
+        root out of service)."""
+        if len(self._roots) == 1:
+            only = self._roots[0]
+            return ([(only, jobs)], []) if only.healthy else ([], jobs)
+        by_root: dict[int, tuple[RootState, list[ChunkWrite]]] = {}
+        dropped: list[ChunkWrite] = []
+        for job in jobs:
+            root = self._roots.choose(job.digest)
+            if root is None:
+                dropped.append(job)
+            else:
+                by_root.setdefault(root.index, (root, []))[1].append(job)
+        return list(by_root.values()), dropped
 
     def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
                 seconds: float) -> None:
