@@ -181,13 +181,15 @@ class Catalog:
         the lock)."""
         done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
+            index, pending, members = self._index, self._pending, self.members
             for entry, reserved in published:
-                if self.members:
-                    entry.owner = self.members[entry.root]
-                self._pending.pop(entry.digest, None)
-                self._index.release(entry.root, reserved)
-                done.append((entry, self._index.get(entry.digest), reserved))
-                self._index.add(entry)
+                if members:
+                    entry.owner = members[entry.root]
+                pending.pop(entry.digest, None)
+                index.release(entry.root, reserved)
+                replaced = index.add(entry)
+                if self.accounting is not None:
+                    done.append((entry, replaced, reserved))
         if self.accounting is not None:
             for entry, replaced, reserved in done:
                 self.accounting.on_publish(entry, replaced, reserved)

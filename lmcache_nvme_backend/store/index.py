@@ -55,12 +55,13 @@ class ChunkIndex:
     def reserved_bytes(self, root: int | None = None) -> int:
         return sum(self._reserved) if root is None else self._reserved[root]
 
-    def add(self, entry: IndexEntry) -> None:
-        """Insert (or replace) an entry as most recently used."""
-        self.remove(entry.digest)
+    def add(self, entry: IndexEntry) -> IndexEntry | None:
+        """Insert (or replace) an entry as most recently used; the entry it replaced."""
+        replaced = self.remove(entry.digest)
         self._entries[entry.digest] = entry
         self._lru[entry.root][entry.digest] = None
         self._used[entry.root] += entry.size
+        return replaced
 
     def remove(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)

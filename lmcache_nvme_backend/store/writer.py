@@ -356,20 +356,26 @@ class ChunkWriter:
         seconds = (time.perf_counter() - started) / len(placed)
         try:
             errors = self._write_errors(placed, result) if result.details else {}
-            for (_, root, _), gone in zip(placed, victims, strict=True):
-                if gone:  # the first job of a root's reservation removed them
-                    self.room.guards[root.index].freed(sum(v.size for v in gone))
+            if any(victims):
+                for (_, root, _), gone in zip(placed, victims, strict=True):
+                    if gone:  # the first job of a root's reservation removed them
+                        self.room.guards[root.index].freed(sum(v.size for v in gone))
             written = [p for i, p in enumerate(placed) if i not in errors] if errors else placed
             now = time.time_ns()
-            self._catalog.publish_many([
-                (IndexEntry(job.digest, job.ns_id, root.index, size, job.meta, now), size)
-                for job, root, size in written])
-            for root in {root.index: root for _, root, _ in written}.values():
+            entries: list[tuple[IndexEntry, int]] = []
+            roots: dict[int, RootState] = {}
+            nbytes = 0
+            for job, root, size in written:
+                entries.append((IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
+                                           now), size))
+                roots[root.index] = root
+                nbytes += job.nbytes
+            self._catalog.publish_many(entries)
+            for root in roots.values():
                 root.consecutive_errors = 0
                 note_space(root)
             if written:
-                self._stats.record_write(sum(job.nbytes for job, _, _ in written), seconds,
-                                         len(written))
+                self._stats.record_write(nbytes, seconds, len(written))
             for job, _, _ in written:
                 job.persisted = True
                 if job.on_persisted is not None:

@@ -64,9 +64,10 @@ def test_add_get_remove_used_bytes(index: ChunkIndex, entry: MakeEntry) -> None:
 
 
 def test_add_replaces_and_reaccounts(index: ChunkIndex, entry: MakeEntry) -> None:
-    index.add(entry("a", 100))
-    index.add(entry("b", 100))
-    index.add(entry("a", 700))
+    first = entry("a", 100)
+    assert index.add(first) is None
+    assert index.add(entry("b", 100)) is None
+    assert index.add(entry("a", 700)) is first  # the entry it replaced
     assert len(index) == 2
     assert index.used_bytes(0) == 800
     assert order(index) == ["b", "a"]  # replacement is most recently used
