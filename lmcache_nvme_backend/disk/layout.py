@@ -101,6 +101,7 @@ class RootLayout:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.root_str = str(root)  # the key of its kept descriptor (safe_fs.root_descriptor)
         self.index_dir = root / "index"
         self.quarantine_dir = root / "quarantine"
         self.namespaces_dir = root / "ns"

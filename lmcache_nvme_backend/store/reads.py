@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..disk.format import ChunkHeader, TensorMeta, text_bytes
-from ..disk.layout import key_digest
+from ..disk.layout import digest_of_key_bytes, key_digest
 from ..disk.safe_fs import root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io import native
@@ -58,6 +58,7 @@ class ReadPlan(NamedTuple):
     """Where a stored chunk lives (``rel`` below the root ``root_dir``), and how to read it."""
 
     key: str
+    key_bytes: bytes  # the key as the header holds it (encoded once per read)
     digest: str
     rel: str
     payload_len: int
@@ -135,7 +136,8 @@ class ChunkReader:
 
     def plan(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives (None: not indexed, unreadable header, or its path is down)."""
-        digests = [key_digest(key) for key in keys]
+        encoded = [text_bytes(key) for key in keys]
+        digests = [digest_of_key_bytes(key) for key in encoded]
         entries = self._catalog.entries(digests)
         if any(entry is not None and entry.meta is None for entry in entries):
             for key, digest, entry in zip(keys, digests, entries, strict=True):
@@ -144,12 +146,12 @@ class ChunkReader:
             entries = self._catalog.entries(digests)
         roots = [root if root.healthy else None for root in self._roots]
         plans: list[ReadPlan | None] = []
-        for key, digest, entry in zip(keys, digests, entries, strict=True):
+        for key, key_bytes, digest, entry in zip(keys, encoded, digests, entries, strict=True):
             if entry is None or entry.meta is None or (root := roots[entry.root]) is None:
                 plans.append(None)
                 continue
             layout = root.layout
-            plans.append(ReadPlan(key, digest, layout.chunk_rel(entry.ns_id, digest),
+            plans.append(ReadPlan(key, key_bytes, digest, layout.chunk_rel(entry.ns_id, digest),
                                   entry.meta.nbytes, entry.meta, root.direct, root.index,
                                   layout.root))
         return plans
@@ -214,9 +216,9 @@ class ChunkReader:
         for _, plan, dest in todo:
             fd = fds.get(plan.root)
             if fd is None:
-                fd = fds[plan.root] = root_descriptor(plan.root_dir)
+                fd = fds[plan.root] = root_descriptor(self._roots[plan.root].layout.root_str)
             items.append(ReadItem(fd, plan.rel, dest, plan.payload_len, plan.direct,
-                                  text_bytes(plan.key), plan.meta.to_json()))
+                                  plan.key_bytes, plan.meta.to_json()))
         done = functools.partial(self._native_done, size, todo, on_done, started)
         if wait:
             done(self.native.read(items))

@@ -101,7 +101,7 @@ class Room:
                 unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
                                                                          entry.digest))
             return
-        fds = {index: root_descriptor(self._roots[index].layout.root)
+        fds = {index: root_descriptor(self._roots[index].layout.root_str)
                for index in {entry.root for entry in entries}}
         layouts = [root.layout for root in self._roots]
         errors = self._native.unlink([(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))

@@ -327,7 +327,7 @@ class ChunkWriter:
             layout = root.layout
             fd = fds.get(root.index)
             if fd is None:
-                fd = fds[root.index] = root_descriptor(layout.root)
+                fd = fds[root.index] = root_descriptor(layout.root_str)
             digest = job.digest
             final = digest + CHUNK_SUFFIX
             items.append(WriteItem(
