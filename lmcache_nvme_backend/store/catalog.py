@@ -182,13 +182,14 @@ class Catalog:
         done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
             index, pending, members = self._index, self._pending, self.members
+            accounted = self.accounting is not None
             for entry, reserved in published:
                 if members:
                     entry.owner = members[entry.root]
                 pending.pop(entry.digest, None)
                 index.release(entry.root, reserved)
                 replaced = index.add(entry)
-                if self.accounting is not None:
+                if accounted:
                     done.append((entry, replaced, reserved))
         if self.accounting is not None:
             for entry, replaced, reserved in done:

@@ -16,9 +16,10 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
@@ -41,6 +42,8 @@ from .access import require_tree_access
 from .free_space import free_bytes
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A root that fails this many I/Os in a row is taken out of service for a while.
 ROOT_ERROR_LIMIT = 3
@@ -220,6 +223,23 @@ class Roots(Sequence[RootState]):
             return only if only.healthy else None
         order = self.in_placement_order(digest)
         return order[0] if order else None
+
+    def group(self, items: Sequence[T], digest_of: Callable[[T], str]
+              ) -> tuple[list[tuple[RootState, list[T]]], list[T]]:
+        """``items`` grouped by the root each one's digest goes to (``choose``); and those no
+        root can take (every root out of service).  One root: no choice per item."""
+        if len(self._states) == 1:
+            only = self._states[0]
+            return ([(only, list(items))], []) if only.healthy else ([], list(items))
+        by_root: dict[int, tuple[RootState, list[T]]] = {}
+        homeless: list[T] = []
+        for item in items:
+            root = self.choose(digest_of(item))
+            if root is None:
+                homeless.append(item)
+            else:
+                by_root.setdefault(root.index, (root, []))[1].append(item)
+        return list(by_root.values()), homeless
 
     def record_error(self, root: RootState, exc: BaseException) -> None:
         """An I/O error on ``root``: too many in a row take it out of service for a while."""

@@ -17,6 +17,7 @@ import enum
 import errno
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -229,7 +230,7 @@ class ChunkWriter:
         appended to it (see ``_reserve``), and the jobs of one root are reserved together
         (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
-        by_root, dropped = self._by_root(jobs)
+        by_root, dropped = self._roots.group(jobs, operator.attrgetter("digest"))
         if dropped:
             self._stats.add(Counter.WRITE_FAILURES, len(dropped))
         for root, mine in by_root:
@@ -249,23 +250,6 @@ class ChunkWriter:
                     self._stats.add(Counter.CAPACITY_DROPS)
                     dropped.append(job)
         return placed, dropped
-
-    def _by_root(self, jobs: list[ChunkWrite]
-                 ) -> tuple[list[tuple[RootState, list[ChunkWrite]]], list[ChunkWrite]]:
-        """The jobs grouped by the root each goes to; and those no root can take (every
-        root out of service)."""
-        if len(self._roots) == 1:
-            only = self._roots[0]
-            return ([(only, jobs)], []) if only.healthy else ([], jobs)
-        by_root: dict[int, tuple[RootState, list[ChunkWrite]]] = {}
-        dropped: list[ChunkWrite] = []
-        for job in jobs:
-            root = self._roots.choose(job.digest)
-            if root is None:
-                dropped.append(job)
-            else:
-                by_root.setdefault(root.index, (root, []))[1].append(job)
-        return list(by_root.values()), dropped
 
     def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
                 seconds: float) -> None:

@@ -64,6 +64,26 @@ def test_a_root_out_of_service_loses_only_its_own_keys(
     assert all(after[d] is not failing for d in digests)
 
 
+@pytest.mark.parametrize("count", [4, 1])
+def test_group_sends_each_item_where_choose_does(tmp_path: Path, count: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items grouped by root agree with ``choose`` (one root: every item in one group, in
+    order); with every root out of service, every item is left without a root."""
+    roots = Roots.open([tmp_path / f"r{i}" for i in range(count)], "auto")
+    digests = [key_digest(f"key-{i}") for i in range(100)]
+    groups, homeless = roots.group(digests, lambda d: d)
+    assert homeless == []
+    assert sorted(d for _, mine in groups for d in mine) == sorted(digests)
+    assert all(roots.choose(d) is root for root, mine in groups for d in mine)
+    if count == 1:
+        assert groups == [(roots[0], digests)]
+    monkeypatch.setattr(roots_mod, "ROOT_RETRY_S", 3600)
+    for root in roots:
+        for _ in range(roots_mod.ROOT_ERROR_LIMIT):
+            roots.record_error(root, OSError(5, "injected EIO"))
+    assert roots.group(digests, lambda d: d) == ([], digests)
+
+
 def test_fewer_errors_than_the_limit_keep_the_root_in_service(roots: Roots) -> None:
     for _ in range(roots_mod.ROOT_ERROR_LIMIT - 1):
         roots.record_error(roots[0], OSError(5, "injected EIO"))
