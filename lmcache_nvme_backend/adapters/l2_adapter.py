@@ -30,9 +30,8 @@ import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap
@@ -43,7 +42,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_notifier
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
-from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult
+from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult, WriteTask
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
 from .memory_objects import host_view, payload_view, tensor_meta_of
@@ -95,23 +94,6 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
                 '"max_size_gb": 500}}')
 
 
-@dataclass
-class _StoreTask:
-    """Completion state of one store task: finishes when every chunk is released.
-
-    Chunks settle on the store's threads without a lock: the store marks each of ``writes``
-    ``persisted`` before releasing it, and ``next(released)`` (atomic) tells the one that
-    releases last, which completes the task."""
-
-    task_id: L2TaskId
-    keys: list[ObjectKey]
-    shares: int  # one per chunk, plus one held by the submitter
-    writes: list[ChunkWrite] = field(default_factory=list)
-    duplicates: int = 0  # chunks already on the drive (or being written by another task)
-    refused: bool = False
-    released: Iterator[int] = field(default_factory=lambda: itertools.count(1))
-
-
 def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSettings:
     """The validated settings, with the server's default of four writers per path."""
     if not isinstance(config, NVMeL2AdapterConfig):
@@ -138,8 +120,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         self.settings = settings
         self.store = store
         self._lock = threading.Lock()
-        self._next_task_id: L2TaskId = 0
-        self._store_tasks: dict[L2TaskId, _StoreTask] = {}
+        self._task_ids = itertools.count()  # next() is atomic: no lock
         self._completed_stores: dict[L2TaskId, L2StoreResult] = {}
         self._completed_lookups: dict[L2TaskId, Bitmap] = {}
         self._completed_loads: dict[L2TaskId, Bitmap] = {}
@@ -177,12 +158,6 @@ class NVMeL2Adapter(L2AdapterInterface):
     def get_load_event_fd(self) -> int:
         return self._load_efd.fileno()
 
-    def _new_task_id(self) -> L2TaskId:
-        with self._lock:
-            task_id = self._next_task_id
-            self._next_task_id += 1
-            return task_id
-
     # -- store -------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -193,58 +168,46 @@ class NVMeL2Adapter(L2AdapterInterface):
         as the interface defines) if any chunk could not be persisted, e.g.
         dropped on a full write queue.
         """
-        n = len(keys)
-        task_id = self._new_task_id()
-        task = _StoreTask(task_id, list(keys), shares=n + 1)
-        with self._lock:
-            self._store_tasks[task_id] = task
-        release = functools.partial(self._chunk_released, task)
+        task_id = next(self._task_ids)
+        keys = list(keys)
         try:
-            if n != len(objects):
-                raise ValueError(f"{n} keys but {len(objects)} objects")
-            task.writes = [ChunkWrite(*object_key_parts(key), meta := tensor_meta_of(obj),
-                                      payload_view(obj, meta.nbytes), release)
-                           for key, obj in zip(keys, objects, strict=True)]
+            if len(keys) != len(objects):
+                raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+            writes = [ChunkWrite(*object_key_parts(key), meta := tensor_meta_of(obj),
+                                 payload_view(obj, meta.nbytes))
+                      for key, obj in zip(keys, objects, strict=True)]
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
-            task.refused = True
-            task.shares = 1  # no chunk was handed over: the submitter's share is the last
-            self._chunk_released(task)
+            self._stored(task_id, keys, None)
             return task_id
         try:
-            results = self.store.submit_many(task.writes)
-        except Exception:  # submit_many has released every chunk
+            self.store.submit_task(writes, functools.partial(self._stored, task_id, keys))
+        except Exception:  # the task has completed (failed) all the same
             logger.exception("NVMe L2 adapter: store task %d failed to submit", task_id)
-            task.refused = True
-            self._chunk_released(task)
-            return task_id
-        if (queued := results.count(SubmitResult.QUEUED)) < n:
-            task.duplicates = results.count(SubmitResult.DUPLICATE)
-            task.refused = queued + task.duplicates < n
-        self._chunk_released(task)  # the submitter's share
         return task_id
 
-    def _chunk_released(self, task: _StoreTask) -> None:
-        if next(task.released) < task.shares:
-            return
-        persisted = nbytes = 0
-        keys, sizes, digests = [], [], []
-        for key, write in zip(task.keys, task.writes, strict=True):
-            if write.persisted:
-                persisted += 1
-                nbytes += write.nbytes
-                if write.nbytes:
-                    keys.append(key)
-                    sizes.append(write.file_size)
-                    digests.append(write.digest)
-        ok = not task.refused and persisted + task.duplicates == len(task.writes)
+    def _stored(self, task_id: L2TaskId, keys: list[ObjectKey], task: WriteTask | None
+                ) -> None:
+        """Every chunk of the task ended: its result for LMCache, the stored keys announced."""
+        ok = task is not None and task.results is not None
+        nbytes = 0
+        stored: list[tuple[ObjectKey, ChunkWrite]] = []
+        if task is not None:
+            results = task.results or [SubmitResult.CLOSED] * len(keys)
+            for key, write, result in zip(keys, task.writes, results, strict=True):
+                if write.persisted:
+                    nbytes += write.nbytes
+                    if write.nbytes:
+                        stored.append((key, write))
+                elif result is not SubmitResult.DUPLICATE:
+                    ok = False
         with self._lock:
-            del self._store_tasks[task.task_id]
-            for key, digest, size in zip(keys, digests, sizes, strict=True):
-                self._reported[digest] = (key, size)
-            self._completed_stores[task.task_id] = L2StoreResult(ok, nbytes)
-        if keys:
-            self._notify_keys_stored(keys, sizes)
+            for key, write in stored:
+                self._reported[write.digest] = (key, write.file_size)
+            self._completed_stores[task_id] = L2StoreResult(ok, nbytes)
+        if stored:
+            self._notify_keys_stored([key for key, _ in stored],
+                                     [write.file_size for _, write in stored])
         self._signal(self._store_efd)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -258,7 +221,7 @@ class NVMeL2Adapter(L2AdapterInterface):
                                     group_layout_descs: dict[int, MemoryLayoutDesc]
                                     ) -> L2TaskId:
         """Which keys are stored; each hit is pinned (not evicted) until ``submit_unlock``."""
-        task_id = self._new_task_id()
+        task_id = next(self._task_ids)
         self._lookup_pool.submit(self._lookup, task_id, list(keys))
         return task_id
 
@@ -289,7 +252,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         The chunks go straight to the store's I/O threads; each is verified by the
         thread that read it, and the last one completes the task.
         """
-        task_id = self._new_task_id()
+        task_id = next(self._task_ids)
         keys = list(keys)
         try:
             reads = [ChunkRead(object_key_string(key), host_view(obj), length=obj.get_size())

@@ -30,7 +30,7 @@ import math
 import re
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -209,8 +209,10 @@ def padded_length(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+@functools.lru_cache(maxsize=256)
 def file_size_for(payload_len: int) -> int:
-    """Bytes a chunk file with this payload occupies (header and padding included)."""
+    """Bytes a chunk file with this payload occupies (header and padding included; a
+    store sees a few payload sizes, and asks for every chunk written)."""
     return HEADER_SIZE + padded_length(payload_len)
 
 
@@ -237,9 +239,10 @@ def payload_checksum(payload: memoryview | bytes, version: int = FORMAT_VERSION)
     return combine_block_digests(block_digests(payload))
 
 
-def text_bytes(text: str) -> bytes:
-    """UTF-8 of a key or namespace; lone surrogates (names decoded from raw bytes) pass."""
-    return text.encode("utf-8", "surrogatepass")
+#: ``text_bytes(text)``: UTF-8 of a key or namespace; lone surrogates (names decoded from
+#: raw bytes) pass.  ``str.encode`` itself, bound to its arguments: every chunk stored asks.
+text_bytes: Callable[[str], bytes] = functools.partial(str.encode, encoding="utf-8",
+                                                       errors="surrogatepass")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -25,7 +25,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +53,9 @@ def key_digest(key: str) -> str:
     return digest_of_key_bytes(text_bytes(key))
 
 
-def digest_of_key_bytes(key: bytes) -> str:
-    """``key_digest`` of a key already encoded (``format.text_bytes``)."""
-    return xxhash.xxh3_128_hexdigest(key)
+#: ``digest_of_key_bytes(key)``: ``key_digest`` of a key already encoded
+#: (``format.text_bytes``); the hash function itself (every chunk stored asks).
+digest_of_key_bytes: Callable[[bytes], str] = xxhash.xxh3_128_hexdigest
 
 
 @functools.lru_cache(maxsize=4096)

@@ -9,8 +9,8 @@ from .index import IndexEntry
 from .reads import ChunkRead, ReadPlan
 from .roots import RootInfo
 from .stats import Counter, ReadPath
-from .writeback import ChunkWrite
+from .writeback import ChunkWrite, WriteTask
 from .writer import SubmitResult
 
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "Counter", "IndexEntry", "ReadPath",
-           "ReadPlan", "RootInfo", "SubmitResult"]
+           "ReadPlan", "RootInfo", "SubmitResult", "WriteTask"]

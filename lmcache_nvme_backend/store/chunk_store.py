@@ -44,10 +44,11 @@ from .room import Room
 from .roots import RootInfo, Roots
 from .shared import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
-from .writeback import ChunkWrite, ReadPriorityGate
+from .writeback import ChunkWrite, ReadPriorityGate, WriteTask
 from .writer import ChunkWriter, SubmitResult
 
-__all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult"]
+__all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult",
+           "WriteTask"]
 
 
 class ChunkStore:
@@ -222,6 +223,19 @@ class ChunkStore:
         store calls every ``release`` exactly once, whatever the result.
         """
         return self._writer.submit_many(writes)
+
+    def submit_task(self, writes: Sequence[ChunkWrite],
+                    on_done: Callable[[WriteTask], None]) -> None:
+        """Queue a task's chunks (writes without a ``release``); ``on_done(task)`` runs once,
+        after every one of them ended, whatever happened: ``task.results`` are
+        ``submit_many``'s (None if it raised, which this then does too), and each write's
+        ``persisted`` says whether its file was published.  Their payloads stay valid until
+        then.  It may run on this thread, before this returns."""
+        task = WriteTask(writes, on_done)
+        try:
+            task.results = self._writer.submit_many(writes)
+        finally:
+            task.ended(1)  # the submitter's share
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""

@@ -57,10 +57,13 @@ class ChunkIndex:
 
     def add(self, entry: IndexEntry) -> IndexEntry | None:
         """Insert (or replace) an entry as most recently used; the entry it replaced."""
-        replaced = self.remove(entry.digest)
-        self._entries[entry.digest] = entry
-        self._lru[entry.root][entry.digest] = None
-        self._used[entry.root] += entry.size
+        digest, root = entry.digest, entry.root
+        replaced = self._entries.get(digest)
+        if replaced is not None:
+            self.remove(digest)
+        self._entries[digest] = entry
+        self._lru[root][digest] = None
+        self._used[root] += entry.size
         return replaced
 
     def remove(self, digest: str) -> IndexEntry | None:
@@ -97,6 +100,8 @@ class ChunkIndex:
         after evicting every unpinned entry of the root.
         """
         excess = self._used[root] + self._reserved[root] + size - self.budgets[root]
+        if excess <= 0:
+            return []
         victims: list[IndexEntry] = []
         for digest in self._lru[root]:
             if excess <= 0:

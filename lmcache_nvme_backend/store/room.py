@@ -56,7 +56,8 @@ class Room:
         victims = self._catalog.reserve(root.index, size)
         if victims is None:
             return False
-        self._evict(victims, guard, deferred)
+        if victims:
+            self._evict(victims, guard, deferred)
         while not guard.room_for(size):
             oldest = self._catalog.pop_oldest_unpinned(root.index)
             if oldest is None:
@@ -70,8 +71,6 @@ class Room:
 
     def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
                deferred: list[IndexEntry] | None) -> None:
-        if not victims:
-            return
         if deferred is None:
             self.evict(victims)
             return

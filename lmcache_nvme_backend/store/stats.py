@@ -101,6 +101,11 @@ HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
 _PATH_KEYS = {p: tuple(path_counter(p, w) for w in ("chunks", "bytes", "seconds"))
               for p in ReadPath}
 _READ_LATENCY = {p: read_latency(p) for p in ReadPath}
+# The write path's keys as plain strings (every write batch moves them; an enum member
+# is one more lookup each time).
+_WRITES_COMPLETED = Counter.WRITES_COMPLETED.value
+_WRITE_BYTES = Counter.WRITE_BYTES.value
+_WRITE_SECONDS = Counter.WRITE_SECONDS.value
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class StoreStats:
             [c.value for c in Counter] + list(_PATH_COUNTERS), 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
+        self._write_buckets = self._buckets[WRITE_LATENCY]
 
     def add(self, counter: Counter, amount: float = 1) -> None:
         with self._lock:
@@ -172,11 +178,13 @@ class StoreStats:
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
+        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
         with self._lock:
-            self._counts[Counter.WRITES_COMPLETED] += count
-            self._counts[Counter.WRITE_BYTES] += nbytes
-            self._counts[Counter.WRITE_SECONDS] += seconds * count
-            self._buckets[WRITE_LATENCY][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += count
+            counts = self._counts
+            counts[_WRITES_COMPLETED] += count
+            counts[_WRITE_BYTES] += nbytes
+            counts[_WRITE_SECONDS] += seconds * count
+            self._write_buckets[bucket] += count
             self._sums[WRITE_LATENCY] += seconds * count
 
     def histograms(self) -> dict[str, HistogramSnapshot]:

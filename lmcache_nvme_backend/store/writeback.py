@@ -7,14 +7,21 @@ until the write finishes), so its bound is a memory bound.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from ..disk.format import TensorMeta, file_size_for, text_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
+
+if TYPE_CHECKING:
+    from .writer import SubmitResult
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkWrite:
@@ -22,16 +29,17 @@ class ChunkWrite:
 
     ``payload`` stays valid until the store calls ``release``, which it does
     exactly once whatever happens to the write; ``persisted`` is set and then
-    ``on_persisted`` runs once the chunk file is published (before ``release``).  What the
-    store derives from the key (its UTF-8, the digest that names the file, the namespace's
-    directory id) is computed once here.
+    ``on_persisted`` runs once the chunk file is published (before ``release``).  A write
+    of a :class:`WriteTask` has no ``release`` of its own: its task ends once for all of
+    its writes.  What the store derives from the key (its UTF-8, the digest that names the
+    file, the namespace's directory id) is computed once here.
     """
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "nbytes",
-                 "file_size", "key_bytes", "digest", "ns_id", "persisted")
+                 "file_size", "key_bytes", "digest", "ns_id", "persisted", "task")
 
     def __init__(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
-                 release: Callable[[], None],
+                 release: Callable[[], None] | None = None,
                  on_persisted: Callable[[], None] | None = None) -> None:
         self.key = key
         self.namespace = namespace
@@ -39,12 +47,65 @@ class ChunkWrite:
         self.payload = payload
         self.release = release
         self.on_persisted = on_persisted
-        self.nbytes = len(payload)
-        self.file_size = file_size_for(self.nbytes)  # bytes on disk, header and padding too
-        self.key_bytes = text_bytes(key)
-        self.digest = digest_of_key_bytes(self.key_bytes)  # names the chunk file
+        self.task: WriteTask | None = None
+        self.nbytes = nbytes = len(payload)
+        self.file_size = file_size_for(nbytes)  # bytes on disk, header and padding too
+        self.key_bytes = key_bytes = text_bytes(key)
+        self.digest = digest_of_key_bytes(key_bytes)  # names the chunk file
         self.ns_id = namespace_id(namespace)  # names the namespace directory
         self.persisted = False
+
+
+class WriteTask:
+    """Writes submitted together that end together (an L2 store task): ``on_done(task)``
+    runs once, after every write ended (published, duplicate or dropped; each write's
+    ``persisted`` is final then), on the thread that ended the last of them.
+
+    It counts one share per write and one for the submitter, which ends it after
+    ``results`` is set: ``on_done`` never sees a task still being submitted.  The writes
+    end in as many calls as the store makes (one per written batch, usually), not one per
+    write.
+    """
+
+    __slots__ = ("writes", "on_done", "results", "_left", "_lock")
+
+    def __init__(self, writes: Sequence[ChunkWrite],
+                 on_done: Callable[[WriteTask], None]) -> None:
+        self.writes = writes
+        self.on_done = on_done
+        self.results: list[SubmitResult] | None = None  # None: the submission failed
+        self._left = len(writes) + 1
+        self._lock = threading.Lock()
+        for write in writes:
+            write.task = self
+
+    def ended(self, count: int) -> None:
+        """``count`` shares ended; the last one calls ``on_done``."""
+        with self._lock:
+            self._left -= count
+            if self._left:
+                return
+        try:
+            self.on_done(self)
+        except Exception:  # a caller's callback must not break the store's thread
+            logger.exception("NVMe tier: completing a store task failed")
+
+
+def end_writes(writes: Sequence[ChunkWrite]) -> None:
+    """Hand ended writes back: each task once for its writes among them, each other write
+    to its own ``release``."""
+    first = writes[0].task
+    if first is not None and all(w.task is first for w in writes):  # a task's batch
+        first.ended(len(writes))
+        return
+    for write in writes:
+        try:
+            if write.task is not None:
+                write.task.ended(1)
+            elif write.release is not None:
+                write.release()
+        except Exception:  # one caller's callback must not keep the rest
+            logger.exception("NVMe tier: releasing the buffer of %s failed", write.key)
 
 
 class WriteBackQueue:
@@ -85,6 +146,13 @@ class WriteBackQueue:
         the whole batch.  With ``hand_over`` the accepted jobs are only accounted for (their
         bytes held until ``done_many``): the caller hands them to a writer itself.
         """
+        if hand_over:  # the common case first: the whole batch fits now
+            nbytes = sum([job.nbytes for job in jobs])
+            with self._lock:
+                if not self._closed and self._bytes + nbytes <= self.capacity:
+                    self._bytes += nbytes
+                    self._unfinished += len(jobs)
+                    return [True] * len(jobs)
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
         with self._lock:
@@ -116,7 +184,7 @@ class WriteBackQueue:
 
     def done_many(self, jobs: list[ChunkWrite]) -> None:
         """The jobs were written (or dropped): their bytes and count leave the queue."""
-        freed = sum(job.nbytes for job in jobs)
+        freed = sum([job.nbytes for job in jobs])
         with self._lock:  # on every write's completion: no notify when no one waits
             self._bytes -= freed
             self._unfinished -= len(jobs)

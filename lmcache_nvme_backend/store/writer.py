@@ -38,7 +38,7 @@ from .index import IndexEntry
 from .room import Room
 from .roots import Roots, RootState, note_full, note_space, write_namespace_file
 from .stats import Counter, StoreStats
-from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
+from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue, end_writes
 
 logger = logging.getLogger(__name__)
 
@@ -105,57 +105,59 @@ class ChunkWriter:
     def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
         """Queue chunks for persistence without waiting for the drive.
 
-        Each ``payload`` must stay valid until its ``release`` is called; the store
-        calls every ``release`` exactly once, whatever the result (immediately for
+        Each ``payload`` must stay valid until its ``release`` is called (or its task ends);
+        the store calls every ``release`` exactly once, whatever the result (immediately for
         a chunk that is not queued).  One lock round and one writer wake-up serve
         the whole batch, which keeps the engine's store path short.
         """
-        if bad := next((w for w in writes if w.meta.nbytes != w.nbytes), None):
-            for w in writes:
-                w.release()
-            raise ValueError(f"tensor metadata says {bad.meta.nbytes} bytes, payload has "
-                             f"{bad.nbytes}")
-        admitted: list[int] = []
         if self._closed:
-            results = [SubmitResult.CLOSED] * len(writes)
-        else:
+            if writes:
+                end_writes(writes)
+            return [SubmitResult.CLOSED] * len(writes)
+        try:
             results, admitted = self._admit(writes)
+        except ValueError:
+            end_writes(writes)
+            raise
         fresh = self._catalog.register([writes[i] for i in admitted], time.time_ns())
-        jobs = {}
-        for i, is_new in zip(admitted, fresh, strict=True):
-            if is_new:
-                jobs[i] = writes[i]
-            else:
-                results[i] = SubmitResult.DUPLICATE
-        if jobs:
-            accepted = self._enqueue(jobs, results)
+        if False in fresh:
+            for i, is_new in zip(admitted, fresh, strict=True):
+                if not is_new:
+                    results[i] = SubmitResult.DUPLICATE
+            self._stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
+            admitted = [i for i, is_new in zip(admitted, fresh, strict=True) if is_new]
+        if admitted:
+            accepted = self._enqueue(writes, admitted, results)
             if self.native is not None:
                 self._dispatch(accepted)
         if results.count(SubmitResult.QUEUED) < len(writes):
-            for w, result in zip(writes, results, strict=True):
-                if result is not SubmitResult.QUEUED:
-                    w.release()
-        if duplicates := len(admitted) - len(jobs):
-            self._stats.add(Counter.DUPLICATE_PUTS, duplicates)
+            end_writes([w for w, result in zip(writes, results, strict=True)
+                        if result is not SubmitResult.QUEUED])
         return results
 
     def _admit(self, writes: Sequence[ChunkWrite]) -> tuple[list[SubmitResult], list[int]]:
         """QUEUED for each write that fits the queue, the budget and the header (the others
-        dropped as oversize), and the indices of those that do."""
+        dropped as oversize), and the indices of those that do.  ValueError, before anything
+        is counted, for a write whose payload is not the size its metadata says."""
         budget, capacity = self._catalog.budgets[0], self._queue.capacity
-        results: list[SubmitResult] = []
+        results = [SubmitResult.QUEUED] * len(writes)
         admitted: list[int] = []
+        oversize: list[int] = []
         meta = namespace = None
         key_room = 0
         for i, w in enumerate(writes):
             if w.meta is not meta or w.namespace != namespace:  # a task's chunks share them
                 meta, namespace = w.meta, w.namespace
                 key_room = max_key_bytes(namespace, meta)
+            if w.nbytes != meta.nbytes:
+                raise ValueError(f"tensor metadata says {meta.nbytes} bytes, payload has "
+                                 f"{w.nbytes}")
             if w.file_size <= budget and w.nbytes <= capacity and len(w.key_bytes) <= key_room:
-                results.append(SubmitResult.QUEUED)
                 admitted.append(i)
             else:
-                results.append(self._oversize(w, budget))
+                oversize.append(i)
+        for i in oversize:
+            results[i] = self._oversize(writes[i], budget)
         return results, admitted
 
     def _oversize(self, write: ChunkWrite, budget: int) -> SubmitResult:
@@ -170,23 +172,24 @@ class ChunkWriter:
         self._stats.add(Counter.OVERSIZE_DROPS)
         return SubmitResult.OVERSIZE
 
-    def _enqueue(self, jobs: dict[int, ChunkWrite], results: list[SubmitResult]
-                 ) -> list[ChunkWrite]:
-        """Offer the jobs to the queue (with the native engine, the queue only holds their
-        bytes: the caller dispatches them); mark the ones it refuses in ``results``; the
-        accepted ones."""
+    def _enqueue(self, writes: Sequence[ChunkWrite], admitted: list[int],
+                 results: list[SubmitResult]) -> list[ChunkWrite]:
+        """Offer the admitted writes to the queue (with the native engine, the queue only
+        holds their bytes: the caller dispatches them); mark the ones it refuses in
+        ``results``; the accepted ones."""
+        offered = [writes[i] for i in admitted]
         wait = self.settings.queue_full_policy == "wait"
-        if wait and self._queue.bytes_held + sum(j.nbytes for j in jobs.values()) > \
+        if wait and self._queue.bytes_held + sum(j.nbytes for j in offered) > \
                 self._queue.capacity:
             self._stats.add(Counter.QUEUE_FULL_WAITS)
-        offered = list(jobs.values())
         ok = self._queue.offer_many(offered, wait_s=1e9 if wait else 0.0,
                                     hand_over=self.native is not None)
-        refused = [(i, job) for (i, job), fits in zip(jobs.items(), ok, strict=True)
-                   if not fits]
-        self._stats.add(Counter.WRITES_ENQUEUED, len(jobs) - len(refused))
-        if not refused:
+        if False not in ok:
+            self._stats.add(Counter.WRITES_ENQUEUED, len(offered))
             return offered
+        refused = [(i, job) for i, job, fits in zip(admitted, offered, ok, strict=True)
+                   if not fits]
+        self._stats.add(Counter.WRITES_ENQUEUED, len(offered) - len(refused))
         self._catalog.end_pending(job.digest for _, job in refused)
         for i, _ in refused:
             results[i] = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
@@ -305,19 +308,21 @@ class ChunkWriter:
         file_mode, dir_mode, fsync = self._native_modes
         record_gpu = self.record_gpu_checksums
         temp_suffix = self._native_temp_suffix
-        fds: dict[int, int] = {}
         items = []
+        last_root = meta = namespace = None
         for (job, root, _), gone in zip(placed, victims, strict=True):
-            layout = root.layout
-            fd = fds.get(root.index)
-            if fd is None:
-                fd = fds[root.index] = root_descriptor(layout.root_str)
+            if root is not last_root:  # a batch's chunks share roots and layouts: once each
+                last_root, layout, direct = root, root.layout, root.direct
+                fd = root_descriptor(layout.root_str)
+            if job.meta is not meta or job.namespace != namespace:
+                meta, namespace = job.meta, job.namespace
+                meta_json, namespace_raw = meta.to_json(), namespace_bytes(namespace)
             digest = job.digest
             final = digest + CHUNK_SUFFIX
             items.append(WriteItem(
                 fd, layout.shard_rel(job.ns_id, digest), final + temp_suffix, final,
-                job.payload, job.key_bytes, namespace_bytes(job.namespace), job.meta.to_json(),
-                self._gpu_checksum(job) if record_gpu else None, root.direct, file_mode,
+                job.payload, job.key_bytes, namespace_raw, meta_json,
+                self._gpu_checksum(job) if record_gpu else None, direct, file_mode,
                 dir_mode, fsync,
                 tuple(layout.chunk_rel(v.ns_id, v.digest) for v in gone) if gone else ()))
         try:
@@ -346,24 +351,24 @@ class ChunkWriter:
                         self.room.guards[root.index].freed(sum(v.size for v in gone))
             written = [p for i, p in enumerate(placed) if i not in errors] if errors else placed
             now = time.time_ns()
-            entries: list[tuple[IndexEntry, int]] = []
-            roots: dict[int, RootState] = {}
             nbytes = 0
+            last_root = None
+            entries: list[tuple[IndexEntry, int]] = []
             for job, root, size in written:
                 entries.append((IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
                                            now), size))
-                roots[root.index] = root
                 nbytes += job.nbytes
-            self._catalog.publish_many(entries)
-            for root in roots.values():
-                root.consecutive_errors = 0
-                note_space(root)
+                if root is not last_root:
+                    last_root = root
+                    root.consecutive_errors = 0
+                    note_space(root)
             if written:
+                self._catalog.publish_many(entries)
                 self._stats.record_write(nbytes, seconds, len(written))
-            for job, _, _ in written:
-                job.persisted = True
-                if job.on_persisted is not None:
-                    job.on_persisted()
+                for job, _, _ in written:
+                    job.persisted = True
+                    if job.on_persisted is not None:
+                        job.on_persisted()
             for i, error in errors.items():
                 job, root, size = placed[i]
                 if error.errno == errno.ECANCELED:  # closing: not a failure
@@ -402,11 +407,7 @@ class ChunkWriter:
         if unpublished := [job.digest for job in jobs if not job.persisted]:
             self._catalog.end_pending(unpublished)  # publishing ended the others'
         try:
-            for job in jobs:
-                try:
-                    job.release()
-                except Exception:  # one caller's callback must not keep the rest
-                    logger.exception("NVMe tier: releasing the buffer of %s failed", job.key)
+            end_writes(jobs)
         finally:
             self._queue.done_many(jobs)
 

@@ -17,7 +17,7 @@ from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import HEADER_SIZE, encode_header, file_size_for
 from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store.chunk_store import ChunkStore, ChunkWrite, SubmitResult
+from lmcache_nvme_backend.store.chunk_store import ChunkStore, ChunkWrite, SubmitResult, WriteTask
 
 SMALL = 0.05  # GiB: the budget of this module's stores unless a test sets its own
 
@@ -354,3 +354,51 @@ def test_submit_many_dedupes_within_a_batch_and_drops_what_does_not_fit(
     store.flush(10)
     assert sorted(released) == ["a", "a", "b", "c"]
     assert read(store, "b", size) == payload_for("b", size)
+
+
+def task_writes(keys: list[str], size: int = CHUNK) -> list[ChunkWrite]:
+    """Writes of a task: no ``release`` of their own."""
+    return [ChunkWrite(key, NS, meta_for(size), memoryview(payload_for(key, size)))
+            for key in keys]
+
+
+def test_a_task_completes_once_with_each_chunk_settled(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL, write_queue_mb=2.5, write_threads=1)
+    put(store, "old")
+    store.flush(10)
+    blocked = BlockedWrites(store)
+    done: list[WriteTask] = []
+    size = 1024 * 1024
+    store.submit_task(task_writes(["old", "a", "b", "c"], size), done.append)
+    assert blocked.started.acquire(timeout=10)
+    assert done == []  # "a" and "b" are being written
+    blocked.release.set()
+    store.flush(10)
+    assert len(done) == 1
+    task = done[0]
+    assert task.results == [SubmitResult.DUPLICATE, SubmitResult.QUEUED, SubmitResult.QUEUED,
+                            SubmitResult.QUEUE_FULL]
+    assert [w.persisted for w in task.writes] == [False, True, True, False]
+    assert read(store, "a", size) == payload_for("a", size)
+    assert read(store, "c", size) is None
+
+
+def test_a_task_on_a_closed_store_completes_at_once(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL)
+    store.close()
+    done: list[WriteTask] = []
+    store.submit_task(task_writes(["a", "b"]), done.append)
+    assert len(done) == 1 and done[0].results == [SubmitResult.CLOSED] * 2
+
+
+def test_a_task_with_a_wrong_size_takes_nothing_and_still_completes(
+        open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL)
+    writes = task_writes(["a", "b"])
+    writes[1].meta = meta_for(CHUNK + 1)
+    done: list[WriteTask] = []
+    with pytest.raises(ValueError, match="metadata says"):
+        store.submit_task(writes, done.append)
+    assert len(done) == 1 and done[0].results is None
+    assert not store.is_pending("a") and read(store, "a") is None
+    assert store.counter("oversize_drops") == 0

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from lmcache_nvme_backend.disk.format import TensorMeta
-from lmcache_nvme_backend.store.writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue
+from lmcache_nvme_backend.store.writeback import (
+    ChunkWrite,
+    ReadPriorityGate,
+    WriteBackQueue,
+    WriteTask,
+    end_writes,
+)
 
 CAPACITY = 1000
 JOIN_S = 10  # generous bound so a broken implementation fails instead of hanging
@@ -306,3 +312,68 @@ def test_handed_over_jobs_hold_their_bytes_until_done_but_are_not_queued(
     queue.done_many(jobs[:2])
     assert queue.bytes_held == 0 and queue.wait_empty(0.01)
     assert queue.close() == []
+
+
+# -- WriteTask and end_writes -------------------------------------------------------------
+
+
+def test_a_task_completes_once_after_its_writes_and_its_submitter(job: MakeJob) -> None:
+    writes = [job(str(i), 10) for i in range(3)]
+    done: list[WriteTask] = []
+    task = WriteTask(writes, done.append)
+    assert all(w.task is task for w in writes)
+    end_writes(writes[:2])  # one batch
+    end_writes(writes[2:])
+    assert done == []  # the submitter still holds its share
+    task.ended(1)
+    assert done == [task]
+
+
+def test_a_task_ended_from_many_threads_completes_exactly_once(job: MakeJob) -> None:
+    writes = [job(str(i), 1) for i in range(64)]
+    done: list[WriteTask] = []
+    task = WriteTask(writes, done.append)
+    workers = [Worker(lambda part=writes[i::8]: [end_writes([w]) for w in part])
+               for i in range(8)]
+    for w in workers:
+        w.start()
+    task.ended(1)
+    for w in workers:
+        w.finish()
+    assert done == [task]
+
+
+def test_end_writes_hands_each_write_to_its_owner(
+        job: MakeJob, package_log: pytest.LogCaptureFixture) -> None:
+    released: list[str] = []
+    plain = job("plain", 1)
+    plain.release = lambda: released.append("plain")
+    failing = job("failing", 1)
+    failing.release = lambda: 1 / 0  # type: ignore[assignment,return-value]
+    mine = [job("t0", 1), job("t1", 1)]
+    done: list[WriteTask] = []
+    task = WriteTask(mine, done.append)
+    task.ended(1)
+    end_writes([mine[0], failing, plain, mine[1]])  # mixed: each one, in any order
+    assert released == ["plain"] and done == [task]
+    assert "failing" in package_log.text  # a failing release is logged, the rest still ran
+
+
+def test_a_failing_task_callback_is_logged_not_raised(
+        job: MakeJob, package_log: pytest.LogCaptureFixture) -> None:
+    task = WriteTask([job("a", 1)], lambda _task: 1 / 0)  # type: ignore[arg-type,return-value]
+    end_writes(task.writes)
+    task.ended(1)
+    assert "completing a store task failed" in package_log.text
+
+
+def test_handed_over_batch_that_fits_is_held_at_once(queue: WriteBackQueue,
+                                                     job: MakeJob) -> None:
+    jobs = [job(str(i), 300) for i in range(3)]
+    assert queue.offer_many(jobs, wait_s=0, hand_over=True) == [True] * 3
+    assert queue.bytes_held == 900 and queue.depth == 0
+    assert queue.offer_many([job("x", 200)], wait_s=0, hand_over=True) == [False]
+    queue.done_many(jobs)
+    assert queue.bytes_held == 0 and queue.wait_empty(0.01)
+    queue.close()
+    assert queue.offer_many([job("y", 1)], wait_s=0, hand_over=True) == [False]  # closed
