@@ -139,14 +139,12 @@ class ChunkReader:
         encoded = [text_bytes(key) for key in keys]
         digests = [digest_of_key_bytes(key) for key in encoded]
         entries = self._catalog.entries(digests)
-        if any(entry is not None and entry.meta is None for entry in entries):
-            for key, digest, entry in zip(keys, digests, entries, strict=True):
-                if entry is not None and entry.meta is None:  # recovered from disk
-                    self._meta_from_header(key, digest, entry)
-            entries = self._catalog.entries(digests)
         roots = [root if root.healthy else None for root in self._roots]
         plans: list[ReadPlan | None] = []
         for key, key_bytes, digest, entry in zip(keys, encoded, digests, entries, strict=True):
+            if entry is not None and entry.meta is None:  # recovered from disk: ask its header
+                self._meta_from_header(key, digest, entry)
+                entry = self._catalog.entry(digest)
             if entry is None or entry.meta is None or (root := roots[entry.root]) is None:
                 plans.append(None)
                 continue
@@ -211,33 +209,43 @@ class ChunkReader:
         completion call that judges, accounts and answers the whole call."""
         assert self.native is not None
         started = time.perf_counter()
-        fds: dict[int, int] = {}
         items = []
+        roots: set[int] = set()
+        nbytes = 0
+        root = -1
+        meta = None
         for _, plan, dest in todo:
-            fd = fds.get(plan.root)
-            if fd is None:
-                fd = fds[plan.root] = root_descriptor(self._roots[plan.root].layout.root_str)
+            if plan.root != root:  # a call's chunks share roots and layouts: once each
+                root = plan.root
+                roots.add(root)
+                fd = root_descriptor(self._roots[root].layout.root_str)
+            if plan.meta is not meta:
+                meta = plan.meta
+                meta_json = meta.to_json()
             items.append(ReadItem(fd, plan.rel, dest, plan.payload_len, plan.direct,
-                                  plan.key_bytes, plan.meta.to_json()))
-        done = functools.partial(self._native_done, size, todo, on_done, started)
+                                  plan.key_bytes, meta_json))
+            nbytes += plan.payload_len
+        done = functools.partial(self._native_done, size, todo, (nbytes, roots), on_done,
+                                 started)
         if wait:
             done(self.native.read(items))
         else:
             self.native.submit_read(items, done)
 
     def _native_done(self, size: int, todo: list[tuple[int, ReadPlan, memoryview]],
-                     on_done: Callable[[list[bool]], None], started: float,
-                     result: native.Batch) -> None:
-        """A read call the native engine finished: judge what it did not serve, account the
-        call under one lock hold, answer ``on_done`` (also when accounting fails: a chunk is
-        marked served only once its bytes were verified)."""
+                     issued: tuple[int, set[int]], on_done: Callable[[list[bool]], None],
+                     started: float, result: native.Batch) -> None:
+        """A read call the native engine finished (``issued``: the payload bytes and roots
+        of ``todo``): judge what it did not serve, account the call under one lock hold,
+        answer ``on_done`` (also when accounting fails: a chunk is marked served only once
+        its bytes were verified)."""
         served = [False] * size
         try:
             if not result.details and len(todo) == size:  # the common case: all served
                 served = [True] * size
                 chunks = engine_chunks = size
-                nbytes = engine_bytes = sum(plan.payload_len for _, plan, _ in todo)
-                roots = {plan.root for _, plan, _ in todo}
+                nbytes, roots = issued
+                engine_bytes = nbytes
             else:
                 verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
                             for d in result.details}
@@ -256,9 +264,8 @@ class ChunkReader:
             for root in roots:
                 self._roots[root].consecutive_errors = 0
             seconds = time.perf_counter() - started
-            self._stats.record_read(ReadPath.POSIX, chunks, nbytes, seconds, {
-                Counter.READ_CHUNKS: engine_chunks, Counter.READ_BYTES: engine_bytes,
-                Counter.READ_SECONDS: seconds, Counter.READ_FAILURES: size - chunks})
+            self._stats.record_read(ReadPath.POSIX, chunks, nbytes, seconds,
+                                    failures=size - chunks, checked=(engine_chunks, engine_bytes))
         finally:
             on_done(served)
 
@@ -386,11 +393,10 @@ class _Batch:
 
     def _finish(self) -> None:
         served = self.served.count(True)
-        failures = {Counter.READ_FAILURES: len(self.served) - served}
         if self._issued:  # a batch of misses read nothing: no latency to record
             elapsed = time.perf_counter() - self._started
             self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed,
-                                    {Counter.READ_SECONDS: elapsed, **failures})
+                                    failures=len(self.served) - served)
         else:
-            self._stats.add_many(failures)
+            self._stats.add(Counter.READ_FAILURES, len(self.served) - served)
         self._on_done(self.served)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import enum
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import StrChoice
@@ -101,8 +100,12 @@ HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
 _PATH_KEYS = {p: tuple(path_counter(p, w) for w in ("chunks", "bytes", "seconds"))
               for p in ReadPath}
 _READ_LATENCY = {p: read_latency(p) for p in ReadPath}
-# The write path's keys as plain strings (every write batch moves them; an enum member
+# The read and write paths' keys as plain strings (every call moves them; an enum member
 # is one more lookup each time).
+_READ_CHUNKS = Counter.READ_CHUNKS.value
+_READ_BYTES = Counter.READ_BYTES.value
+_READ_SECONDS = Counter.READ_SECONDS.value
+_READ_FAILURES = Counter.READ_FAILURES.value
 _WRITES_COMPLETED = Counter.WRITES_COMPLETED.value
 _WRITE_BYTES = Counter.WRITE_BYTES.value
 _WRITE_SECONDS = Counter.WRITE_SECONDS.value
@@ -149,32 +152,29 @@ class StoreStats:
         with self._lock:
             self._counts[counter] += amount  # a member hashes and compares as its value
 
-    def _observe(self, histogram: str, seconds: float) -> None:
-        self._buckets[histogram][bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-        self._sums[histogram] += seconds
-
-    def add_many(self, amounts: Mapping[Counter, float]) -> None:
-        """Several counters under one lock hold."""
-        with self._lock:
-            self._add_locked(amounts)
-
-    def _add_locked(self, amounts: Mapping[Counter, float]) -> None:
-        for counter, amount in amounts.items():
-            self._counts[counter] += amount
-
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float,
-                    counters: Mapping[Counter, float] | None = None) -> None:
-        """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total; and
-        ``counters`` the call moves, under the same lock hold (the read path's completion
-        runs once per call)."""
+                    failures: int | None = None,
+                    checked: tuple[int, int] | None = None) -> None:
+        """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total.  A
+        call of the store's own read path also gives its ``failures`` (it then counts the
+        call's ``read_seconds`` too) and, when an engine verified the chunks itself,
+        ``checked``: the ``read_chunks`` and ``read_bytes`` it served; all under one lock
+        hold (the read path's completion runs once per call)."""
         chunks_key, bytes_key, seconds_key = _PATH_KEYS[path]
+        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
         with self._lock:
-            self._counts[chunks_key] += chunks
-            self._counts[bytes_key] += nbytes
-            self._counts[seconds_key] += seconds
-            self._observe(_READ_LATENCY[path], seconds)
-            if counters:
-                self._add_locked(counters)
+            counts = self._counts
+            counts[chunks_key] += chunks
+            counts[bytes_key] += nbytes
+            counts[seconds_key] += seconds
+            self._buckets[_READ_LATENCY[path]][bucket] += 1
+            self._sums[_READ_LATENCY[path]] += seconds
+            if failures is not None:
+                counts[_READ_FAILURES] += failures
+                counts[_READ_SECONDS] += seconds
+            if checked is not None:
+                counts[_READ_CHUNKS] += checked[0]
+                counts[_READ_BYTES] += checked[1]
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
