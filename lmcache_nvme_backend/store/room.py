@@ -105,6 +105,8 @@ class Room:
         layouts = [root.layout for root in self._roots]
         errors = self._native.unlink([(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
                                       for e in entries])
+        if not any(errors):
+            return
         for entry, err in zip(entries, errors, strict=True):
             if err not in (0, errno.ENOENT):
                 logger.debug("could not remove %s: %s", layouts[entry.root].chunk_path(

@@ -1,0 +1,243 @@
+"""Interpreter instructions per chunk through an L2 adapter: a count that does not drift.
+
+``bench_ceiling.py`` measures what a big server pays, GIL-held seconds per GiB, but on a
+shared machine one window of it moves by 10-30 % against the next, so a change worth a
+few percent takes many pairs to see.  This counts, under valgrind's callgrind, the machine
+instructions the CPython interpreter itself executes (``libpython``, or the ``python``
+executable when the interpreter is linked into it) per chunk, in steady state, in every
+thread: LMCache's bench loop, the adapter's Python, its completion threads.  Native code
+the interpreter calls (our engine's checksums, LMCache's C++ workers, the kernel) is not
+in it.  The same build and inputs give the same count within about 0.1 %, whatever else
+the machine does, so one run per system says what a change did.
+
+It is a proxy for the GIL time, not the GIL time: an instruction that misses the cache
+costs more than one that hits, and GIL-held seconds also count system calls made with the
+GIL held and a holder descheduled.  Use it to A/B a change of the Python path; judge the
+result with ``bench_ceiling.py``.
+
+Each measurement is a child process under callgrind holding one adapter, driven with
+``bench_ceiling.py``'s driver (LMCache's ``bench_store`` / ``bench_load``; a store round
+also deletes the keys of the round before last): the working set and the warm-up rounds
+run uninstrumented, then ``--rounds`` rounds are counted (``cgcontrol.c``'s client requests
+start and dump the count)::
+
+    LMCACHE_TRACK_USAGE=false python bench/bench_instructions.py /path/on/the/drive \\
+        --systems nvme,fs_native --sizes-mb 2,16
+
+``--baseline REVISION`` also counts this package as of a git revision (system ``base``,
+built as ``bench_ceiling.py`` does).  Needs valgrind with its headers (Debian package
+``valgrind``), a C compiler, CPython 3.11 on Linux; each child takes about half a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CONTROL_SOURCE = HERE / "cgcontrol.c"
+CALLGRIND_HEADER = Path("/usr/include/valgrind/callgrind.h")
+REFERENCE = "fs_native"
+
+
+def build_control(out_dir: Path) -> Path:
+    """Compile ``cgcontrol.c`` into ``out_dir``; returns the library's path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("no C compiler (cc) to build cgcontrol.c")
+    if not CALLGRIND_HEADER.exists():
+        raise SystemExit(f"{CALLGRIND_HEADER} is missing: install valgrind's headers "
+                         "(Debian package valgrind)")
+    lib = out_dir / "cgcontrol.so"
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(lib), str(CONTROL_SOURCE)],
+                   check=True)
+    return lib
+
+
+def interpreter_objects() -> set[str]:
+    """The files the interpreter's own code lives in: ``libpython`` when it is shared, and
+    the executable."""
+    names = {os.path.realpath(sys.executable)}
+    libdir, library = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")
+    if libdir and library:
+        names.add(os.path.realpath(os.path.join(libdir, library)))
+    return names
+
+
+def self_cost_by_object(dump: Path) -> collections.Counter[str]:
+    """Instructions by object file (each function's own, callees excluded) in a callgrind
+    dump: the cost lines of ``fn`` blocks, not the inclusive line after each ``calls=``."""
+    names: dict[str, str] = {}
+    by_object: collections.Counter[str] = collections.Counter()
+    current = ""
+    after_call = False
+    with dump.open(errors="replace") as lines:
+        for line in lines:
+            if line.startswith(("ob=", "cob=")):
+                m = re.match(r"c?ob=\((\d+)\)(?: (.*))?", line.rstrip("\n"))
+                if m is not None:
+                    if m.group(2) is not None:
+                        names[m.group(1)] = m.group(2)
+                    if line.startswith("ob="):
+                        current = names[m.group(1)]
+                elif line.startswith("ob="):
+                    current = line[3:].strip()
+            elif line.startswith("calls="):
+                after_call = True
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                if after_call:
+                    after_call = False
+                    continue
+                fields = line.split()
+                if len(fields) >= 2:
+                    by_object[current] += int(fields[1])
+    return by_object
+
+
+# -- child -----------------------------------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> int:
+    """Under callgrind: prepare one adapter uninstrumented, count ``--rounds`` rounds."""
+    import ctypes
+
+    from bench_ceiling import Driver  # this directory: run as a script
+
+    driver = Driver(args.system, args.size_mb, args.dir,
+                    {"max_size_gb": 64, "min_free_gb": 0})
+    try:
+        driver.prepare(args.op)
+        control = ctypes.CDLL(str(args.control))
+        control.cg_measure_start()
+        for _ in range(args.rounds):
+            driver.step(args.op)
+        control.cg_measure_dump()
+        print("RESULT " + json.dumps({"chunks": args.rounds * driver.chunks_per_round,
+                                      "all_ok": driver.ok, "verified": driver.verified}),
+              flush=True)
+    finally:
+        driver.close()
+    return 0
+
+
+# -- parent ----------------------------------------------------------------------------------
+
+
+def count(args: argparse.Namespace, system: str, size_mb: int, op: str, work: Path,
+          control: Path, baseline: Path | None) -> dict[str, Any]:
+    """One child under callgrind; its counts per chunk."""
+    out = work / f"cg-{system}-{size_mb}-{op}"
+    directory = args.path / f"instr-{system}-{size_mb}-{op}"
+    shutil.rmtree(directory, ignore_errors=True)
+    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false")
+    if baseline is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(baseline),
+                                                          env.get("PYTHONPATH")]))
+    command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               f"--callgrind-out-file={out}.%p", os.path.realpath(sys.executable),
+               str(Path(__file__).resolve()), "--child", "--system", system, "--size-mb",
+               str(size_mb), "--op", op, "--rounds", str(args.rounds), "--dir",
+               str(directory), "--control", str(control)]
+    r = subprocess.run(command, env=env, capture_output=True, text=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    found = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    dumps = sorted(work.glob(f"{out.name}.*.1"))
+    if r.returncode != 0 or not found or not dumps:
+        raise SystemExit(f"{system} {size_mb} MiB {op}: the child failed "
+                         f"(rc {r.returncode}):\n{r.stderr[-3000:]}")
+    result = json.loads(found[0][len("RESULT "):])
+    by_object = self_cost_by_object(dumps[0])
+    interpreter = interpreter_objects()
+    chunks = result["chunks"]
+    return {"system": system, "size_mb": size_mb, "op": op, "chunks": chunks,
+            "all_ok": result["all_ok"], "verified": result["verified"],
+            "interpreter_per_chunk": sum(n for ob, n in by_object.items()
+                                         if os.path.realpath(ob) in interpreter) / chunks,
+            "all_per_chunk": sum(by_object.values()) / chunks,
+            "by_object_per_chunk": {Path(ob).name: n / chunks
+                                    for ob, n in by_object.most_common(8)}}
+
+
+def table(results: list[dict[str, Any]], systems: list[str]) -> str:
+    reference = "base" if "base" in systems else REFERENCE
+    others = [s for s in systems if s != reference]
+    head = ("| object | op | " + " | ".join(f"{s}: k instructions / chunk" for s in systems)
+            + "".join(f" | {s} / {reference}" for s in others) + " |")
+    rows = [head, "|" + "---|" * (2 + len(systems) + len(others))]
+    cells = {(r["system"], r["size_mb"], r["op"]): r for r in results}
+    for size_mb, op in dict.fromkeys((r["size_mb"], r["op"]) for r in results):
+        counts = {s: cells[(s, size_mb, op)]["interpreter_per_chunk"] for s in systems}
+        rows.append(f"| {size_mb} MiB | {op} | "
+                    + " | ".join(f"{counts[s] / 1e3:.1f}" for s in systems)
+                    + "".join(f" | {counts[s] / counts[reference]:.2f}x" for s in others)
+                    + " |")
+    return "\n".join(rows)
+
+
+def parent(args: argparse.Namespace) -> int:
+    from bench_ceiling import build_baseline  # this directory: run as a script
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (Debian package valgrind)")
+    systems = args.systems.split(",")
+    if args.baseline and "base" not in systems:
+        systems.append("base")
+    args.path.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
+        work = Path(tmp)
+        control = build_control(work)
+        baseline = build_baseline(args.baseline, work) if args.baseline else None
+        for size_mb in (int(s) for s in args.sizes_mb.split(",")):
+            for op in args.ops.split(","):
+                for system in systems:
+                    result = count(args, system, size_mb, op, work, control, baseline)
+                    print(f"{system} {size_mb} MiB {op}: "
+                          f"{result['interpreter_per_chunk'] / 1e3:.1f} k interpreter "
+                          f"instructions per chunk ({result['chunks']} chunks)", flush=True)
+                    results.append(result)
+    print()
+    print(table(results, systems))
+    if args.json:
+        args.json.write_text(json.dumps({"baseline": args.baseline, "rounds": args.rounds,
+                                         "results": results}, indent=1))
+    return 0 if all(r["all_ok"] and r["verified"] for r in results) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", type=Path, nargs="?", help="a directory on the drive")
+    parser.add_argument("--systems", default="nvme,fs_native")
+    parser.add_argument("--sizes-mb", default="2,16")
+    parser.add_argument("--ops", default="store,load")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="rounds counted per child (20: 80 chunks at 16 MiB)")
+    parser.add_argument("--baseline", metavar="REVISION",
+                        help="also count this package as of git REVISION (system 'base')")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--op", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--control", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    if args.path is None:
+        parser.error("give a directory on the drive to measure")
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
