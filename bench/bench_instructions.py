@@ -81,9 +81,12 @@ def self_cost_by_object(dump: Path) -> collections.Counter[str]:
     by_object: collections.Counter[str] = collections.Counter()
     current = ""
     after_call = False
+    summary = None
     with dump.open(errors="replace") as lines:
         for line in lines:
-            if line.startswith(("ob=", "cob=")):
+            if line.startswith(("summary:", "totals:")):
+                summary = int(line.split()[1])
+            elif line.startswith(("ob=", "cob=")):
                 m = re.match(r"c?ob=\((\d+)\)(?: (.*))?", line.rstrip("\n"))
                 if m is not None:
                     if m.group(2) is not None:
@@ -101,6 +104,9 @@ def self_cost_by_object(dump: Path) -> collections.Counter[str]:
                 fields = line.split()
                 if len(fields) >= 2:
                     by_object[current] += int(fields[1])
+    if summary is not None and summary != sum(by_object.values()):  # the parse checks itself
+        raise SystemExit(f"{dump}: the functions' own costs add up to "
+                         f"{sum(by_object.values())}, the dump's total is {summary}")
     return by_object
 
 
@@ -169,18 +175,20 @@ def count(args: argparse.Namespace, system: str, size_mb: int, op: str, work: Pa
 
 
 def table(results: list[dict[str, Any]], systems: list[str]) -> str:
-    reference = "base" if "base" in systems else REFERENCE
-    others = [s for s in systems if s != reference]
+    """Interpreter instructions per chunk by system, each against ``fs_native`` (when it
+    ran) and this tree's against the baseline revision (when there is one)."""
+    pairs = [(s, REFERENCE) for s in systems if s != REFERENCE and REFERENCE in systems]
+    if "base" in systems and "nvme" in systems:
+        pairs.append(("nvme", "base"))
     head = ("| object | op | " + " | ".join(f"{s}: k instructions / chunk" for s in systems)
-            + "".join(f" | {s} / {reference}" for s in others) + " |")
-    rows = [head, "|" + "---|" * (2 + len(systems) + len(others))]
+            + "".join(f" | {a} / {b}" for a, b in pairs) + " |")
+    rows = [head, "|" + "---|" * (2 + len(systems) + len(pairs))]
     cells = {(r["system"], r["size_mb"], r["op"]): r for r in results}
     for size_mb, op in dict.fromkeys((r["size_mb"], r["op"]) for r in results):
         counts = {s: cells[(s, size_mb, op)]["interpreter_per_chunk"] for s in systems}
         rows.append(f"| {size_mb} MiB | {op} | "
                     + " | ".join(f"{counts[s] / 1e3:.1f}" for s in systems)
-                    + "".join(f" | {counts[s] / counts[reference]:.2f}x" for s in others)
-                    + " |")
+                    + "".join(f" | {counts[a] / counts[b]:.2f}x" for a, b in pairs) + " |")
     return "\n".join(rows)
 
 
