@@ -25,7 +25,10 @@ start and dump the count)::
         --systems nvme,fs_native --sizes-mb 2,16
 
 ``--baseline REVISION`` also counts this package as of a git revision (system ``base``,
-built as ``bench_ceiling.py`` does).  Needs valgrind with its headers (Debian package
+built as ``bench_ceiling.py`` does).  ``--opcodes N`` says where the work is: a traced child
+per cell (``sys.settrace`` with opcode events in every thread, no valgrind) counts the Python
+opcodes of the same rounds by module and function, and lists the N functions that run the
+most.  Needs valgrind with its headers (Debian package
 ``valgrind``), a C compiler, CPython 3.11 on Linux; each child takes about half a minute.
 """
 
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -113,23 +117,70 @@ def self_cost_by_object(dump: Path) -> collections.Counter[str]:
 # -- child -----------------------------------------------------------------------------------
 
 
+class OpcodeCounter:
+    """Python opcodes executed per function (``file:function``), in every thread, while
+    ``active`` (installed before the adapter starts its threads, so theirs count too)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.active = False
+
+    def trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if not self.active:
+            return self.trace  # a frame already running is counted from its next line on
+        frame.f_trace_opcodes = True
+        code = frame.f_code
+        where = f"{_short(code.co_filename)}:{code.co_name}"
+        counts = self.counts
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                counts[where] += 1
+            return local
+
+        return local
+
+    def install(self) -> None:
+        sys.settrace(self.trace)
+        threading.settrace(self.trace)
+
+
+def _short(filename: str) -> str:
+    """A source file's name from its package on (``lmcache_nvme_backend/store/writer.py``)."""
+    for marker in ("site-packages/", str(HERE.parent) + "/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return filename
+
+
 def child(args: argparse.Namespace) -> int:
-    """Under callgrind: prepare one adapter uninstrumented, count ``--rounds`` rounds."""
+    """Under callgrind: prepare one adapter uninstrumented, count ``--rounds`` rounds (with
+    ``--opcodes``, not under callgrind: the Python opcodes of those rounds instead)."""
     import ctypes
 
     from bench_ceiling import Driver  # this directory: run as a script
 
+    counter = OpcodeCounter() if args.opcodes else None
+    if counter is not None:
+        counter.install()
     driver = Driver(args.system, args.size_mb, args.dir,
                     {"max_size_gb": 64, "min_free_gb": 0})
     try:
         driver.prepare(args.op)
-        control = ctypes.CDLL(str(args.control))
-        control.cg_measure_start()
+        control = ctypes.CDLL(str(args.control)) if counter is None else None
+        if control is not None:
+            control.cg_measure_start()
+        else:
+            counter.active = True  # type: ignore[union-attr]
         for _ in range(args.rounds):
             driver.step(args.op)
-        control.cg_measure_dump()
+        if control is not None:
+            control.cg_measure_dump()
+        else:
+            counter.active = False  # type: ignore[union-attr]
         print("RESULT " + json.dumps({"chunks": args.rounds * driver.chunks_per_round,
-                                      "all_ok": driver.ok, "verified": driver.verified}),
+                                      "all_ok": driver.ok, "verified": driver.verified,
+                                      "opcodes": dict(counter.counts) if counter else {}}),
               flush=True)
     finally:
         driver.close()
@@ -174,6 +225,45 @@ def count(args: argparse.Namespace, system: str, size_mb: int, op: str, work: Pa
                                     for ob, n in by_object.most_common(8)}}
 
 
+def opcodes(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dict[str, Any]:
+    """One traced child (no valgrind): Python opcodes per chunk, by module and function."""
+    directory = args.path / f"opcodes-{system}-{size_mb}-{op}"
+    shutil.rmtree(directory, ignore_errors=True)
+    env = dict(os.environ, PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false")
+    if args.baseline_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.baseline_dir),
+                                                          env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--opcodes",
+                        "1", "--system", system, "--size-mb", str(size_mb), "--op", op,
+                        "--rounds", str(args.rounds), "--dir", str(directory)],
+                       env=env, capture_output=True, text=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    found = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode != 0 or not found:
+        raise SystemExit(f"{system} {size_mb} MiB {op}: the traced child failed "
+                         f"(rc {r.returncode}):\n{r.stderr[-3000:]}")
+    result = json.loads(found[0][len("RESULT "):])
+    chunks = result["chunks"]
+    by_function = collections.Counter({k: v / chunks for k, v in result["opcodes"].items()})
+    by_module: collections.Counter[str] = collections.Counter()
+    for where, n in by_function.items():
+        by_module[where.rsplit(":", 1)[0]] += n
+    return {"system": system, "size_mb": size_mb, "op": op,
+            "opcodes_per_chunk": sum(by_function.values()),
+            "by_module": dict(by_module.most_common()),
+            "top_functions": dict(by_function.most_common(args.opcodes))}
+
+
+def print_opcodes(found: dict[str, Any], top: int) -> None:
+    print(f"\n{found['system']} {found['size_mb']} MiB {found['op']}: "
+          f"{found['opcodes_per_chunk']:.0f} Python opcodes per chunk")
+    for module, n in list(found["by_module"].items())[:top]:
+        print(f"  {n:8.1f}  {module}")
+    print("  top functions:")
+    for where, n in found["top_functions"].items():
+        print(f"  {n:8.1f}  {where}")
+
+
 def table(results: list[dict[str, Any]], systems: list[str]) -> str:
     """Interpreter instructions per chunk by system, each against ``fs_native`` (when it
     ran) and this tree's against the baseline revision (when there is one)."""
@@ -206,6 +296,7 @@ def parent(args: argparse.Namespace) -> int:
         work = Path(tmp)
         control = build_control(work)
         baseline = build_baseline(args.baseline, work) if args.baseline else None
+        args.baseline_dir = baseline
         for size_mb in (int(s) for s in args.sizes_mb.split(",")):
             for op in args.ops.split(","):
                 for system in systems:
@@ -214,11 +305,15 @@ def parent(args: argparse.Namespace) -> int:
                           f"{result['interpreter_per_chunk'] / 1e3:.1f} k interpreter "
                           f"instructions per chunk ({result['chunks']} chunks)", flush=True)
                     results.append(result)
+        traced = [opcodes(args, r["system"], r["size_mb"], r["op"]) for r in results] \
+            if args.opcodes else []
     print()
     print(table(results, systems))
+    for found in traced:
+        print_opcodes(found, args.opcodes)
     if args.json:
         args.json.write_text(json.dumps({"baseline": args.baseline, "rounds": args.rounds,
-                                         "results": results}, indent=1))
+                                         "results": results, "opcodes": traced}, indent=1))
     return 0 if all(r["all_ok"] and r["verified"] for r in results) else 1
 
 
@@ -232,6 +327,9 @@ def main() -> int:
                         help="rounds counted per child (20: 80 chunks at 16 MiB)")
     parser.add_argument("--baseline", metavar="REVISION",
                         help="also count this package as of git REVISION (system 'base')")
+    parser.add_argument("--opcodes", type=int, default=0, metavar="N",
+                        help="also a traced child per cell (no valgrind): Python opcodes per "
+                             "chunk by module, and the N functions that run the most")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
