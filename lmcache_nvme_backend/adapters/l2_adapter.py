@@ -191,23 +191,25 @@ class NVMeL2Adapter(L2AdapterInterface):
         """Every chunk of the task ended: its result for LMCache, the stored keys announced."""
         ok = task is not None and task.results is not None
         nbytes = 0
-        stored: list[tuple[ObjectKey, ChunkWrite]] = []
+        stored_keys: list[ObjectKey] = []
+        stored: list[ChunkWrite] = []
         if task is not None:
             results = task.results or [SubmitResult.CLOSED] * len(keys)
             for key, write, result in zip(keys, task.writes, results, strict=True):
                 if write.persisted:
                     nbytes += write.nbytes
                     if write.nbytes:
-                        stored.append((key, write))
+                        stored_keys.append(key)
+                        stored.append(write)
                 elif result is not SubmitResult.DUPLICATE:
                     ok = False
+        sizes = [write.file_size for write in stored]
         with self._lock:
-            for key, write in stored:
-                self._reported[write.digest] = (key, write.file_size)
+            for key, write, size in zip(stored_keys, stored, sizes, strict=True):
+                self._reported[write.digest] = (key, size)
             self._completed_stores[task_id] = L2StoreResult(ok, nbytes)
-        if stored:
-            self._notify_keys_stored([key for key, _ in stored],
-                                     [write.file_size for _, write in stored])
+        if stored_keys:
+            self._notify_keys_stored(stored_keys, sizes)
         self._signal(self._store_efd)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:

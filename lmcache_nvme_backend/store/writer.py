@@ -119,7 +119,8 @@ class ChunkWriter:
         except ValueError:
             end_writes(writes)
             raise
-        fresh = self._catalog.register([writes[i] for i in admitted], time.time_ns())
+        fresh = self._catalog.register(writes if len(admitted) == len(writes) else
+                                       [writes[i] for i in admitted], time.time_ns())
         if False in fresh:
             for i, is_new in zip(admitted, fresh, strict=True):
                 if not is_new:
@@ -177,7 +178,8 @@ class ChunkWriter:
         """Offer the admitted writes to the queue (with the native engine, the queue only
         holds their bytes: the caller dispatches them); mark the ones it refuses in
         ``results``; the accepted ones."""
-        offered = [writes[i] for i in admitted]
+        offered = list(writes) if len(admitted) == len(writes) else \
+            [writes[i] for i in admitted]
         wait = self.settings.queue_full_policy == "wait"
         if wait and self._queue.bytes_held + sum(j.nbytes for j in offered) > \
                 self._queue.capacity:
