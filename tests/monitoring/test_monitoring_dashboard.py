@@ -61,6 +61,17 @@ def bench_server(server: MPServer, start: int, end: int) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+def wait_for_first_scrape(prometheus: Prometheus) -> None:
+    """Until Prometheus has scraped the server once: it applies its targets a few seconds
+    after it is ready, and a rate needs a sample from before the traffic (a fast machine
+    ran the whole workload before the first scrape, and every rate came out 0)."""
+    deadline = time.monotonic() + 60
+    while not prometheus.query("lmcache_nvme_served_chunks_total"):
+        if time.monotonic() > deadline:
+            raise AssertionError("prometheus never scraped the server")
+        time.sleep(0.2)
+
+
 def wait_for_scrape_of(prometheus: Prometheus, server: MPServer) -> None:
     """Until Prometheus holds the server's current served-chunk count, then two scrapes."""
     want = server.metrics()["lmcache_nvme_served_chunks_total"]
@@ -84,6 +95,7 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
         prometheus = Prometheus(programs["prometheus"], work,
                                 [f"127.0.0.1:{server.http_port}"], [ALERTS])
         try:
+            wait_for_first_scrape(prometheus)
             bench_server(server, 0, 8)     # stored: L1, then written to the tier
             server.clear_l1()
             bench_server(server, 0, 8)     # the same prompts, read back from the tier
