@@ -257,7 +257,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
-            reads = [ChunkRead(object_key_parts(key)[0], host_view(obj), length=obj.get_size())
+            reads = [ChunkRead(object_key_string(key), host_view(obj), length=obj.get_size())
                      for key, obj in zip(keys, objects, strict=True)]
             self.store.read_async(reads, lambda served: self._loaded(task_id, keys, served))
         except Exception:
@@ -300,7 +300,7 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """Remove the chunks (LMCache's own L2 eviction, when configured, calls this)."""
-        self.store.remove_many([object_key_parts(key)[0] for key in keys])
+        self.store.remove_many([object_key_string(key) for key in keys])
 
     def _on_removed(self, entries: list[IndexEntry]) -> None:
         """The store dropped chunks (eviction, delete, a vanished or invalid file)."""

@@ -30,8 +30,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ..config import NativeIOMode, NVMeConfigError, NVMeSettings
-from ..disk.format import ChunkHeader, TensorMeta, text_bytes
-from ..disk.layout import RootLayout, digest_of_key_bytes, key_digest, namespace_id
+from ..disk.format import ChunkHeader, TensorMeta
+from ..disk.layout import RootLayout, key_digest, namespace_id
 from ..disk.validate import Expected, Verdict, judge_chunk
 from ..io import native
 from ..io.native import NativeEngine
@@ -184,8 +184,7 @@ class ChunkStore:
 
     def remove_many(self, keys: Iterable[str]) -> int:
         """Delete chunks (pinned or not), their files in one batch; how many were stored."""
-        entries = self._catalog.remove_many([digest_of_key_bytes(text_bytes(key))
-                                             for key in keys])  # key_digest, without a call
+        entries = self._catalog.remove_many([key_digest(key) for key in keys])
         if entries:
             self._room.unlink(entries)
             self._catalog.notify_removed(entries)

@@ -146,7 +146,6 @@ class StoreStats:
             [c.value for c in Counter] + list(_PATH_COUNTERS), 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
-        self._write_buckets = self._buckets[WRITE_LATENCY]
 
     def add(self, counter: Counter, amount: float = 1) -> None:
         with self._lock:
@@ -184,7 +183,7 @@ class StoreStats:
             counts[_WRITES_COMPLETED] += count
             counts[_WRITE_BYTES] += nbytes
             counts[_WRITE_SECONDS] += seconds * count
-            self._write_buckets[bucket] += count
+            self._buckets[WRITE_LATENCY][bucket] += count
             self._sums[WRITE_LATENCY] += seconds * count
 
     def histograms(self) -> dict[str, HistogramSnapshot]:

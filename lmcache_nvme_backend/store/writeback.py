@@ -94,6 +94,8 @@ class WriteTask:
 def end_writes(writes: Sequence[ChunkWrite]) -> None:
     """Hand ended writes back: each task once for its writes among them, each other write
     to its own ``release``."""
+    if not writes:
+        return
     first = writes[0].task
     if first is not None and all(w.task is first for w in writes):  # a task's batch
         first.ended(len(writes))

@@ -111,24 +111,25 @@ class ChunkWriter:
         the whole batch, which keeps the engine's store path short.
         """
         if self._closed:
-            if writes:
-                end_writes(writes)
+            end_writes(writes)
             return [SubmitResult.CLOSED] * len(writes)
         try:
             results, admitted = self._admit(writes)
         except ValueError:
             end_writes(writes)
             raise
-        fresh = self._catalog.register(writes if len(admitted) == len(writes) else
-                                       [writes[i] for i in admitted], time.time_ns())
+        chosen = list(writes) if len(admitted) == len(writes) else \
+            [writes[i] for i in admitted]
+        fresh = self._catalog.register(chosen, time.time_ns())
         if False in fresh:
             for i, is_new in zip(admitted, fresh, strict=True):
                 if not is_new:
                     results[i] = SubmitResult.DUPLICATE
             self._stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
             admitted = [i for i, is_new in zip(admitted, fresh, strict=True) if is_new]
+            chosen = [w for w, is_new in zip(chosen, fresh, strict=True) if is_new]
         if admitted:
-            accepted = self._enqueue(writes, admitted, results)
+            accepted = self._enqueue(chosen, admitted, results)
             if self.native is not None:
                 self._dispatch(accepted)
         if results.count(SubmitResult.QUEUED) < len(writes):
@@ -173,13 +174,11 @@ class ChunkWriter:
         self._stats.add(Counter.OVERSIZE_DROPS)
         return SubmitResult.OVERSIZE
 
-    def _enqueue(self, writes: Sequence[ChunkWrite], admitted: list[int],
+    def _enqueue(self, offered: list[ChunkWrite], positions: list[int],
                  results: list[SubmitResult]) -> list[ChunkWrite]:
-        """Offer the admitted writes to the queue (with the native engine, the queue only
-        holds their bytes: the caller dispatches them); mark the ones it refuses in
-        ``results``; the accepted ones."""
-        offered = list(writes) if len(admitted) == len(writes) else \
-            [writes[i] for i in admitted]
+        """Offer the writes to the queue (with the native engine, the queue only holds their
+        bytes: the caller dispatches them); mark the ones it refuses in ``results`` (at their
+        ``positions``); the accepted ones."""
         wait = self.settings.queue_full_policy == "wait"
         if wait and self._queue.bytes_held + sum(j.nbytes for j in offered) > \
                 self._queue.capacity:
@@ -189,7 +188,7 @@ class ChunkWriter:
         if False not in ok:
             self._stats.add(Counter.WRITES_ENQUEUED, len(offered))
             return offered
-        refused = [(i, job) for i, job, fits in zip(admitted, offered, ok, strict=True)
+        refused = [(i, job) for i, job, fits in zip(positions, offered, ok, strict=True)
                    if not fits]
         self._stats.add(Counter.WRITES_ENQUEUED, len(offered) - len(refused))
         self._catalog.end_pending(job.digest for _, job in refused)

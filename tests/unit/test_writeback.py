@@ -345,6 +345,7 @@ def test_a_task_ended_from_many_threads_completes_exactly_once(job: MakeJob) -> 
 
 def test_end_writes_hands_each_write_to_its_owner(
         job: MakeJob, package_log: pytest.LogCaptureFixture) -> None:
+    end_writes([])  # nothing ended: nothing to hand back
     released: list[str] = []
     plain = job("plain", 1)
     plain.release = lambda: released.append("plain")
