@@ -71,35 +71,20 @@ def simd() -> str:
     return str(_native.simd()) if _native is not None else ""
 
 
-class ReadItem(NamedTuple):
-    """One chunk to read: ``rel`` beneath the root descriptor, into ``dest``."""
+#: One chunk to read, ``(root_fd, rel, dest, payload_len, direct, key, meta)``: ``rel``
+#: beneath the root descriptor into ``dest``, checked against the header's ``key`` (UTF-8)
+#: and ``meta`` (its JSON).  A plain tuple: one is built per chunk moved, and a named
+#: tuple's constructor (a Python function) costs about five times a tuple's.
+ReadItem = tuple[int, str, memoryview, int, bool, bytes, bytes]
 
-    root_fd: int
-    rel: str
-    dest: memoryview
-    payload_len: int
-    direct: bool
-    key: bytes
-    meta: bytes
-
-
-class WriteItem(NamedTuple):
-    """One chunk file to write as ``tmp_name`` in ``dir_rel`` and rename to ``final_name``."""
-
-    root_fd: int
-    dir_rel: str
-    tmp_name: str
-    final_name: str
-    payload: memoryview
-    key: bytes
-    namespace: bytes
-    meta: bytes
-    gpu_checksum: tuple[int, int] | None
-    direct: bool
-    mode: int
-    dir_mode: int  # of the shard directories it creates
-    fsync_level: int  # 0 none, 1 data, 2 full
-    victims: tuple[str, ...]  # files beneath the same root removed first (evicted)
+#: One chunk file to write, ``(root_fd, dir_rel, tmp_name, final_name, payload, key,
+#: namespace, meta, gpu_checksum, direct, mode, dir_mode, fsync_level, victims)``: written as
+#: ``tmp_name`` in ``dir_rel`` (its shard directories made with ``dir_mode``), renamed to
+#: ``final_name``; ``gpu_checksum`` None or ``(a, b)``; ``fsync_level`` 0 none, 1 data, 2
+#: full; ``victims``: files beneath the same root removed first (evicted).  A plain tuple,
+#: as ``ReadItem``.
+WriteItem = tuple[int, str, str, str, memoryview, bytes, bytes, bytes, "tuple[int, int] | None",
+                  bool, int, int, int, tuple[str, ...]]
 
 
 class Batch(NamedTuple):

@@ -72,6 +72,19 @@ class ReadPlan(NamedTuple):
         return self.root_dir / self.rel
 
 
+#: A chunk a read call reads: its index in the call, key, UTF-8 key, digest, namespace id,
+#: metadata (the index's when the call was planned), root and buffer.
+_Todo = tuple[int, str, bytes, str, str, TensorMeta, RootState, memoryview]
+
+
+def _plan_of(key: str, key_bytes: bytes, digest: str, ns_id: str, meta: TensorMeta,
+             root: RootState) -> ReadPlan:
+    """The read plan of a chunk indexed on ``root``."""
+    layout = root.layout
+    return ReadPlan(key, key_bytes, digest, layout.chunk_rel(ns_id, digest), meta.nbytes, meta,
+                    root.direct, root.index, layout.root)
+
+
 class ChunkReader:
     """Reads and judges chunk files for one store."""
 
@@ -136,23 +149,30 @@ class ChunkReader:
 
     def plan(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives (None: not indexed, unreadable header, or its path is down)."""
+        encoded, digests, entries = self._locate(keys)
+        roots = self._healthy_roots()
+        return [None if entry is None or entry.meta is None or (root := roots[entry.root]) is None
+                else _plan_of(key, key_bytes, digest, entry.ns_id, entry.meta, root)
+                for key, key_bytes, digest, entry in zip(keys, encoded, digests, entries,
+                                                         strict=True)]
+
+    def _locate(self, keys: Sequence[str]
+                ) -> tuple[list[bytes], list[str], list[IndexEntry | None]]:
+        """Each key's UTF-8, digest and index entry (None: not indexed, or a recovered chunk
+        whose header could not be read: its metadata is learned from the header first)."""
         encoded = [text_bytes(key) for key in keys]
         digests = [digest_of_key_bytes(key) for key in encoded]
         entries = self._catalog.entries(digests)
-        roots = [root if root.healthy else None for root in self._roots]
-        plans: list[ReadPlan | None] = []
-        for key, key_bytes, digest, entry in zip(keys, encoded, digests, entries, strict=True):
-            if entry is not None and entry.meta is None:  # recovered from disk: ask its header
-                self._meta_from_header(key, digest, entry)
-                entry = self._catalog.entry(digest)
-            if entry is None or entry.meta is None or (root := roots[entry.root]) is None:
-                plans.append(None)
-                continue
-            layout = root.layout
-            plans.append(ReadPlan(key, key_bytes, digest, layout.chunk_rel(entry.ns_id, digest),
-                                  entry.meta.nbytes, entry.meta, root.direct, root.index,
-                                  layout.root))
-        return plans
+        for i, entry in enumerate(entries):
+            if entry is not None and entry.meta is None:  # recovered from disk: rare
+                self._meta_from_header(keys[i], digests[i], entry)
+                entry = self._catalog.entry(digests[i])
+                entries[i] = entry if entry is not None and entry.meta is not None else None
+        return encoded, digests, entries
+
+    def _healthy_roots(self) -> list[RootState | None]:
+        """Each root, or None where it is out of service (its chunks are misses)."""
+        return [root if root.healthy else None for root in self._roots]
 
     def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
         """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
@@ -175,11 +195,17 @@ class ChunkReader:
 
     def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
               wait: bool) -> None:
-        plans = self.plan([read.key for read in reads])
-        todo = [(i, plan, read.dest) for i, (read, plan) in enumerate(zip(reads, plans,
-                                                                           strict=True))
-                if plan is not None and len(read.dest) >= plan.payload_len and
-                read.length in (None, plan.payload_len)]  # else not here, or another layout
+        keys = [read.key for read in reads]
+        encoded, digests, entries = self._locate(keys)
+        roots = self._healthy_roots()
+        todo: list[_Todo] = []
+        for i, entry in enumerate(entries):
+            if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
+                continue
+            _, dest, length = reads[i]
+            payload_len = meta.nbytes
+            if len(dest) >= payload_len and length in (None, payload_len):  # else another layout
+                todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
         if todo and self.native is not None:
             self._read_native(len(reads), todo, on_done, wait)
             return
@@ -188,9 +214,12 @@ class ChunkReader:
         batch.start(len(todo))
         if not todo:
             return
-        requests = [ReadRequest(plan.path, plan.payload_len, dest, plan.direct,
-                                on_done=functools.partial(self._judged, batch, i, plan))
-                    for i, plan, dest in todo]
+        requests = []
+        for i, key, key_bytes, digest, ns_id, meta, root, dest in todo:
+            plan = _plan_of(key, key_bytes, digest, ns_id, meta, root)
+            requests.append(ReadRequest(plan.path, plan.payload_len, dest, plan.direct,
+                                        on_done=functools.partial(self._judged, batch, i,
+                                                                  plan)))
         if wait:
             self.engine.read_chunks(requests)
         else:
@@ -203,28 +232,27 @@ class ChunkReader:
 
     # -- the native engine ---------------------------------------------------------------
 
-    def _read_native(self, size: int, todo: list[tuple[int, ReadPlan, memoryview]],
-                     on_done: Callable[[list[bool]], None], wait: bool) -> None:
+    def _read_native(self, size: int, todo: list[_Todo], on_done: Callable[[list[bool]], None],
+                     wait: bool) -> None:
         """The batch through the native engine: one GIL round trip for all of it, and one
-        completion call that judges, accounts and answers the whole call."""
+        completion call that judges, accounts and answers the whole call (a chunk's
+        ``ReadPlan`` is only built if the engine did not serve it)."""
         assert self.native is not None
         started = time.perf_counter()
-        items = []
+        items: list[ReadItem] = []
         roots: set[int] = set()
         nbytes = 0
-        root = -1
-        meta = None
-        for _, plan, dest in todo:
-            if plan.root != root:  # a call's chunks share roots and layouts: once each
-                root = plan.root
-                roots.add(root)
-                fd = root_descriptor(self._roots[root].layout.root_str)
-            if plan.meta is not meta:
-                meta = plan.meta
-                meta_json = meta.to_json()
-            items.append(ReadItem(fd, plan.rel, dest, plan.payload_len, plan.direct,
-                                  plan.key_bytes, meta_json))
-            nbytes += plan.payload_len
+        last_root = last_meta = None
+        for _, _, key_bytes, digest, ns_id, meta, root, dest in todo:
+            if root is not last_root:  # a call's chunks share roots and layouts: once each
+                last_root, layout = root, root.layout
+                roots.add(root.index)
+                fd = root_descriptor(layout.root_str)
+            if meta is not last_meta:
+                last_meta, meta_json, payload_len = meta, meta.to_json(), meta.nbytes
+            items.append((fd, layout.chunk_rel(ns_id, digest), dest, payload_len, root.direct,
+                          key_bytes, meta_json))
+            nbytes += payload_len
         done = functools.partial(self._native_done, size, todo, (nbytes, roots), on_done,
                                  started)
         if wait:
@@ -232,7 +260,7 @@ class ChunkReader:
         else:
             self.native.submit_read(items, done)
 
-    def _native_done(self, size: int, todo: list[tuple[int, ReadPlan, memoryview]],
+    def _native_done(self, size: int, todo: list[_Todo],
                      issued: tuple[int, set[int]], on_done: Callable[[list[bool]], None],
                      started: float, result: native.Batch) -> None:
         """A read call the native engine finished (``issued``: the payload bytes and roots
@@ -247,22 +275,24 @@ class ChunkReader:
                 nbytes, roots = issued
                 engine_bytes = nbytes
             else:
-                verdicts = {d[0]: self._native_verdict(todo[d[0]][1], todo[d[0]][2], *d[1:])
+                verdicts = {d[0]: self._native_verdict(_plan_of(*todo[d[0]][1:7]),
+                                                       todo[d[0]][7], *d[1:])
                             for d in result.details}
                 chunks = nbytes = engine_chunks = engine_bytes = 0
                 roots = set()
-                for k, (i, plan, _) in enumerate(todo):
+                for k, (i, _, _, _, _, meta, root, _) in enumerate(todo):
+                    payload_len = meta.nbytes
                     judged = verdicts.get(k)
                     if judged is None:  # served by the engine (``complete`` counted the rest)
                         engine_chunks += 1
-                        engine_bytes += plan.payload_len
-                        roots.add(plan.root)
+                        engine_bytes += payload_len
+                        roots.add(root.index)
                     if judged is None or judged:
                         served[i] = True
                         chunks += 1
-                        nbytes += plan.payload_len
-            for root in roots:
-                self._roots[root].consecutive_errors = 0
+                        nbytes += payload_len
+            for index in roots:
+                self._roots[index].consecutive_errors = 0
             seconds = time.perf_counter() - started
             self._stats.record_read(ReadPath.POSIX, chunks, nbytes, seconds,
                                     failures=size - chunks, checked=(engine_chunks, engine_bytes))

@@ -309,7 +309,7 @@ class ChunkWriter:
         file_mode, dir_mode, fsync = self._native_modes
         record_gpu = self.record_gpu_checksums
         temp_suffix = self._native_temp_suffix
-        items = []
+        items: list[WriteItem] = []
         last_root = meta = namespace = None
         for (job, root, _), gone in zip(placed, victims, strict=True):
             if root is not last_root:  # a batch's chunks share roots and layouts: once each
@@ -320,12 +320,12 @@ class ChunkWriter:
                 meta_json, namespace_raw = meta.to_json(), namespace_bytes(namespace)
             digest = job.digest
             final = digest + CHUNK_SUFFIX
-            items.append(WriteItem(
+            items.append((
                 fd, layout.shard_rel(job.ns_id, digest), final + temp_suffix, final,
                 job.payload, job.key_bytes, namespace_raw, meta_json,
                 self._gpu_checksum(job) if record_gpu else None, direct, file_mode,
                 dir_mode, fsync,
-                tuple(layout.chunk_rel(v.ns_id, v.digest) for v in gone) if gone else ()))
+                tuple([layout.chunk_rel(v.ns_id, v.digest) for v in gone]) if gone else ()))
         try:
             self.native.submit_write(items, functools.partial(
                 self._written, placed, victims, time.perf_counter()))

@@ -69,7 +69,7 @@ def fail_writes_under(store: ChunkStore, root: Path, err: int = errno.EIO) -> No
         return (st.st_dev, st.st_ino) == (bad.st_dev, bad.st_ino)
 
     def native_submit(items: Any, on_done: Callable[[native.Batch], None]) -> None:
-        keep = [i for i, item in enumerate(items) if not beneath_root(item.root_fd)]
+        keep = [i for i, item in enumerate(items) if not beneath_root(item[0])]  # its root_fd
 
         def merged(done: native.Batch) -> None:
             statuses = bytearray([native.FAILED] * len(items))

@@ -76,8 +76,7 @@ def dest_for(n: int, kind: str) -> memoryview:
 
 def item(root: Path, dest: memoryview, n: int, key: str = "k", direct: bool = True,
          rel: str = REL) -> ReadItem:
-    return ReadItem(root_descriptor(root), rel, dest, n, direct, key.encode(),
-                    meta_for(n).to_json())
+    return (root_descriptor(root), rel, dest, n, direct, key.encode(), meta_for(n).to_json())
 
 
 @pytest.fixture
@@ -427,9 +426,8 @@ def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool 
                mode: int = 0o640, gpu: tuple[int, int] | None = None, fsync_level: int = 0,
                name: str = "chunk.kv", victims: tuple[str, ...] = ()) -> WriteItem:
     shard = REL.rpartition("/")[0]
-    return WriteItem(root_descriptor(root), shard, f"{name}.tmp-test", name, payload,
-                     key.encode(), b"ns", meta_for(len(payload)).to_json(), gpu, direct, mode,
-                     0o750, fsync_level, victims)
+    return (root_descriptor(root), shard, f"{name}.tmp-test", name, payload, key.encode(), b"ns",
+            meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level, victims)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
@@ -589,11 +587,10 @@ def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
     closing = ClosesTheEngine()
     dest = dest_for(n, "aligned")
     if kind == "read":
-        items: list[tuple[object, ...]] = [item(tmp_path, dest, n)._replace(root_fd=closing)]
+        items: list[tuple[object, ...]] = [(closing, *item(tmp_path, dest, n)[1:])]
         submit = engine.submit_read
     else:
-        items = [write_item(tmp_path, memoryview(payload_for(n)), name="late.kv")._replace(
-            root_fd=closing)]
+        items = [(closing, *write_item(tmp_path, memoryview(payload_for(n)), name="late.kv")[1:])]
         submit = engine.submit_write
     try:
         submit(items, "late")
