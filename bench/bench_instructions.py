@@ -118,12 +118,14 @@ def self_cost_by_object(dump: Path) -> collections.Counter[str]:
 
 
 class OpcodeCounter:
-    """Python opcodes executed per function (``file:function``), in every thread, while
-    ``active`` (installed before the adapter starts its threads, so theirs count too)."""
+    """Python opcodes executed per function (``file:function``, or per line,
+    ``file:function:line``, with ``by_line``), in every thread, while ``active`` (installed
+    before the adapter starts its threads, so theirs count too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_line: bool = False) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self.active = False
+        self.by_line = by_line
 
     def trace(self, frame: Any, event: str, arg: Any) -> Any:
         if not self.active:
@@ -137,6 +139,14 @@ class OpcodeCounter:
             if event == "opcode":
                 counts[where] += 1
             return local
+
+        def local_line(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                counts[f"{where}:{frame.f_lineno}"] += 1
+            return local_line
+
+        if self.by_line:
+            return local_line
 
         return local
 
@@ -160,7 +170,7 @@ def child(args: argparse.Namespace) -> int:
 
     from bench_ceiling import Driver  # this directory: run as a script
 
-    counter = OpcodeCounter() if args.opcodes else None
+    counter = OpcodeCounter(args.lines) if args.opcodes else None
     if counter is not None:
         counter.install()
     driver = Driver(args.system, args.size_mb, args.dir,
@@ -235,7 +245,8 @@ def opcodes(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dic
                                                           env.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--opcodes",
                         "1", "--system", system, "--size-mb", str(size_mb), "--op", op,
-                        "--rounds", str(args.rounds), "--dir", str(directory)],
+                        "--rounds", str(args.rounds), "--dir", str(directory),
+                        *(["--lines"] if args.lines else [])],
                        env=env, capture_output=True, text=True)
     shutil.rmtree(directory, ignore_errors=True)
     found = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -247,7 +258,7 @@ def opcodes(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dic
     by_function = collections.Counter({k: v / chunks for k, v in result["opcodes"].items()})
     by_module: collections.Counter[str] = collections.Counter()
     for where, n in by_function.items():
-        by_module[where.rsplit(":", 1)[0]] += n
+        by_module[where.split(":", 1)[0]] += n
     return {"system": system, "size_mb": size_mb, "op": op,
             "opcodes_per_chunk": sum(by_function.values()),
             "by_module": dict(by_module.most_common()),
@@ -259,7 +270,7 @@ def print_opcodes(found: dict[str, Any], top: int) -> None:
           f"{found['opcodes_per_chunk']:.0f} Python opcodes per chunk")
     for module, n in list(found["by_module"].items())[:top]:
         print(f"  {n:8.1f}  {module}")
-    print("  top functions:")
+    print("  top functions (or lines, with --lines):")
     for where, n in found["top_functions"].items():
         print(f"  {n:8.1f}  {where}")
 
@@ -330,6 +341,9 @@ def main() -> int:
     parser.add_argument("--opcodes", type=int, default=0, metavar="N",
                         help="also a traced child per cell (no valgrind): Python opcodes per "
                              "chunk by module, and the N functions that run the most")
+    parser.add_argument("--lines", action="store_true",
+                        help="with --opcodes: list the N source lines that run the most, "
+                             "not functions")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)

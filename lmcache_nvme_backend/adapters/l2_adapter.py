@@ -257,9 +257,9 @@ class NVMeL2Adapter(L2AdapterInterface):
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
-            reads = [ChunkRead(object_key_string(key), host_view(obj), length=obj.get_size())
+            reads = [ChunkRead(object_key_string(key), host_view(obj, size := obj.get_size()), size)
                      for key, obj in zip(keys, objects, strict=True)]
-            self.store.read_async(reads, lambda served: self._loaded(task_id, keys, served))
+            self.store.read_async(reads, functools.partial(self._loaded, task_id, keys))
         except Exception:
             logger.exception("NVMe L2 adapter: load task %d failed", task_id)
             self._loaded(task_id, keys, [False] * len(keys))

@@ -199,13 +199,16 @@ def _tensor_meta(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype,
     )
 
 
-def host_view(obj: MemoryObj) -> memoryview:
-    """Writable view of the object's whole physical allocation (padding included).
+def host_view(obj: MemoryObj, size: int | None = None) -> memoryview:
+    """Writable view of the object's whole physical allocation (padding included);
+    ``size``: the object's ``get_size()``, when the caller has it already.
 
     Exposing the physical size lets an aligned allocation take an O_DIRECT read
     of the padded payload in place, with no staging copy.
     """
-    return memory_at(obj.data_ptr, max(obj.get_physical_size(), obj.get_size()))
+    if size is None:
+        size = obj.get_size()
+    return memory_at(obj.data_ptr, max(obj.get_physical_size(), size))
 
 
 def payload_view(obj: MemoryObj, nbytes: int) -> memoryview:

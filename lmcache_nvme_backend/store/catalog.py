@@ -91,7 +91,7 @@ class Catalog:
     def entries(self, digests: Iterable[str]) -> list[IndexEntry | None]:
         """The entries of several digests, read under one lock hold."""
         with self._lock:
-            return [self._index.get(d) for d in digests]
+            return self._index.get_many(digests)
 
     def learn_meta(self, digest: str, meta: TensorMeta, replace: bool = False) -> None:
         """Record the tensor metadata of an entry recovered without it (read from its header);

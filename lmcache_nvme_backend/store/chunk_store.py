@@ -281,7 +281,7 @@ class ChunkStore:
         if self._closed:
             on_done([False] * len(reads))
             return
-        self._reader.read_async(reads, on_done)
+        self._reader.read(reads, on_done, wait=False)
 
     def plan_reads(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives, for a reader outside the store (the GPU path)."""

@@ -9,7 +9,7 @@ serialises access with one lock and never holds it across I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..disk.format import TensorMeta
@@ -48,6 +48,10 @@ class ChunkIndex:
 
     def get(self, digest: str) -> IndexEntry | None:
         return self._entries.get(digest)
+
+    def get_many(self, digests: Iterable[str]) -> list[IndexEntry | None]:
+        """``get`` of each digest (no Python call per digest)."""
+        return list(map(self._entries.get, digests))
 
     def used_bytes(self, root: int | None = None) -> int:
         return sum(self._used) if root is None else self._used[root]

@@ -160,8 +160,8 @@ class ChunkReader:
                 ) -> tuple[list[bytes], list[str], list[IndexEntry | None]]:
         """Each key's UTF-8, digest and index entry (None: not indexed, or a recovered chunk
         whose header could not be read: its metadata is learned from the header first)."""
-        encoded = [text_bytes(key) for key in keys]
-        digests = [digest_of_key_bytes(key) for key in encoded]
+        encoded = list(map(text_bytes, keys))
+        digests = list(map(digest_of_key_bytes, encoded))
         entries = self._catalog.entries(digests)
         for i, entry in enumerate(entries):
             if entry is not None and entry.meta is None:  # recovered from disk: rare
@@ -182,19 +182,14 @@ class ChunkReader:
         and must not be used.
         """
         served: list[bool] = []
-        self._read(reads, served.extend, wait=True)
+        self.read(reads, served.extend, wait=True)
         return served
 
-    def read_async(self, reads: Sequence[ChunkRead],
-                   on_done: Callable[[list[bool]], None]) -> None:
-        """``read_into`` without waiting: ``on_done(served)`` runs when the last chunk is judged.
-
-        It runs on an I/O thread (or here, when nothing can be read); it must be quick.
-        """
-        self._read(reads, on_done, wait=False)
-
-    def _read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
-              wait: bool) -> None:
+    def read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
+             wait: bool) -> None:
+        """``read_into``, answered through ``on_done(served)``: without ``wait`` it runs when
+        the last chunk is judged, on an I/O thread (or here, when nothing can be read), and
+        must be quick."""
         keys = [read.key for read in reads]
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()

@@ -97,18 +97,21 @@ def read_latency(path: ReadPath | str) -> str:
 
 
 HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
-_PATH_KEYS = {p: tuple(path_counter(p, w) for w in ("chunks", "bytes", "seconds"))
+# A read call's path counters and latency histogram (every call moves them).
+_PATH_KEYS = {p: (path_counter(p, "chunks"), path_counter(p, "bytes"), read_latency(p))
               for p in ReadPath}
-_READ_LATENCY = {p: read_latency(p) for p in ReadPath}
 # The read and write paths' keys as plain strings (every call moves them; an enum member
 # is one more lookup each time).
 _READ_CHUNKS = Counter.READ_CHUNKS.value
 _READ_BYTES = Counter.READ_BYTES.value
 _READ_SECONDS = Counter.READ_SECONDS.value
 _READ_FAILURES = Counter.READ_FAILURES.value
-_WRITES_COMPLETED = Counter.WRITES_COMPLETED.value
 _WRITE_BYTES = Counter.WRITE_BYTES.value
-_WRITE_SECONDS = Counter.WRITE_SECONDS.value
+# Counters that are sums the histograms keep anyway (not moved twice): the snapshot's
+# key, the histogram, and whether the key is its count of observations or their seconds.
+_FROM_HISTOGRAMS = {Counter.WRITES_COMPLETED.value: (WRITE_LATENCY, "count"),
+                    Counter.WRITE_SECONDS.value: (WRITE_LATENCY, "sum"),
+                    **{path_counter(p, "seconds"): (read_latency(p), "sum") for p in ReadPath}}
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,9 @@ class StoreStats:
 
     Gauges (index size, queue depth) are the store's and are read at snapshot time.
     Histograms: ``write`` is the time to write and publish one chunk file;
-    ``read_<path>`` the time of one read call (a batch of chunks) on that path.
+    ``read_<path>`` the time of one read call (a batch of chunks) on that path.  The counters
+    they already sum (``writes_completed``, ``write_seconds``, each path's ``_seconds``) are
+    read from them.
     """
 
     def __init__(self) -> None:
@@ -159,17 +164,17 @@ class StoreStats:
         call's ``read_seconds`` too) and, when an engine verified the chunks itself,
         ``checked``: the ``read_chunks`` and ``read_bytes`` it served; all under one lock
         hold (the read path's completion runs once per call)."""
-        chunks_key, bytes_key, seconds_key = _PATH_KEYS[path]
+        chunks_key, bytes_key, latency = _PATH_KEYS[path]
         bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
         with self._lock:
             counts = self._counts
             counts[chunks_key] += chunks
             counts[bytes_key] += nbytes
-            counts[seconds_key] += seconds
-            self._buckets[_READ_LATENCY[path]][bucket] += 1
-            self._sums[_READ_LATENCY[path]] += seconds
+            self._buckets[latency][bucket] += 1
+            self._sums[latency] += seconds
             if failures is not None:
-                counts[_READ_FAILURES] += failures
+                if failures:
+                    counts[_READ_FAILURES] += failures
                 counts[_READ_SECONDS] += seconds
             if checked is not None:
                 counts[_READ_CHUNKS] += checked[0]
@@ -179,10 +184,7 @@ class StoreStats:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
         bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
         with self._lock:
-            counts = self._counts
-            counts[_WRITES_COMPLETED] += count
-            counts[_WRITE_BYTES] += nbytes
-            counts[_WRITE_SECONDS] += seconds * count
+            self._counts[_WRITE_BYTES] += nbytes
             self._buckets[WRITE_LATENCY][bucket] += count
             self._sums[WRITE_LATENCY] += seconds * count
 
@@ -193,12 +195,18 @@ class StoreStats:
 
     def get(self, counter: Counter | str) -> float:
         """One counter's value (by member, or by its snapshot key such as a path counter)."""
+        key = counter.value if isinstance(counter, Counter) else counter
+        if key in _FROM_HISTOGRAMS:
+            return self.snapshot()[key]
         with self._lock:
-            return self._counts[counter.value if isinstance(counter, Counter) else counter]
+            return self._counts[key]
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             snap: dict[str, float] = dict(self._counts)
+            for key, (histogram, what) in _FROM_HISTOGRAMS.items():
+                snap[key] = sum(self._buckets[histogram]) if what == "count" else \
+                    self._sums[histogram]
         for path in ReadPath:
             seconds = snap[path_counter(path, "seconds")]
             snap[path_counter(path, "gbps")] = \
