@@ -192,7 +192,8 @@ class NVMeL2Adapter(L2AdapterInterface):
         ok = task is not None and task.results is not None
         nbytes = 0
         stored_keys: list[ObjectKey] = []
-        stored: list[ChunkWrite] = []
+        digests: list[str] = []
+        sizes: list[int] = []
         if task is not None:
             results = task.results or [SubmitResult.CLOSED] * len(keys)
             for key, write, result in zip(keys, task.writes, results, strict=True):
@@ -200,13 +201,12 @@ class NVMeL2Adapter(L2AdapterInterface):
                     nbytes += write.nbytes
                     if write.nbytes:
                         stored_keys.append(key)
-                        stored.append(write)
+                        digests.append(write.digest)
+                        sizes.append(write.file_size)
                 elif result is not SubmitResult.DUPLICATE:
                     ok = False
-        sizes = [write.file_size for write in stored]
         with self._lock:
-            for key, write, size in zip(stored_keys, stored, sizes, strict=True):
-                self._reported[write.digest] = (key, size)
+            self._reported.update(zip(digests, zip(stored_keys, sizes, strict=True), strict=True))
             self._completed_stores[task_id] = L2StoreResult(ok, nbytes)
         if stored_keys:
             self._notify_keys_stored(stored_keys, sizes)

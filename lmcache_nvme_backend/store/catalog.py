@@ -187,8 +187,7 @@ class Catalog:
                 if members:
                     entry.owner = members[entry.root]
                 pending.pop(entry.digest, None)
-                index.release(entry.root, reserved)
-                replaced = index.add(entry)
+                replaced = index.publish(entry, reserved)
                 if accounted:
                     done.append((entry, replaced, reserved))
         if self.accounting is not None:

@@ -357,6 +357,7 @@ class ChunkStore:
 
     def stats_snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = dict(self._stats.snapshot())
+        snap["writes_enqueued"] = self._writer.writes_enqueued
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
         if self._shared is not None:

@@ -70,6 +70,11 @@ class ChunkIndex:
         self._used[root] += entry.size
         return replaced
 
+    def publish(self, entry: IndexEntry, reserved: int) -> IndexEntry | None:
+        """``add`` a chunk just written in place of its reservation of ``reserved`` bytes."""
+        self._reserved[entry.root] -= reserved
+        return self.add(entry)
+
     def remove(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)
         if entry is not None:

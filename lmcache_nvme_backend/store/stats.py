@@ -48,7 +48,6 @@ class Counter(str, enum.Enum):
     READ_BYTES = "read_bytes"
     READ_SECONDS = "read_seconds"
     READ_FAILURES = "read_failures"
-    WRITES_ENQUEUED = "writes_enqueued"
     WRITES_COMPLETED = "writes_completed"
     WRITE_BYTES = "write_bytes"
     WRITE_SECONDS = "write_seconds"

@@ -122,6 +122,7 @@ class WriteBackQueue:
         self._jobs: deque[ChunkWrite] = deque()
         self._bytes = 0
         self._unfinished = 0  # jobs enqueued and not yet done (zero-byte ones included)
+        self._accepted = 0  # jobs ever enqueued (the store's ``writes_enqueued``)
         self._closed = False
         self._waiting = 0  # producers waiting for room, and flushes: done_many wakes them
         lock = threading.Lock()
@@ -140,6 +141,12 @@ class WriteBackQueue:
         with self._lock:
             return len(self._jobs)
 
+    @property
+    def accepted(self) -> int:
+        """Jobs ever enqueued."""
+        with self._lock:
+            return self._accepted
+
     def offer_many(self, jobs: list[ChunkWrite], wait_s: float,
                    hand_over: bool = False) -> list[bool]:
         """Enqueue each job if there is room, waiting up to ``wait_s`` in all for it.
@@ -154,6 +161,7 @@ class WriteBackQueue:
                 if not self._closed and self._bytes + nbytes <= self.capacity:
                     self._bytes += nbytes
                     self._unfinished += len(jobs)
+                    self._accepted += len(jobs)
                     return [True] * len(jobs)
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
@@ -170,6 +178,7 @@ class WriteBackQueue:
                         self._jobs.append(job)
                     self._bytes += job.nbytes
                     self._unfinished += 1
+                    self._accepted += 1
                 accepted.append(fits)
             if not hand_over:
                 self._has_jobs.notify(accepted.count(True))

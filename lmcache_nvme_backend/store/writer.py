@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import NVMeSettings
-from ..disk.format import max_key_bytes, namespace_bytes
+from ..disk.format import TensorMeta, max_key_bytes, namespace_bytes
 from ..disk.gpusum import host_checksum
 from ..disk.layout import CHUNK_SUFFIX, temp_name
 from ..disk.safe_fs import root_descriptor
@@ -81,6 +81,9 @@ class ChunkWriter:
         self._native_temp_suffix = temp_name("", writer=0)
         self._native_modes = (settings.file_mode, settings.dir_mode,
                               _FSYNC_LEVEL[settings.fsync])
+        # (metadata, namespace, key bytes that fit the header beside them) of the last task
+        # admitted: a server's tasks share a handful of layouts (one tuple: replaced whole).
+        self._key_room: tuple[TensorMeta | None, str, int] = (None, "", 0)
         # The native engine writes on threads of its own; the Python engine on these.
         self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
@@ -99,6 +102,11 @@ class ChunkWriter:
     @property
     def queue_bytes(self) -> int:
         return self._queue.bytes_held
+
+    @property
+    def writes_enqueued(self) -> int:
+        """Chunks ever accepted into the write-back queue."""
+        return self._queue.accepted
 
     # -- admission -------------------------------------------------------------
 
@@ -145,12 +153,12 @@ class ChunkWriter:
         results = [SubmitResult.QUEUED] * len(writes)
         admitted: list[int] = []
         oversize: list[int] = []
-        meta = namespace = None
-        key_room = 0
+        meta, namespace, key_room = self._key_room
         for i, w in enumerate(writes):
             if w.meta is not meta or w.namespace != namespace:  # a task's chunks share them
                 meta, namespace = w.meta, w.namespace
                 key_room = max_key_bytes(namespace, meta)
+                self._key_room = (meta, namespace, key_room)
             if w.nbytes != meta.nbytes:
                 raise ValueError(f"tensor metadata says {meta.nbytes} bytes, payload has "
                                  f"{w.nbytes}")
@@ -186,11 +194,9 @@ class ChunkWriter:
         ok = self._queue.offer_many(offered, wait_s=1e9 if wait else 0.0,
                                     hand_over=self.native is not None)
         if False not in ok:
-            self._stats.add(Counter.WRITES_ENQUEUED, len(offered))
             return offered
         refused = [(i, job) for i, job, fits in zip(positions, offered, ok, strict=True)
                    if not fits]
-        self._stats.add(Counter.WRITES_ENQUEUED, len(offered) - len(refused))
         self._catalog.end_pending(job.digest for _, job in refused)
         for i, _ in refused:
             results[i] = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
