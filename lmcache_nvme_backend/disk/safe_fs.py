@@ -136,11 +136,14 @@ def _root_fd(root: Path | str, fresh: bool = False) -> int:
 _STALE_FDS: list[int] = []
 
 
-def root_descriptor(root: Path | str) -> int:
+def root_descriptor(root: str) -> int:
     """The kept descriptor of a cache root, for a caller that resolves beneath it itself
     (the native I/O engine) with the same rules.  No system call once opened; a root that
-    was deleted and made again is reopened by the next ``open_beneath`` that misses in it."""
-    return _root_fd(root)
+    was deleted and made again is reopened by the next ``open_beneath`` that misses in it.
+    (Read without the lock, which only serialises opening and replacing one: a dict read
+    is atomic.)"""
+    fd = _ROOT_FDS.get(root)
+    return fd if fd is not None else _root_fd(root)
 
 
 def _root_deleted(fd: int) -> bool:

@@ -341,6 +341,8 @@ class ChunkStore:
 
     def counter(self, name: Counter | str) -> float:
         """One counter's value, by member or by its ``stats()`` key."""
+        if name == "writes_enqueued":  # the write-back queue counts it
+            return self._writer.writes_enqueued
         return self._stats.get(name)
 
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:

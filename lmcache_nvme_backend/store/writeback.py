@@ -97,8 +97,8 @@ def end_writes(writes: Sequence[ChunkWrite]) -> None:
     if not writes:
         return
     first = writes[0].task
-    if first is not None and all(w.task is first for w in writes):  # a task's batch
-        first.ended(len(writes))
+    if first is not None and (len(writes) == 1 or all(w.task is first for w in writes)):
+        first.ended(len(writes))  # a task's batch: its writes end in one call
         return
     for write in writes:
         try:
@@ -121,8 +121,10 @@ class WriteBackQueue:
         self.capacity = capacity
         self._jobs: deque[ChunkWrite] = deque()
         self._bytes = 0
-        self._unfinished = 0  # jobs enqueued and not yet done (zero-byte ones included)
-        self._accepted = 0  # jobs ever enqueued (the store's ``writes_enqueued``)
+        # jobs ever enqueued (the store's ``writes_enqueued``) and done: the difference is
+        # the jobs not yet done (zero-byte ones included)
+        self._accepted = 0
+        self._done = 0
         self._closed = False
         self._waiting = 0  # producers waiting for room, and flushes: done_many wakes them
         lock = threading.Lock()
@@ -160,7 +162,6 @@ class WriteBackQueue:
             with self._lock:
                 if not self._closed and self._bytes + nbytes <= self.capacity:
                     self._bytes += nbytes
-                    self._unfinished += len(jobs)
                     self._accepted += len(jobs)
                     return [True] * len(jobs)
         deadline = time.monotonic() + wait_s
@@ -177,7 +178,6 @@ class WriteBackQueue:
                     if not hand_over:
                         self._jobs.append(job)
                     self._bytes += job.nbytes
-                    self._unfinished += 1
                     self._accepted += 1
                 accepted.append(fits)
             if not hand_over:
@@ -198,7 +198,7 @@ class WriteBackQueue:
         freed = sum([job.nbytes for job in jobs])
         with self._lock:  # on every write's completion: no notify when no one waits
             self._bytes -= freed
-            self._unfinished -= len(jobs)
+            self._done += len(jobs)
             if self._waiting:
                 self._cond.notify_all()
 
@@ -214,7 +214,7 @@ class WriteBackQueue:
         """Wait until every enqueued job is done (a zero-byte one too); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._bytes > 0 or self._unfinished > 0:
+            while self._bytes > 0 or self._accepted > self._done:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

@@ -350,6 +350,7 @@ class ChunkWriter:
                  ) -> None:
         """A batch of native writes finished (on the engine's completion thread)."""
         seconds = (time.perf_counter() - started) / len(placed)
+        all_published = False
         try:
             errors = self._write_errors(placed, result) if result.details else {}
             if any(victims):
@@ -376,6 +377,7 @@ class ChunkWriter:
                     job.persisted = True
                     if job.on_persisted is not None:
                         job.on_persisted()
+            all_published = not errors
             for i, error in errors.items():
                 job, root, size = placed[i]
                 if error.errno == errno.ECANCELED:  # closing: not a failure
@@ -383,7 +385,7 @@ class ChunkWriter:
                 else:
                     self._settle(job, root, size, error, seconds)
         finally:
-            self._finish([job for job, _, _ in placed])
+            self._finish([job for job, _, _ in placed], all_published)
 
     def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
                       result: native.Batch) -> dict[int, OSError]:
@@ -407,11 +409,13 @@ class ChunkWriter:
                 errors[index] = error
         return errors
 
-    def _finish(self, jobs: list[ChunkWrite]) -> None:
-        """The jobs ended (written or not): no longer pending, buffers released."""
+    def _finish(self, jobs: list[ChunkWrite], all_published: bool = False) -> None:
+        """The jobs ended (written or not; ``all_published``: each of them published): no
+        longer pending, buffers released."""
         if not jobs:
             return
-        if unpublished := [job.digest for job in jobs if not job.persisted]:
+        if not all_published and (unpublished := [job.digest for job in jobs
+                                                   if not job.persisted]):
             self._catalog.end_pending(unpublished)  # publishing ended the others'
         try:
             end_writes(jobs)

@@ -237,6 +237,9 @@ def test_full_queue_drops_and_counts_without_blocking(open_store: StoreFactory) 
     assert not store.is_pending("c")
     blocked.release.set()
     store.flush(10)
+    snapshot = store.stats_snapshot()  # the refused write was never enqueued
+    assert (snapshot["writes_enqueued"], snapshot["writes_completed"]) == (2, 2)
+    assert store.counter("writes_enqueued") == 2
     assert read(store, "a", size) == payload_for("a", size)
     assert read(store, "b", size) == payload_for("b", size)
     assert not store.contains("c")

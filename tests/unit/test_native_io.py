@@ -76,7 +76,7 @@ def dest_for(n: int, kind: str) -> memoryview:
 
 def item(root: Path, dest: memoryview, n: int, key: str = "k", direct: bool = True,
          rel: str = REL) -> ReadItem:
-    return (root_descriptor(root), rel, dest, n, direct, key.encode(), meta_for(n).to_json())
+    return (root_descriptor(str(root)), rel, dest, n, direct, key.encode(), meta_for(n).to_json())
 
 
 @pytest.fixture
@@ -426,8 +426,9 @@ def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool 
                mode: int = 0o640, gpu: tuple[int, int] | None = None, fsync_level: int = 0,
                name: str = "chunk.kv", victims: tuple[str, ...] = ()) -> WriteItem:
     shard = REL.rpartition("/")[0]
-    return (root_descriptor(root), shard, f"{name}.tmp-test", name, payload, key.encode(), b"ns",
-            meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level, victims)
+    return (root_descriptor(str(root)), shard, f"{name}.tmp-test", name, payload, key.encode(),
+            b"ns", meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level,
+            victims)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
@@ -577,7 +578,7 @@ def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
     n = 4096
     write_python(tmp_path, payload_for(n))
     engine = _native.Engine(1, 1, 64 * MIB)
-    fd = root_descriptor(tmp_path)
+    fd = root_descriptor(str(tmp_path))
 
     class ClosesTheEngine:
         def __index__(self) -> int:
