@@ -193,16 +193,32 @@ class ChunkReader:
         keys = [read.key for read in reads]
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
+        native_io = self.native is not None
         todo: list[_Todo] = []
+        items: list[ReadItem] = []  # the native engine's, built in the same pass
+        issued_roots: set[int] = set()
+        nbytes = 0
+        last_root = last_meta = None
         for i, entry in enumerate(entries):
             if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
                 continue
             _, dest, length = reads[i]
             payload_len = meta.nbytes
-            if len(dest) >= payload_len and length in (None, payload_len):  # else another layout
-                todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
-        if todo and self.native is not None:
-            self._read_native(len(reads), todo, on_done, wait)
+            if len(dest) < payload_len or length not in (None, payload_len):
+                continue  # a buffer for another layout
+            todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
+            if native_io:
+                if root is not last_root:  # a call's chunks share roots and layouts: once each
+                    last_root, layout = root, root.layout
+                    issued_roots.add(root.index)
+                    fd = root_descriptor(layout.root_str)
+                if meta is not last_meta:
+                    last_meta, meta_json = meta, meta.to_json()
+                items.append((fd, layout.chunk_rel(entry.ns_id, digests[i]), dest, payload_len,
+                              root.direct, encoded[i], meta_json))
+                nbytes += payload_len
+        if items:
+            self._read_native(len(reads), todo, items, (nbytes, issued_roots), on_done, wait)
             return
         batch = _Batch(len(reads), on_done, self._stats,
                        self._gate if self.native is None else None)
@@ -227,29 +243,16 @@ class ChunkReader:
 
     # -- the native engine ---------------------------------------------------------------
 
-    def _read_native(self, size: int, todo: list[_Todo], on_done: Callable[[list[bool]], None],
+    def _read_native(self, size: int, todo: list[_Todo], items: list[ReadItem],
+                     issued: tuple[int, set[int]], on_done: Callable[[list[bool]], None],
                      wait: bool) -> None:
-        """The batch through the native engine: one GIL round trip for all of it, and one
-        completion call that judges, accounts and answers the whole call (a chunk's
-        ``ReadPlan`` is only built if the engine did not serve it)."""
+        """The batch through the native engine (``items``: ``todo``'s, ``issued``: their
+        payload bytes and roots): one GIL round trip for all of it, and one completion call
+        that judges, accounts and answers the whole call (a chunk's ``ReadPlan`` is only
+        built if the engine did not serve it)."""
         assert self.native is not None
-        started = time.perf_counter()
-        items: list[ReadItem] = []
-        roots: set[int] = set()
-        nbytes = 0
-        last_root = last_meta = None
-        for _, _, key_bytes, digest, ns_id, meta, root, dest in todo:
-            if root is not last_root:  # a call's chunks share roots and layouts: once each
-                last_root, layout = root, root.layout
-                roots.add(root.index)
-                fd = root_descriptor(layout.root_str)
-            if meta is not last_meta:
-                last_meta, meta_json, payload_len = meta, meta.to_json(), meta.nbytes
-            items.append((fd, layout.chunk_rel(ns_id, digest), dest, payload_len, root.direct,
-                          key_bytes, meta_json))
-            nbytes += payload_len
-        done = functools.partial(self._native_done, size, todo, (nbytes, roots), on_done,
-                                 started)
+        done = functools.partial(self._native_done, size, todo, issued, on_done,
+                                 time.perf_counter())
         if wait:
             done(self.native.read(items))
         else:
