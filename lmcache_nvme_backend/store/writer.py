@@ -48,6 +48,7 @@ MAX_WRITE_BATCH = 16
 #: How long a closing store waits for cancelled native writes to hand their buffers back.
 CANCEL_WAIT_S = 5.0
 _FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
+_digest_of = operator.attrgetter("digest")  # a write's chunk digest (placement hashes it)
 
 
 class SubmitResult(enum.Enum):
@@ -240,7 +241,7 @@ class ChunkWriter:
         appended to it (see ``_reserve``), and the jobs of one root are reserved together
         (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
-        by_root, dropped = self._roots.group(jobs, operator.attrgetter("digest"))
+        by_root, dropped = self._roots.group(jobs, _digest_of)
         if dropped:
             self._stats.add(Counter.WRITE_FAILURES, len(dropped))
         for root, mine in by_root:
@@ -309,7 +310,8 @@ class ChunkWriter:
             return
         victims: list[list[IndexEntry]] = []
         placed, dropped = self._place(jobs, victims)
-        self._finish(dropped)
+        if dropped:
+            self._finish(dropped)
         if not placed:
             return
         file_mode, dir_mode, fsync = self._native_modes
