@@ -47,6 +47,24 @@ def digests(entries: list[IndexEntry] | None) -> list[str] | None:
 # -- basic bookkeeping ------------------------------------------------------------------------
 
 
+def test_get_many_answers_each_digest_in_order(full: ChunkIndex) -> None:
+    found = full.get_many(["c", "z", "a", "c"])
+    assert [e.digest if e is not None else None for e in found] == ["c", None, "a", "c"]
+    assert full.get_many([]) == []
+
+
+def test_publish_turns_a_reservation_into_an_entry(index: ChunkIndex, entry: MakeEntry) -> None:
+    index.reserve(1, 700)
+    assert (index.reserved_bytes(1), index.used_bytes(1)) == (700, 0)
+    first = entry("x", 700, root=1)
+    assert index.publish(first, 700) is None
+    assert (index.reserved_bytes(1), index.used_bytes(1)) == (0, 700)
+    index.reserve(1, 600)
+    again = entry("x", 600, root=1)  # the same chunk written again: replaces the first
+    assert index.publish(again, 600) is first
+    assert (index.reserved_bytes(1), index.used_bytes(1), index.get("x")) == (0, 600, again)
+
+
 def test_add_get_remove_used_bytes(index: ChunkIndex, entry: MakeEntry) -> None:
     a, b = entry("a", 100), entry("b", 250, root=1)
     index.add(a)
