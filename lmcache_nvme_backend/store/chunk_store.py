@@ -50,6 +50,10 @@ from .writer import ChunkWriter, SubmitResult
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult",
            "WriteTask"]
 
+#: The ``stats()`` key of the chunks accepted into the write-back queue: the queue counts
+#: them under the lock it holds anyway, not ``StoreStats``.
+WRITES_ENQUEUED = "writes_enqueued"
+
 
 class ChunkStore:
     """Chunk files on one or more directories, with an LRU byte budget and async write-back."""
@@ -341,7 +345,7 @@ class ChunkStore:
 
     def counter(self, name: Counter | str) -> float:
         """One counter's value, by member or by its ``stats()`` key."""
-        if name == "writes_enqueued":  # the write-back queue counts it
+        if name == WRITES_ENQUEUED:
             return self._writer.writes_enqueued
         return self._stats.get(name)
 
@@ -359,7 +363,7 @@ class ChunkStore:
 
     def stats_snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = dict(self._stats.snapshot())
-        snap["writes_enqueued"] = self._writer.writes_enqueued
+        snap[WRITES_ENQUEUED] = self._writer.writes_enqueued
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
         if self._shared is not None:

@@ -147,7 +147,8 @@ class StoreStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, float] = dict.fromkeys(
-            [c.value for c in Counter] + list(_PATH_COUNTERS), 0)
+            [key for key in [c.value for c in Counter] + list(_PATH_COUNTERS)
+             if key not in _FROM_HISTOGRAMS], 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
 
@@ -195,17 +196,18 @@ class StoreStats:
     def get(self, counter: Counter | str) -> float:
         """One counter's value (by member, or by its snapshot key such as a path counter)."""
         key = counter.value if isinstance(counter, Counter) else counter
-        if key in _FROM_HISTOGRAMS:
-            return self.snapshot()[key]
         with self._lock:
-            return self._counts[key]
+            return self._from_histogram(key) if key in _FROM_HISTOGRAMS else self._counts[key]
+
+    def _from_histogram(self, key: str) -> float:
+        """A counter a histogram keeps (the lock held)."""
+        histogram, what = _FROM_HISTOGRAMS[key]
+        return sum(self._buckets[histogram]) if what == "count" else self._sums[histogram]
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             snap: dict[str, float] = dict(self._counts)
-            for key, (histogram, what) in _FROM_HISTOGRAMS.items():
-                snap[key] = sum(self._buckets[histogram]) if what == "count" else \
-                    self._sums[histogram]
+            snap.update({key: self._from_histogram(key) for key in _FROM_HISTOGRAMS})
         for path in ReadPath:
             seconds = snap[path_counter(path, "seconds")]
             snap[path_counter(path, "gbps")] = \
