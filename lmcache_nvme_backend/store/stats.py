@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
+import operator
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress, groupby, repeat
+from typing import TypeVar
 
 from ..config import StrChoice
 
@@ -106,6 +111,13 @@ _READ_BYTES = Counter.READ_BYTES.value
 _READ_SECONDS = Counter.READ_SECONDS.value
 _READ_FAILURES = Counter.READ_FAILURES.value
 _WRITE_BYTES = Counter.WRITE_BYTES.value
+#: Read and write calls are logged (one list append each, no lock: they run on every read
+#: and write) and folded into the counters and histograms this many at a time, with a few
+#: calls over whole columns, and whenever a value is asked for.
+FOLD_EVERY = 256
+_bucket_of = functools.partial(bisect.bisect_left, LATENCY_BUCKETS_S)
+_path_of = operator.itemgetter(0)
+_Call = TypeVar("_Call")
 # Counters that are sums the histograms keep anyway (not moved twice): the snapshot's
 # key, the histogram, and whether the key is its count of observations or their seconds.
 _FROM_HISTOGRAMS = {Counter.WRITES_COMPLETED.value: (WRITE_LATENCY, "count"),
@@ -151,6 +163,10 @@ class StoreStats:
              if key not in _FROM_HISTOGRAMS], 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
+        # calls not folded yet (appended by any thread; taken from the front under the lock)
+        self._reads: list[tuple[ReadPath, int, int, float, int | None,
+                                tuple[int, int] | None]] = []
+        self._writes: list[tuple[int, float, int]] = []
 
     def add(self, counter: Counter, amount: float = 1) -> None:
         with self._lock:
@@ -162,34 +178,59 @@ class StoreStats:
         """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total.  A
         call of the store's own read path also gives its ``failures`` (it then counts the
         call's ``read_seconds`` too) and, when an engine verified the chunks itself,
-        ``checked``: the ``read_chunks`` and ``read_bytes`` it served; all under one lock
-        hold (the read path's completion runs once per call)."""
-        chunks_key, bytes_key, latency = _PATH_KEYS[path]
-        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
-        with self._lock:
-            counts = self._counts
-            counts[chunks_key] += chunks
-            counts[bytes_key] += nbytes
-            self._buckets[latency][bucket] += 1
-            self._sums[latency] += seconds
-            if failures is not None:
-                if failures:
-                    counts[_READ_FAILURES] += failures
-                counts[_READ_SECONDS] += seconds
-            if checked is not None:
-                counts[_READ_CHUNKS] += checked[0]
-                counts[_READ_BYTES] += checked[1]
+        ``checked``: the ``read_chunks`` and ``read_bytes`` it served."""
+        reads = self._reads
+        reads.append((path, chunks, nbytes, seconds, failures, checked))
+        if len(reads) >= FOLD_EVERY:
+            self._fold()
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
-        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
+        writes = self._writes
+        writes.append((nbytes, seconds, count))
+        if len(writes) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
         with self._lock:
-            self._counts[_WRITE_BYTES] += nbytes
-            self._buckets[WRITE_LATENCY][bucket] += count
-            self._sums[WRITE_LATENCY] += seconds * count
+            self._fold_locked()
+
+    def _fold_locked(self) -> None:
+        """Move the logged calls into the counters and histograms (the lock held; appends
+        made meanwhile stay for the next fold)."""
+        counts = self._counts
+        if self._writes:
+            nbytes, seconds, chunks = zip(*_take_logged(self._writes), strict=True)
+            counts[_WRITE_BYTES] += sum(nbytes)
+            self._observe(WRITE_LATENCY, seconds, chunks)
+        if not self._reads:
+            return
+        for path, calls in groupby(sorted(_take_logged(self._reads), key=_path_of), _path_of):
+            _, chunks, nbytes, seconds, failures, checked = zip(*calls, strict=True)
+            chunks_key, bytes_key, latency = _PATH_KEYS[path]
+            counts[chunks_key] += sum(chunks)
+            counts[bytes_key] += sum(nbytes)
+            self._observe(latency, seconds, (1,) * len(seconds))
+            # the store's own calls (they give failures) also count failures and their time
+            counts[_READ_FAILURES] += sum(filter(None, failures))
+            counts[_READ_SECONDS] += sum(compress(seconds, map(operator.is_not, failures,
+                                                               repeat(None))))
+            if verified := list(filter(None, checked)):
+                verified_chunks, verified_bytes = zip(*verified, strict=True)
+                counts[_READ_CHUNKS] += sum(verified_chunks)
+                counts[_READ_BYTES] += sum(verified_bytes)
+
+    def _observe(self, histogram: str, seconds: Sequence[float],
+                 weights: Sequence[int]) -> None:
+        """Calls that took ``seconds``, each counting as ``weights`` observations."""
+        buckets = self._buckets[histogram]
+        for bucket, weight in zip(map(_bucket_of, seconds), weights, strict=True):
+            buckets[bucket] += weight
+        self._sums[histogram] += sum(map(operator.mul, seconds, weights))
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         with self._lock:
+            self._fold_locked()
             return {name: HistogramSnapshot(tuple(self._buckets[name]), self._sums[name])
                     for name in HISTOGRAMS}
 
@@ -197,6 +238,7 @@ class StoreStats:
         """One counter's value (by member, or by its snapshot key such as a path counter)."""
         key = counter.value if isinstance(counter, Counter) else counter
         with self._lock:
+            self._fold_locked()
             return self._from_histogram(key) if key in _FROM_HISTOGRAMS else self._counts[key]
 
     def _from_histogram(self, key: str) -> float:
@@ -206,6 +248,7 @@ class StoreStats:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
+            self._fold_locked()
             snap: dict[str, float] = dict(self._counts)
             snap.update({key: self._from_histogram(key) for key in _FROM_HISTOGRAMS})
         for path in ReadPath:
@@ -213,3 +256,12 @@ class StoreStats:
             snap[path_counter(path, "gbps")] = \
                 snap[path_counter(path, "bytes")] / seconds / 1e9 if seconds > 0 else 0.0
         return snap
+
+
+def _take_logged(log: list[_Call]) -> list[_Call]:
+    """The calls logged so far, taken off the log (two calls that each hold the GIL: an
+    append between them stays for the next fold)."""
+    count = len(log)
+    taken = log[:count]
+    del log[:count]
+    return taken

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from lmcache_nvme_backend.store.stats import (
+    FOLD_EVERY,
     LATENCY_BUCKETS_S,
     Counter,
     ReadPath,
@@ -70,3 +71,26 @@ def test_counts_from_many_threads_add_up(stats: StoreStats) -> None:
     snap = stats.snapshot()
     assert snap["writes_completed"] == snap["read_chunks"] == snap["duplicate_puts"] == 8000
     assert snap["write_bytes"] == snap[path_counter(ReadPath.POSIX, "bytes")] == 80000
+
+
+def test_calls_are_folded_in_batches_and_every_value_stays_exact(stats: StoreStats) -> None:
+    calls = 3 * FOLD_EVERY + 7  # several folds, and a rest still logged when asked
+    paths = [ReadPath.POSIX, ReadPath.HOST_BOUNCE, ReadPath.KVIKIO_GDS]
+    for i in range(calls):
+        own = paths[i % 3] is ReadPath.POSIX
+        stats.record_read(paths[i % 3], 2, 20, 0.001 * (i % 5), failures=i % 2 if own else None,
+                          checked=(1, 10) if own and i % 4 == 0 else None)
+        stats.record_write(30, 0.002, count=2)
+        assert len(stats._reads) < FOLD_EVERY and len(stats._writes) < FOLD_EVERY  # bounded
+    snap = stats.snapshot()
+    posix = [i for i in range(calls) if i % 3 == 0]
+    assert snap[path_counter(ReadPath.POSIX, "chunks")] == 2 * len(posix)
+    assert snap[path_counter(ReadPath.KVIKIO_GDS, "bytes")] == 20 * len(range(2, calls, 3))
+    assert snap["read_failures"] == sum(i % 2 for i in posix)
+    assert snap["read_seconds"] == pytest.approx(sum(0.001 * (i % 5) for i in posix))
+    assert snap["read_chunks"] == len([i for i in posix if i % 4 == 0])
+    assert (snap["writes_completed"], snap["write_bytes"]) == (2 * calls, 30 * calls)
+    assert snap["write_seconds"] == pytest.approx(0.004 * calls)
+    bounce = stats.histograms()[read_latency(ReadPath.HOST_BOUNCE)]
+    assert bounce.count == len(range(1, calls, 3))
+    assert bounce.bucket_counts[0] == len([i for i in range(1, calls, 3) if i % 5 == 0])
