@@ -394,6 +394,23 @@ def test_a_task_on_a_closed_store_completes_at_once(open_store: StoreFactory) ->
     assert len(done) == 1 and done[0].results == [SubmitResult.CLOSED] * 2
 
 
+def test_a_task_of_mixed_layouts_stores_each_chunk_that_fits(open_store: StoreFactory) -> None:
+    store = open_store(max_size_gb=SMALL)
+    writes = task_writes(["a", "k" * 5000, "c"])  # the second key does not fit the header
+    writes += task_writes(["half"], size=CHUNK // 2)  # another layout in the same task
+    writes.append(ChunkWrite("other", "another model", meta_for(CHUNK),
+                             memoryview(payload_for("other", CHUNK))))
+    done: list[WriteTask] = []
+    store.submit_task(writes, done.append)
+    assert store.flush()
+    assert done[0].results == [SubmitResult.QUEUED, SubmitResult.OVERSIZE,
+                               SubmitResult.QUEUED, SubmitResult.QUEUED, SubmitResult.QUEUED]
+    assert [w.persisted for w in writes] == [True, False, True, True, True]
+    assert read(store, "a") == payload_for("a", CHUNK)
+    assert read(store, "half", CHUNK // 2) == payload_for("half", CHUNK // 2)
+    assert store.counter("oversize_drops") == 1
+
+
 def test_a_task_with_a_wrong_size_takes_nothing_and_still_completes(
         open_store: StoreFactory) -> None:
     store = open_store(max_size_gb=SMALL)
