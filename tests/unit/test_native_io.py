@@ -511,7 +511,8 @@ def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
     assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
 
 
-@pytest.mark.parametrize("planted_at", ["ns/0123456789abcdef/ab/cd", "ns/0123456789abcdef"])
+@pytest.mark.parametrize("planted_at", ["ns/0123456789abcdef/ab/cd", "ns/0123456789abcdef/ab",
+                                        "ns/0123456789abcdef"])
 def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path,
                                                          planted_at: str) -> None:
     elsewhere = tmp_path / "elsewhere"

@@ -567,30 +567,58 @@ static int write_temp(chunk_write *job, int fd, size_t task_size) {
     return err;
 }
 
+/* Makes directory `name` in `dir_fd` with exactly `mode` (or finds it there) and opens it,
+ * O_NOFOLLOW: a link there is ELOOP or ENOTDIR, never followed.  *created: whether this call
+ * made it.  Returns a descriptor or -errno. */
+static int make_dir_at(int dir_fd, const char *name, mode_t mode, int *created) {
+    *created = mkdirat(dir_fd, name, mode) == 0;
+    if (!*created && errno != EEXIST) return -errno;
+    int fd = openat(dir_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    if (*created && fchmod(fd, mode) != 0) { /* mkdir applied the umask */
+        int err = errno;
+        close(fd);
+        return -err;
+    }
+    return fd;
+}
+
 /* Opens `rel` beneath the root, creating its missing directories with exactly `mode`
  * (disk/safe_fs.open_dirs_beneath): each component opened O_NOFOLLOW relative to its
- * parent, so a link anywhere is ELOOP or ENOTDIR, never followed.  *created_at is the
- * index of the first component created (-1: none); returns a descriptor or -errno. */
+ * parent, so a link anywhere is ELOOP or ENOTDIR, never followed.  A new shard's parent
+ * nearly always exists (a tree fills leaf by leaf): it is opened beneath the root and only
+ * the leaf made, not every component tried from the root.  *created_at is the index of the
+ * first component created (-1: none); returns a descriptor or -errno. */
 static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *created_at) {
     char name[PATH_MAX];
     size_t n = strlen(rel);
     if (n >= sizeof(name)) return -ENAMETOOLONG;
     memcpy(name, rel, n + 1);
     *created_at = -1;
-    int fd = root_fd, depth = 0;
+    int created, depth = 0;
+    char *leaf = strrchr(name, '/');
+    if (leaf) {
+        *leaf = 0;
+        int parent = chunk_open_beneath(root_fd, name, O_RDONLY | O_DIRECTORY, 0);
+        *leaf = '/';
+        if (parent >= 0) {
+            int fd = make_dir_at(parent, leaf + 1, mode, &created);
+            close(parent);
+            if (fd >= 0 && created) { /* the leaf's index: the slashes before it */
+                *created_at = 0;
+                for (const char *c = name; c < leaf + 1; c++) *created_at += *c == '/';
+            }
+            return fd;
+        }
+        if (parent != -ENOENT) return parent;
+    }
+    int fd = root_fd;
     for (char *part = name; part; depth++) {
         char *slash = strchr(part, '/');
         if (slash) *slash = 0;
-        int created = mkdirat(fd, part, mode) == 0;
-        int err = created || errno == EEXIST ? 0 : errno;
-        int next = err ? -1 : openat(fd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (!err && next < 0) err = errno;
-        if (!err && created && fchmod(next, mode) != 0) err = errno; /* mkdir applied umask */
+        int next = make_dir_at(fd, part, mode, &created);
         if (fd != root_fd) close(fd);
-        if (err) {
-            if (next >= 0) close(next);
-            return -err;
-        }
+        if (next < 0) return next;
         if (created && *created_at < 0) *created_at = depth;
         fd = next;
         part = slash ? slash + 1 : NULL;
