@@ -217,5 +217,8 @@ def test_a_lookup_makes_no_system_call(tmp_path: Path) -> None:
     end = next(i for i, ln in enumerate(lines) if "lookup-loop-end" in ln)
     calls = [ln for ln in lines[begin + 1 : end] if ln.startswith(f"{tid} ")
              and not ANONYMOUS_MEMORY.search(ln)]  # the allocator's, not a file's
+    if lines[begin].endswith("<unfinished ...>") and calls and "resumed>" in calls[0]:
+        # strace split the marker's own call around another thread's: its second half
+        calls = calls[1:]
     print(f"\n{lookups} lookups; file system calls of the looking-up thread: {len(calls)}")
     assert int(lookups) == 20000 and calls == []
