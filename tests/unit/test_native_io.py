@@ -490,6 +490,26 @@ def test_missing_shard_directories_are_made_with_exactly_their_mode(
     assert (tmp_path / REL).read_bytes()[HEADER_SIZE:HEADER_SIZE + 3] == b"abc"
 
 
+def test_writers_racing_to_make_one_new_shard_all_publish(engine_for, tmp_path: Path) -> None:
+    """Both writer threads make the same missing leaf at once (one ``mkdirat`` wins, the other
+    opens what it made): every chunk is published and the leaf has exactly its mode."""
+    engine = engine_for()
+    payload = memoryview(payload_for(BLOCK_SIZE))
+    for round_ in range(20):
+        root = tmp_path / f"root{round_}"
+        (root / REL).parent.parent.mkdir(parents=True)  # the namespace's ``ab``, not ``cd``
+        items = [write_item(root, payload, key=f"k{i}", name=f"c{i}.kv") for i in range(8)]
+        old = os.umask(0o077)
+        try:
+            batch = write_now(engine, items)
+        finally:
+            os.umask(old)
+        assert batch.statuses == bytes([native.OK] * 8), batch.details
+        leaf = (root / REL).parent
+        assert stat.S_IMODE(leaf.stat().st_mode) == 0o750
+        assert sorted(p.name for p in leaf.iterdir()) == sorted(f"c{i}.kv" for i in range(8))
+
+
 def test_a_stale_temp_file_is_replaced(engine_for, tmp_path: Path) -> None:
     shard = (tmp_path / REL).parent
     shard.mkdir(parents=True)
