@@ -310,8 +310,7 @@ class ChunkWriter:
             return
         victims: list[list[IndexEntry]] = []
         placed, dropped = self._place(jobs, victims)
-        if dropped:
-            self._finish(dropped)
+        self._finish(dropped)
         if not placed:
             return
         file_mode, dir_mode, fsync = self._native_modes
