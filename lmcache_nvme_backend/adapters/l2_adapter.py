@@ -42,6 +42,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_notifier
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
+from ..io.native import gc_untrack
 from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult, WriteTask
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
@@ -124,7 +125,10 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._completed_stores: dict[L2TaskId, L2StoreResult] = {}
         self._completed_lookups: dict[L2TaskId, Bitmap] = {}
         self._completed_loads: dict[L2TaskId, Bitmap] = {}
-        # digest -> (key, bytes on disk) of chunks reported to LMCache as stored
+        # digest -> (key, bytes on disk) of chunks reported to LMCache as stored; one per
+        # chunk on the drive, so neither the table, its pairs nor their keys (bytes, str and
+        # int: never part of a reference cycle) are tracked by the cycle collector, which
+        # would visit them all with the GIL held on every full collection (see ChunkIndex)
         self._reported: dict[str, tuple[ObjectKey, int]] = {}
         self._closed = False
         self._store_efd = create_event_notifier()
@@ -205,8 +209,10 @@ class NVMeL2Adapter(L2AdapterInterface):
                         sizes.append(write.file_size)
                 elif result is not SubmitResult.DUPLICATE:
                     ok = False
+        reported = list(zip(stored_keys, sizes, strict=True))
         with self._lock:
-            self._reported.update(zip(digests, zip(stored_keys, sizes, strict=True), strict=True))
+            self._reported.update(zip(digests, reported, strict=True))
+            gc_untrack(self._reported, *reported, *stored_keys)
             self._completed_stores[task_id] = L2StoreResult(ok, nbytes)
         if stored_keys:
             self._notify_keys_stored(stored_keys, sizes)

@@ -13,11 +13,18 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..disk.format import TensorMeta
+from ..io.native import gc_untrack
 
 
 @dataclass(slots=True)
 class IndexEntry:
-    """One published chunk file (slots: a store indexes millions, and builds one per write)."""
+    """One published chunk file (slots: a store indexes millions, and builds one per write).
+
+    It refers to strings, integers and a :class:`TensorMeta` (tuples of those) only, so it
+    can never be part of a reference cycle, and the index has the cycle collector stop
+    tracking it (see :class:`ChunkIndex`).  Keep it that way: no field may refer back to an
+    entry or to anything that holds one.
+    """
 
     digest: str
     ns_id: str
@@ -31,12 +38,21 @@ class IndexEntry:
 
 
 class ChunkIndex:
-    """Entries by digest, with one LRU list and one byte budget per root."""
+    """Entries by digest, with one LRU list and one byte budget per root.
+
+    Neither the tables nor the entries can be part of a reference cycle (strings, integers,
+    ``None`` and cycle-free entries all the way down), so the cycle collector does not track
+    them (``native.gc_untrack``): otherwise every full collection visits each entry twice
+    with the GIL held, 0.19 s per million entries here, and the engine stalls that long
+    (``bench/bench_gc_pause.py``).  A dict is tracked again when an entry is put in it,
+    hence the call in ``add``.
+    """
 
     def __init__(self, budgets: list[int]) -> None:
         self.budgets = list(budgets)
         self._entries: dict[str, IndexEntry] = {}
         self._lru: list[OrderedDict[str, None]] = [OrderedDict() for _ in budgets]
+        gc_untrack(*self._lru)  # str keys and None values: never tracked again
         self._used = [0] * len(budgets)
         self._reserved = [0] * len(budgets)
 
@@ -66,6 +82,7 @@ class ChunkIndex:
         if replaced is not None:
             self.remove(digest)
         self._entries[digest] = entry
+        gc_untrack(entry, self._entries)
         self._lru[root][digest] = None
         self._used[root] += entry.size
         return replaced

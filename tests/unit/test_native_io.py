@@ -9,6 +9,7 @@ not built.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import random
 import stat
@@ -107,6 +108,18 @@ def test_xxh3_matches_the_xxhash_package_for_every_length(simd: str) -> None:
             assert _native.xxh3_64(data[:n]) == xxhash.xxh3_64_intdigest(data[:n]), n
     finally:
         _native.select_simd(in_use)
+
+
+def test_gc_untrack_stops_tracking_each_object_and_ignores_the_rest() -> None:
+    first, second, table = [1], ["x"], {"k": [2]}
+    assert gc.is_tracked(first) and gc.is_tracked(table)
+    native.gc_untrack(first, second, table, 7, "text", None)
+    assert not gc.is_tracked(first) and not gc.is_tracked(second)
+    assert not gc.is_tracked(table)
+    native.gc_untrack(first)  # twice is fine
+    native.gc_untrack()
+    table["n"] = [3]  # an untracked dict is tracked again when a container goes in
+    assert gc.is_tracked(table) and first == [1] and table["k"] == [2]
 
 
 @pytest.mark.parametrize("gpu", [None, (7, 2**64 - 1)])

@@ -991,6 +991,15 @@ static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
                          (unsigned long long)atomic_load(&chunkio_hashed_bytes));
 }
 
+/* The cycle collector stops tracking each object (if it did): for objects that can never be
+ * part of a reference cycle and live long in great numbers (the store's index and its
+ * entries), which every full collection would otherwise visit while holding the GIL. */
+static PyObject *py_gc_untrack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        if (PyObject_IS_GC(args[i])) PyObject_GC_UnTrack(args[i]);
+    Py_RETURN_NONE;
+}
+
 static const char *SIMD_NAMES[] = {"scalar", "sse2", "avx2"};
 static int simd_in_use;
 
@@ -1022,6 +1031,9 @@ static PyMethodDef module_methods[] = {
     {"counters", py_counters, METH_NOARGS,
      "counters() -> dict: GIL releases (and of them, to wake workers), hashing CPU "
      "nanoseconds and bytes hashed."},
+    {"gc_untrack", (PyCFunction)(void (*)(void))py_gc_untrack, METH_FASTCALL,
+     "gc_untrack(*objs): the cycle collector no longer tracks these objects (which must "
+     "never be part of a reference cycle)."},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the hashing loop in use."},
     {"select_simd", py_select_simd, METH_O,
      "select_simd(name) -> bool: use the scalar, sse2 or avx2 hashing loop (tests)."},
