@@ -220,6 +220,53 @@ def test_a_destination_shorter_than_the_payload_is_refused(engine_for, tmp_path:
         engine_for().read([item(tmp_path, dest_for(4096, "aligned"), 8192)])
 
 
+@pytest.mark.parametrize(("field", "value", "error", "message"), [
+    (None, ("too", "short"), TypeError, r"a read item is \(root_fd, rel, dest.*item 1 is not"),
+    (0, "3", TypeError, "integer"),
+    (1, b"ns/rel", TypeError, "item field 1 must be str, not bytes"),
+    (1, "ns/\0rel", ValueError, "item field 1 holds a NUL character"),
+    (2, b"read-only", BufferError, "writable"),
+    (3, -1, OverflowError, "negative"),
+    (5, "k", TypeError, "item field 5 must be bytes, not str"),
+], ids=["shape", "fd", "rel-type", "rel-nul", "dest", "length", "key"])
+def test_a_malformed_read_item_is_refused_clearly_and_holds_no_buffer(
+        engine_for, tmp_path: Path, field: int | None, value: object,
+        error: type[Exception], message: str) -> None:
+    write_python(tmp_path, payload_for(4096))
+    good = bytearray(8192)
+    broken = list(item(tmp_path, memoryview(bytearray(8192)), 4096))
+    if field is not None:
+        broken[field] = value
+    with pytest.raises(error, match=message):
+        engine_for().read([item(tmp_path, memoryview(good), 4096),
+                           tuple(broken) if field is not None else value])  # type: ignore[list-item]
+    good.extend(b"x")  # resizable again: the batch let go of the buffer it had taken
+
+
+@pytest.mark.parametrize(("field", "value", "error", "message"), [
+    (None, (1, 2), TypeError, r"a write item is \(root_fd, dir_rel, .*item 0 is not"),
+    (3, None, TypeError, "item field 3 must be str, not NoneType"),
+    (4, 7, TypeError, "bytes-like"),
+    (7, "{}", TypeError, "item field 7 must be bytes, not str"),
+    (10, 1 << 40, OverflowError, "item field 10 does not fit a C int"),
+    (13, ["victim"], TypeError, "victims must be a tuple, not list"),
+    (8, (1,), TypeError, "gpu_checksum is None or"),
+], ids=["shape", "final-name", "payload", "meta", "mode", "victims", "gpu"])
+def test_a_malformed_write_item_is_refused_clearly_and_writes_nothing(
+        engine_for, tmp_path: Path, field: int | None, value: object,
+        error: type[Exception], message: str) -> None:
+    view = memoryview(bytearray(payload_for(4096)))
+    broken = list(write_item(tmp_path, view))
+    if field is not None:
+        broken[field] = value
+    with pytest.raises(error, match=message):
+        engine_for().submit_write([tuple(broken) if field is not None else value],  # type: ignore[list-item]
+                                  lambda batch: None)
+    del broken
+    view.release()  # BufferError if the batch still held the payload
+    assert not (tmp_path / "ns").exists()
+
+
 def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
     items = []
     for i in range(8):
