@@ -125,11 +125,12 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._completed_stores: dict[L2TaskId, L2StoreResult] = {}
         self._completed_lookups: dict[L2TaskId, Bitmap] = {}
         self._completed_loads: dict[L2TaskId, Bitmap] = {}
-        # digest -> (key, bytes on disk) of chunks reported to LMCache as stored; one per
-        # chunk on the drive, so neither the table, its pairs nor their keys (bytes, str and
-        # int: never part of a reference cycle) are tracked by the cycle collector, which
-        # would visit them all with the GIL held on every full collection (see ChunkIndex)
-        self._reported: dict[str, tuple[ObjectKey, int]] = {}
+        # digest -> key of chunks reported to LMCache as stored (their bytes on disk are
+        # the index entry's size); one per chunk on the drive, so neither the table nor its
+        # keys (bytes, str and int: never part of a reference cycle) are tracked by the
+        # cycle collector, which would visit them all with the GIL held on every full
+        # collection (see ChunkIndex)
+        self._reported: dict[str, ObjectKey] = {}
         self._closed = False
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -209,10 +210,9 @@ class NVMeL2Adapter(L2AdapterInterface):
                         sizes.append(write.file_size)
                 elif result is not SubmitResult.DUPLICATE:
                     ok = False
-        reported = list(zip(stored_keys, sizes, strict=True))
         with self._lock:
-            self._reported.update(zip(digests, reported, strict=True))
-            gc_untrack(self._reported, *reported, *stored_keys)
+            self._reported.update(zip(digests, stored_keys, strict=True))
+            gc_untrack(self._reported, *stored_keys)
             self._completed_stores[task_id] = L2StoreResult(ok, nbytes)
         if stored_keys:
             self._notify_keys_stored(stored_keys, sizes)
@@ -315,10 +315,10 @@ class NVMeL2Adapter(L2AdapterInterface):
         untracked = 0
         with self._lock:
             for entry in entries:
-                reported = self._reported.pop(entry.digest, None)
-                if reported is not None:
-                    keys.append(reported[0])
-                    sizes.append(reported[1])
+                key = self._reported.pop(entry.digest, None)
+                if key is not None:
+                    keys.append(key)
+                    sizes.append(entry.size)  # as reported when stored: the file's size
                 else:
                     untracked += entry.size
         if untracked:
