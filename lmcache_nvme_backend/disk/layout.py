@@ -70,8 +70,13 @@ class ChunkLocation:
 
     namespace_id: str
     digest: str
-    path: Path
+    shard_dir: str  # its directory's path, one string shared by the directory's files
     stat: os.stat_result  # lstat, taken while the directory was being listed
+
+    @property
+    def path(self) -> Path:
+        """The file (built when asked: a restart walks millions and needs no paths)."""
+        return Path(f"{self.shard_dir}/{self.digest}{CHUNK_SUFFIX}")
 
 
 @dataclass(frozen=True)
@@ -159,52 +164,62 @@ class RootLayout:
         """Every well-named regular chunk file with its ``lstat`` (taken through the open
         directory: one syscall, nothing followed); links, foreign names and files that
         vanish meanwhile are skipped."""
-        for ns, shard, entry in self._iter_shard_files(ns_id):
-            digest = _chunk_digest(entry.name, shard)
-            if digest is None:
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                yield ChunkLocation(ns, digest, self._shard_path(ns, shard) / entry.name, st)
+        for ns, shard, rel in self._iter_shard_dirs(ns_id):
+            shard_dir = self._root_prefix + rel
+            for entry in scandir_beneath(self.root, rel):
+                location = _chunk_at(ns, shard, shard_dir, entry)
+                if location is not None:
+                    yield location
 
     def iter_special_entries(self, ns_id: str | None = None) -> Iterator[tuple[Path, str]]:
         """(path, what it is) of every entry at a chunk file's name that is not a regular
         file: a symbolic link, directory, FIFO, socket or device (never followed, never read)."""
-        for ns, shard, entry in self._iter_shard_entries(ns_id):
-            name = entry.name
-            if _chunk_digest(name, shard) is None or entry.is_file(follow_symlinks=False):
-                continue
-            try:
-                kind = kind_of(entry.stat(follow_symlinks=False).st_mode)
-            except OSError:
-                continue
-            yield self._shard_path(ns, shard) / name, kind
+        for _ns, shard, rel in self._iter_shard_dirs(ns_id):
+            for entry in scandir_beneath(self.root, rel):
+                name = entry.name
+                if _chunk_digest(name, shard) is None or entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    kind = kind_of(entry.stat(follow_symlinks=False).st_mode)
+                except OSError:
+                    continue
+                yield Path(f"{self._root_prefix}{rel}/{name}"), kind
 
     def iter_temp_files(self) -> Iterator[TempFile]:
         """Temporary files of any writer (see ``temp_path``)."""
-        for _ns, _shard, entry in self._iter_shard_files(None):
-            _, sep, owner = entry.name.partition(TEMP_INFIX)
-            if not sep:
-                continue
-            parts = owner.split("-")
-            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
-            yield TempFile(self._shard_path(_ns, _shard) / entry.name, parts[0], pid)
+        for _ns, _shard, rel in self._iter_shard_dirs(None):
+            for entry in scandir_beneath(self.root, rel):
+                temp = self._temp_at(rel, entry)
+                if temp is not None:
+                    yield temp
 
-    def _shard_path(self, ns: str, shard: str) -> Path:
-        return self.namespaces_dir / ns / shard[:2] / shard[2:]
+    def scan(self) -> tuple[list[ChunkLocation], list[TempFile]]:
+        """``iter_chunks`` and ``iter_temp_files`` in one walk of the tree (a restart: every
+        directory listed once)."""
+        chunks: list[ChunkLocation] = []
+        temps: list[TempFile] = []
+        for ns, shard, rel in self._iter_shard_dirs(None):
+            shard_dir = self._root_prefix + rel
+            for entry in scandir_beneath(self.root, rel):
+                location = _chunk_at(ns, shard, shard_dir, entry)
+                if location is not None:
+                    chunks.append(location)
+                elif (temp := self._temp_at(rel, entry)) is not None:
+                    temps.append(temp)
+        return chunks, temps
 
-    def _iter_shard_files(self, ns_id: str | None) -> Iterator[tuple[str, str, os.DirEntry[str]]]:
-        """(namespace id, 4-hex shard prefix, entry) for each regular file in a shard dir."""
-        for ns, shard, entry in self._iter_shard_entries(ns_id):
-            if entry.is_file(follow_symlinks=False):
-                yield ns, shard, entry
+    def _temp_at(self, rel: str, entry: os.DirEntry[str]) -> TempFile | None:
+        """The temporary file an entry of shard directory ``rel`` is (None: not a regular
+        temp file)."""
+        _, sep, owner = entry.name.partition(TEMP_INFIX)
+        if not sep or not entry.is_file(follow_symlinks=False):
+            return None
+        parts = owner.split("-")
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
+        return TempFile(Path(f"{self._root_prefix}{rel}/{entry.name}"), parts[0], pid)
 
-    def _iter_shard_entries(self, ns_id: str | None
-                            ) -> Iterator[tuple[str, str, os.DirEntry[str]]]:
-        """(namespace id, 4-hex shard prefix, entry) for each entry of a shard dir.
+    def _iter_shard_dirs(self, ns_id: str | None) -> Iterator[tuple[str, str, str]]:
+        """(namespace id, 4-hex shard prefix, path relative to the root) of each shard dir.
 
         Directories are opened beneath the root without following links (``safe_fs``),
         so a planted link never takes the walk outside the tree.
@@ -218,9 +233,8 @@ class RootLayout:
                     continue
                 for shard2 in _scandir_dirs(self.root, f"ns/{ns}/{shard1.name}"):
                     if _SHARD_RE.match(shard2.name):
-                        for entry in scandir_beneath(
-                                self.root, f"ns/{ns}/{shard1.name}/{shard2.name}"):
-                            yield ns, shard1.name + shard2.name, entry
+                        yield (ns, shard1.name + shard2.name,
+                               f"ns/{ns}/{shard1.name}/{shard2.name}")
 
 
 def split_tree_path(path: Path | str) -> tuple[str, str] | None:
@@ -268,6 +282,20 @@ def pid_alive(pid: int) -> bool:
 def _scandir_dirs(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:
     """Real subdirectories of ``root / rel`` (links skipped); missing or unreadable: none."""
     return (e for e in scandir_beneath(root, rel) if e.is_dir(follow_symlinks=False))
+
+
+def _chunk_at(ns: str, shard: str, shard_dir: str, entry: os.DirEntry[str]
+              ) -> ChunkLocation | None:
+    """The chunk file a directory entry is (None: not a well-named regular chunk file, or
+    gone)."""
+    digest = _chunk_digest(entry.name, shard)
+    if digest is None:
+        return None
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    return ChunkLocation(ns, digest, shard_dir, st) if stat.S_ISREG(st.st_mode) else None
 
 
 def _chunk_digest(name: str, shard: str) -> str | None:

@@ -213,12 +213,13 @@ class Janitor:
         layout = self.account.root.layout
         files: dict[str, int] = {}
         namespaces: dict[str, str] = {}
-        for loc in layout.iter_chunks():
+        located, temps = layout.scan()
+        for loc in located:
             files[loc.digest] = loc.stat.st_size
             namespaces[loc.digest] = loc.namespace_id
         live_writers = {(_tag(lease.host), lease.pid) for m, lease in leases.items()
                         if self.liveness.alive(m)}
-        for temp in layout.iter_temp_files():
+        for temp in temps:
             if self._temp_of_dead_writer(temp, live_writers):
                 unlink_quietly(temp.path, layout.root)
                 self._stats.add(Counter.REMOVED_TEMP_FILES)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from ..disk.format import file_size_for
+from ..disk.layout import TempFile
 from ..disk.manifest import load_manifest, remove_stale_manifest_temps, save_manifest
 from .catalog import Catalog
 from .index import IndexEntry
@@ -42,8 +43,8 @@ def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
     adds recency and tensor metadata, the latter only where it matches the file's size.
     """
     started = time.perf_counter()
-    remove_stale_temp_files(root, stats)
-    located = list(root.layout.iter_chunks())
+    located, temps = root.layout.scan()
+    remove_stale_temp_files(root, temps, stats)
     records = load_manifest(root.layout.index_dir, max_bytes=manifest_limit(len(located)))
     found: list[IndexEntry] = []
     for loc in located:
@@ -72,10 +73,11 @@ def manifest_limit(chunk_files: int) -> int:
     return MANIFEST_BYTES_PER_CHUNK * chunk_files + (1 << 20)
 
 
-def remove_stale_temp_files(root: RootState, stats: StoreStats) -> None:
-    """Temp files of dead writers: chunk temps and ``.manifest.json.tmp-<host>-<pid>``."""
+def remove_stale_temp_files(root: RootState, temps: list[TempFile], stats: StoreStats) -> None:
+    """Temp files of dead writers: the chunk temps found in the tree (``temps``) and
+    ``.manifest.json.tmp-<host>-<pid>``."""
     now = time.time()
-    for tmp in root.layout.iter_temp_files():
+    for tmp in temps:
         if tmp.is_stale(now=now):
             unlink_quietly(tmp.path, root.layout.root)
             stats.add(Counter.REMOVED_TEMP_FILES)

@@ -239,6 +239,39 @@ def test_iter_temp_files_parses_writer(layout: RootLayout) -> None:
     }
 
 
+def test_scan_finds_what_both_walks_find_listing_each_directory_once(
+        layout: RootLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart walks the tree once for chunks and writers' temp files together."""
+    from lmcache_nvme_backend.disk import layout as layout_module
+
+    ns = namespace_id("model")
+    chunks = {place(layout, f"k{i}") for i in range(40)} | {place(layout, "x", ns="other")}
+    temps = {touch(layout.temp_path(layout.chunk_path(ns, key_digest(f"t{i}"))))
+             for i in range(5)}
+    touch(layout.chunk_path(ns, key_digest("k1")).parent / "README")  # neither
+    (tmp_path / "outside.kv").write_bytes(b"x")
+    layout.chunk_path(ns, key_digest("link")).parent.mkdir(parents=True, exist_ok=True)
+    layout.chunk_path(ns, key_digest("link")).symlink_to(tmp_path / "outside.kv")
+    listed: list[str] = []
+    real = layout_module.scandir_beneath
+
+    def counting(root: Path, rel: str) -> object:
+        listed.append(rel)
+        return real(root, rel)
+
+    monkeypatch.setattr(layout_module, "scandir_beneath", counting)
+    found, temp_files = layout.scan()
+    assert {loc.path for loc in found} == chunks
+    assert {t.path for t in temp_files} == temps
+    assert len(listed) == len(set(listed))  # every directory listed once
+    once = len(listed)
+    assert sorted((loc.digest, loc.namespace_id, loc.stat.st_ino) for loc in found) == \
+        sorted((loc.digest, loc.namespace_id, loc.stat.st_ino) for loc in layout.iter_chunks())
+    assert {t.path: (t.host, t.pid) for t in temp_files} == \
+        {t.path: (t.host, t.pid) for t in layout.iter_temp_files()}
+    assert len(listed) == 3 * once  # the two walks list everything again, each
+
+
 def test_iter_temp_files_ignores_temp_names_outside_shards(layout: RootLayout) -> None:
     touch(layout.root / "x.kv.tmp-host-1-2")
     touch(layout.root / "ns" / namespace_id("m") / "x.kv.tmp-host-1-2")
