@@ -43,8 +43,8 @@ class ChunkIndex:
     Neither the tables nor the entries can be part of a reference cycle (strings, integers,
     ``None`` and cycle-free entries all the way down), so the cycle collector does not track
     them (``native.gc_untrack``): otherwise every full collection visits each entry twice
-    with the GIL held, 0.19 s per million entries here, and the engine stalls that long
-    (``bench/bench_gc_pause.py``).  A dict is tracked again when an entry is put in it,
+    with the GIL held, about 0.17 s per million entries here, and the engine stalls that
+    long (``bench/bench_gc_pause.py``).  A dict is tracked again when an entry is put in it,
     hence the call in ``add``.
     """
 
