@@ -89,29 +89,24 @@ def prepare_index(entries: int) -> Callable[[], object]:
 def prepare_l2(chunks: int, directory: Path) -> Callable[[], object]:
     """An adapter that has stored one task (what starting it makes is in the floor); the
     call that stores ``chunks`` more through it."""
-    import torch
-    from lmcache.v1.distributed.api import ObjectKey
-    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+    from lmcache.cli.commands.bench.l2_adapter_bench.data import (
+        make_aligned_tensor,
+        make_memory_objects,
+        make_object_keys,
+    )
     from lmcache.v1.platform import consume_fd
 
     from lmcache_nvme_backend.adapters.l2_adapter import NVMeL2Adapter
 
     nbytes, per_task = 4096, 64
     adapter = NVMeL2Adapter({"path": str(directory), "max_size_gb": 64, "min_free_gb": 0})
-    objs = []
-    for _ in range(per_task):
-        backing = torch.zeros(2 * nbytes, dtype=torch.uint8)
-        off = (-backing.data_ptr()) % nbytes
-        meta = MemoryObjMetadata(shape=torch.Size([nbytes]), dtype=torch.uint8, address=0,
-                                 phy_size=nbytes, fmt=MemoryFormat.KV_2LTD, ref_count=1)
-        objs.append(TensorMemoryObj(raw_data=backing[off:off + nbytes], metadata=meta,
-                                    parent_allocator=None))
+    objs = make_memory_objects(make_aligned_tensor(per_task * nbytes, nbytes), per_task,
+                               nbytes, 0)
     poller = select.poll()
     poller.register(adapter.get_store_event_fd(), select.POLLIN)
 
     def store(first: int, count: int) -> None:
-        keys = [ObjectKey(chunk_hash=i.to_bytes(16, "big"), model_name="org/model",
-                          kv_rank=0, object_group_id=0) for i in range(first, first + count)]
+        keys = make_object_keys(count, key_offset=first)
         task = adapter.submit_store_task(keys, objs[:count])
         done: dict[int, Any] = {}
         while task not in done:

@@ -16,12 +16,12 @@ To compare two revisions, run it from a checkout of each on the same directory.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from bench_l2 import drop_caches  # this directory: run as a script
 
 from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.disk.format import TensorMeta
@@ -53,15 +53,6 @@ def fill(path: Path, chunks: int) -> float:
     return time.perf_counter() - started
 
 
-def drop_caches() -> bool:
-    """Drop the page cache (root only); whether it was dropped."""
-    if os.geteuid() != 0:
-        return False
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    return True
-
-
 def reopen(path: Path) -> tuple[float, float, int]:
     """(wall s, CPU s, entries) of opening the store."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -84,7 +75,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": []}
     for rep in range(args.repeat):
         for kind in ("cold", "warm"):
-            if kind == "cold" and not drop_caches():
+            if kind == "cold" and not drop_caches():  # needs root
                 continue
             wall, cpu, entries = reopen(tree)
             if entries != args.chunks:
