@@ -164,12 +164,7 @@ class RootLayout:
         """Every well-named regular chunk file with its ``lstat`` (taken through the open
         directory: one syscall, nothing followed); links, foreign names and files that
         vanish meanwhile are skipped."""
-        for ns, shard, rel in self._iter_shard_dirs(ns_id):
-            shard_dir = self._root_prefix + rel
-            for entry in scandir_beneath(self.root, rel):
-                location = _chunk_at(ns, shard, shard_dir, entry)
-                if location is not None:
-                    yield location
+        return (f for f in self._iter_files(ns_id) if isinstance(f, ChunkLocation))
 
     def iter_special_entries(self, ns_id: str | None = None) -> Iterator[tuple[Path, str]]:
         """(path, what it is) of every entry at a chunk file's name that is not a regular
@@ -187,26 +182,28 @@ class RootLayout:
 
     def iter_temp_files(self) -> Iterator[TempFile]:
         """Temporary files of any writer (see ``temp_path``)."""
-        for _ns, _shard, rel in self._iter_shard_dirs(None):
-            for entry in scandir_beneath(self.root, rel):
-                temp = self._temp_at(rel, entry)
-                if temp is not None:
-                    yield temp
+        return (f for f in self._iter_files(None) if isinstance(f, TempFile))
 
     def scan(self) -> tuple[list[ChunkLocation], list[TempFile]]:
         """``iter_chunks`` and ``iter_temp_files`` in one walk of the tree (a restart: every
         directory listed once)."""
         chunks: list[ChunkLocation] = []
         temps: list[TempFile] = []
-        for ns, shard, rel in self._iter_shard_dirs(None):
+        for found in self._iter_files(None):
+            if isinstance(found, ChunkLocation):
+                chunks.append(found)
+            else:
+                temps.append(found)
+        return chunks, temps
+
+    def _iter_files(self, ns_id: str | None) -> Iterator[ChunkLocation | TempFile]:
+        """The chunk files and writers' temp files of the shard directories, in one walk."""
+        for ns, shard, rel in self._iter_shard_dirs(ns_id):
             shard_dir = self._root_prefix + rel
             for entry in scandir_beneath(self.root, rel):
-                location = _chunk_at(ns, shard, shard_dir, entry)
-                if location is not None:
-                    chunks.append(location)
-                elif (temp := self._temp_at(rel, entry)) is not None:
-                    temps.append(temp)
-        return chunks, temps
+                found = _chunk_at(ns, shard, shard_dir, entry) or self._temp_at(rel, entry)
+                if found is not None:
+                    yield found
 
     def _temp_at(self, rel: str, entry: os.DirEntry[str]) -> TempFile | None:
         """The temporary file an entry of shard directory ``rel`` is (None: not a regular
