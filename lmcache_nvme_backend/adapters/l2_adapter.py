@@ -43,7 +43,7 @@ from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_not
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..io.native import gc_untrack
-from ..store import ChunkRead, ChunkWrite, IndexEntry, SubmitResult, WriteTask
+from ..store import ChunkRead, IndexEntry, TaskOutcome
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
 from .memory_objects import host_view, payload_view, tensor_meta_of
@@ -178,44 +178,29 @@ class NVMeL2Adapter(L2AdapterInterface):
         try:
             if len(keys) != len(objects):
                 raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-            writes = [ChunkWrite(*object_key_parts(key), meta := tensor_meta_of(obj),
-                                 payload_view(obj, meta.nbytes))
-                      for key, obj in zip(keys, objects, strict=True)]
+            names, namespaces = zip(*map(object_key_parts, keys), strict=True) if keys else ((), ())
+            metas = list(map(tensor_meta_of, objects))
+            payloads = list(map(payload_view, objects, [meta.nbytes for meta in metas]))
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
-            self._stored(task_id, keys, None)
+            self._stored(task_id, keys, TaskOutcome(False, 0, [], [], []))
             return task_id
         try:
-            self.store.submit_task(writes, functools.partial(self._stored, task_id, keys))
+            self.store.submit_task(names, namespaces, metas, payloads,
+                                   functools.partial(self._stored, task_id, keys))
         except Exception:  # the task has completed (failed) all the same
             logger.exception("NVMe L2 adapter: store task %d failed to submit", task_id)
         return task_id
 
-    def _stored(self, task_id: L2TaskId, keys: list[ObjectKey], task: WriteTask | None
-                ) -> None:
+    def _stored(self, task_id: L2TaskId, keys: list[ObjectKey], outcome: TaskOutcome) -> None:
         """Every chunk of the task ended: its result for LMCache, the stored keys announced."""
-        ok = task is not None and task.results is not None
-        nbytes = 0
-        stored_keys: list[ObjectKey] = []
-        digests: list[str] = []
-        sizes: list[int] = []
-        if task is not None:
-            results = task.results or [SubmitResult.CLOSED] * len(keys)
-            for key, write, result in zip(keys, task.writes, results, strict=True):
-                if write.persisted:
-                    nbytes += write.nbytes
-                    if write.nbytes:
-                        stored_keys.append(key)
-                        digests.append(write.digest)
-                        sizes.append(write.file_size)
-                elif result is not SubmitResult.DUPLICATE:
-                    ok = False
+        stored_keys = keys if outcome.stored is None else [keys[i] for i in outcome.stored]
         with self._lock:
-            self._reported.update(zip(digests, stored_keys, strict=True))
+            self._reported.update(zip(outcome.digests, stored_keys, strict=True))
             gc_untrack(self._reported, *stored_keys)
-            self._completed_stores[task_id] = L2StoreResult(ok, nbytes)
+            self._completed_stores[task_id] = L2StoreResult(outcome.ok, outcome.nbytes)
         if stored_keys:
-            self._notify_keys_stored(stored_keys, sizes)
+            self._notify_keys_stored(stored_keys, outcome.file_sizes)
         self._signal(self._store_efd)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:

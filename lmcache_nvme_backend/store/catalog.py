@@ -16,7 +16,6 @@ from typing import Protocol
 
 from ..disk.format import TensorMeta
 from .index import ChunkIndex, IndexEntry
-from .writeback import ChunkWrite
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class Catalog:
     def __init__(self, budgets: Sequence[int]) -> None:
         self._lock = threading.Lock()
         self._index = ChunkIndex(list(budgets))
-        self._pending: dict[str, ChunkWrite] = {}
+        self._pending: dict[str, None] = {}  # digests being written
         self._listeners: list[RemovalListener] = []
         # shared mode: this member's id on each root (owner of what it publishes), the
         # uses to share with the other members, and the account that counts its bytes
@@ -115,12 +114,12 @@ class Catalog:
 
     # -- writes in flight ------------------------------------------------------
 
-    def register(self, writes: Sequence[ChunkWrite], now_ns: int) -> list[bool]:
-        """Mark each write pending; False for a key already stored or queued (a use, for LRU)."""
+    def register(self, digests: Iterable[str], now_ns: int) -> list[bool]:
+        """Mark each chunk pending (being written); False for one already stored or pending
+        (a use, for LRU)."""
         fresh: list[bool] = []
         with self._lock:
-            for write in writes:
-                digest = write.digest
+            for digest in digests:
                 if digest in self._pending or digest in self._index:
                     self._index.touch(digest, now_ns)
                     entry = self._index.get(digest)
@@ -128,7 +127,7 @@ class Catalog:
                         self.touched.append((entry.root, digest))
                     fresh.append(False)
                 else:
-                    self._pending[digest] = write
+                    self._pending[digest] = None
                     fresh.append(True)
         return fresh
 
@@ -193,6 +192,17 @@ class Catalog:
         if self.accounting is not None:
             for entry, replaced, reserved in done:
                 self.accounting.on_publish(entry, replaced, reserved)
+
+    def publish_layout(self, digests: Sequence[str], roots: Sequence[int], ns_id: str,
+                       size: int, meta: TensorMeta, now_ns: int) -> None:
+        """``publish_many`` for chunks of one namespace and layout, each ``size`` bytes on
+        disk and reserved as such, every one pending (a store task's, outside shared mode):
+        one entry built per chunk, and nothing else, under one lock hold."""
+        with self._lock:
+            pending = self._pending
+            for digest in digests:
+                del pending[digest]
+            self._index.publish_layout(digests, roots, ns_id, size, meta, now_ns)
 
     def add_if_absent(self, entry: IndexEntry) -> None:
         """Index a chunk another process published (shared mode)."""

@@ -44,11 +44,11 @@ from .room import Room
 from .roots import RootInfo, Roots
 from .shared import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
-from .writeback import ChunkWrite, ReadPriorityGate, WriteTask
-from .writer import ChunkWriter, SubmitResult
+from .writeback import ChunkWrite, ReadPriorityGate, SubmitResult, TaskOutcome, WriteTask
+from .writer import ChunkWriter
 
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult",
-           "WriteTask"]
+           "TaskOutcome", "WriteTask"]
 
 #: The ``stats()`` key of the chunks accepted into the write-back queue: the queue counts
 #: them under the lock it holds anyway, not ``StoreStats``.
@@ -228,18 +228,19 @@ class ChunkStore:
         """
         return self._writer.submit_many(writes)
 
-    def submit_task(self, writes: Sequence[ChunkWrite],
-                    on_done: Callable[[WriteTask], None]) -> None:
-        """Queue a task's chunks (writes without a ``release``); ``on_done(task)`` runs once,
-        after every one of them ended, whatever happened: ``task.results`` are
-        ``submit_many``'s (None if it raised, which this then does too), and each write's
-        ``persisted`` says whether its file was published.  Their payloads stay valid until
-        then.  It may run on this thread, before this returns."""
-        task = WriteTask(writes, on_done)
-        try:
-            task.results = self._writer.submit_many(writes)
-        finally:
-            task.ended(1)  # the submitter's share
+    def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
+                    metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
+                    on_done: Callable[[TaskOutcome], None]) -> None:
+        """Queue a task's chunks (the i-th of each sequence is one chunk, its payload valid
+        until then); ``on_done(outcome)`` runs once, after every one of them ended, whatever
+        happened: which were persisted, their digests and sizes on disk, and whether every
+        chunk was persisted or already stored (``TaskOutcome``).  If this raises, it ran
+        with nothing persisted.  It may run on this thread, before this returns.
+
+        One admission and one completion serve the whole task in the common case (the
+        native engine, chunks of one layout and namespace): the multiprocess server's store
+        path, whose Python bounds what one process moves."""
+        self._writer.submit_task(keys, namespaces, metas, payloads, on_done)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""

@@ -78,6 +78,13 @@ class Room:
         guard.will_free(sum(victim.size for victim in victims))
         self._evicted(victims)
 
+    def evict_deferred(self, root: RootState, victims: list[IndexEntry]) -> None:
+        """Remove now the files of victims that ``reserve`` deferred for a write that will not
+        run (the reservation failed, or was given back): they left the index already."""
+        if victims:
+            self.unlink(victims)
+            self.guards[root.index].freed(sum(victim.size for victim in victims))
+
     def evict(self, victims: list[IndexEntry]) -> None:
         """Delete the files of entries already taken out of the index, and say so."""
         if victims:

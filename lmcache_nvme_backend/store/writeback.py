@@ -7,21 +7,39 @@ until the write finishes), so its bound is a memory bound.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from ..disk.format import TensorMeta, file_size_for, text_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
 
-if TYPE_CHECKING:
-    from .writer import SubmitResult
-
 logger = logging.getLogger(__name__)
+
+
+class SubmitResult(enum.Enum):
+    """What admission did with one chunk of a store call."""
+
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"
+    QUEUE_FULL = "queue_full"
+    OVERSIZE = "oversize"
+    CLOSED = "closed"
+
+
+class TaskOutcome(NamedTuple):
+    """What became of a store task's chunks (``ChunkStore.submit_task``'s ``on_done``)."""
+
+    ok: bool  # every chunk was persisted or was stored (or being stored) already
+    nbytes: int  # payload bytes persisted
+    stored: list[int] | None  # positions of the chunks persisted (None: all, in order)
+    digests: list[str]  # their digests, in that order
+    file_sizes: list[int]  # and their bytes on disk
 
 
 class ChunkWrite:
@@ -91,6 +109,25 @@ class WriteTask:
             logger.exception("NVMe tier: completing a store task failed")
 
 
+def outcome_of(task: WriteTask) -> TaskOutcome:
+    """A finished task's outcome (its writes' ``persisted`` are final)."""
+    results = task.results
+    ok, nbytes = results is not None, 0
+    stored: list[int] = []
+    digests: list[str] = []
+    sizes: list[int] = []
+    for i, write in enumerate(task.writes):
+        if write.persisted:
+            nbytes += write.nbytes
+            if write.nbytes:
+                stored.append(i)
+                digests.append(write.digest)
+                sizes.append(write.file_size)
+        elif results is None or results[i] is not SubmitResult.DUPLICATE:
+            ok = False
+    return TaskOutcome(ok, nbytes, stored, digests, sizes)
+
+
 def end_writes(writes: Sequence[ChunkWrite]) -> None:
     """Hand ended writes back: each task once for its writes among them, each other write
     to its own ``release``."""
@@ -157,13 +194,8 @@ class WriteBackQueue:
         the whole batch.  With ``hand_over`` the accepted jobs are only accounted for (their
         bytes held until ``done_many``): the caller hands them to a writer itself.
         """
-        if hand_over:  # the common case first: the whole batch fits now
-            nbytes = sum([job.nbytes for job in jobs])
-            with self._lock:
-                if not self._closed and self._bytes + nbytes <= self.capacity:
-                    self._bytes += nbytes
-                    self._accepted += len(jobs)
-                    return [True] * len(jobs)
+        if hand_over and self.hold(sum([job.nbytes for job in jobs]), len(jobs)):
+            return [True] * len(jobs)  # the common case: the whole batch fits now
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
         with self._lock:
@@ -184,6 +216,16 @@ class WriteBackQueue:
                 self._has_jobs.notify(accepted.count(True))
         return accepted
 
+    def hold(self, nbytes: int, count: int) -> bool:
+        """Account ``count`` jobs of ``nbytes`` in all, handed to a writer by the caller, if
+        they fit now (no wait); ``release`` gives them back."""
+        with self._lock:
+            if self._closed or self._bytes + nbytes > self.capacity:
+                return False
+            self._bytes += nbytes
+            self._accepted += count
+            return True
+
     def take_share(self, takers: int, most: int) -> list[ChunkWrite]:
         """This taker's share of the queued jobs (1 / ``takers`` of them, at least one, at
         most ``most``), blocking; empty once the queue is closed and empty."""
@@ -195,10 +237,13 @@ class WriteBackQueue:
 
     def done_many(self, jobs: list[ChunkWrite]) -> None:
         """The jobs were written (or dropped): their bytes and count leave the queue."""
-        freed = sum([job.nbytes for job in jobs])
+        self.release(sum([job.nbytes for job in jobs]), len(jobs))
+
+    def release(self, nbytes: int, count: int) -> None:
+        """``count`` jobs of ``nbytes`` in all were written (or dropped)."""
         with self._lock:  # on every write's completion: no notify when no one waits
-            self._bytes -= freed
-            self._done += len(jobs)
+            self._bytes -= nbytes
+            self._done += count
             if self._waiting:
                 self._cond.notify_all()
 

@@ -13,7 +13,6 @@ indexed, and only then is its host memory released.  Room and eviction: ``room.p
 
 from __future__ import annotations
 
-import enum
 import errno
 import functools
 import logging
@@ -38,7 +37,16 @@ from .index import IndexEntry
 from .room import Room
 from .roots import Roots, RootState, note_full, note_space, write_namespace_file
 from .stats import Counter, StoreStats
-from .writeback import ChunkWrite, ReadPriorityGate, WriteBackQueue, end_writes
+from .task_writes import NativeTaskWrites, OnTaskDone
+from .writeback import (
+    ChunkWrite,
+    ReadPriorityGate,
+    SubmitResult,
+    WriteBackQueue,
+    WriteTask,
+    end_writes,
+    outcome_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +59,6 @@ _FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 _digest_of = operator.attrgetter("digest")  # a write's chunk digest (placement hashes it)
 
 
-class SubmitResult(enum.Enum):
-    QUEUED = "queued"
-    DUPLICATE = "duplicate"
-    QUEUE_FULL = "queue_full"
-    OVERSIZE = "oversize"
-    CLOSED = "closed"
-
-
 class ChunkWriter:
     """Admission and write-back of one store."""
 
@@ -67,24 +67,27 @@ class ChunkWriter:
                  native_engine: NativeEngine | None = None) -> None:
         self.settings = settings
         self.room = room
-        self._catalog = catalog
-        self._roots = roots
+        self.catalog = catalog
+        self.roots = roots
         self.engine = engine
         self.native = native_engine
         self._gate = gate
-        self._stats = stats
-        self._queue = WriteBackQueue(settings.write_queue_bytes)
-        self._closed = False
+        self.stats = stats
+        self.queue = WriteBackQueue(settings.write_queue_bytes)
+        self.closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
         # The native engine's writers share one temp-name suffix (see ``temp_name``); its
         # write items carry the file mode, directory mode and fsync level.
-        self._native_temp_suffix = temp_name("", writer=0)
-        self._native_modes = (settings.file_mode, settings.dir_mode,
+        self.native_temp_suffix = temp_name("", writer=0)
+        self.native_modes = (settings.file_mode, settings.dir_mode,
                               _FSYNC_LEVEL[settings.fsync])
         # (metadata, namespace, key bytes that fit the header beside them) of the last task
         # admitted: a server's tasks share a handful of layouts (one tuple: replaced whole).
         self._key_room: tuple[TensorMeta | None, str, int] = (None, "", 0)
+        # Whole store tasks in the common case (``task_writes.py``), with the native engine.
+        self._tasks = NativeTaskWrites(self, native_engine) if native_engine is not None \
+            else None
         # The native engine writes on threads of its own; the Python engine on these.
         self.threads = [] if native_engine is not None else [
             threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
@@ -102,12 +105,12 @@ class ChunkWriter:
 
     @property
     def queue_bytes(self) -> int:
-        return self._queue.bytes_held
+        return self.queue.bytes_held
 
     @property
     def writes_enqueued(self) -> int:
         """Chunks ever accepted into the write-back queue."""
-        return self._queue.accepted
+        return self.queue.accepted
 
     # -- admission -------------------------------------------------------------
 
@@ -119,7 +122,7 @@ class ChunkWriter:
         a chunk that is not queued).  One lock round and one writer wake-up serve
         the whole batch, which keeps the engine's store path short.
         """
-        if self._closed:
+        if self.closed:
             end_writes(writes)
             return [SubmitResult.CLOSED] * len(writes)
         try:
@@ -129,12 +132,12 @@ class ChunkWriter:
             raise
         chosen = list(writes) if len(admitted) == len(writes) else \
             [writes[i] for i in admitted]
-        fresh = self._catalog.register(chosen, time.time_ns())
+        fresh = self.catalog.register(list(map(_digest_of, chosen)), time.time_ns())
         if False in fresh:
             for i, is_new in zip(admitted, fresh, strict=True):
                 if not is_new:
                     results[i] = SubmitResult.DUPLICATE
-            self._stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
+            self.stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
             admitted = [i for i, is_new in zip(admitted, fresh, strict=True) if is_new]
             chosen = [w for w, is_new in zip(chosen, fresh, strict=True) if is_new]
         if admitted:
@@ -146,11 +149,28 @@ class ChunkWriter:
                         if result is not SubmitResult.QUEUED])
         return results
 
+    def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
+                    metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
+                    on_done: OnTaskDone) -> None:
+        """Queue a task's chunks; ``on_done(outcome)`` runs once, after every one of them
+        ended (see ``ChunkStore.submit_task``).  The common case runs as one admission and
+        one completion (``task_writes.py``); the rest chunk by chunk."""
+        if self._tasks is not None and self._tasks.submit(keys, namespaces, metas, payloads,
+                                                          on_done):
+            return
+        task = WriteTask([ChunkWrite(key, namespace, meta, payload) for key, namespace, meta,
+                          payload in zip(keys, namespaces, metas, payloads, strict=True)],
+                         lambda whole: on_done(outcome_of(whole)))
+        try:
+            task.results = self.submit_many(task.writes)
+        finally:
+            task.ended(1)  # the submitter's share
+
     def _admit(self, writes: Sequence[ChunkWrite]) -> tuple[list[SubmitResult], list[int]]:
         """QUEUED for each write that fits the queue, the budget and the header (the others
         dropped as oversize), and the indices of those that do.  ValueError, before anything
         is counted, for a write whose payload is not the size its metadata says."""
-        budget, capacity = self._catalog.budgets[0], self._queue.capacity
+        budget, capacity = self.catalog.budgets[0], self.queue.capacity
         results = [SubmitResult.QUEUED] * len(writes)
         admitted: list[int] = []
         oversize: list[int] = []
@@ -174,13 +194,13 @@ class ChunkWriter:
     def _oversize(self, write: ChunkWrite, budget: int) -> SubmitResult:
         """A chunk too big for the queue or the budget, or with a key too long for the header:
         dropped, counted, and said once."""
-        if not self._stats.get(Counter.OVERSIZE_DROPS):
+        if not self.stats.get(Counter.OVERSIZE_DROPS):
             logger.warning(
                 "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
                 "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
                 "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", write.nbytes,
-                self._queue.capacity, budget)
-        self._stats.add(Counter.OVERSIZE_DROPS)
+                self.queue.capacity, budget)
+        self.stats.add(Counter.OVERSIZE_DROPS)
         return SubmitResult.OVERSIZE
 
     def _enqueue(self, offered: list[ChunkWrite], positions: list[int],
@@ -189,39 +209,39 @@ class ChunkWriter:
         bytes: the caller dispatches them); mark the ones it refuses in ``results`` (at their
         ``positions``); the accepted ones."""
         wait = self.settings.queue_full_policy == "wait"
-        if wait and self._queue.bytes_held + sum(j.nbytes for j in offered) > \
-                self._queue.capacity:
-            self._stats.add(Counter.QUEUE_FULL_WAITS)
-        ok = self._queue.offer_many(offered, wait_s=1e9 if wait else 0.0,
+        if wait and self.queue.bytes_held + sum(j.nbytes for j in offered) > \
+                self.queue.capacity:
+            self.stats.add(Counter.QUEUE_FULL_WAITS)
+        ok = self.queue.offer_many(offered, wait_s=1e9 if wait else 0.0,
                                     hand_over=self.native is not None)
         if False not in ok:
             return offered
         refused = [(i, job) for i, job, fits in zip(positions, offered, ok, strict=True)
                    if not fits]
-        self._catalog.end_pending(job.digest for _, job in refused)
+        self.catalog.end_pending(job.digest for _, job in refused)
         for i, _ in refused:
-            results[i] = SubmitResult.CLOSED if self._closed else SubmitResult.QUEUE_FULL
-        if not self._closed:
-            self._stats.add(Counter.QUEUE_FULL_DROPS, len(refused))
+            results[i] = SubmitResult.CLOSED if self.closed else SubmitResult.QUEUE_FULL
+        if not self.closed:
+            self.stats.add(Counter.QUEUE_FULL_DROPS, len(refused))
         return [job for job, fits in zip(offered, ok, strict=True) if fits]
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""
-        return self._queue.wait_empty(timeout_s)
+        return self.queue.wait_empty(timeout_s)
 
     # -- write-back ------------------------------------------------------------
 
     def _writer_loop(self) -> None:
         _lower_thread_cpu_priority()
         self.engine.prepare_thread()
-        while jobs := self._queue.take_share(len(self.threads), MAX_WRITE_BATCH):
+        while jobs := self.queue.take_share(len(self.threads), MAX_WRITE_BATCH):
             try:
                 self._gate.wait_for_readers()
                 self._persist(jobs)
             except Exception:  # a writer thread must survive anything one batch does
                 logger.exception("NVMe tier: unexpected error persisting %d chunk(s)",
                                  len(jobs))
-                self._stats.add(Counter.WRITE_FAILURES, len(jobs))
+                self.stats.add(Counter.WRITE_FAILURES, len(jobs))
             finally:
                 self._finish(jobs)
 
@@ -241,16 +261,18 @@ class ChunkWriter:
         appended to it (see ``_reserve``), and the jobs of one root are reserved together
         (one reservation, its victims removed by the first of them) when they all fit."""
         placed: list[tuple[ChunkWrite, RootState, int]] = []
-        by_root, dropped = self._roots.group(jobs, _digest_of)
+        by_root, dropped = self.roots.group(jobs, _digest_of)
         if dropped:
-            self._stats.add(Counter.WRITE_FAILURES, len(dropped))
+            self.stats.add(Counter.WRITE_FAILURES, len(dropped))
         for root, mine in by_root:
             victims: list[IndexEntry] = []
-            if deferred is not None and len(mine) > 1 and \
-                    self.room.reserve(root, sum(job.file_size for job in mine), victims):
-                placed += [(job, root, job.file_size) for job in mine]
-                deferred += [victims] + [[] for _ in mine[1:]]
-                continue
+            if deferred is not None and len(mine) > 1:
+                if self.room.reserve(root, sum(job.file_size for job in mine), victims):
+                    placed += [(job, root, job.file_size) for job in mine]
+                    deferred += [victims] + [[] for _ in mine[1:]]
+                    continue
+                # no room for the whole share: what was evicted for it goes now
+                self.room.evict_deferred(root, victims)
             for job in mine:
                 victims = []
                 if self.room.reserve(root, job.file_size, None if deferred is None else victims):
@@ -258,7 +280,7 @@ class ChunkWriter:
                     if deferred is not None:
                         deferred.append(victims)
                 else:
-                    self._stats.add(Counter.CAPACITY_DROPS)
+                    self.stats.add(Counter.CAPACITY_DROPS)
                     dropped.append(job)
         return placed, dropped
 
@@ -267,30 +289,30 @@ class ChunkWriter:
         """Index a published chunk in place of its reservation, or give the bytes back and
         count why it was not published."""
         if error is None:
-            self._catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
+            self.catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
                                              time.time_ns()), reserved=size)
             root.consecutive_errors = 0
             note_space(root)
-            self._stats.record_write(job.nbytes, seconds)
+            self.stats.record_write(job.nbytes, seconds)
             job.persisted = True
             if job.on_persisted is not None:
                 job.on_persisted()
             return
-        self._catalog.release(root.index, size)
+        self.catalog.release(root.index, size)
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             # A full filesystem is not a failing drive: drop this write, keep serving.
-            self._stats.add(Counter.CAPACITY_DROPS)
+            self.stats.add(Counter.CAPACITY_DROPS)
             self.room.guards[root.index].refresh()
             note_full(root, error)
         elif isinstance(error, NotAChunkFile):
             # A link or file planted where the tree needs a directory: never followed,
             # this write is dropped, the drive is fine.
-            self._stats.add(Counter.WRITE_FAILURES)
+            self.stats.add(Counter.WRITE_FAILURES)
             logger.warning("NVMe tier: not writing %s: %s",
                            root.layout.chunk_path(job.ns_id, job.digest), error)
         else:
-            self._stats.add(Counter.WRITE_FAILURES)
-            self._roots.record_error(root, error)
+            self.stats.add(Counter.WRITE_FAILURES)
+            self.roots.record_error(root, error)
 
     def _write_python(self, job: ChunkWrite, root: RootState) -> OSError | None:
         try:
@@ -313,9 +335,9 @@ class ChunkWriter:
         self._finish(dropped)
         if not placed:
             return
-        file_mode, dir_mode, fsync = self._native_modes
+        file_mode, dir_mode, fsync = self.native_modes
         record_gpu = self.record_gpu_checksums
-        temp_suffix = self._native_temp_suffix
+        temp_suffix = self.native_temp_suffix
         items: list[WriteItem] = []
         last_root = meta = namespace = None
         for (job, root, _), gone in zip(placed, victims, strict=True):
@@ -335,18 +357,18 @@ class ChunkWriter:
                 tuple([layout.chunk_rel(v.ns_id, v.digest) for v in gone]) if gone else ()))
         try:
             self.native.submit_write(items, functools.partial(
-                self._written, placed, victims, time.perf_counter()))
+                self.settle_batch, placed, victims, time.perf_counter()))
         except BaseException:
             for _, root, size in placed:
-                self._catalog.release(root.index, size)
+                self.catalog.release(root.index, size)
             self._finish([job for job, _, _ in placed])
             raise
 
     def _gpu_checksum(self, job: ChunkWrite) -> tuple[int, int]:
-        self._stats.add(Counter.GPU_CHECKSUMS_RECORDED)
+        self.stats.add(Counter.GPU_CHECKSUMS_RECORDED)
         return host_checksum(job.payload)
 
-    def _written(self, placed: list[tuple[ChunkWrite, RootState, int]],
+    def settle_batch(self, placed: list[tuple[ChunkWrite, RootState, int]],
                  victims: list[list[IndexEntry]], started: float, result: native.Batch
                  ) -> None:
         """A batch of native writes finished (on the engine's completion thread)."""
@@ -372,8 +394,8 @@ class ChunkWriter:
                     root.consecutive_errors = 0
                     note_space(root)
             if written:
-                self._catalog.publish_many(entries)
-                self._stats.record_write(nbytes, seconds, len(written))
+                self.catalog.publish_many(entries)
+                self.stats.record_write(nbytes, seconds, len(written))
                 for job, _, _ in written:
                     job.persisted = True
                     if job.on_persisted is not None:
@@ -382,7 +404,7 @@ class ChunkWriter:
             for i, error in errors.items():
                 job, root, size = placed[i]
                 if error.errno == errno.ECANCELED:  # closing: not a failure
-                    self._catalog.release(root.index, size)
+                    self.catalog.release(root.index, size)
                 else:
                     self._settle(job, root, size, error, seconds)
         finally:
@@ -417,24 +439,24 @@ class ChunkWriter:
             return
         if not all_published and (unpublished := [job.digest for job in jobs
                                                    if not job.persisted]):
-            self._catalog.end_pending(unpublished)  # publishing ended the others'
+            self.catalog.end_pending(unpublished)  # publishing ended the others'
         try:
             end_writes(jobs)
         finally:
-            self._queue.done_many(jobs)
+            self.queue.done_many(jobs)
 
     # -- shutdown --------------------------------------------------------------
 
     def close(self, timeout_s: float) -> None:
         """Finish queued writes (up to ``timeout_s``), drop the rest, stop the threads."""
-        self._closed = True
+        self.closed = True
         if not self.flush(timeout_s):
             logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
                            "rest.", timeout_s)
             if self.native is not None:  # writes not started end as cancelled
                 self.native.cancel_writes()
                 self.flush(CANCEL_WAIT_S)
-        self._finish(self._queue.close())
+        self._finish(self.queue.close())
         for t in self.threads:
             t.join()
 

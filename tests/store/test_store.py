@@ -17,7 +17,7 @@ from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import HEADER_SIZE, encode_header, file_size_for
 from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
-from lmcache_nvme_backend.store.chunk_store import ChunkStore, ChunkWrite, SubmitResult, WriteTask
+from lmcache_nvme_backend.store.chunk_store import ChunkStore, ChunkWrite, SubmitResult, TaskOutcome
 
 SMALL = 0.05  # GiB: the budget of this module's stores unless a test sets its own
 
@@ -359,10 +359,13 @@ def test_submit_many_dedupes_within_a_batch_and_drops_what_does_not_fit(
     assert read(store, "b", size) == payload_for("b", size)
 
 
-def task_writes(keys: list[str], size: int = CHUNK) -> list[ChunkWrite]:
-    """Writes of a task: no ``release`` of their own."""
-    return [ChunkWrite(key, NS, meta_for(size), memoryview(payload_for(key, size)))
-            for key in keys]
+def submit_task(store: ChunkStore, keys: list[str], size: int = CHUNK,
+                namespace: str = NS) -> list[TaskOutcome]:
+    """Submit ``keys`` as one task; the list ``on_done`` appends its outcome to."""
+    done: list[TaskOutcome] = []
+    store.submit_task(keys, [namespace] * len(keys), [meta_for(size)] * len(keys),
+                      [memoryview(payload_for(key, size)) for key in keys], done.append)
+    return done
 
 
 def test_a_task_completes_once_with_each_chunk_settled(open_store: StoreFactory) -> None:
@@ -370,55 +373,50 @@ def test_a_task_completes_once_with_each_chunk_settled(open_store: StoreFactory)
     put(store, "old")
     store.flush(10)
     blocked = BlockedWrites(store)
-    done: list[WriteTask] = []
     size = 1024 * 1024
-    store.submit_task(task_writes(["old", "a", "b", "c"], size), done.append)
+    done = submit_task(store, ["old", "a", "b", "c"], size)
     assert blocked.started.acquire(timeout=10)
     assert done == []  # "a" and "b" are being written
     blocked.release.set()
     store.flush(10)
-    assert len(done) == 1
-    task = done[0]
-    assert task.results == [SubmitResult.DUPLICATE, SubmitResult.QUEUED, SubmitResult.QUEUED,
-                            SubmitResult.QUEUE_FULL]
-    assert [w.persisted for w in task.writes] == [False, True, True, False]
+    # "old" was stored already, "c" did not fit the queue: the task failed, "a" and "b" stored
+    assert done == [TaskOutcome(False, 2 * size, [1, 2], [key_digest("a"), key_digest("b")],
+                                [file_size_for(size)] * 2)]
     assert read(store, "a", size) == payload_for("a", size)
     assert read(store, "c", size) is None
+    assert store.counter("duplicate_puts") == 1 and store.counter("queue_full_drops") == 1
 
 
 def test_a_task_on_a_closed_store_completes_at_once(open_store: StoreFactory) -> None:
     store = open_store(max_size_gb=SMALL)
     store.close()
-    done: list[WriteTask] = []
-    store.submit_task(task_writes(["a", "b"]), done.append)
-    assert len(done) == 1 and done[0].results == [SubmitResult.CLOSED] * 2
+    assert submit_task(store, ["a", "b"]) == [TaskOutcome(False, 0, [], [], [])]
 
 
 def test_a_task_of_mixed_layouts_stores_each_chunk_that_fits(open_store: StoreFactory) -> None:
     store = open_store(max_size_gb=SMALL)
-    writes = task_writes(["a", "k" * 5000, "c"])  # the second key does not fit the header
-    writes += task_writes(["half"], size=CHUNK // 2)  # another layout in the same task
-    writes.append(ChunkWrite("other", "another model", meta_for(CHUNK),
-                             memoryview(payload_for("other", CHUNK))))
-    done: list[WriteTask] = []
-    store.submit_task(writes, done.append)
+    keys = ["a", "k" * 5000, "c", "half", "other"]  # the second key does not fit the header
+    metas = [meta_for(CHUNK)] * 3 + [meta_for(CHUNK // 2), meta_for(CHUNK)]  # two layouts
+    namespaces = [NS] * 4 + ["another model"]
+    payloads = [memoryview(payload_for(key, meta.nbytes))
+                for key, meta in zip(keys, metas, strict=True)]
+    done: list[TaskOutcome] = []
+    store.submit_task(keys, namespaces, metas, payloads, done.append)
     assert store.flush()
-    assert done[0].results == [SubmitResult.QUEUED, SubmitResult.OVERSIZE,
-                               SubmitResult.QUEUED, SubmitResult.QUEUED, SubmitResult.QUEUED]
-    assert [w.persisted for w in writes] == [True, False, True, True, True]
+    assert len(done) == 1 and not done[0].ok and done[0].stored == [0, 2, 3, 4]
     assert read(store, "a") == payload_for("a", CHUNK)
     assert read(store, "half", CHUNK // 2) == payload_for("half", CHUNK // 2)
+    assert store.lookup("other", "another model")
     assert store.counter("oversize_drops") == 1
 
 
 def test_a_task_with_a_wrong_size_takes_nothing_and_still_completes(
         open_store: StoreFactory) -> None:
     store = open_store(max_size_gb=SMALL)
-    writes = task_writes(["a", "b"])
-    writes[1].meta = meta_for(CHUNK + 1)
-    done: list[WriteTask] = []
+    done: list[TaskOutcome] = []
     with pytest.raises(ValueError, match="metadata says"):
-        store.submit_task(writes, done.append)
-    assert len(done) == 1 and done[0].results is None
+        store.submit_task(["a", "b"], [NS] * 2, [meta_for(CHUNK), meta_for(CHUNK + 1)],
+                          [memoryview(payload_for(key)) for key in "ab"], done.append)
+    assert done == [TaskOutcome(False, 0, [], [], [])]
     assert not store.is_pending("a") and read(store, "a") is None
     assert store.counter("oversize_drops") == 0

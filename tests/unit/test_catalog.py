@@ -50,11 +50,12 @@ def test_an_entry_on_a_root_out_of_service_is_a_miss(catalog: Catalog) -> None:
 def test_register_marks_a_new_batch_pending_and_a_known_key_as_a_use(catalog: Catalog
                                                                       ) -> None:
     batch = [write("n1"), write("n2"), write("n3")]
-    assert catalog.register(batch, now_ns=5) == [True, True, True]
+    assert catalog.register([w.digest for w in batch], now_ns=5) == [True, True, True]
     assert all(catalog.is_pending(w.digest) for w in batch)
     stored = write("s")
     catalog.publish(entry(stored.digest), reserved=0)
-    assert catalog.register([write("n4"), write("n2"), stored], now_ns=7) == [True, False, False]
+    digests = [write("n4").digest, write("n2").digest, stored.digest]
+    assert catalog.register(digests, now_ns=7) == [True, False, False]
     known = catalog.entry(stored.digest)
     assert known is not None and known.last_access_ns == 7
     assert catalog.usage()["pending_writes"] == 4
@@ -64,7 +65,8 @@ def test_register_skips_keys_stored_or_queued(catalog: Catalog) -> None:
     fresh, again = write("k1"), write("k1")
     stored = ChunkWrite("x", "ns", META, memoryview(bytes(10)), release=lambda: None)
     catalog.publish(entry(stored.digest), reserved=0)
-    assert catalog.register([fresh, again, stored], now_ns=5) == [True, False, False]
+    digests = [fresh.digest, again.digest, stored.digest]
+    assert catalog.register(digests, now_ns=5) == [True, False, False]
     assert catalog.is_pending(fresh.digest)
     catalog.end_pending([fresh.digest])
     assert not catalog.is_pending(fresh.digest)

@@ -193,6 +193,18 @@ def test_budgets_are_per_root(full: ChunkIndex, entry: MakeEntry) -> None:
     assert full.plan_reservation(0, 1000) == []
 
 
+def test_publish_layout_indexes_each_chunk_in_place_of_its_reservation(
+        index: ChunkIndex, entry: MakeEntry) -> None:
+    index.add(entry("old", size=10))
+    index.reserve(0, 30)
+    index.publish_layout(["a", "old", "b"], [0, 0, 0], "ns2", 10, META, 42)
+    assert order(index, 0) == ["a", "old", "b"]  # "old" written again: replaced, most recent
+    assert index.used_bytes(0) == 30 and index.reserved_bytes(0) == 0 and len(index) == 3
+    again = index.get("old")
+    assert again is not None and (again.ns_id, again.size, again.meta, again.last_access_ns,
+                                  again.pins) == ("ns2", 10, META, 42, 0)
+
+
 def test_unequal_budgets() -> None:
     idx = ChunkIndex([100, 5000])
     idx.add(IndexEntry("a", "ns", 0, 80, None))
@@ -215,16 +227,18 @@ def test_the_cycle_collector_tracks_neither_the_entries_nor_the_tables(
     index.remove("0002")
     index.add(entry("0003", size=20, root=1))  # replaces: out of one root, into the other
     index.publish(entry("new", size=10), reserved=0)
+    index.reserve(1, 20)
+    index.publish_layout(["laid0", "laid1"], [1, 1], "ns", 10, META, 7)
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) is IndexEntry]
     probe = index.get("0004")
     assert probe is not None
     assert not [r for r in gc.get_referrers(probe) if isinstance(r, dict)]
     assert not [r for r in gc.get_referrers(probe.digest) if isinstance(r, dict)]
-    assert len(index) == 300
+    assert len(index) == 302
     assert order(index, 0)[-2:] == ["0000", "new"]
     assert index.get("0001").pins == 1  # type: ignore[union-attr]
-    assert index.get("0003").root == 1 and index.used_bytes(1) == 149 * 10 + 20  # type: ignore[union-attr]
+    assert index.get("0003").root == 1 and index.used_bytes(1) == 151 * 10 + 20  # type: ignore[union-attr]
 
 
 def test_an_entry_refers_to_nothing_that_could_lead_back_to_it(entry: MakeEntry) -> None:

@@ -1,0 +1,184 @@
+"""Whole store tasks through the native engine (``store/task_writes.py``) on a real
+filesystem: one admission and one completion, and each way out of the common case."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import prerequisites
+from support.chunks import CHUNK, NS, files_on_disk, meta_for, payload_for, put, read
+from support.stores import open_store
+
+from lmcache_nvme_backend.disk.format import file_size_for
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.io import native
+from lmcache_nvme_backend.store import ChunkStore, TaskOutcome
+from lmcache_nvme_backend.store.task_writes import NativeTaskWrites
+
+SIZE = file_size_for(CHUNK)
+StoreOpener = Callable[..., ChunkStore]
+
+
+@pytest.fixture
+def native_store(tmp_path: Path) -> Iterator[StoreOpener]:
+    """Stores on the native engine (the only one with this path), closed at teardown."""
+    if not native.available():
+        prerequisites.missing_prerequisite(native.unavailable_reason())
+    opened: list[ChunkStore] = []
+
+    def factory(*paths: Path, **params: Any) -> ChunkStore:
+        store = open_store(*(paths or (tmp_path / "cache",)), native_io="on", **params)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def took_the_task_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each ``NativeTaskWrites.submit`` returned (True: the task went this way)."""
+    returned: list[bool] = []
+    real = NativeTaskWrites.submit
+
+    def spy(self: NativeTaskWrites, *args: Any) -> bool:
+        returned.append(real(self, *args))
+        return returned[-1]
+
+    monkeypatch.setattr(NativeTaskWrites, "submit", spy)
+    return returned
+
+
+def submit(store: ChunkStore, keys: list[str]) -> list[TaskOutcome]:
+    done: list[TaskOutcome] = []
+    meta = meta_for(CHUNK)
+    store.submit_task(keys, [NS] * len(keys), [meta] * len(keys),
+                      [memoryview(payload_for(key)) for key in keys], done.append)
+    assert store.flush(10)
+    return done
+
+
+def assert_settled(store: ChunkStore) -> None:
+    """Nothing left pending, queued or reserved."""
+    usage = store.usage()
+    assert (usage["pending_writes"], usage["queue_bytes"], usage["reserved_bytes"]) == (0, 0, 0)
+
+
+def test_a_task_of_one_layout_is_admitted_and_published_in_one_step(
+        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    store = native_store(max_size_gb=0.05)
+    # the first chunk of a namespace comes back for Python to write its name file
+    assert submit(store, ["first"]) == [TaskOutcome(True, CHUNK, [0], [key_digest("first")],
+                                                    [SIZE])]
+    assert (tmp_path / "cache" / "ns" / namespace_id(NS) / "NAMESPACE").read_text().strip() == NS
+    keys = [f"k{i}" for i in range(8)]
+    done = submit(store, keys)
+    assert took_the_task_path == [True, True]
+    assert done == [TaskOutcome(True, 8 * CHUNK, None, [key_digest(k) for k in keys],
+                                [SIZE] * 8)]
+    assert all(read(store, key) == payload_for(key) for key in keys)
+    assert store.usage()["entries"] == 9 and store.usage()["used_bytes"] == 9 * SIZE
+    assert store.counter("writes_completed") == 9 and store.counter("write_bytes") == 9 * CHUNK
+    assert store.stats_snapshot()["writes_enqueued"] == 9
+    assert_settled(store)
+    entry = store.entry("k3")
+    assert entry is not None and entry.meta == meta_for(CHUNK) and entry.size == SIZE
+    assert entry.ns_id == namespace_id(NS)
+
+
+def test_chunks_stored_or_repeated_are_duplicates_and_the_task_still_succeeds(
+        native_store: StoreOpener, took_the_task_path: list[bool]) -> None:
+    store = native_store(max_size_gb=0.05)
+    put(store, "old")
+    assert store.flush(10)
+    done = submit(store, ["old", "a", "a", "b"])
+    assert took_the_task_path == [True]
+    assert done == [TaskOutcome(True, 2 * CHUNK, [1, 3], [key_digest("a"), key_digest("b")],
+                                [SIZE] * 2)]
+    assert store.counter("duplicate_puts") == 2
+    assert read(store, "a") == payload_for("a") and read(store, "b") == payload_for("b")
+    assert submit(store, ["a", "b"]) == [TaskOutcome(True, 0, [], [], [])]
+    assert_settled(store)
+
+
+def test_chunks_spread_over_several_paths_are_reported_root_by_root(
+        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    paths = [tmp_path / "d0", tmp_path / "d1"]
+    store = native_store(*paths, max_size_gb=0.1)
+    keys = [f"spread-{i}" for i in range(16)]
+    (outcome,) = submit(store, keys)
+    assert took_the_task_path == [True] and outcome.ok
+    assert outcome.stored is not None and sorted(outcome.stored) == list(range(16))
+    assert outcome.digests == [key_digest(keys[i]) for i in outcome.stored]
+    assert all(read(store, key) == payload_for(key) for key in keys)
+    assert all(files_on_disk(path) for path in paths)  # both drives took some
+    assert_settled(store)
+
+
+def test_a_full_budget_evicts_the_least_recently_used_and_their_files_go(
+        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    store = native_store(max_size_gb=4.5 * SIZE / (1 << 30))  # room for four chunks
+    assert submit(store, ["old0", "old1", "old2", "old3"])[0].ok
+    assert store.contains("old0")  # a use: old1 is now the least recently used
+    (outcome,) = submit(store, ["new0", "new1"])
+    assert took_the_task_path == [True, True] and outcome.ok
+    assert [store.contains(k) for k in ("old0", "old1", "old2", "old3")] == \
+        [True, False, False, True]
+    assert len(files_on_disk(tmp_path / "cache")) == 4
+    assert store.usage()["used_bytes"] == 4 * SIZE and store.counter("evictions") == 2
+    assert read(store, "new1") == payload_for("new1")
+    assert_settled(store)
+
+
+def test_no_room_even_after_eviction_goes_chunk_by_chunk(
+        native_store: StoreOpener, took_the_task_path: list[bool]) -> None:
+    store = native_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
+    assert submit(store, ["p0", "p1"])[0].ok
+    assert store.pin("p0")
+    (outcome,) = submit(store, ["n0", "n1"])  # one fits once p1 is evicted, not both
+    assert took_the_task_path == [True, False]
+    assert not outcome.ok and outcome.stored == [0]
+    assert store.counter("capacity_drops") == 1
+    assert store.contains("p0") and not store.contains("p1") and store.contains("n0")
+    assert_settled(store)
+
+
+def test_a_write_that_fails_in_the_batch_is_settled_and_the_others_published(
+        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    store = native_store(max_size_gb=0.05)
+    keys = ["good0", "bad", "good1"]
+    digest = key_digest("bad")
+    shard = tmp_path / "cache" / "ns" / namespace_id(NS) / digest[:2]
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    shard.write_bytes(b"a file where the tree needs a directory")
+    (outcome,) = submit(store, keys)
+    assert took_the_task_path == [True]
+    assert not outcome.ok and sorted(outcome.stored or []) == [0, 2]
+    assert outcome.digests == [key_digest(keys[i]) for i in outcome.stored or []]
+    assert outcome.nbytes == 2 * CHUNK
+    assert read(store, "good0") == payload_for("good0") and not store.contains("bad")
+    assert store.counter("write_failures") == 1
+    assert_settled(store)
+
+
+def test_a_dispatch_that_raises_completes_the_task_and_gives_everything_back(
+        native_store: StoreOpener, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = native_store(max_size_gb=0.05)
+    engine = store.native_engine
+    assert engine is not None
+
+    def broken(items: Any, on_done: Any) -> None:
+        raise OSError("engine closed")
+
+    monkeypatch.setattr(engine, "submit_write", broken)
+    done: list[TaskOutcome] = []
+    with pytest.raises(OSError, match="engine closed"):
+        store.submit_task(["a"], [NS], [meta_for(CHUNK)], [memoryview(payload_for("a"))],
+                          done.append)
+    assert done == [TaskOutcome(False, 0, [], [], [])]
+    assert_settled(store)
+    assert not store.contains("a")
