@@ -280,6 +280,7 @@ class ChunkWriter:
                     if deferred is not None:
                         deferred.append(victims)
                 else:
+                    self.room.evict_deferred(root, victims)
                     self.stats.add(Counter.CAPACITY_DROPS)
                     dropped.append(job)
         return placed, dropped

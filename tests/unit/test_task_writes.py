@@ -15,7 +15,7 @@ from support.stores import open_store
 from lmcache_nvme_backend.disk.format import file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.io import native
-from lmcache_nvme_backend.store import ChunkStore, TaskOutcome
+from lmcache_nvme_backend.store import ChunkStore, ChunkWrite, TaskOutcome
 from lmcache_nvme_backend.store.task_writes import NativeTaskWrites
 
 SIZE = file_size_for(CHUNK)
@@ -182,3 +182,22 @@ def test_a_dispatch_that_raises_completes_the_task_and_gives_everything_back(
     assert done == [TaskOutcome(False, 0, [], [], [])]
     assert_settled(store)
     assert not store.contains("a")
+
+
+@pytest.mark.parametrize("way", ["task", "chunk writes"])
+def test_chunks_evicted_for_a_share_that_then_does_not_fit_leave_no_file(
+        native_store: StoreOpener, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        way: str) -> None:
+    store = native_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
+    assert submit(store, ["old0", "old1"])[0].ok
+    guard = store._room.guards[0]
+    monkeypatch.setattr(guard, "room_for", lambda size: False)  # the filesystem is full
+    if way == "task":
+        assert not submit(store, ["n0", "n1"])[0].ok
+    else:
+        store.submit_many([ChunkWrite(key, NS, meta_for(CHUNK), memoryview(payload_for(key)),
+                                      release=lambda: None) for key in ("n0", "n1")])
+        assert store.flush(10)
+    assert store.counter("evictions") == 2 and store.usage()["entries"] == 0
+    assert files_on_disk(tmp_path / "cache") == []  # out of the index, and gone
+    assert_settled(store)
