@@ -3,14 +3,15 @@ filesystem: one admission and one completion, and each way out of the common cas
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import prerequisites
 from support.chunks import CHUNK, NS, files_on_disk, meta_for, payload_for, put, read
-from support.stores import open_store
+from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
@@ -23,20 +24,11 @@ StoreOpener = Callable[..., ChunkStore]
 
 
 @pytest.fixture
-def native_store(tmp_path: Path) -> Iterator[StoreOpener]:
-    """Stores on the native engine (the only one with this path), closed at teardown."""
+def native_store(open_store: StoreFactory) -> StoreOpener:
+    """Stores on the native engine (the only one with this path)."""
     if not native.available():
         prerequisites.missing_prerequisite(native.unavailable_reason())
-    opened: list[ChunkStore] = []
-
-    def factory(*paths: Path, **params: Any) -> ChunkStore:
-        store = open_store(*(paths or (tmp_path / "cache",)), native_io="on", **params)
-        opened.append(store)
-        return store
-
-    yield factory
-    for store in opened:
-        store.close()
+    return functools.partial(open_store, native_io="on")
 
 
 @pytest.fixture
