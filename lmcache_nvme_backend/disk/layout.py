@@ -25,9 +25,10 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -123,6 +124,17 @@ class RootLayout:
     def shard_rel(self, ns_id: str, digest: str) -> str:
         """The chunk's shard directory relative to the root (as ``safe_fs`` takes it)."""
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}"
+
+    def write_names(self, ns_id: str, digest: str, temp_suffix: str) -> tuple[str, str, str]:
+        """Where a writer puts a chunk: its shard directory relative to the root, the temp
+        name it writes (``temp_suffix``: the writer's ``temp_name``) and the final name it
+        renames that to, both in that directory."""
+        final = digest + CHUNK_SUFFIX
+        return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}", final + temp_suffix, final
+
+    def chunk_rels(self, entries: Iterable[Any]) -> tuple[str, ...]:
+        """``chunk_rel`` of each of ``entries`` (anything with ``ns_id`` and ``digest``)."""
+        return tuple([self.chunk_rel(entry.ns_id, entry.digest) for entry in entries])
 
     def temp_path(self, final: Path) -> Path:
         """A temporary name unique to this host, process and thread."""

@@ -196,12 +196,12 @@ class Catalog:
     def publish_layout(self, digests: Sequence[str], roots: Sequence[int], ns_id: str,
                        size: int, meta: TensorMeta, now_ns: int) -> None:
         """``publish_many`` for chunks of one namespace and layout, each ``size`` bytes on
-        disk and reserved as such, every one pending (a store task's, outside shared mode):
+        disk and reserved as such (a store task's, outside shared mode):
         one entry built per chunk, and nothing else, under one lock hold."""
         with self._lock:
-            pending = self._pending
+            pop = self._pending.pop
             for digest in digests:
-                del pending[digest]
+                pop(digest, None)
             self._index.publish_layout(digests, roots, ns_id, size, meta, now_ns)
 
     def add_if_absent(self, entry: IndexEntry) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, text_bytes
-from ..disk.layout import CHUNK_SUFFIX, digest_of_key_bytes, namespace_id
+from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..disk.safe_fs import root_descriptor
 from ..io import native
 from .index import IndexEntry
@@ -185,14 +185,12 @@ class NativeTaskWrites:
         items: list[native.WriteItem] = []
         for root, mine, victims in groups:
             tree = root.layout
-            fd, direct, shard_rel = root_descriptor(tree.root_str), root.direct, tree.shard_rel
-            gone = tuple([tree.chunk_rel(v.ns_id, v.digest) for v in victims])
+            fd, direct, names = root_descriptor(tree.root_str), root.direct, tree.write_names
+            gone = tree.chunk_rels(victims)  # the share's first write removes them
             for i in mine:
-                digest = digests[i]
-                final = digest + CHUNK_SUFFIX
-                items.append((fd, shard_rel(ns_id, digest), final + temp_suffix, final,
-                              payloads[i], key_bytes[i], namespace_raw, meta_json, None, direct,
-                              file_mode, dir_mode, fsync, gone))
+                shard, temp, final = names(ns_id, digests[i], temp_suffix)
+                items.append((fd, shard, temp, final, payloads[i], key_bytes[i], namespace_raw,
+                              meta_json, None, direct, file_mode, dir_mode, fsync, gone))
                 gone = ()
         return items
 
@@ -206,9 +204,12 @@ class NativeTaskWrites:
         if order is not None:
             digests = [digests[i] for i in order]
         count = len(digests)
+        outcome = TaskOutcome(False, 0, [], [], [])
         try:
             writer.catalog.publish_layout(digests, roots, layout.ns_id, layout.file_size,
                                           layout.meta, time.time_ns())
+            outcome = TaskOutcome(True, count * layout.nbytes, order, digests,
+                                  [layout.file_size] * count)
             for root, _, victims in groups:
                 if victims:
                     writer.room.guards[root.index].freed(sum(v.size for v in victims))
@@ -216,10 +217,9 @@ class NativeTaskWrites:
                 note_space(root)
             writer.stats.record_write(count * layout.nbytes,
                                       (time.perf_counter() - started) / count, count)
-        finally:
+        finally:  # whatever happened, the task ends (LMCache holds its objects until then)
             writer.queue.release(count * layout.nbytes, count)
-        _call(on_done, TaskOutcome(True, count * layout.nbytes, order, digests,
-                                   [layout.file_size] * count))
+            _call(on_done, outcome)
 
     def _settle_one_by_one(self, task: _Task, result: native.Batch) -> None:
         """A chunk of the batch was not published: the general path's completion settles

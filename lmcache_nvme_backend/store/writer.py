@@ -26,7 +26,7 @@ from pathlib import Path
 from ..config import NVMeSettings
 from ..disk.format import TensorMeta, max_key_bytes, namespace_bytes
 from ..disk.gpusum import host_checksum
-from ..disk.layout import CHUNK_SUFFIX, temp_name
+from ..disk.layout import temp_name
 from ..disk.safe_fs import root_descriptor
 from ..io import native
 from ..io.native import NativeEngine, WriteItem
@@ -348,14 +348,10 @@ class ChunkWriter:
             if job.meta is not meta or job.namespace != namespace:
                 meta, namespace = job.meta, job.namespace
                 meta_json, namespace_raw = meta.to_json(), namespace_bytes(namespace)
-            digest = job.digest
-            final = digest + CHUNK_SUFFIX
-            items.append((
-                fd, layout.shard_rel(job.ns_id, digest), final + temp_suffix, final,
-                job.payload, job.key_bytes, namespace_raw, meta_json,
-                self._gpu_checksum(job) if record_gpu else None, direct, file_mode,
-                dir_mode, fsync,
-                tuple([layout.chunk_rel(v.ns_id, v.digest) for v in gone]) if gone else ()))
+            shard, temp, final = layout.write_names(job.ns_id, job.digest, temp_suffix)
+            items.append((fd, shard, temp, final, job.payload, job.key_bytes, namespace_raw,
+                          meta_json, self._gpu_checksum(job) if record_gpu else None, direct,
+                          file_mode, dir_mode, fsync, layout.chunk_rels(gone) if gone else ()))
         try:
             self.native.submit_write(items, functools.partial(
                 self.settle_batch, placed, victims, time.perf_counter()))

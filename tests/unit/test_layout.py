@@ -19,6 +19,7 @@ from lmcache_nvme_backend.disk.layout import (
     namespace_id,
     this_host,
 )
+from lmcache_nvme_backend.store.index import IndexEntry
 
 HOSTILE = [
     "../../../../etc/passwd",
@@ -119,6 +120,17 @@ def test_temp_path_sits_beside_final_and_names_its_writer(layout: RootLayout) ->
     assert f"-{os.getpid()}-" in tmp.name
     assert this_host() in tmp.name
     assert "-" not in this_host() and "." not in this_host()
+
+
+def test_write_names_put_the_final_name_where_chunk_rel_says(layout: RootLayout) -> None:
+    ns_id, digest = namespace_id("m"), key_digest("k")
+    shard, temp, final = layout.write_names(ns_id, digest, ".tmp-host-1-0")
+    assert f"{shard}/{final}" == layout.chunk_rel(ns_id, digest)
+    assert shard == layout.shard_rel(ns_id, digest) and temp == final + ".tmp-host-1-0"
+    entries = [IndexEntry(digest, ns_id, 0, 1, None),
+               IndexEntry(key_digest("j"), namespace_id("n"), 0, 1, None)]
+    assert layout.chunk_rels(entries) == (layout.chunk_rel(ns_id, digest),
+                                          layout.chunk_rel(namespace_id("n"), key_digest("j")))
 
 
 # -- walking ----------------------------------------------------------------------------------

@@ -193,3 +193,18 @@ def test_chunks_evicted_for_a_share_that_then_does_not_fit_leave_no_file(
     assert store.counter("evictions") == 2 and store.usage()["entries"] == 0
     assert files_on_disk(tmp_path / "cache") == []  # out of the index, and gone
     assert_settled(store)
+
+
+def test_a_completion_that_fails_still_ends_the_task(
+        native_store: StoreOpener, took_the_task_path: list[bool],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = native_store(max_size_gb=0.05)
+    assert submit(store, ["first"])[0].ok  # the namespace exists: the next task is common
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("index broken")
+
+    monkeypatch.setattr(store._catalog, "publish_layout", broken)
+    assert submit(store, ["a", "b"]) == [TaskOutcome(False, 0, [], [], [])]
+    assert took_the_task_path == [True, True]
+    assert store.usage()["queue_bytes"] == 0  # LMCache's objects are not held forever
