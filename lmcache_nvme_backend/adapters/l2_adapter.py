@@ -183,7 +183,7 @@ class NVMeL2Adapter(L2AdapterInterface):
             payloads = list(map(payload_view, objects, [meta.nbytes for meta in metas]))
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
-            self._stored(task_id, keys, TaskOutcome(False, 0, [], [], []))
+            self._stored(task_id, keys, TaskOutcome.failed())
             return task_id
         try:
             self.store.submit_task(names, namespaces, metas, payloads,

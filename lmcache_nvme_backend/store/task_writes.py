@@ -83,7 +83,7 @@ class NativeTaskWrites:
         of duplicates only), after every chunk ended."""
         writer = self._writer
         n = len(keys)
-        if not n or writer.closed or writer.record_gpu_checksums or writer.room.shared:
+        if not n or writer.closed or writer.record_gpu_checksums or writer.room.shared is not None:
             return False
         meta, namespace = metas[0], namespaces[0]
         if metas.count(meta) != n or namespaces.count(namespace) != n:
@@ -97,19 +97,18 @@ class NativeTaskWrites:
         key_bytes = list(map(text_bytes, keys))
         if max(map(len, key_bytes)) > layout.key_room:
             return False
-        if not writer.queue.hold(n * nbytes, n):
-            return False  # full: the general path waits or drops, as configured
         digests = list(map(digest_of_key_bytes, key_bytes))
         catalog = writer.catalog
         fresh = catalog.register(digests, time.time_ns())
-        positions: Sequence[int] = range(n)
-        if False in fresh:
-            positions = [i for i, new in enumerate(fresh) if new]
-            duplicates = n - len(positions)
-            writer.stats.add(Counter.DUPLICATE_PUTS, duplicates)
-            writer.queue.release(duplicates * nbytes, duplicates)
+        positions: Sequence[int] = range(n) if False not in fresh else \
+            [i for i, new in enumerate(fresh) if new]
+        if positions and not writer.queue.hold(len(positions) * nbytes, len(positions)):
+            catalog.end_pending(digests[i] for i in positions)
+            return False  # full: the general path waits or drops, as configured
+        if len(positions) < n:
+            writer.stats.add(Counter.DUPLICATE_PUTS, n - len(positions))
             if not positions:
-                _call(on_done, TaskOutcome(True, 0, [], [], []))
+                _call(on_done, TaskOutcome.stored_before())
                 return True
         groups = self._reserve(positions, digests, layout.file_size)
         if groups is None:  # a root out of service or out of room: chunk by chunk instead
@@ -128,7 +127,7 @@ class NativeTaskWrites:
             self._engine.submit_write(items, functools.partial(self._written, task))
         except BaseException:
             self._undo(groups, digests, layout.file_size, nbytes)
-            _call(on_done, TaskOutcome(False, 0, [], [], []))
+            _call(on_done, TaskOutcome.failed())
             raise
         return True
 
@@ -204,7 +203,7 @@ class NativeTaskWrites:
         if order is not None:
             digests = [digests[i] for i in order]
         count = len(digests)
-        outcome = TaskOutcome(False, 0, [], [], [])
+        outcome = TaskOutcome.failed()
         try:
             writer.catalog.publish_layout(digests, roots, layout.ns_id, layout.file_size,
                                           layout.meta, time.time_ns())

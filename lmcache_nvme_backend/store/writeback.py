@@ -41,6 +41,16 @@ class TaskOutcome(NamedTuple):
     digests: list[str]  # their digests, in that order
     file_sizes: list[int]  # and their bytes on disk
 
+    @classmethod
+    def failed(cls) -> TaskOutcome:
+        """Nothing persisted, and the task failed."""
+        return cls(False, 0, [], [], [])
+
+    @classmethod
+    def stored_before(cls) -> TaskOutcome:
+        """Nothing to persist: every chunk was stored (or being stored) already."""
+        return cls(True, 0, [], [], [])
+
 
 class ChunkWrite:
     """One chunk to persist.

@@ -92,6 +92,7 @@ def test_chunks_stored_or_repeated_are_duplicates_and_the_task_still_succeeds(
     assert done == [TaskOutcome(True, 2 * CHUNK, [1, 3], [key_digest("a"), key_digest("b")],
                                 [SIZE] * 2)]
     assert store.counter("duplicate_puts") == 2
+    assert store.stats_snapshot()["writes_enqueued"] == 3  # "old", "a", "b": no duplicate
     assert read(store, "a") == payload_for("a") and read(store, "b") == payload_for("b")
     assert submit(store, ["a", "b"]) == [TaskOutcome(True, 0, [], [], [])]
     assert_settled(store)
