@@ -43,11 +43,11 @@ from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_not
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..io.native import gc_untrack
-from ..store import ChunkRead, IndexEntry, TaskOutcome
+from ..store import IndexEntry, TaskOutcome
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
-from .memory_objects import host_view, payload_view, tensor_meta_of
-from .object_keys import object_key_parts, object_key_string
+from .memory_objects import host_views, payload_view, tensor_meta_of
+from .object_keys import object_key_columns, object_key_strings
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -178,7 +178,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         try:
             if len(keys) != len(objects):
                 raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-            names, namespaces = zip(*map(object_key_parts, keys), strict=True) if keys else ((), ())
+            names, namespaces = object_key_columns(keys)
             metas = list(map(tensor_meta_of, objects))
             payloads = list(map(payload_view, objects, [meta.nbytes for meta in metas]))
         except Exception:
@@ -221,7 +221,8 @@ class NVMeL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            hits = self.store.lookup_many([object_key_parts(key) for key in keys], pin=True)
+            hits = self.store.lookup_many(list(zip(*object_key_columns(keys), strict=True)),
+                                          pin=True)
             for i, hit in enumerate(hits):
                 if hit:
                     bitmap.set(i)
@@ -234,8 +235,8 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Release the pins of a lookup (in memory only: it cannot fail)."""
-        for key in keys:
-            self.store.unpin(object_key_string(key))
+        for key in object_key_strings(keys):
+            self.store.unpin(key)
 
     # -- load ----------------------------------------------------------------------
 
@@ -248,9 +249,11 @@ class NVMeL2Adapter(L2AdapterInterface):
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
-            reads = [ChunkRead(object_key_string(key), host_view(obj, size := obj.get_size()), size)
-                     for key, obj in zip(keys, objects, strict=True)]
-            self.store.read_async(reads, functools.partial(self._loaded, task_id, keys))
+            if len(keys) != len(objects):
+                raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+            sizes = [obj.get_size() for obj in objects]
+            self.store.read_async(object_key_strings(keys), host_views(objects, sizes), sizes,
+                                  functools.partial(self._loaded, task_id, keys))
         except Exception:
             logger.exception("NVMe L2 adapter: load task %d failed", task_id)
             self._loaded(task_id, keys, [False] * len(keys))
@@ -291,7 +294,7 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """Remove the chunks (LMCache's own L2 eviction, when configured, calls this)."""
-        self.store.remove_many([object_key_string(key) for key in keys])
+        self.store.remove_many(object_key_strings(keys))
 
     def _on_removed(self, entries: list[IndexEntry]) -> None:
         """The store dropped chunks (eviction, delete, a vanished or invalid file)."""

@@ -206,9 +206,13 @@ def host_view(obj: MemoryObj, size: int | None = None) -> memoryview:
     Exposing the physical size lets an aligned allocation take an O_DIRECT read
     of the padded payload in place, with no staging copy.
     """
-    if size is None:
-        size = obj.get_size()
-    return memory_at(obj.data_ptr, max(obj.get_physical_size(), size))
+    return host_views([obj], [obj.get_size() if size is None else size])[0]
+
+
+def host_views(objs: Sequence[MemoryObj], sizes: Sequence[int]) -> list[memoryview]:
+    """``host_view(objs[i], sizes[i])`` of each (a load task's buffers, in one comprehension)."""
+    return [_memory_view(obj.data_ptr, max(obj.get_physical_size(), size))
+            for obj, size in zip(objs, sizes, strict=True)]
 
 
 def payload_view(obj: MemoryObj, nbytes: int) -> memoryview:

@@ -7,6 +7,8 @@ LMCache's ``fs`` L2 adapter uses for file names; the namespace is the model (and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lmcache.v1.distributed.api import ObjectKey
 
 _SEP = "@"
@@ -18,20 +20,34 @@ def object_key_string(key: ObjectKey) -> str:
     ``@`` cannot occur in a model name or a salt (``ObjectKey`` rejects it), so
     the string is reversible (:func:`parse_object_key_string`).
     """
-    return object_key_parts(key)[0]
+    return object_key_strings([key])[0]
 
 
 def object_key_parts(key: ObjectKey) -> tuple[str, str]:
-    """:func:`object_key_string` and :func:`object_key_namespace` of ``key``, together (the
-    store path asks for both for every chunk).  Formatted afresh each time: a cache of the
+    """:func:`object_key_string` and :func:`object_key_namespace` of ``key``, together."""
+    names, namespaces = object_key_columns([key])
+    return names[0], namespaces[0]
+
+
+def object_key_strings(keys: Sequence[ObjectKey]) -> list[str]:
+    """:func:`object_key_string` of each key: one list comprehension, no call per key (every
+    chunk stored, loaded and deleted has one).  Formatted afresh each time: a cache of the
     parts around the chunk hash saved ~0.2 µs a key with a few ranks, and cost ~0.7 µs a key
     where every key has a rank of its own (LMCache's ``bench l2``)."""
-    salt = key.cache_salt
-    text = (f"{key.model_name}{_SEP}{key.kv_rank:#010x}{_SEP}{key.object_group_id:x}{_SEP}"
-            f"{key.chunk_hash.hex()}")
-    if salt:
-        return f"{text}{_SEP}{salt}", f"{key.model_name}{_SEP}{salt}"
-    return text, key.model_name
+    names = [f"{key.model_name}{_SEP}{key.kv_rank:#010x}{_SEP}{key.object_group_id:x}{_SEP}"
+             f"{key.chunk_hash.hex()}" for key in keys]
+    salts = [key.cache_salt for key in keys]
+    if any(salts):
+        return [f"{name}{_SEP}{salt}" if salt else name
+                for name, salt in zip(names, salts, strict=True)]
+    return names
+
+
+def object_key_columns(keys: Sequence[ObjectKey]) -> tuple[list[str], list[str]]:
+    """The key strings and the namespaces of ``keys``, as two lists."""
+    namespaces = [f"{key.model_name}{_SEP}{key.cache_salt}" if key.cache_salt
+                  else key.model_name for key in keys]
+    return object_key_strings(keys), namespaces
 
 
 def parse_object_key_string(text: str) -> ObjectKey | None:

@@ -25,14 +25,14 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from .format import text_bytes
+from .format import text_bytes, texts_bytes
 from .safe_fs import kind_of, scandir_beneath
 
 MARKER_NAME = "LMCNVME"
@@ -57,6 +57,11 @@ def key_digest(key: str) -> str:
 #: ``digest_of_key_bytes(key)``: ``key_digest`` of a key already encoded
 #: (``format.text_bytes``); the hash function itself (every chunk stored asks).
 digest_of_key_bytes: Callable[[bytes], str] = xxhash.xxh3_128_hexdigest
+
+
+def key_digests(keys: Sequence[str]) -> list[str]:
+    """``key_digest`` of each key, without a Python call per key."""
+    return list(map(digest_of_key_bytes, texts_bytes(keys)))
 
 
 @functools.lru_cache(maxsize=4096)

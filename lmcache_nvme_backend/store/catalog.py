@@ -246,8 +246,7 @@ class Catalog:
     def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
         """Take the entries out of the index under one lock hold; the ones that were there."""
         with self._lock:
-            removed = [self._index.remove(digest) for digest in digests]
-        return [entry for entry in removed if entry is not None]
+            return self._index.remove_many(digests)
 
     # -- shared mode -------------------------------------------------------------
 

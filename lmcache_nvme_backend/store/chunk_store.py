@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..config import NativeIOMode, NVMeConfigError, NVMeSettings
 from ..disk.format import ChunkHeader, TensorMeta
-from ..disk.layout import RootLayout, key_digest, namespace_id
+from ..disk.layout import RootLayout, key_digest, key_digests, namespace_id
 from ..disk.validate import Expected, Verdict, judge_chunk
 from ..io import native
 from ..io.native import NativeEngine
@@ -146,7 +146,7 @@ class ChunkStore:
 
     def lookup_many(self, keys: Sequence[tuple[str, str]], pin: bool = False) -> list[bool]:
         """``lookup`` of each ``(key, namespace)`` under one lock hold (memory only)."""
-        hits = self._catalog.lookup_many((key_digest(key) for key, _ in keys),
+        hits = self._catalog.lookup_many(key_digests([key for key, _ in keys]),
                                          self._roots.healthy, time.time_ns(), pin,
                                          [namespace_id(ns) for _, ns in keys])
         found = sum(hits)
@@ -186,9 +186,9 @@ class ChunkStore:
         """Delete a chunk (pinned or not)."""
         return self.remove_many([key]) == 1
 
-    def remove_many(self, keys: Iterable[str]) -> int:
+    def remove_many(self, keys: Sequence[str]) -> int:
         """Delete chunks (pinned or not), their files in one batch; how many were stored."""
-        entries = self._catalog.remove_many([key_digest(key) for key in keys])
+        entries = self._catalog.remove_many(key_digests(keys))
         if entries:
             self._room.unlink(entries)
             self._catalog.notify_removed(entries)
@@ -276,17 +276,18 @@ class ChunkStore:
         self._stats.add(Counter.READ_FAILURES, n)
         return [False] * n
 
-    def read_async(self, reads: Sequence[ChunkRead],
-                   on_done: Callable[[list[bool]], None]) -> None:
-        """``read_into`` without waiting: ``on_done(served)`` runs when every chunk is judged.
+    def read_async(self, keys: Sequence[str], dests: Sequence[memoryview],
+                   lengths: Sequence[int | None], on_done: Callable[[list[bool]], None]) -> None:
+        """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each, without
+        waiting: ``on_done(served)`` runs when every chunk is judged.
 
         Each chunk is verified by the I/O thread that completes it, and the last
         one calls ``on_done`` (keep it short: it runs on that thread).
         """
         if self._closed:
-            on_done([False] * len(reads))
+            on_done([False] * len(keys))
             return
-        self._reader.read(reads, on_done, wait=False)
+        self._reader.read(keys, dests, lengths, on_done, wait=False)
 
     def plan_reads(self, keys: Sequence[str]) -> list[ReadPlan | None]:
         """Where each chunk lives, for a reader outside the store (the GPU path)."""

@@ -115,6 +115,18 @@ class ChunkIndex:
             self._used[entry.root] -= entry.size
         return entry
 
+    def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
+        """``remove`` of each digest (without a call per digest); the entries that were there."""
+        entries, lru, used = self._entries, self._lru, self._used
+        removed = []
+        for digest in digests:
+            entry = entries.pop(digest, None)
+            if entry is not None:
+                del lru[entry.root][digest]
+                used[entry.root] -= entry.size
+                removed.append(entry)
+        return removed
+
     def touch(self, digest: str, now_ns: int) -> None:
         entry = self._entries.get(digest)
         if entry is not None:

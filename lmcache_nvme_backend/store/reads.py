@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from ..disk.format import ChunkHeader, TensorMeta, text_bytes
+from ..disk.format import ChunkHeader, TensorMeta, texts_bytes
 from ..disk.layout import digest_of_key_bytes, key_digest
 from ..disk.safe_fs import root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
@@ -160,7 +160,7 @@ class ChunkReader:
                 ) -> tuple[list[bytes], list[str], list[IndexEntry | None]]:
         """Each key's UTF-8, digest and index entry (None: not indexed, or a recovered chunk
         whose header could not be read: its metadata is learned from the header first)."""
-        encoded = list(map(text_bytes, keys))
+        encoded = texts_bytes(keys)
         digests = list(map(digest_of_key_bytes, encoded))
         entries = self._catalog.entries(digests)
         for i, entry in enumerate(entries):
@@ -182,45 +182,31 @@ class ChunkReader:
         and must not be used.
         """
         served: list[bool] = []
-        self.read(reads, served.extend, wait=True)
+        self.read([r.key for r in reads], [r.dest for r in reads], [r.length for r in reads],
+                  served.extend, wait=True)
         return served
 
-    def read(self, reads: Sequence[ChunkRead], on_done: Callable[[list[bool]], None],
+    def read(self, keys: Sequence[str], dests: Sequence[memoryview],
+             lengths: Sequence[int | None], on_done: Callable[[list[bool]], None],
              wait: bool) -> None:
-        """``read_into``, answered through ``on_done(served)``: without ``wait`` it runs when
-        the last chunk is judged, on an I/O thread (or here, when nothing can be read), and
-        must be quick."""
-        keys = [read.key for read in reads]
+        """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each (as columns: a
+        load task builds no object per chunk), answered through ``on_done(served)``: without
+        ``wait`` it runs when the last chunk is judged, on an I/O thread (or here, when
+        nothing can be read), and must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
-        native_io = self.native is not None
         todo: list[_Todo] = []
-        items: list[ReadItem] = []  # the native engine's, built in the same pass
-        issued_roots: set[int] = set()
-        nbytes = 0
-        last_root = last_meta = None
         for i, entry in enumerate(entries):
             if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
                 continue
-            _, dest, length = reads[i]
-            payload_len = meta.nbytes
-            if len(dest) < payload_len or length not in (None, payload_len):
-                continue  # a buffer for another layout
-            todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
-            if native_io:
-                if root is not last_root:  # a call's chunks share roots and layouts: once each
-                    last_root, layout = root, root.layout
-                    issued_roots.add(root.index)
-                    fd = root_descriptor(layout.root_str)
-                if meta is not last_meta:
-                    last_meta, meta_json = meta, meta.to_json()
-                items.append((fd, layout.chunk_rel(entry.ns_id, digests[i]), dest, payload_len,
-                              root.direct, encoded[i], meta_json))
-                nbytes += payload_len
-        if items:
-            self._read_native(len(reads), todo, items, (nbytes, issued_roots), on_done, wait)
+            dest, length, payload_len = dests[i], lengths[i], meta.nbytes
+            if len(dest) >= payload_len and (length is None or length == payload_len):
+                todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
+            # (else a buffer for another layout: a miss)
+        if self.native is not None and todo:
+            self._read_native(len(keys), todo, on_done, wait)
             return
-        batch = _Batch(len(reads), on_done, self._stats,
+        batch = _Batch(len(keys), on_done, self._stats,
                        self._gate if self.native is None else None)
         batch.start(len(todo))
         if not todo:
@@ -243,15 +229,27 @@ class ChunkReader:
 
     # -- the native engine ---------------------------------------------------------------
 
-    def _read_native(self, size: int, todo: list[_Todo], items: list[ReadItem],
-                     issued: tuple[int, set[int]], on_done: Callable[[list[bool]], None],
+    def _read_native(self, size: int, todo: list[_Todo], on_done: Callable[[list[bool]], None],
                      wait: bool) -> None:
-        """The batch through the native engine (``items``: ``todo``'s, ``issued``: their
-        payload bytes and roots): one GIL round trip for all of it, and one completion call
-        that judges, accounts and answers the whole call (a chunk's ``ReadPlan`` is only
-        built if the engine did not serve it)."""
+        """The batch through the native engine: one GIL round trip for all of it, and one
+        completion call that judges, accounts and answers the whole call (a chunk's
+        ``ReadPlan`` is only built if the engine did not serve it)."""
         assert self.native is not None
-        done = functools.partial(self._native_done, size, todo, issued, on_done,
+        items: list[ReadItem] = []
+        issued_roots: set[int] = set()
+        nbytes = 0
+        last_root = last_meta = None
+        for _, _, key_bytes, digest, ns_id, meta, root, dest in todo:
+            if root is not last_root:  # a call's chunks share roots and layouts: once each
+                last_root, layout = root, root.layout
+                issued_roots.add(root.index)
+                fd, direct = root_descriptor(layout.root_str), root.direct
+            if meta is not last_meta:
+                last_meta, meta_json, payload_len = meta, meta.to_json(), meta.nbytes
+            items.append((fd, layout.chunk_rel(ns_id, digest), dest, payload_len, direct,
+                          key_bytes, meta_json))
+            nbytes += payload_len
+        done = functools.partial(self._native_done, size, todo, (nbytes, issued_roots), on_done,
                                  time.perf_counter())
         if wait:
             done(self.native.read(items))

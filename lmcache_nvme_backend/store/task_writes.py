@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, text_bytes
+from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..disk.safe_fs import root_descriptor
 from ..io import native
@@ -94,7 +94,7 @@ class NativeTaskWrites:
         nbytes = layout.nbytes
         if not layout.fits or list(map(len, payloads)).count(nbytes) != n:
             return False
-        key_bytes = list(map(text_bytes, keys))
+        key_bytes = texts_bytes(keys)
         if max(map(len, key_bytes)) > layout.key_room:
             return False
         digests = list(map(digest_of_key_bytes, key_bytes))

@@ -32,6 +32,8 @@ from lmcache_nvme_backend.disk.format import (
     padded_length,
     payload_checksum,
     stated_version,
+    text_bytes,
+    texts_bytes,
 )
 
 # docs/format.md: magic, version, header_size, flags, payload_len, payload_checksum,
@@ -356,3 +358,11 @@ def test_decode_rejects_bad_tensor_metadata(meta_json: bytes) -> None:
     body[pos : pos + len(key_b) + len(ns_b) + len(meta_json)] = key_b + ns_b + meta_json
     with pytest.raises(FormatError):
         decode_header(reseal(bytes(body), meta_len=len(meta_json)))
+
+
+def test_texts_bytes_is_utf8_and_lets_a_lone_surrogate_pass() -> None:
+    plain = ["model@0x00000001@0@ab", "日本語", ""]
+    assert texts_bytes(plain) == [t.encode("utf-8") for t in plain]
+    raw = "raw-\udcff-decoded"  # os.fsdecode of bytes that are not UTF-8
+    assert texts_bytes([*plain, raw]) == [*texts_bytes(plain), b"raw-\xed\xb3\xbf-decoded"]
+    assert text_bytes(raw) == texts_bytes([raw])[0] and text_bytes("日本語") == "日本語".encode()

@@ -205,6 +205,14 @@ def test_publish_layout_indexes_each_chunk_in_place_of_its_reservation(
                                   again.pins) == ("ns2", 10, META, 42, 0)
 
 
+def test_remove_many_takes_out_entries_of_any_root(full: ChunkIndex, entry: MakeEntry) -> None:
+    full.add(entry("d", size=500, root=1))
+    assert digests(full.remove_many(["b", "zz", "d", "b"])) == ["b", "d"]
+    assert order(full, 0) == ["a", "c"] and order(full, 1) == []
+    assert (full.used_bytes(0), full.used_bytes(1), len(full)) == (6000, 0, 2)
+    assert full.remove_many([]) == []
+
+
 def test_unequal_budgets() -> None:
     idx = ChunkIndex([100, 5000])
     idx.add(IndexEntry("a", "ns", 0, 80, None))
