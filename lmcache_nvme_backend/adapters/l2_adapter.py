@@ -46,7 +46,7 @@ from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
-from .memory_objects import host_views, payload_view, tensor_meta_of
+from .memory_objects import host_views, payload_views, tensor_meta_of
 from .object_keys import object_key_columns, object_key_strings
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class NVMeL2Adapter(L2AdapterInterface):
                 raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
             names, namespaces = object_key_columns(keys)
             metas = list(map(tensor_meta_of, objects))
-            payloads = list(map(payload_view, objects, [meta.nbytes for meta in metas]))
+            payloads = payload_views(objects, [meta.nbytes for meta in metas])
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
             self._stored(task_id, keys, TaskOutcome.failed())

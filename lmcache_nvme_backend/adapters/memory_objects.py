@@ -215,9 +215,10 @@ def host_views(objs: Sequence[MemoryObj], sizes: Sequence[int]) -> list[memoryvi
             for obj, size in zip(objs, sizes, strict=True)]
 
 
-def payload_view(obj: MemoryObj, nbytes: int) -> memoryview:
-    """Read-write view of the object's first ``nbytes`` (what a chunk file stores)."""
-    return _memory_view(obj.data_ptr, nbytes)
+def payload_views(objs: Sequence[MemoryObj], nbytes: Sequence[int]) -> list[memoryview]:
+    """Read-write views of each object's first ``nbytes[i]`` (what a chunk file stores): a
+    store task's, in one comprehension."""
+    return [_memory_view(obj.data_ptr, n) for obj, n in zip(objs, nbytes, strict=True)]
 
 
 def memory_at(address: int, nbytes: int) -> memoryview:

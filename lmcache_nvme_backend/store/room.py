@@ -107,14 +107,18 @@ class Room:
                 unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
                                                                          entry.digest))
             return
-        fds = {index: root_descriptor(self._roots[index].layout.root_str)
-               for index in {entry.root for entry in entries}}
-        layouts = [root.layout for root in self._roots]
-        errors = self._native.unlink([(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
-                                      for e in entries])
+        chunk_rel = self._roots[0].layout.chunk_rel  # (relative: the same below every root)
+        if len(self._roots) == 1:
+            fd = root_descriptor(self._roots[0].layout.root_str)
+            items = [(fd, chunk_rel(e.ns_id, e.digest)) for e in entries]
+        else:
+            fds = {index: root_descriptor(self._roots[index].layout.root_str)
+                   for index in {entry.root for entry in entries}}
+            items = [(fds[e.root], chunk_rel(e.ns_id, e.digest)) for e in entries]
+        errors = self._native.unlink(items)
         if not any(errors):
             return
         for entry, err in zip(entries, errors, strict=True):
             if err not in (0, errno.ENOENT):
-                logger.debug("could not remove %s: %s", layouts[entry.root].chunk_path(
+                logger.debug("could not remove %s: %s", self._roots[entry.root].layout.chunk_path(
                     entry.ns_id, entry.digest), os.strerror(err))

@@ -11,7 +11,7 @@ from lmcache.v1.memory_management import (
     TensorMemoryObj,
 )
 
-from lmcache_nvme_backend.adapters.memory_objects import payload_view, tensor_meta_of
+from lmcache_nvme_backend.adapters.memory_objects import payload_views, tensor_meta_of
 
 
 def tensor_obj(shape: tuple[int, ...], dtype: torch.dtype,
@@ -46,9 +46,11 @@ def test_tensor_meta_follows_every_field_of_the_layout(order: str) -> None:
     assert len({id(m) for m in seen.values()}) == len(layouts)
 
 
-def test_payload_view_is_the_objects_own_bytes() -> None:
-    obj = tensor_obj((4, 1024), torch.uint8)
-    view = payload_view(obj, 100)
-    assert len(view) == 100 and not view.readonly
-    view[0:3] = b"abc"
-    assert bytes(obj.byte_array[:4]) == b"abc\x00"
+def test_payload_views_are_the_objects_own_bytes() -> None:
+    objs = [tensor_obj((4, 1024), torch.uint8), tensor_obj((2, 1024), torch.uint8)]
+    views = payload_views(objs, [100, 7])
+    assert [len(v) for v in views] == [100, 7] and not any(v.readonly for v in views)
+    views[0][0:3] = b"abc"
+    views[1][0:2] = b"xy"
+    assert bytes(objs[0].byte_array[:4]) == b"abc\x00"
+    assert bytes(objs[1].byte_array[:3]) == b"xy\x00"
