@@ -24,6 +24,9 @@ start and dump the count)::
     LMCACHE_TRACK_USAGE=false python bench/bench_instructions.py /path/on/the/drive \\
         --systems nvme,fs_native --sizes-mb 2,16
 
+``--keep DIR`` keeps each cell's callgrind dump there: ``callgrind_annotate
+DIR/cg-nvme-2-store.out`` lists the interpreter's C functions by instructions (where a
+Python change moved them).
 ``--baseline REVISION`` also counts this package as of a git revision (system ``base``,
 built as ``bench_ceiling.py`` does).  ``--opcodes N`` says where the work is: a traced child
 per cell (``sys.settrace`` with opcode events in every thread, no valgrind) counts the Python
@@ -312,6 +315,10 @@ def parent(args: argparse.Namespace) -> int:
             for op in args.ops.split(","):
                 for system in systems:
                     result = count(args, system, size_mb, op, work, control, baseline)
+                    if args.keep is not None:  # the dump, for callgrind_annotate
+                        args.keep.mkdir(parents=True, exist_ok=True)
+                        for dump in work.glob(f"cg-{system}-{size_mb}-{op}.*.1"):
+                            shutil.copy(dump, args.keep / f"cg-{system}-{size_mb}-{op}.out")
                     print(f"{system} {size_mb} MiB {op}: "
                           f"{result['interpreter_per_chunk'] / 1e3:.1f} k interpreter "
                           f"instructions per chunk ({result['chunks']} chunks)", flush=True)
@@ -345,6 +352,10 @@ def main() -> int:
                         help="with --opcodes: list the N source lines that run the most, "
                              "not functions")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep each cell's callgrind dump in DIR (cg-SYSTEM-SIZE-OP.out: "
+                             "callgrind_annotate shows where the instructions go, C function "
+                             "by C function)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
