@@ -39,11 +39,11 @@ from ._common import (
     loading,
 )
 from .memory_objects import (
-    chunk_write_for,
     host_memory,
     is_device_object,
     read_into_host_objects,
     served_prefix,
+    submit_objects,
 )
 
 if TYPE_CHECKING:
@@ -143,8 +143,7 @@ class NVMeBackend(StoragePluginInterface):
         """Queue the chunks for write-back; never waits for the drive."""
         if copies := sum(is_device_object(obj) for obj in objs):
             self.store.count(Counter.DEVICE_WRITE_COPIES, copies)
-        self.store.submit_many([chunk_write_for(key, obj, on_complete_callback)
-                                for key, obj in zip(keys, objs, strict=True)])
+        submit_objects(self.store, keys, objs, on_complete_callback)
 
     async def async_batched_submit_put_task(
         self,
@@ -156,7 +155,7 @@ class NVMeBackend(StoragePluginInterface):
         self.batched_submit_put_task(keys, objs, transfer_spec, on_complete_callback)
 
     def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        self.store.submit_many([chunk_write_for(key, obj)])
+        submit_objects(self.store, [key], [obj])
 
     # -- reads ---------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from ._common import (
     keys_and_namespaces,
     open_store,
 )
-from .memory_objects import chunk_write_for, read_into_host_objects, served_prefix
+from .memory_objects import read_into_host_objects, served_prefix, submit_objects
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -96,15 +96,14 @@ class NVMeConnector(RemoteConnector):
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         """Queue the chunk for write-back and return (never waits for the drive)."""
-        self.store.submit_many([chunk_write_for(key, memory_obj)])
+        submit_objects(self.store, [key], [memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey],
                           memory_objs: list[MemoryObj]) -> None:
-        self.store.submit_many([chunk_write_for(k, o)
-                                for k, o in zip(keys, memory_objs, strict=True)])
+        submit_objects(self.store, keys, memory_objs)
 
     # -- reads ---------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -22,7 +23,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from ..disk.format import TensorMeta
 from ..gpu.reader import HostMemory
 from ..io import native
-from ..store import ChunkRead, ChunkStore, ChunkWrite
+from ..store import ChunkRead, ChunkStore, TaskOutcome
 from ._common import key_and_namespace
 
 if TYPE_CHECKING:
@@ -137,29 +138,65 @@ def device_payload(obj: MemoryObj) -> memoryview:
     return memoryview(data.cpu().numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def _nothing() -> None:
-    """Release of a write-back buffer that needs none (a private host copy)."""
+def submit_objects(store: ChunkStore, keys: Sequence[CacheEngineKey],
+                   objs: Sequence[MemoryObj],
+                   on_complete: Callable[[CacheEngineKey], None] | None = None) -> None:
+    """Queue the objects as one store task (``ChunkStore.submit_task``): one admission and
+    one completion for all of them in the common case, as on the multiprocess server.
 
-
-def chunk_write_for(key: CacheEngineKey, obj: MemoryObj,
-                    on_complete: Callable[[CacheEngineKey], None] | None = None) -> ChunkWrite:
-    """Reference the object (the store releases it) and describe it as a chunk write.
-
-    A GPU-resident object is copied to host memory here (the xxh3 checksum
-    needs the bytes on the host anyway); the copy is the write-back buffer.
+    Each host object is referenced until the task ends (the write-back reads it in place);
+    a GPU-resident one is copied to host memory here (the checksum needs the bytes on the
+    host anyway).  ``on_complete(key)`` runs for each chunk persisted, once the task ended.
     """
-    on_persisted = None if on_complete is None else (lambda: _call_safely(on_complete, key))
-    key_str, namespace = key_and_namespace(key)
-    if is_device_object(obj):
-        return ChunkWrite(key_str, namespace, tensor_meta_of(obj),
-                          device_payload(obj), release=_nothing, on_persisted=on_persisted)
-    obj.ref_count_up()
-    # byte_array's format is ctypes' '<B': as 'B' it mixes with the engine's buffers
-    # (a payload that is not a 4 KiB multiple goes through an aligned tail buffer)
-    return ChunkWrite(
-        key_str, namespace, tensor_meta_of(obj), obj.byte_array.cast("B"),
-        release=obj.ref_count_down, on_persisted=on_persisted,
-    )
+    if not keys:
+        return
+    if len(keys) != len(objs):
+        raise ValueError(f"{len(keys)} keys but {len(objs)} objects")
+    names, namespaces = zip(*map(key_and_namespace, keys), strict=True)
+    metas = list(map(tensor_meta_of, objs))
+    payloads: list[memoryview] = []
+    held: list[MemoryObj] = []
+    for obj in objs:
+        if is_device_object(obj):
+            payloads.append(device_payload(obj))
+        else:
+            # byte_array's format is ctypes' '<B': as 'B' it mixes with the engine's buffers
+            # (a payload that is not a 4 KiB multiple goes through an aligned tail buffer)
+            payloads.append(obj.byte_array.cast("B"))
+            held.append(obj)
+    for obj in held:
+        obj.ref_count_up()
+    task = _PutTask(keys, held, on_complete)
+    try:
+        store.submit_task(names, namespaces, metas, payloads, task.ended)
+    except Exception:
+        task.ended(None)  # nothing persisted: the objects are let go (if not already)
+        raise
+
+
+class _PutTask:
+    """An in-process store task's end: the objects released and ``on_complete`` called for
+    each chunk persisted, exactly once (from the store's completion, or from a submission
+    that raised)."""
+
+    def __init__(self, keys: Sequence[CacheEngineKey], held: list[MemoryObj],
+                 on_complete: Callable[[CacheEngineKey], None] | None) -> None:
+        self._keys = keys
+        self._held: list[MemoryObj] | None = held
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+
+    def ended(self, outcome: TaskOutcome | None) -> None:
+        with self._lock:
+            held, self._held = self._held, None
+        if held is None:
+            return
+        for obj in held:
+            obj.ref_count_down()
+        if self._on_complete is not None and outcome is not None:
+            stored = range(len(self._keys)) if outcome.stored is None else outcome.stored
+            for i in stored:
+                _call_safely(self._on_complete, self._keys[i])
 
 
 def tensor_meta_of(obj: MemoryObj) -> TensorMeta:

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 import torch
+from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import (
     MemoryFormat,
     MemoryObj,
     MemoryObjMetadata,
     TensorMemoryObj,
 )
+from support.stores import StoreFactory
 
-from lmcache_nvme_backend.adapters.memory_objects import payload_views, tensor_meta_of
+from lmcache_nvme_backend.adapters.memory_objects import (
+    payload_views,
+    submit_objects,
+    tensor_meta_of,
+)
+from lmcache_nvme_backend.store import ChunkRead
 
 
 def tensor_obj(shape: tuple[int, ...], dtype: torch.dtype,
@@ -54,3 +64,59 @@ def test_payload_views_are_the_objects_own_bytes() -> None:
     views[1][0:2] = b"xy"
     assert bytes(objs[0].byte_array[:4]) == b"abc\x00"
     assert bytes(objs[1].byte_array[:3]) == b"xy\x00"
+
+
+def engine_keys(n: int) -> list[CacheEngineKey]:
+    return [CacheEngineKey("objects-model", 1, 0, 700 + i, torch.bfloat16) for i in range(n)]
+
+
+def filled_objs(n: int) -> list[MemoryObj]:
+    objs = [tensor_obj((4, 1024), torch.uint8) for _ in range(n)]
+    for i, obj in enumerate(objs):
+        obj.byte_array.cast("B")[:] = bytes([i + 1]) * obj.get_size()
+    return objs
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_submit_objects_holds_each_object_until_its_task_ended(
+        open_store: StoreFactory) -> None:
+    store = open_store()
+    keys, objs = engine_keys(3), filled_objs(3)
+    persisted: list[CacheEngineKey] = []
+    submit_objects(store, keys, objs, persisted.append)
+    assert store.flush()
+    assert wait_for(lambda: len(persisted) == 3)
+    assert sorted(persisted, key=str) == sorted(keys, key=str)
+    assert [obj.get_ref_count() for obj in objs] == [1, 1, 1]  # the task's references gone
+    dests = [bytearray(obj.get_size()) for obj in objs]
+    reads = [ChunkRead(k.to_string(), memoryview(d)) for k, d in zip(keys, dests, strict=True)]
+    assert store.read_into(reads) == [True, True, True]
+    assert [bytes(d) for d in dests] == [bytes(o.byte_array) for o in objs]
+    again: list[CacheEngineKey] = []  # stored already: nothing persisted, nothing held
+    submit_objects(store, keys[:1], objs[:1], again.append)
+    assert store.flush() and not again and objs[0].get_ref_count() == 1
+
+
+def test_submit_objects_lets_the_objects_go_when_the_store_refuses_the_task(
+        open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store()
+    keys, objs = engine_keys(2), filled_objs(2)
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(store, "submit_task", refuse)
+    persisted: list[CacheEngineKey] = []
+    with pytest.raises(RuntimeError, match="refused"):
+        submit_objects(store, keys, objs, persisted.append)
+    assert [obj.get_ref_count() for obj in objs] == [1, 1] and not persisted
+    with pytest.raises(ValueError, match="2 keys but 1 objects"):
+        submit_objects(store, keys, objs[:1])
