@@ -1,10 +1,10 @@
 """Translations between LMCache memory objects and the chunk store's buffers.
 
 Shared by the three adapters (``backend.py``, ``connector.py``,
-``l2_adapter.py``) and the GPU reader: how a memory object becomes a chunk
-write (with its tensor metadata and release), how a stored chunk gets a host
-memory object to land in, and how a batch of results becomes the prefix
-LMCache expects.  No storage decisions here.
+``l2_adapter.py``) and the GPU reader: how memory objects become a store task
+(their tensor metadata and payload views, held until the task ends), how a
+stored chunk gets a host memory object to land in, and how a batch of results
+becomes the prefix LMCache expects.  No storage decisions here.
 """
 
 from __future__ import annotations
