@@ -40,7 +40,6 @@ from ._common import (
 )
 from .memory_objects import (
     host_memory,
-    is_device_object,
     read_into_host_objects,
     served_prefix,
     submit_objects,
@@ -141,9 +140,8 @@ class NVMeBackend(StoragePluginInterface):
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> None:
         """Queue the chunks for write-back; never waits for the drive."""
-        if copies := sum(is_device_object(obj) for obj in objs):
+        if copies := submit_objects(self.store, keys, objs, on_complete_callback):
             self.store.count(Counter.DEVICE_WRITE_COPIES, copies)
-        submit_objects(self.store, keys, objs, on_complete_callback)
 
     async def async_batched_submit_put_task(
         self,
@@ -155,7 +153,7 @@ class NVMeBackend(StoragePluginInterface):
         self.batched_submit_put_task(keys, objs, transfer_spec, on_complete_callback)
 
     def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        submit_objects(self.store, [key], [obj])
+        self.batched_submit_put_task([key], [obj])
 
     # -- reads ---------------------------------------------------------------
 

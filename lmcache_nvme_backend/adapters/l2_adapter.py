@@ -46,7 +46,7 @@ from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
-from .memory_objects import host_views, payload_views, tensor_meta_of
+from .memory_objects import check_pairs, host_views, payload_views, tensor_meta_of
 from .object_keys import object_key_columns, object_key_strings
 
 if TYPE_CHECKING:
@@ -176,8 +176,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
-            if len(keys) != len(objects):
-                raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+            check_pairs(keys, objects)
             names, namespaces = object_key_columns(keys)
             metas = list(map(tensor_meta_of, objects))
             payloads = payload_views(objects, [meta.nbytes for meta in metas])
@@ -221,8 +220,7 @@ class NVMeL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            hits = self.store.lookup_many(list(zip(*object_key_columns(keys), strict=True)),
-                                          pin=True)
+            hits = self.store.lookup_many(*object_key_columns(keys), pin=True)
             for i, hit in enumerate(hits):
                 if hit:
                     bitmap.set(i)
@@ -249,8 +247,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
-            if len(keys) != len(objects):
-                raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+            check_pairs(keys, objects)
             sizes = [obj.get_size() for obj in objects]
             self.store.read_async(object_key_strings(keys), host_views(objects, sizes), sizes,
                                   functools.partial(self._loaded, task_id, keys))

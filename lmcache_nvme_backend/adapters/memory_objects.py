@@ -138,20 +138,26 @@ def device_payload(obj: MemoryObj) -> memoryview:
     return memoryview(data.cpu().numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def check_pairs(keys: Sequence[object], objs: Sequence[MemoryObj]) -> None:
+    """ValueError unless there is one memory object per key."""
+    if len(keys) != len(objs):
+        raise ValueError(f"{len(keys)} keys but {len(objs)} objects")
+
+
 def submit_objects(store: ChunkStore, keys: Sequence[CacheEngineKey],
                    objs: Sequence[MemoryObj],
-                   on_complete: Callable[[CacheEngineKey], None] | None = None) -> None:
+                   on_complete: Callable[[CacheEngineKey], None] | None = None) -> int:
     """Queue the objects as one store task (``ChunkStore.submit_task``): one admission and
     one completion for all of them in the common case, as on the multiprocess server.
 
     Each host object is referenced until the task ends (the write-back reads it in place);
     a GPU-resident one is copied to host memory here (the checksum needs the bytes on the
     host anyway).  ``on_complete(key)`` runs for each chunk persisted, once the task ended.
+    Returns how many objects were copied from GPU memory.
     """
+    check_pairs(keys, objs)
     if not keys:
-        return
-    if len(keys) != len(objs):
-        raise ValueError(f"{len(keys)} keys but {len(objs)} objects")
+        return 0
     names, namespaces = zip(*map(key_and_namespace, keys), strict=True)
     metas = list(map(tensor_meta_of, objs))
     payloads: list[memoryview] = []
@@ -172,6 +178,7 @@ def submit_objects(store: ChunkStore, keys: Sequence[CacheEngineKey],
     except Exception:
         task.ended(None)  # nothing persisted: the objects are let go (if not already)
         raise
+    return len(objs) - len(held)
 
 
 class _PutTask:

@@ -144,11 +144,11 @@ class ChunkStore:
         self._stats.add(Counter.HITS if hit else Counter.MISSES)
         return hit
 
-    def lookup_many(self, keys: Sequence[tuple[str, str]], pin: bool = False) -> list[bool]:
-        """``lookup`` of each ``(key, namespace)`` under one lock hold (memory only)."""
-        hits = self._catalog.lookup_many(key_digests([key for key, _ in keys]),
-                                         self._roots.healthy, time.time_ns(), pin,
-                                         [namespace_id(ns) for _, ns in keys])
+    def lookup_many(self, keys: Sequence[str], namespaces: Sequence[str],
+                    pin: bool = False) -> list[bool]:
+        """``lookup(keys[i], namespaces[i])`` of each under one lock hold (memory only)."""
+        hits = self._catalog.lookup_many(key_digests(keys), self._roots.healthy,
+                                         time.time_ns(), pin, list(map(namespace_id, namespaces)))
         found = sum(hits)
         self._stats.add(Counter.LOOKUPS, len(hits))
         self._stats.add(Counter.HITS, found)
