@@ -284,6 +284,28 @@ def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
     assert after["hashed_bytes"] - before["hashed_bytes"] >= 8 * 3 * BLOCK_SIZE
 
 
+def test_the_checksum_time_is_sampled_and_scaled_to_every_byte_hashed(
+        engine_for, tmp_path: Path) -> None:
+    items = []
+    for i in range(16):
+        rel = f"ns/0123456789abcdef/ab/cd/c{i}.kv"
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_python(tmp_path, payload_for(BLOCK_SIZE)).rename(tmp_path / rel)
+        items.append(item(tmp_path, dest_for(BLOCK_SIZE, "aligned"), BLOCK_SIZE, rel=rel))
+    engine = engine_for(threads=1)  # one thread: 16 hash calls, two of them timed
+    before = native.counters()
+    statuses, _ = engine.read(items)
+    after = native.counters()
+    assert statuses == bytes([native.OK] * 16)
+    hashed = after["hashed_bytes"] - before["hashed_bytes"]
+    sampled = after["hash_sampled_bytes"] - before["hash_sampled_bytes"]
+    assert hashed == 16 * BLOCK_SIZE
+    assert sampled == 2 * BLOCK_SIZE
+    timed = after["hash_sampled_ns"] - before["hash_sampled_ns"]
+    assert native.hash_cpu_ns(before, after) == pytest.approx(timed * 8)
+    assert native.hash_cpu_ns(after, after) == 0.0
+
+
 class Done:
     """Collects the batches an engine hands back, by name."""
 

@@ -34,8 +34,9 @@ enum chunk_status {
 };
 
 /* Shared counters of the engine (atomics, read by native.counters()). */
-extern _Atomic uint64_t chunkio_hash_cpu_ns;
 extern _Atomic uint64_t chunkio_hashed_bytes;
+extern _Atomic uint64_t chunkio_hash_sampled_ns;
+extern _Atomic uint64_t chunkio_hash_sampled_bytes;
 
 size_t chunk_padded(size_t n);
 
