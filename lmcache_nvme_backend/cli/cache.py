@@ -50,7 +50,10 @@ class CacheRoot:
             raise CLIError(f"'{path}' is not an LMCache NVMe cache root (no {MARKER_NAME} "
                            "file); give the directory configured as nvme.path")
         self.path = path
-        self.layout = RootLayout(path)
+        try:
+            self.layout = RootLayout.of(path)
+        except ValueError as exc:  # a newer version's layout
+            raise CLIError(str(exc)) from None
         self._manifest: dict[str, ManifestRecord] | None = None
 
     @property

@@ -6,14 +6,19 @@
     <root>/index/manifest.json           LRU order and tensor metadata (see manifest.py)
     <root>/quarantine/<d32>.<unix_ns>.bad  files that failed validation, kept for inspection
     <root>/ns/<ns16>/NAMESPACE           the namespace's readable name
-    <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  one chunk file
+    <root>/ns/<ns16>/<aa>/<d32>.kv       one chunk file (aa = d32[0:2])
+    <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  the same in a root made by 0.2 or earlier (bb = d32[2:4])
 
 Every path component below the root is derived from a hash (``ns16`` of the
 namespace, ``d32`` of the full key), never from a user string, so keys with
-``/``, ``..``, NUL or any other character always land inside the root.  Two
-levels of 256 shard directories keep millions of files out of any one
-directory.  Temporary files share the final file's directory (so ``rename`` is
-atomic) and carry a per-writer suffix.
+``/``, ``..``, NUL or any other character always land inside the root.  A root
+made now has one level of 256 shard directories per namespace (a few thousand
+files each in a multi-TB cache, which ext4's and XFS's hashed directories look
+up as fast as a few); a root made by an earlier version keeps its two levels
+(65,536 directories, most of them created while the cache is young, one
+``mkdir`` per chunk stored then).  The marker records which (``shard_levels``).
+Temporary files share the final file's directory (so ``rename`` is atomic) and
+carry a per-writer suffix.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import xxhash
 
 from .format import text_bytes, texts_bytes
-from .safe_fs import kind_of, scandir_beneath
+from .safe_fs import kind_of, read_small_file, scandir_beneath
 
 MARKER_NAME = "LMCNVME"
 CHUNK_SUFFIX = ".kv"
@@ -44,8 +49,16 @@ STALE_TEMP_S = 3600.0
 DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 NS_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 _SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
-# The last five components of a path in a shard directory: ns/<ns16>/<aa>/<bb>/<name>
-_TREE_TAIL_RE = re.compile(r"^ns/[0-9a-f]{16}/[0-9a-f]{2}/[0-9a-f]{2}/[^/]+$")
+#: Shard directory levels of a root this version makes, and of one made before the marker
+#: said (``LMCNVME`` without a ``shard_levels`` line).
+SHARD_LEVELS = 1
+LEGACY_SHARD_LEVELS = 2
+_MARKER_LEVELS_RE = re.compile(r"^shard_levels (\S+)$", re.MULTILINE)
+# The last components of a path in a shard directory: ns/<ns16>/<aa>/<name> (one level),
+# ns/<ns16>/<aa>/<bb>/<name> (two); neither tail can be read as the other.
+_TREE_TAIL_RES = {
+    levels: re.compile(r"^ns/[0-9a-f]{16}/" + r"[0-9a-f]{2}/" * levels + r"[^/]+$")
+    for levels in (LEGACY_SHARD_LEVELS, SHARD_LEVELS)}
 _HOST = socket.gethostname().replace(".", "_").replace("-", "_")[:32] or "host"
 
 
@@ -107,16 +120,68 @@ class TempFile:
         return age > max_age_s
 
 
+def marker_text(shard_levels: int) -> bytes:
+    """What the ``LMCNVME`` marker of a new root says."""
+    return (f"lmcache-nvme-backend cache root, chunk format 1\n"
+            f"shard_levels {shard_levels}\n").encode()
+
+
+def shard_levels_of(root: Path) -> int:
+    """The shard directory levels of the tree at ``root``: what its marker says (a marker
+    without the line: two, the layout from before it); without a marker, what the tree holds
+    (2-hex directories inside a namespace's shard directories: two), else ``SHARD_LEVELS``.
+
+    Raises ``ValueError`` naming the marker when it names a layout this version does not
+    know (written by a newer version).
+    """
+    try:
+        text = read_small_file(root, MARKER_NAME, 4096).decode("utf-8", "replace")
+    except (OSError, ValueError):  # none (a new root), or not a readable regular file
+        return _shard_levels_in_tree(root)
+    found = _MARKER_LEVELS_RE.search(text)
+    if found is None:
+        return LEGACY_SHARD_LEVELS
+    if found.group(1) not in ("1", "2"):
+        raise ValueError(
+            f"{root / MARKER_NAME} says shard_levels {found.group(1)}, a layout this version "
+            "of lmcache-nvme-backend does not know (1 or 2): a newer version made this cache "
+            "directory. Upgrade lmcache-nvme-backend, or point nvme.path at another directory.")
+    return int(found.group(1))
+
+
+def _shard_levels_in_tree(root: Path) -> int:
+    """The levels a marker-less tree's files sit at (``SHARD_LEVELS`` when it holds none)."""
+    for ns in RootLayout(root).iter_namespace_ids():
+        for shard in _scandir_dirs(root, f"ns/{ns}"):
+            if not _SHARD_RE.match(shard.name):
+                continue
+            for entry in scandir_beneath(root, f"ns/{ns}/{shard.name}"):
+                if _SHARD_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+                    return LEGACY_SHARD_LEVELS
+                if entry.name.endswith(CHUNK_SUFFIX) or TEMP_INFIX in entry.name:
+                    return SHARD_LEVELS
+    return SHARD_LEVELS
+
+
 class RootLayout:
     """Path arithmetic and directory walking for one cache root."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, shard_levels: int = SHARD_LEVELS) -> None:
+        if shard_levels not in (SHARD_LEVELS, LEGACY_SHARD_LEVELS):
+            raise ValueError(f"shard_levels must be 1 or 2, not {shard_levels}")
         self.root = root
+        self.shard_levels = shard_levels
+        self._one_level = shard_levels == 1
         self.root_str = str(root)  # the key of its kept descriptor (safe_fs.root_descriptor)
         self.index_dir = root / "index"
         self.quarantine_dir = root / "quarantine"
         self.namespaces_dir = root / "ns"
         self._root_prefix = str(root).rstrip("/") + "/"
+
+    @classmethod
+    def of(cls, root: Path) -> RootLayout:
+        """The layout of the tree at ``root`` as it is (``shard_levels_of``)."""
+        return cls(root, shard_levels_of(root))
 
     def chunk_path(self, ns_id: str, digest: str) -> Path:
         # one format and one parse: four ``/`` joins cost more on every read
@@ -124,10 +189,14 @@ class RootLayout:
 
     def chunk_rel(self, ns_id: str, digest: str) -> str:
         """The chunk file's path relative to the root (as ``safe_fs`` takes it)."""
+        if self._one_level:
+            return f"ns/{ns_id}/{digest[0:2]}/{digest}{CHUNK_SUFFIX}"
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}/{digest}{CHUNK_SUFFIX}"
 
     def shard_rel(self, ns_id: str, digest: str) -> str:
         """The chunk's shard directory relative to the root (as ``safe_fs`` takes it)."""
+        if self._one_level:
+            return f"ns/{ns_id}/{digest[0:2]}"
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}"
 
     def write_names(self, ns_id: str, digest: str, temp_suffix: str) -> tuple[str, str, str]:
@@ -135,6 +204,8 @@ class RootLayout:
         name it writes (``temp_suffix``: the writer's ``temp_name``) and the final name it
         renames that to, both in that directory."""
         final = digest + CHUNK_SUFFIX
+        if self._one_level:
+            return f"ns/{ns_id}/{digest[0:2]}", final + temp_suffix, final
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}", final + temp_suffix, final
 
     def chunk_rels(self, entries: Iterable[Any]) -> tuple[str, ...]:
@@ -166,16 +237,27 @@ class RootLayout:
 
     def iter_tree_dirs(self) -> Iterator[str]:
         """Every directory of the tree below ``ns/`` by its path relative to the root
-        (``ns/<ns16>``, ``ns/<ns16>/<aa>``, ``ns/<ns16>/<aa>/<bb>``), parents first.  Links
-        are skipped; a directory that cannot be listed is yielded, its contents are not."""
+        (``ns/<ns16>``, ``ns/<ns16>/<aa>`` and with two levels ``ns/<ns16>/<aa>/<bb>``),
+        parents first.  Links are skipped; a directory that cannot be listed is yielded, its
+        contents are not."""
         for ns in self.iter_namespace_ids():
             yield f"ns/{ns}"
-            for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
-                if _SHARD_RE.match(shard1.name):
-                    yield f"ns/{ns}/{shard1.name}"
-                    for shard2 in _scandir_dirs(self.root, f"ns/{ns}/{shard1.name}"):
-                        if _SHARD_RE.match(shard2.name):
-                            yield f"ns/{ns}/{shard1.name}/{shard2.name}"
+            for _shard, rel, _leaf in self._walk_shards(ns):
+                yield rel
+
+    def _walk_shards(self, ns: str) -> Iterator[tuple[str, str, bool]]:
+        """(hex prefix, path relative to the root, whether it holds chunk files) of each
+        shard directory of namespace ``ns``, parents first."""
+        for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
+            if not _SHARD_RE.match(shard1.name):
+                continue
+            rel1 = f"ns/{ns}/{shard1.name}"
+            yield shard1.name, rel1, self._one_level
+            if self._one_level:
+                continue
+            for shard2 in _scandir_dirs(self.root, rel1):
+                if _SHARD_RE.match(shard2.name):
+                    yield shard1.name + shard2.name, f"{rel1}/{shard2.name}", True
 
     def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
         """Every well-named regular chunk file with its ``lstat`` (taken through the open
@@ -233,7 +315,8 @@ class RootLayout:
         return TempFile(Path(f"{self._root_prefix}{rel}/{entry.name}"), parts[0], pid)
 
     def _iter_shard_dirs(self, ns_id: str | None) -> Iterator[tuple[str, str, str]]:
-        """(namespace id, 4-hex shard prefix, path relative to the root) of each shard dir.
+        """(namespace id, hex shard prefix, path relative to the root) of each directory
+        that holds chunk files.
 
         Directories are opened beneath the root without following links (``safe_fs``),
         so a planted link never takes the walk outside the tree.
@@ -242,25 +325,23 @@ class RootLayout:
             raise ValueError(f"'{ns_id}' is not a namespace id (16 hex digits)")
         ns_ids = [ns for ns in self.iter_namespace_ids() if ns_id is None or ns == ns_id]
         for ns in ns_ids:
-            for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
-                if not _SHARD_RE.match(shard1.name):
-                    continue
-                for shard2 in _scandir_dirs(self.root, f"ns/{ns}/{shard1.name}"):
-                    if _SHARD_RE.match(shard2.name):
-                        yield (ns, shard1.name + shard2.name,
-                               f"ns/{ns}/{shard1.name}/{shard2.name}")
+            for shard, rel, leaf in self._walk_shards(ns):
+                if leaf:
+                    yield ns, shard, rel
 
 
 def split_tree_path(path: Path | str) -> tuple[str, str] | None:
-    """(cache root, path below it) of a file in a shard directory
-    (``<root>/ns/<ns16>/<aa>/<bb>/<name>``: chunk and temp files); None for any other path."""
-    parts = os.fspath(path).rsplit("/", 5)
-    if len(parts) != 6 or not parts[0]:
-        return None
-    tail = "/".join(parts[1:])
-    if not _TREE_TAIL_RE.match(tail):
-        return None
-    return parts[0], tail
+    """(cache root, path below it) of a file in a shard directory of either layout
+    (``<root>/ns/<ns16>/<aa>[/<bb>]/<name>``: chunk and temp files); None for any other
+    path."""
+    text = os.fspath(path)
+    for levels, tail_re in _TREE_TAIL_RES.items():
+        parts = text.rsplit("/", 3 + levels)
+        if len(parts) == 4 + levels and parts[0]:
+            tail = "/".join(parts[1:])
+            if tail_re.match(tail):
+                return parts[0], tail
+    return None
 
 
 def temp_name(final_name: str, writer: int | None = None) -> str:

@@ -7,9 +7,10 @@ fail on the first such directory with a bare ``Permission denied``, the store ch
 the tree's directories at start and refuses with one message that names the
 directory, its owner and mode, this process's user, and the ``chown`` that fixes it.
 
-Only directories are checked (a few per namespace, up to 65 536 shard directories
-each); a chunk file this process may not read stays a miss when it is asked for.  A
-process running as root skips the walk (it may use every directory).
+Only directories are checked (a few per namespace, up to 256 shard directories each,
+65 536 in a tree made by version 0.2 or earlier); a chunk file this process may not read
+stays a miss when it is asked for.  A process running as root skips the walk (it may use
+every directory).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def _usable(path: Path | str, mode: int) -> bool:
 def unusable_dirs(root: Path) -> list[Path]:
     """Directories of the cache tree at ``root`` this process cannot list, enter and write
     (the root itself only needs writing when the store must create something in it)."""
-    layout = RootLayout(root)
+    try:
+        layout = RootLayout.of(root)
+    except ValueError:  # a newer version's layout (open_root names it): its top directories
+        layout = RootLayout(root)
     missing = [name for name in (*TOP_DIRS, MARKER_NAME) if not (root / name).exists()]
     need = _USE if missing else os.R_OK | os.X_OK
     if not _usable(root, need):
@@ -62,7 +66,7 @@ def unusable_dirs(root: Path) -> list[Path]:
              and not _usable(root / name, _USE)]
     if not _usable(layout.namespaces_dir, os.R_OK | os.X_OK):
         return found
-    prefix = f"{root}/"  # strings, not Paths: a full namespace has 65 793 directories
+    prefix = f"{root}/"  # strings, not Paths: a full two-level namespace has 65 793 directories
     return found + [root / rel for rel in layout.iter_tree_dirs()
                     if not _usable(prefix + rel, _USE)]
 

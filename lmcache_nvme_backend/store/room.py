@@ -107,14 +107,16 @@ class Room:
                 unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
                                                                          entry.digest))
             return
-        chunk_rel = self._roots[0].layout.chunk_rel  # (relative: the same below every root)
         if len(self._roots) == 1:
-            fd = root_descriptor(self._roots[0].layout.root_str)
+            layout = self._roots[0].layout
+            fd, chunk_rel = root_descriptor(layout.root_str), layout.chunk_rel
             items = [(fd, chunk_rel(e.ns_id, e.digest)) for e in entries]
-        else:
-            fds = {index: root_descriptor(self._roots[index].layout.root_str)
-                   for index in {entry.root for entry in entries}}
-            items = [(fds[e.root], chunk_rel(e.ns_id, e.digest)) for e in entries]
+        else:  # each root has its own descriptor and may have its own shard levels
+            layouts = {index: self._roots[index].layout
+                       for index in {entry.root for entry in entries}}
+            fds = {index: root_descriptor(layout.root_str) for index, layout in layouts.items()}
+            items = [(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
+                     for e in entries]
         errors = self._native.unlink(items)
         if not any(errors):
             return

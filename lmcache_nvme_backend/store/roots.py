@@ -25,7 +25,7 @@ import xxhash
 
 from ..config import NVMeConfigError, min_free_bytes_for
 from ..disk.format import text_bytes
-from ..disk.layout import MARKER_NAME, RootLayout, split_tree_path
+from ..disk.layout import MARKER_NAME, RootLayout, marker_text, split_tree_path
 from ..disk.safe_fs import (
     NotAChunkFile,
     create_beneath,
@@ -100,7 +100,10 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
     """
     if not (shared and _read_only_filesystem(path)):
         require_tree_access(path)
-    layout = RootLayout(path)
+    try:
+        layout = RootLayout.of(path)
+    except ValueError as exc:  # a marker from a newer version
+        raise NVMeConfigError(f"nvme.path: {exc}") from None
     dir_mode = dir_mode_for(file_mode)
     if not path.is_dir():
         path.mkdir(parents=True, exist_ok=True)
@@ -117,7 +120,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-    _write_marker(path, file_mode)
+    _write_marker(path, file_mode, layout.shard_levels)
     direct = direct_io_mode != "off" and _probe(path)
     if direct_io_mode == "on" and not direct:
         raise NVMeConfigError(
@@ -157,8 +160,9 @@ def _probe(path: Path) -> bool:
         return probe_direct_read(path / MARKER_NAME)
 
 
-def _write_marker(path: Path, file_mode: int) -> None:
-    """The ``LMCNVME`` marker, created once (never through a link; no space: later)."""
+def _write_marker(path: Path, file_mode: int, shard_levels: int) -> None:
+    """The ``LMCNVME`` marker, created once with the tree's shard levels (never through a
+    link; no space: later)."""
     try:
         st = lstat_beneath(path, MARKER_NAME)
     except FileNotFoundError:
@@ -180,7 +184,7 @@ def _write_marker(path: Path, file_mode: int) -> None:
                        "later start.", path / MARKER_NAME)
         return
     try:
-        os.write(fd, b"lmcache-nvme-backend cache root, chunk format 1\n")
+        os.write(fd, marker_text(shard_levels))
     except OSError as exc:
         logger.warning("NVMe tier: could not write the marker %s: %s", path / MARKER_NAME, exc)
     finally:

@@ -88,7 +88,7 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
     after = report["status_after"]
     assert after["read_chunks"] - report["status_stored"]["read_chunks"] >= 2  # from L2
     assert after["checksum_failures"] == 0
-    chunk_files = sorted(cache_dir.glob("ns/*/*/*/*.kv"))
+    chunk_files = sorted(cache_dir.glob("ns/**/*.kv"))
     assert len(chunk_files) == stored["entries"]
     first.stop()
 
@@ -107,4 +107,4 @@ def test_mp_server_with_nvme_l2_and_real_vllm(vllm_python: Path, tiny_model: Pat
     assert scraped["lmcache_nvme_read_chunks_total{path=posix}"] == after2["read_chunks"]
     assert scraped["lmcache_nvme_recovered_entries_total"] == len(chunk_files)
     assert scraped["lmcache_nvme_read_latency_seconds_count{path=posix}"] >= 1
-    assert sorted(cache_dir.glob("ns/*/*/*/*.kv"))[: len(chunk_files)] == chunk_files
+    assert sorted(cache_dir.glob("ns/**/*.kv"))[: len(chunk_files)] == chunk_files

@@ -134,7 +134,7 @@ def test_two_processes_share_one_directory(tmp_path: Path) -> None:
                           "read_chunks": 6}
         # someone deletes the files behind the tier's back: the reader's index still has
         # them (lookups never touch the disk), its reads are misses, never errors
-        for chunk in cache_dir.glob("ns/*/*/*/*.kv"):
+        for chunk in cache_dir.glob("ns/**/*.kv"):
             chunk.unlink()
         reader.stdin.write("go\n")
         reader.stdin.flush()

@@ -27,7 +27,7 @@ from support.hostile import (
 from support.io_faults import before_each_write
 from support.stores import StoreFactory
 
-from lmcache_nvme_backend.disk.layout import this_host
+from lmcache_nvme_backend.disk.layout import key_digest, namespace_id, this_host
 from lmcache_nvme_backend.disk.manifest import MANIFEST_NAME
 from lmcache_nvme_backend.store import roots as roots_mod
 
@@ -208,10 +208,11 @@ def test_planted_links_are_never_followed(tmp_path: Path, plant: str,
     victim.write_bytes(b"precious")
     victim.chmod(0o644)
     _stored(open_store, root, ["old"])
+    marker = (root / "LMCNVME").read_bytes()  # put back as it was (it says the layout)
+    new_ns_dir = root / "ns" / namespace_id("other-model")
+    shard = root / "ns" / namespace_id(NS) / key_digest("fresh")[:2]  # the first level
     (root / "LMCNVME").unlink()
     marker_link = root / "LMCNVME"
-    new_ns_dir = chunk_path(root, "fresh", "other-model").parents[2]
-    shard = chunk_path(root, "fresh").parents[1]
     links = {
         "manifest-temp": (root / "index" / f".{MANIFEST_NAME}.tmp-{this_host()}-{os.getpid()}",
                           victim),
@@ -233,7 +234,7 @@ def test_planted_links_are_never_followed(tmp_path: Path, plant: str,
     if plant == "manifest-temp":  # the name earlier versions used, too
         os.symlink(victim, root / "index" / f".{MANIFEST_NAME}.tmp-{os.getpid()}")
     if plant != "root-marker" and not marker_link.exists():
-        (root / "LMCNVME").write_text("marker\n")
+        (root / "LMCNVME").write_bytes(marker)
     before = snapshot(outside)
     old_umask = os.umask(0)
     try:

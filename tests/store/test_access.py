@@ -21,7 +21,7 @@ from support.prerequisites import missing_prerequisite
 from support.process import child_env, module_command
 from support.stores import StoreFactory
 
-from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
 
 USER = "nobody"
 
@@ -93,7 +93,7 @@ def test_subdirectories_made_by_root_are_refused_with_owner_and_fix(
 def test_a_shard_directory_made_by_root_is_named(other_user: str, root_made_tree: Path) -> None:
     chown_tree(root_made_tree, other_user)
     digest = key_digest("key-0")
-    shard = (root_made_tree / "ns" / namespace_id("test-model") / digest[:2] / digest[2:4])
+    shard = RootLayout.of(root_made_tree).chunk_path(namespace_id("test-model"), digest).parent
     os.lchown(shard, 0, 0)
     proc = run_as(other_user, "open-store", root_made_tree)
     assert proc.stdout.startswith(f"REFUSED nvme.path: '{shard}' is owned by root (uid 0)"), (

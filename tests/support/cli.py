@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmcache_nvme_backend.disk.format import TensorMeta
-from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore
 
 CHUNK = 64 * 1024
@@ -44,5 +44,4 @@ def read_chunk(store: ChunkStore, key: str) -> bytes | None:
 
 
 def chunk_path(root: Path, ns: str, key: str) -> Path:
-    digest = key_digest(key)
-    return root / "ns" / namespace_id(ns) / digest[:2] / digest[2:4] / f"{digest}.kv"
+    return RootLayout.of(root).chunk_path(namespace_id(ns), key_digest(key))

@@ -13,10 +13,16 @@ from support.process import child_env, module_command
 
 from lmcache_nvme_backend.disk.layout import (
     CHUNK_SUFFIX,
+    LEGACY_SHARD_LEVELS,
+    MARKER_NAME,
+    SHARD_LEVELS,
     ChunkLocation,
     RootLayout,
     key_digest,
+    marker_text,
     namespace_id,
+    shard_levels_of,
+    split_tree_path,
     this_host,
 )
 from lmcache_nvme_backend.store.index import IndexEntry
@@ -37,11 +43,17 @@ HOSTILE = [
 ]
 
 
-@pytest.fixture
-def layout(tmp_path: Path) -> RootLayout:
+@pytest.fixture(params=[SHARD_LEVELS, LEGACY_SHARD_LEVELS], ids=["one-level", "two-level"])
+def layout(tmp_path: Path, request: pytest.FixtureRequest) -> RootLayout:
+    """A root of this version's layout, and one of the layout roots made by 0.2 keep."""
     root = tmp_path / "root"
     root.mkdir()
-    return RootLayout(root)
+    return RootLayout(root, request.param)
+
+
+def shards(layout: RootLayout, digest: str) -> tuple[str, ...]:
+    """The shard directory names a chunk's path has in ``layout``."""
+    return (digest[0:2], digest[2:4])[:layout.shard_levels]
 
 
 def touch(path: Path, data: bytes = b"x") -> Path:
@@ -97,7 +109,7 @@ def test_chunk_path_stays_inside_root(layout: RootLayout, key: str, ns: str) -> 
     assert resolved.is_relative_to(root)
     rel = resolved.relative_to(root).parts
     d = key_digest(key)
-    assert rel == ("ns", namespace_id(ns), d[0:2], d[2:4], d + CHUNK_SUFFIX)
+    assert rel == ("ns", namespace_id(ns), *shards(layout, d), d + CHUNK_SUFFIX)
 
 
 def test_chunk_path_can_be_created_for_hostile_keys(layout: RootLayout) -> None:
@@ -167,7 +179,7 @@ def test_iter_chunks_ignores_foreign_names(layout: RootLayout) -> None:
     good = place(layout, "good")
     ns = namespace_id("model")
     d = key_digest("other")
-    shard = layout.root / "ns" / ns / d[0:2] / d[2:4]
+    shard = layout.chunk_path(ns, d).parent
     wrong = key_digest("elsewhere")
     for name in [
         "README", d, d + ".kv.bak", d.upper() + ".kv", d[:31] + ".kv", d + "0.kv",
@@ -290,11 +302,67 @@ def test_iter_temp_files_ignores_temp_names_outside_shards(layout: RootLayout) -
     assert list(layout.iter_temp_files()) == []
 
 
-def test_tree_directories_are_walked_parents_first_without_links(tmp_path: Path) -> None:
-    layout = RootLayout(tmp_path)
-    ns = namespace_id("model")
-    (tmp_path / "ns" / ns / "ab" / "cd").mkdir(parents=True)
-    (tmp_path / "ns" / ns / "ab" / "zz").mkdir()  # not a shard name
-    (tmp_path / "ns" / ns / "ef").symlink_to(tmp_path / "ns" / ns / "ab")  # never followed
-    (tmp_path / "ns" / "not-a-namespace").mkdir()
-    assert list(layout.iter_tree_dirs()) == [f"ns/{ns}", f"ns/{ns}/ab", f"ns/{ns}/ab/cd"]
+def test_tree_directories_are_walked_parents_first_without_links(layout: RootLayout) -> None:
+    root, ns = layout.root, namespace_id("model")
+    (root / "ns" / ns / "ab" / "cd").mkdir(parents=True)  # a shard (two levels), else foreign
+    (root / "ns" / ns / "ab" / "zz").mkdir()  # not a shard name
+    (root / "ns" / ns / "ef").symlink_to(root / "ns" / ns / "ab")  # never followed
+    (root / "ns" / "not-a-namespace").mkdir()
+    assert list(layout.iter_tree_dirs()) == \
+        [f"ns/{ns}", f"ns/{ns}/ab", f"ns/{ns}/ab/cd"][:2 + layout.shard_levels - 1]
+
+
+# -- which layout a root has -----------------------------------------------------------------
+
+
+def test_a_new_root_has_one_shard_level_and_its_marker_says_so(tmp_path: Path) -> None:
+    assert shard_levels_of(tmp_path / "absent") == shard_levels_of(tmp_path) == SHARD_LEVELS == 1
+    (tmp_path / MARKER_NAME).write_bytes(marker_text(SHARD_LEVELS))
+    (tmp_path / "ns" / namespace_id("m") / "ab" / "cd").mkdir(parents=True)  # the marker rules
+    assert RootLayout.of(tmp_path).shard_levels == 1
+    (tmp_path / MARKER_NAME).write_bytes(marker_text(LEGACY_SHARD_LEVELS))
+    assert RootLayout.of(tmp_path).shard_levels == 2
+
+
+def test_a_marker_from_before_shard_levels_means_two_levels(tmp_path: Path) -> None:
+    (tmp_path / MARKER_NAME).write_bytes(b"lmcache-nvme-backend cache root, chunk format 1\n")
+    layout = RootLayout.of(tmp_path)
+    assert layout.shard_levels == LEGACY_SHARD_LEVELS
+    d = key_digest("k")
+    assert layout.chunk_rel("0" * 16, d) == f"ns/{'0' * 16}/{d[0:2]}/{d[2:4]}/{d}.kv"
+
+
+@pytest.mark.parametrize("value", ["3", "0", "two", "1x"])
+def test_a_marker_naming_an_unknown_layout_is_refused_by_name(tmp_path: Path, value: str) -> None:
+    text = marker_text(SHARD_LEVELS).replace(b"levels 1", f"levels {value}".encode())
+    (tmp_path / MARKER_NAME).write_bytes(text)
+    with pytest.raises(ValueError, match=rf"{MARKER_NAME} says shard_levels {value}.*Upgrade"):
+        RootLayout.of(tmp_path)
+
+
+@pytest.mark.parametrize("levels", [SHARD_LEVELS, LEGACY_SHARD_LEVELS])
+def test_a_tree_without_marker_is_read_by_where_its_files_sit(tmp_path: Path, levels: int) -> None:
+    (tmp_path / "ns" / namespace_id("m")).mkdir(parents=True)
+    (tmp_path / "ns" / namespace_id("m") / "zz").mkdir()  # foreign: says nothing
+    assert shard_levels_of(tmp_path) == SHARD_LEVELS  # nothing stored yet
+    place(RootLayout(tmp_path, levels), "k", ns="m")
+    assert shard_levels_of(tmp_path) == levels
+
+
+def test_a_marker_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").write_bytes(marker_text(LEGACY_SHARD_LEVELS))
+    (tmp_path / MARKER_NAME).symlink_to(tmp_path / "elsewhere")
+    assert shard_levels_of(tmp_path) == SHARD_LEVELS  # the tree decides: it holds nothing
+
+
+def test_tree_paths_split_at_the_root_in_either_layout(tmp_path: Path) -> None:
+    d, ns = key_digest("k"), namespace_id("m")
+    for levels in (SHARD_LEVELS, LEGACY_SHARD_LEVELS):
+        layout = RootLayout(tmp_path / "root", levels)
+        rel = layout.chunk_rel(ns, d)
+        assert split_tree_path(layout.chunk_path(ns, d)) == (str(tmp_path / "root"), rel)
+        temp = layout.temp_path(layout.chunk_path(ns, d))
+        assert split_tree_path(temp) == (str(tmp_path / "root"), layout.relative(temp))
+    for other in (f"/r/ns/{ns}/{d}.kv", f"/r/ns/{ns}/a/{d}.kv", f"/r/ns/{ns}/ab/cd/ef/{d}.kv",
+                  f"/r/ns/{ns[:-1]}/ab/{d}.kv", f"/r/index/{ns}/ab/{d}.kv", f"ns/{ns}/ab/{d}.kv"):
+        assert split_tree_path(other) is None, other
