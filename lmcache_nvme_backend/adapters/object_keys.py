@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from lmcache.v1.distributed.api import ObjectKey
 
 _SEP = "@"
+# printf-style: one C call per key (310 ns a key against 405 for the f-string, whose two
+# format specs each go through a format call)
+_KEY_FORMAT = f"%s{_SEP}%#010x{_SEP}%x{_SEP}%s"
 
 
 def object_key_string(key: ObjectKey) -> str:
@@ -34,8 +37,8 @@ def object_key_strings(keys: Sequence[ObjectKey]) -> list[str]:
     chunk stored, loaded and deleted has one).  Formatted afresh each time: a cache of the
     parts around the chunk hash saved ~0.2 µs a key with a few ranks, and cost ~0.7 µs a key
     where every key has a rank of its own (LMCache's ``bench l2``)."""
-    names = [f"{key.model_name}{_SEP}{key.kv_rank:#010x}{_SEP}{key.object_group_id:x}{_SEP}"
-             f"{key.chunk_hash.hex()}" for key in keys]
+    names = [_KEY_FORMAT % (key.model_name, key.kv_rank, key.object_group_id,
+                            key.chunk_hash.hex()) for key in keys]
     salts = [key.cache_salt for key in keys]
     if any(salts):
         return [f"{name}{_SEP}{salt}" if salt else name
