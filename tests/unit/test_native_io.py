@@ -292,7 +292,9 @@ def test_the_checksum_time_is_sampled_and_scaled_to_every_byte_hashed(
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         write_python(tmp_path, payload_for(BLOCK_SIZE)).rename(tmp_path / rel)
         items.append(item(tmp_path, dest_for(BLOCK_SIZE, "aligned"), BLOCK_SIZE, rel=rel))
-    engine = engine_for(threads=1)  # one thread: 16 hash calls, two of them timed
+    # 16 hash calls on at most two threads (the worker, and the caller, which may take
+    # pieces of a blocking read), each timing one call in eight from where its count stands
+    engine = engine_for(threads=1)
     before = native.counters()
     statuses, _ = engine.read(items)
     after = native.counters()
@@ -300,9 +302,10 @@ def test_the_checksum_time_is_sampled_and_scaled_to_every_byte_hashed(
     hashed = after["hashed_bytes"] - before["hashed_bytes"]
     sampled = after["hash_sampled_bytes"] - before["hash_sampled_bytes"]
     assert hashed == 16 * BLOCK_SIZE
-    assert sampled == 2 * BLOCK_SIZE
+    assert sampled in (BLOCK_SIZE, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE)
     timed = after["hash_sampled_ns"] - before["hash_sampled_ns"]
-    assert native.hash_cpu_ns(before, after) == pytest.approx(timed * 8)
+    assert timed > 0
+    assert native.hash_cpu_ns(before, after) == pytest.approx(timed * hashed / sampled)
     assert native.hash_cpu_ns(after, after) == 0.0
 
 
