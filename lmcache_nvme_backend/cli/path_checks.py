@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import min_free_bytes_for
 from ..disk.format import ALIGNMENT
+from ..disk.layout import RootLayout
 from ..io.posix import probe_direct_io
 from ..store.access import describe_owner, unusable_dirs, user_name
 from .check import FAIL, INFO, PASS, WARN, Check
@@ -81,7 +82,12 @@ def check_tree(path: Path) -> Check | None:
     user): the same check the store makes at start.  None when there is no tree."""
     if not path.is_dir():
         return None
-    problems = unusable_dirs(path)
+    try:
+        layout = RootLayout.of(path)
+    except ValueError as exc:  # a newer version's layout
+        return Check("cache tree", FAIL, str(exc),
+                     "upgrade lmcache-nvme-backend, or choose another directory")
+    problems = unusable_dirs(layout)
     if not problems:
         return Check("cache tree", PASS, f"every directory of {path} is usable by "
                      f"{user_name(os.geteuid())}")

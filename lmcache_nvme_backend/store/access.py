@@ -50,13 +50,11 @@ def _usable(path: Path | str, mode: int) -> bool:
     return os.access(path, mode, effective_ids=True, follow_symlinks=False)
 
 
-def unusable_dirs(root: Path) -> list[Path]:
-    """Directories of the cache tree at ``root`` this process cannot list, enter and write
-    (the root itself only needs writing when the store must create something in it)."""
-    try:
-        layout = RootLayout.of(root)
-    except ValueError:  # a newer version's layout (open_root names it): its top directories
-        layout = RootLayout(root)
+def unusable_dirs(layout: RootLayout) -> list[Path]:
+    """Directories of the cache tree ``layout`` describes this process cannot list, enter
+    and write (the root itself only needs writing when the store must create something in
+    it)."""
+    root = layout.root
     missing = [name for name in (*TOP_DIRS, MARKER_NAME) if not (root / name).exists()]
     need = _USE if missing else os.R_OK | os.X_OK
     if not _usable(root, need):
@@ -71,12 +69,13 @@ def unusable_dirs(root: Path) -> list[Path]:
                     if not _usable(prefix + rel, _USE)]
 
 
-def require_tree_access(root: Path) -> None:
-    """Raise ``NVMeConfigError`` naming the first directory of an existing tree at ``root``
+def require_tree_access(layout: RootLayout) -> None:
+    """Raise ``NVMeConfigError`` naming the first directory of an existing tree (``layout``)
     that this process cannot use, its owner, and the fix."""
+    root = layout.root
     if os.geteuid() == 0 or not root.is_dir():
         return
-    problems = unusable_dirs(root)
+    problems = unusable_dirs(layout)
     if not problems:
         return
     first = problems[0]

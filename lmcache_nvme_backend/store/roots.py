@@ -98,12 +98,12 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
     drops writes (``capacity_drops``) until space frees.  In shared mode a tree on a
     read-only filesystem is opened to be served (``store/member.py`` says so).
     """
-    if not (shared and _read_only_filesystem(path)):
-        require_tree_access(path)
     try:
-        layout = RootLayout.of(path)
+        layout = RootLayout.of(path)  # reads only: nothing is made before the checks
     except ValueError as exc:  # a marker from a newer version
         raise NVMeConfigError(f"nvme.path: {exc}") from None
+    if not (shared and _read_only_filesystem(path)):
+        require_tree_access(layout)
     dir_mode = dir_mode_for(file_mode)
     if not path.is_dir():
         path.mkdir(parents=True, exist_ok=True)

@@ -288,3 +288,16 @@ def test_a_tree_made_by_root_fails_as_the_service_user(reachable_dir: Path,
     fix = next(c["fix"] for c in report["checks"] if c["name"] == "cache tree")
     assert fix.startswith(f"as root: chown -R {OTHER_USER}: {cache}")
     assert snapshot(reachable_dir) == before
+
+
+def test_a_cache_directory_of_a_newer_layout_fails_naming_its_marker(run_cli: RunCLI,
+                                                                     tmp_path: Path) -> None:
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "LMCNVME").write_bytes(b"lmcache-nvme-backend cache root, chunk format 1\n"
+                                     b"shard_levels 3\n")
+    status, report = check(run_cli, lmcache_yaml(tmp_path, {"nvme.path": str(target), **TINY}))
+    assert status == 2
+    assert statuses(report)["cache tree"] == "fail"
+    assert any(f"{target / 'LMCNVME'} says shard_levels 3" in detail
+               for detail in failures(report)), report
