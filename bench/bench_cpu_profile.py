@@ -74,13 +74,14 @@ def fill_shards(directory: Path) -> None:
 
     for marker in directory.glob(f"**/{MARKER_NAME}"):
         layout = RootLayout.of(marker.parent)
+        shards = [f"{a:02x}" for a in range(256)]
+        if layout.shard_levels == 2:
+            shards = [f"{a}/{b:02x}" for a in shards for b in range(256)]
         for ns in layout.iter_namespace_ids():
             ns_dir = layout.namespaces_dir / ns
             mode = ns_dir.stat().st_mode & 0o7777
-            for a in range(256):
-                for b in range(256 if layout.shard_levels == 2 else 1):
-                    shard = ns_dir / f"{a:02x}" / (f"{b:02x}" if layout.shard_levels == 2 else "")
-                    os.makedirs(shard, mode=mode, exist_ok=True)
+            for shard in shards:
+                os.makedirs(ns_dir / shard, mode=mode, exist_ok=True)
 
 
 def category(frames: list[str]) -> str:
