@@ -1,6 +1,8 @@
-"""The optional native I/O engine (lmcache_nvme_backend/io/csrc): built when a C compiler
-is there, skipped (with setuptools' warning) when not; the package then reads and writes
-through its Python engine and says so at start (docs/architecture.md)."""
+"""The optional native parts, built when a C compiler is there and skipped (with
+setuptools' warning) when not: the I/O engine (lmcache_nvme_backend/io/csrc; without it the
+package reads and writes through its Python engine and says so at start,
+docs/architecture.md) and the L2 adapter's key strings (lmcache_nvme_backend/adapters/csrc;
+without it object_keys.py formats them in Python)."""
 
 from setuptools import Extension, setup
 
@@ -13,6 +15,12 @@ setup(
             depends=[f"lmcache_nvme_backend/io/csrc/{name}.h" for name in ("chunkio", "xxh3")],
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             optional=True,
-        )
+        ),
+        Extension(
+            "lmcache_nvme_backend.adapters._keys",
+            sources=["lmcache_nvme_backend/adapters/csrc/keys.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
+            optional=True,
+        ),
     ]
 )

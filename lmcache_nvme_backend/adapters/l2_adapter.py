@@ -46,7 +46,7 @@ from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
 from ._common import announce, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
-from .memory_objects import check_pairs, host_views, payload_views, tensor_meta_of
+from .memory_objects import check_pairs, host_views, payload_views, tensor_metas
 from .object_keys import object_key_columns, object_key_strings
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         try:
             check_pairs(keys, objects)
             names, namespaces = object_key_columns(keys)
-            metas = list(map(tensor_meta_of, objects))
+            metas = tensor_metas(objects)
             payloads = payload_views(objects, [meta.nbytes for meta in metas])
         except Exception:
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
@@ -159,7 +160,7 @@ def submit_objects(store: ChunkStore, keys: Sequence[CacheEngineKey],
     if not keys:
         return 0
     names, namespaces = zip(*map(key_and_namespace, keys), strict=True)
-    metas = list(map(tensor_meta_of, objs))
+    metas = tensor_metas(objs)
     payloads: list[memoryview] = []
     held: list[MemoryObj] = []
     for obj in objs:
@@ -227,6 +228,30 @@ def tensor_meta_of(obj: MemoryObj) -> TensorMeta:
     _last_layout = (fmt, dtype, size, shape, found)  # one atomic replacement
     return found
 
+
+def tensor_metas(objs: Sequence[MemoryObj]) -> list[TensorMeta]:
+    """:func:`tensor_meta_of` of each object (a store task's, every chunk stored).
+
+    A task's objects nearly always share a layout: that is checked with C-level attribute
+    getters and comparisons on LMCache's ``meta`` attribute (what the ``metadata`` property
+    returns under the object's lock; its layout fields never change), so the only Python
+    call per object is its ``get_size``, and the first object's metadata serves them all."""
+    if not objs:
+        return []
+    try:
+        layouts = list(map(_LAYOUT_FIELDS, map(_META, objs)))
+    except AttributeError:  # not one of LMCache's memory objects: ask each the long way
+        return list(map(tensor_meta_of, objs))
+    sizes = list(map(_GET_SIZE, objs))
+    n = len(objs)
+    if layouts.count(layouts[0]) == n and sizes.count(sizes[0]) == n:
+        return [tensor_meta_of(objs[0])] * n
+    return list(map(tensor_meta_of, objs))
+
+
+_META = operator.attrgetter("meta")
+_LAYOUT_FIELDS = operator.attrgetter("shapes", "dtypes", "shape", "dtype", "fmt")
+_GET_SIZE = operator.methodcaller("get_size")
 
 #: ``(fmt, dtype, size, shape, TensorMeta)`` of the last single-tensor layout seen.
 _last_layout: tuple[MemoryFormat, torch.dtype, int, torch.Size, TensorMeta] | None = None

@@ -20,6 +20,7 @@ from lmcache_nvme_backend.adapters.memory_objects import (
     payload_views,
     submit_objects,
     tensor_meta_of,
+    tensor_metas,
 )
 from lmcache_nvme_backend.store import ChunkRead
 
@@ -54,6 +55,32 @@ def test_tensor_meta_follows_every_field_of_the_layout(order: str) -> None:
         assert meta.nbytes == torch.zeros(shape, dtype=dtype).nbytes
         assert seen.setdefault(i, meta) is meta
     assert len({id(m) for m in seen.values()}) == len(layouts)
+
+
+@pytest.mark.parametrize("odd_one", [None, 0, 3, 5])
+def test_tensor_metas_of_a_task_are_each_objects_own(odd_one: int | None) -> None:
+    """A task of one layout gets one shared metadata; an object that differs anywhere in the
+    task (first, middle, last) gets its own, and so does every other object still."""
+    layouts = [((2, 8, 4), torch.float16, MemoryFormat.KV_2LTD)] * 6
+    if odd_one is not None:
+        layouts = list(layouts)
+        layouts[odd_one] = ((2, 8, 4), torch.bfloat16, MemoryFormat.KV_2LTD)
+    objs = [tensor_obj(*layout) for layout in layouts]
+    metas = tensor_metas(objs)
+    assert metas == [tensor_meta_of(obj) for obj in objs]
+    if odd_one is None:
+        assert len({id(m) for m in metas}) == 1
+    else:
+        assert metas[odd_one].dtypes == ("bfloat16",)
+        assert all(m.dtypes == ("float16",) for i, m in enumerate(metas) if i != odd_one)
+    assert tensor_metas([]) == []
+
+
+def test_tensor_metas_follow_each_objects_size() -> None:
+    """Same shape, dtype and format, but one object's used size narrowed: its own size."""
+    objs = [tensor_obj((4, 1024), torch.uint8) for _ in range(3)]
+    objs[1].set_used_size(2048)
+    assert [m.nbytes for m in tensor_metas(objs)] == [4096, 2048, 4096]
 
 
 def test_payload_views_are_the_objects_own_bytes() -> None:
