@@ -111,6 +111,17 @@ ReadItem = tuple[int, str, memoryview, int, bool, bytes, bytes]
 WriteItem = tuple[int, str, str, str, memoryview, bytes, bytes, bytes, "tuple[int, int] | None",
                   bool, int, int, int, tuple[str, ...]]
 
+#: How a root names a chunk's files from its digest, ``(shard_prefix, shard_levels,
+#: final_suffix, temp_suffix)`` (``RootLayout.write_naming``).
+WriteNaming = tuple[str, int, str, str]
+
+#: The chunks of a store task that go to one root, ``(root_fd, naming, namespace, meta, direct,
+#: mode, dir_mode, fsync_level, victims, digests, payloads, keys)``: what ``WriteItem`` says
+#: per chunk said once, and three lists of one length; the engine makes each chunk's names
+#: from its digest and ``naming`` (as ``RootLayout.write_names``), no Python per chunk.
+WriteShare = tuple[int, WriteNaming, bytes, bytes, bool, int, int, int, tuple[str, ...],
+                   list[str], list[memoryview], list[bytes]]
+
 
 class Batch(NamedTuple):
     """Per item a status (OK, JUDGE, FAILED, NEW_NAMESPACE), and the details of the rest: for
@@ -152,6 +163,11 @@ class NativeEngine:
         """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
         first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
         self._engine.submit_write(items, on_done)
+
+    def submit_shares(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
+        """``submit_write`` of a store task given as one share per root; the batch's chunks
+        come back share by share, in order."""
+        self._engine.submit_shares(shares, on_done)
 
     def writer_thread_ids(self) -> list[int]:
         """Kernel ids of the engine's write threads (each runs at nice 10)."""

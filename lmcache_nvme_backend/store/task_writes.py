@@ -8,8 +8,9 @@ server one process moves every chunk through one interpreter, so that is what bo
 case of a whole task: the native engine, every chunk in one layout and namespace with a
 key that fits the header, room in the queue now, no shared directory, no GPU checksum.
 Python decides once per task and each lock is taken once per task (the queue's, the
-catalogue's at admission and at publication); what runs per chunk is its digest, its
-write item and its index entry.  The engine writes the whole task as one batch.
+catalogue's at admission and at publication); what runs per chunk is its digest and its
+index entry.  The engine writes the whole task as one batch, given as one share per root
+(``native.WriteShare``): it makes each chunk's file names from its digest itself.
 
 Anything else goes the general way: ``submit`` returns False before it has changed
 anything, or undoes what it did (a reservation that did not fit on every root).  A batch
@@ -122,9 +123,9 @@ class NativeTaskWrites:
             roots = [root.index for root, mine, _ in groups for _ in mine]
         task: _Task = (on_done, layout, keys, payloads, digests, order, roots, groups,
                        time.perf_counter())
-        items = self._items(layout, digests, payloads, groups, key_bytes)
+        shares = self._shares(layout, digests, payloads, groups, key_bytes)
         try:
-            self._engine.submit_write(items, functools.partial(self._written, task))
+            self._engine.submit_shares(shares, functools.partial(self._written, task))
         except BaseException:
             self._undo(groups, digests, layout.file_size, nbytes)
             _call(on_done, TaskOutcome.failed())
@@ -173,25 +174,28 @@ class NativeTaskWrites:
                 writer.catalog.end_pending(digests[i] for i in mine)
                 writer.queue.release(len(mine) * nbytes, len(mine))
 
-    def _items(self, layout: _Layout, digests: list[str], payloads: Sequence[memoryview],
-               groups: list[tuple[RootState, list[int], list[IndexEntry]]],
-               key_bytes: list[bytes]) -> list[native.WriteItem]:
-        """The engine's write items of a task, root by root."""
+    def _shares(self, layout: _Layout, digests: list[str], payloads: Sequence[memoryview],
+                groups: list[tuple[RootState, list[int], list[IndexEntry]]],
+                key_bytes: list[bytes]) -> list[native.WriteShare]:
+        """The engine's shares of a task, one per root (it names each chunk's files from its
+        digest: no Python per chunk when the task goes to one root whole)."""
         writer = self._writer
         file_mode, dir_mode, fsync = writer.native_modes
         temp_suffix = writer.native_temp_suffix
-        ns_id, namespace_raw, meta_json = layout.ns_id, layout.namespace_raw, layout.meta_json
-        items: list[native.WriteItem] = []
+        shares: list[native.WriteShare] = []
         for root, mine, victims in groups:
             tree = root.layout
-            fd, direct, names = root_descriptor(tree.root_str), root.direct, tree.write_names
-            gone = tree.chunk_rels(victims)  # the share's first write removes them
-            for i in mine:
-                shard, temp, final = names(ns_id, digests[i], temp_suffix)
-                items.append((fd, shard, temp, final, payloads[i], key_bytes[i], namespace_raw,
-                              meta_json, None, direct, file_mode, dir_mode, fsync, gone))
-                gone = ()
-        return items
+            if len(mine) == len(digests):  # the whole task, in order
+                share, share_payloads, share_keys = digests, list(payloads), key_bytes
+            else:
+                share = [digests[i] for i in mine]
+                share_payloads = [payloads[i] for i in mine]
+                share_keys = [key_bytes[i] for i in mine]
+            shares.append((root_descriptor(tree.root_str),
+                           tree.write_naming(layout.ns_id, temp_suffix), layout.namespace_raw,
+                           layout.meta_json, root.direct, file_mode, dir_mode, fsync,
+                           tree.chunk_rels(victims), share, share_payloads, share_keys))
+        return shares
 
     def _written(self, task: _Task, result: native.Batch) -> None:
         """The engine wrote the task's batch (on its completion thread)."""

@@ -32,6 +32,12 @@ from lmcache_nvme_backend.disk.format import (
     padded_length,
     payload_checksum,
 )
+from lmcache_nvme_backend.disk.layout import (
+    LEGACY_SHARD_LEVELS,
+    SHARD_LEVELS,
+    RootLayout,
+    key_digest,
+)
 from lmcache_nvme_backend.disk.safe_fs import root_descriptor
 from lmcache_nvme_backend.disk.validate import Defect, Expected, judge_chunk
 from lmcache_nvme_backend.io import native
@@ -614,6 +620,97 @@ def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
     batch = write_now(engine_for(), [write_item(tmp_path, memoryview(b"new"), victims=victims)])
     assert batch.statuses == bytes([native.OK])
     assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
+
+
+# -- a store task's writes as shares ---------------------------------------------------------
+
+
+def share_for(root: Path, layout: RootLayout, keys: list[str], payloads: list[memoryview], *,
+              victims: tuple[str, ...] = (), ns_id: str = "0123456789abcdef"
+              ) -> native.WriteShare:
+    return (root_descriptor(str(root)), layout.write_naming(ns_id, ".tmp-test"), b"ns",
+            meta_for(len(payloads[0])).to_json(), True, 0o640, 0o750, 0,
+            victims, [key_digest(k) for k in keys], payloads, [k.encode() for k in keys])
+
+
+def write_shares_now(engine: NativeEngine, shares: list[native.WriteShare]) -> native.Batch:
+    done = Done()
+    engine.submit_shares(shares, done("shares"))
+    return done.wait_for(1)["shares"]
+
+
+@pytest.mark.parametrize("levels", [SHARD_LEVELS, LEGACY_SHARD_LEVELS])
+def test_shares_put_each_chunk_where_the_layout_names_it(engine_for, tmp_path: Path,
+                                                         levels: int) -> None:
+    """Two roots' shares of one task: each chunk at ``chunk_rel`` of its digest (the names
+    the engine made from the digest and the root's naming), whole and valid, no temp left;
+    each share's victims gone before its writes."""
+    roots = [tmp_path / "a", tmp_path / "b"]
+    layouts = [RootLayout(root, levels) for root in roots]
+    keys = [[f"a{i}" for i in range(5)], [f"b{i}" for i in range(3)]]
+    payloads = {k: random.Random(k).randbytes(5000) for k in keys[0] + keys[1]}
+    victim = layouts[1].chunk_rel("0123456789abcdef", key_digest("old"))
+    (roots[1] / victim).parent.mkdir(parents=True)
+    (roots[1] / victim).write_bytes(b"evicted")
+    for root in roots:
+        root.mkdir(exist_ok=True)
+    shares = [share_for(root, layout, mine, [memoryview(payloads[k]) for k in mine],
+                        victims=(victim,) if root == roots[1] else ())
+              for root, layout, mine in zip(roots, layouts, keys, strict=True)]
+    batch = write_shares_now(engine_for(), shares)
+    assert len(batch.statuses) == 8  # published, and the namespace made on root a
+    assert set(batch.statuses) <= {native.OK, native.NEW_NAMESPACE}
+    assert native.NEW_NAMESPACE in batch.statuses[:5]
+    assert not (roots[1] / victim).exists()
+    for root, layout, mine in zip(roots, layouts, keys, strict=True):
+        for k in mine:
+            path = root / layout.chunk_rel("0123456789abcdef", key_digest(k))
+            data = path.read_bytes()
+            n = len(payloads[k])
+            assert data[HEADER_SIZE:HEADER_SIZE + n] == payloads[k]
+            assert judge_chunk(data[:HEADER_SIZE], Expected(key=k, payload_len=n,
+                                                            meta=meta_for(n),
+                                                            file_size=len(data))).ok
+            assert [p.name for p in path.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_failed_chunk_of_a_share_is_reported_at_its_place_in_the_batch(
+        engine_for, tmp_path: Path) -> None:
+    layout = RootLayout(tmp_path)
+    keys = ["k0", "k1", "k2"]
+    blocked = tmp_path / layout.shard_rel("0123456789abcdef", key_digest("k2"))
+    blocked.parent.mkdir(parents=True)
+    blocked.write_bytes(b"a file where the shard directory goes")
+    share = share_for(tmp_path, layout, keys, [memoryview(b"abc")] * 3)
+    batch = write_shares_now(engine_for(), [share])
+    assert batch.statuses[2] == native.FAILED and batch.details[-1][:2] == (2, native.FAILED)
+    assert all((tmp_path / layout.chunk_rel("0123456789abcdef", key_digest(k))).exists()
+               for k in keys[:2])
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda s: (1, 2), TypeError, "share 0 is not a tuple of 12"),
+    (lambda s: s[:9] + (["a" * 32, "xyz"],) + s[10:], ValueError, "not lowercase hex"),
+    (lambda s: s[:9] + (["A" * 32, "b" * 32],) + s[10:], ValueError, "not lowercase hex"),
+    (lambda s: s[:9] + ([7, "b" * 32],) + s[10:], TypeError, "a digest must be str"),
+    (lambda s: s[:11] + (s[11][:1],), TypeError, "lists of one length"),
+    (lambda s: s[:11] + ([b"k", "k"],), TypeError, "key 1 must be bytes"),
+    (lambda s: s[:1] + (("ns/x/", 3, ".kv", ".tmp"),) + s[2:], ValueError, "shard_levels"),
+    (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, "naming is"),
+    (lambda s: s[:8] + (["v"],) + s[9:], TypeError, "victims must be a tuple, not list"),
+], ids=["shape", "short-digest", "upper-digest", "digest-type", "lengths", "key-type",
+        "levels", "naming", "victims"])
+def test_a_malformed_share_is_refused_clearly_and_writes_nothing(
+        engine_for, tmp_path: Path, change: Callable[[tuple], object], error: type[Exception],
+        message: str) -> None:
+    views = [memoryview(bytearray(b"abc")) for _ in range(2)]
+    share = share_for(tmp_path, RootLayout(tmp_path), ["k0", "k1"], views)
+    with pytest.raises(error, match=message):
+        engine_for().submit_shares([change(share)], lambda batch: None)  # type: ignore[list-item]
+    del share
+    for view in views:
+        view.release()  # BufferError if the batch still held a payload
+    assert not (tmp_path / "ns").exists()
 
 
 @pytest.mark.parametrize("planted_at", ["ns/0123456789abcdef/ab/cd", "ns/0123456789abcdef/ab",

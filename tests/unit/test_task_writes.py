@@ -164,10 +164,10 @@ def test_a_dispatch_that_raises_completes_the_task_and_gives_everything_back(
     engine = store.native_engine
     assert engine is not None
 
-    def broken(items: Any, on_done: Any) -> None:
+    def broken(shares: Any, on_done: Any) -> None:
         raise OSError("engine closed")
 
-    monkeypatch.setattr(engine, "submit_write", broken)
+    monkeypatch.setattr(engine, "submit_shares", broken)
     done: list[TaskOutcome] = []
     with pytest.raises(OSError, match="engine closed"):
         store.submit_task(["a"], [NS], [meta_for(CHUNK)], [memoryview(payload_for("a"))],

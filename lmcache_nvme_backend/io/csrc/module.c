@@ -13,6 +13,9 @@
  *   submit_read(items, token)                 asynchronous; the batch comes back from wait
  *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
  *                                             each waits up to 50 ms while reads are in flight)
+ *   submit_shares(shares, token)              the same for a store task given as one share
+ *                                             per root (its chunks named here, see
+ *                                             share_batch_new)
  *   wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and
  *                                             drained; first adds 1 to each eventfd in
  *                                             signals (at most MAX_WAIT_SIGNALS), in the
@@ -81,6 +84,7 @@ typedef struct batch {
     chunk_piece *pieces;
     size_t npieces;
     write_job *jobs; /* writes */
+    char *names;     /* a share batch's file names (share_batch_new) */
     Py_buffer *bufs;
     Py_ssize_t nbufs;
     atomic_long left;
@@ -134,6 +138,7 @@ static void batch_free(batch *b) {
         for (Py_ssize_t i = 0; i < b->n; i++) free(b->jobs[i].victims);
     free(b->reqs);
     free(b->jobs);
+    free(b->names);
     free(b->bufs);
     free(b->headers);
     free(b->pieces);
@@ -142,7 +147,9 @@ static void batch_free(batch *b) {
     free(b);
 }
 
-static batch *batch_alloc(PyObject *items, int kind) {
+/* A batch of `n` chunks (-1: one per item) holding `items` (which keeps alive every string
+ * and buffer its requests point into). */
+static batch *batch_alloc(PyObject *items, int kind, Py_ssize_t n) {
     batch *b = calloc(1, sizeof(batch));
     if (b == NULL) return (batch *)PyErr_NoMemory();
     b->kind = kind;
@@ -151,7 +158,7 @@ static batch *batch_alloc(PyObject *items, int kind) {
         free(b);
         return NULL;
     }
-    b->n = PyTuple_GET_SIZE(b->items);
+    b->n = n < 0 ? PyTuple_GET_SIZE(b->items) : n;
     b->bufs = calloc(b->n ? b->n : 1, sizeof(Py_buffer));
     if (b->bufs == NULL) {
         batch_free(b);
@@ -236,7 +243,7 @@ static int field_buffer(batch *b, PyObject *item, Py_ssize_t k, Py_ssize_t i, in
 }
 
 static batch *read_batch_new(Engine *self, PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_READ);
+    batch *b = batch_alloc(items, BATCH_READ, -1);
     if (b == NULL) return NULL;
     b->reqs = calloc(b->n ? b->n : 1, sizeof(chunk_read));
     if (b->reqs == NULL ||
@@ -290,7 +297,7 @@ fail:
 }
 
 static batch *write_batch_new(PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_WRITE);
+    batch *b = batch_alloc(items, BATCH_WRITE, -1);
     if (b == NULL) return NULL;
     b->jobs = calloc(b->n ? b->n : 1, sizeof(write_job));
     if (b->jobs == NULL) {
@@ -349,6 +356,201 @@ static batch *write_batch_new(PyObject *items) {
     }
     atomic_store(&b->left, (long)b->n);
     return b;
+fail:
+    batch_free(b);
+    return NULL;
+}
+
+/* The chunks of a share: its digests, payloads and keys, lists of one length. */
+static Py_ssize_t share_size(PyObject *share, Py_ssize_t s) {
+    PyObject *digests = PyTuple_GET_ITEM(share, 9), *payloads = PyTuple_GET_ITEM(share, 10),
+             *keys = PyTuple_GET_ITEM(share, 11);
+    if (!PyList_Check(digests) || !PyList_Check(payloads) || !PyList_Check(keys) ||
+        PyList_GET_SIZE(payloads) != PyList_GET_SIZE(digests) ||
+        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: digests, payloads and keys must be lists of "
+                                      "one length", s);
+        return -1;
+    }
+    return PyList_GET_SIZE(digests);
+}
+
+/* A digest (a str) as a file name takes it: lowercase hex, two characters or more per shard
+ * level. */
+static const char *digest_text(PyObject *o, int levels, Py_ssize_t *len) {
+    const char *text = PyUnicode_AsUTF8AndSize(o, len); /* a str: share_batch_new checked */
+    if (text == NULL) return NULL;
+    int hex = *len >= 2 * levels;
+    for (Py_ssize_t i = 0; hex && i < *len; i++)
+        hex = (text[i] >= '0' && text[i] <= '9') || (text[i] >= 'a' && text[i] <= 'f');
+    if (!hex) {
+        PyErr_Format(PyExc_ValueError, "digest %R is not lowercase hex of %d characters or "
+                                       "more", o, 2 * levels);
+        return NULL;
+    }
+    return text;
+}
+
+/* A store task's writes as shares, one per root, the names of each chunk made here from its
+ * digest as RootLayout.write_names makes them (docs/format.md): the directory shard_prefix
+ * + d[0:2] (+ "/" + d[2:4] with two shard levels), the final name d + final_suffix, the temp
+ * name that + temp_suffix.  A share is (root_fd, (shard_prefix, shard_levels, final_suffix,
+ * temp_suffix), namespace, meta, direct, mode, dir_mode, fsync_level, victims, digests,
+ * payloads, keys); its victims are removed before its first write.  The chunks come back
+ * share by share, in order. */
+#define SHARE_FIELDS 12
+static batch *share_batch_new(PyObject *shares) {
+    PyObject *tuple = PySequence_Tuple(shares);
+    if (tuple == NULL) return NULL;
+    Py_ssize_t nshares = PyTuple_GET_SIZE(tuple), n = 0;
+    size_t arena = 0;
+    for (Py_ssize_t s = 0; s < nshares; s++) {
+        PyObject *share = PyTuple_GET_ITEM(tuple, s), *naming;
+        Py_ssize_t size, prefix_len, final_len, temp_len;
+        if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != SHARE_FIELDS) {
+            PyErr_Format(PyExc_TypeError, "share %zd is not a tuple of %d", s, SHARE_FIELDS);
+            goto fail_tuple;
+        }
+        naming = PyTuple_GET_ITEM(share, 1);
+        if ((size = share_size(share, s)) < 0) goto fail_tuple;
+        if (!PyTuple_Check(naming) || PyTuple_GET_SIZE(naming) != 4 ||
+            PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len) == NULL ||
+            PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &final_len) == NULL ||
+            PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3), &temp_len) == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "share %zd: naming is (shard_prefix, "
+                                              "shard_levels, final_suffix, temp_suffix)", s);
+            goto fail_tuple;
+        }
+        for (Py_ssize_t j = 0; j < size; j++) {
+            PyObject *digest = PyList_GET_ITEM(PyTuple_GET_ITEM(share, 9), j);
+            Py_ssize_t len;
+            if (!PyUnicode_Check(digest)) {
+                PyErr_Format(PyExc_TypeError, "share %zd: a digest must be str, not %.100s", s,
+                             Py_TYPE(digest)->tp_name);
+                goto fail_tuple;
+            }
+            if (PyUnicode_AsUTF8AndSize(digest, &len) == NULL) goto fail_tuple;
+            /* directory (prefix + 5), final, temp; each NUL-terminated */
+            arena += (size_t)prefix_len + 6 + 2 * ((size_t)len + (size_t)final_len + 1) +
+                     (size_t)temp_len;
+        }
+        n += size;
+    }
+    batch *b = batch_alloc(tuple, BATCH_WRITE, n);
+    Py_DECREF(tuple);
+    if (b == NULL) return NULL;
+    b->jobs = calloc(n ? (size_t)n : 1, sizeof(write_job));
+    b->names = malloc(arena ? arena : 1);
+    if (b->jobs == NULL || b->names == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    char *at = b->names;
+    Py_ssize_t i = 0;
+    for (Py_ssize_t s = 0; s < nshares; s++) {
+        PyObject *share = PyTuple_GET_ITEM(b->items, s);
+        PyObject *naming = PyTuple_GET_ITEM(share, 1), *victims = PyTuple_GET_ITEM(share, 8);
+        PyObject *digests = PyTuple_GET_ITEM(share, 9), *payloads = PyTuple_GET_ITEM(share, 10);
+        PyObject *keys = PyTuple_GET_ITEM(share, 11);
+        Py_ssize_t prefix_len, final_len, temp_len;
+        const char *prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len);
+        const char *final_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2),
+                                                           &final_len);
+        const char *temp_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3),
+                                                          &temp_len);
+        int levels, root_fd, direct, mode, dir_mode, fsync_level;
+        const uint8_t *ns, *meta;
+        size_t ns_len, meta_len;
+        if (field_int(naming, 1, &levels) != 0 || field_int(share, 0, &root_fd) != 0 ||
+            field_bytes(share, 2, &ns, &ns_len) != 0 ||
+            field_bytes(share, 3, &meta, &meta_len) != 0 || field_flag(share, 4, &direct) != 0 ||
+            field_int(share, 5, &mode) != 0 || field_int(share, 6, &dir_mode) != 0 ||
+            field_int(share, 7, &fsync_level) != 0)
+            goto fail;
+        if (levels != 1 && levels != 2) {
+            PyErr_Format(PyExc_ValueError, "share %zd: shard_levels must be 1 or 2", s);
+            goto fail;
+        }
+        if (!PyTuple_Check(victims)) {
+            PyErr_Format(PyExc_TypeError, "share %zd: victims must be a tuple, not %.100s", s,
+                         Py_TYPE(victims)->tp_name);
+            goto fail;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(digests); j++, i++) {
+            write_job *job = &b->jobs[i];
+            chunk_write *w = &job->w;
+            Py_ssize_t dlen;
+            const char *d = digest_text(PyList_GET_ITEM(digests, j), levels, &dlen);
+            PyObject *key = PyList_GET_ITEM(keys, j);
+            if (d == NULL) goto fail;
+            if (!PyBytes_Check(key)) {
+                PyErr_Format(PyExc_TypeError, "share %zd: key %zd must be bytes", s, j);
+                goto fail;
+            }
+            if (PyObject_GetBuffer(PyList_GET_ITEM(payloads, j), &b->bufs[i], PyBUF_SIMPLE) != 0)
+                goto fail;
+            b->nbufs = i + 1;
+            char *dir = at;
+            memcpy(at, prefix, (size_t)prefix_len);
+            at += prefix_len;
+            *at++ = d[0];
+            *at++ = d[1];
+            if (levels == 2) {
+                *at++ = '/';
+                *at++ = d[2];
+                *at++ = d[3];
+            }
+            *at++ = '\0';
+            w->dir_rel = dir;
+            char *final = at;
+            memcpy(at, d, (size_t)dlen);
+            at += dlen;
+            memcpy(at, final_suffix, (size_t)final_len);
+            at += final_len;
+            *at++ = '\0';
+            w->final_name = final;
+            char *tmp = at;
+            memcpy(at, final, (size_t)(dlen + final_len));
+            at += dlen + final_len;
+            memcpy(at, temp_suffix, (size_t)temp_len);
+            at += temp_len;
+            *at++ = '\0';
+            w->tmp_name = tmp;
+            w->root_fd = root_fd;
+            w->payload = b->bufs[i].buf;
+            w->payload_len = (size_t)b->bufs[i].len;
+            w->key = (const uint8_t *)PyBytes_AS_STRING(key);
+            w->key_len = (size_t)PyBytes_GET_SIZE(key);
+            w->ns = ns;
+            w->ns_len = ns_len;
+            w->meta = meta;
+            w->meta_len = meta_len;
+            w->direct = direct;
+            w->mode = (mode_t)mode;
+            w->dir_mode = (mode_t)dir_mode;
+            w->fsync_level = fsync_level;
+            w->status = CHUNK_FAILED;
+            job->b = b;
+            if (j == 0 && PyTuple_GET_SIZE(victims)) {
+                job->nvictims = PyTuple_GET_SIZE(victims);
+                job->victims = calloc((size_t)job->nvictims, sizeof(char *));
+                if (job->victims == NULL) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                for (Py_ssize_t v = 0; v < job->nvictims; v++)
+                    if ((job->victims[v] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(victims, v))) ==
+                        NULL)
+                        goto fail;
+            }
+        }
+    }
+    atomic_store(&b->left, (long)b->n);
+    return b;
+fail_tuple:
+    Py_DECREF(tuple);
+    return NULL;
 fail:
     batch_free(b);
     return NULL;
@@ -779,6 +981,13 @@ static PyObject *Engine_submit_write(Engine *self, PyObject *args) {
     return b == NULL ? NULL : submit(self, b, token);
 }
 
+static PyObject *Engine_submit_shares(Engine *self, PyObject *args) {
+    PyObject *shares, *token;
+    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_open(self)) return NULL;
+    batch *b = share_batch_new(shares);
+    return b == NULL ? NULL : submit(self, b, token);
+}
+
 static PyObject *Engine_cancel_writes(Engine *self, PyObject *Py_UNUSED(ignored)) {
     if (self->threads == NULL) return PyLong_FromLong(0);
     pthread_mutex_lock(&self->mu);
@@ -981,6 +1190,9 @@ static PyMethodDef Engine_methods[] = {
      "submit_read(items, token): start a read batch; wait() returns it with its token."},
     {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
      "submit_write(items, token): start a write batch; wait() returns it with its token."},
+    {"submit_shares", (PyCFunction)Engine_submit_shares, METH_VARARGS,
+     "submit_shares(shares, token): start a store task's write batch, given as one share "
+     "per root; wait() returns it with its token."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and "
      "drained; first adds 1 to each eventfd of the tuple signals, without the GIL."},
