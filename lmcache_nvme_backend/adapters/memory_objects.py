@@ -236,8 +236,8 @@ def tensor_metas(objs: Sequence[MemoryObj]) -> list[TensorMeta]:
     getters and comparisons on LMCache's ``meta`` attribute (what the ``metadata`` property
     returns under the object's lock; its layout fields never change), so the only Python
     call per object is its ``get_size``, and the first object's metadata serves them all."""
-    if not objs:
-        return []
+    if len(objs) < 2:  # nothing to share (a task of one 16 MiB chunk, say)
+        return list(map(tensor_meta_of, objs))
     try:
         layouts = list(map(_LAYOUT_FIELDS, map(_META, objs)))
     except AttributeError:  # not one of LMCache's memory objects: ask each the long way
