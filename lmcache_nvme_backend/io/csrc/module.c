@@ -413,6 +413,10 @@ static batch *share_batch_new(PyObject *shares) {
         }
         naming = PyTuple_GET_ITEM(share, 1);
         if ((size = share_size(share, s)) < 0) goto fail_tuple;
+        if (size == 0) { /* its victims would be left: the first write removes them */
+            PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
+            goto fail_tuple;
+        }
         if (!PyTuple_Check(naming) || PyTuple_GET_SIZE(naming) != 4 ||
             PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len) == NULL ||
             PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &final_len) == NULL ||
