@@ -16,6 +16,10 @@ GB/s of each system and the ratios of ours to each baseline.
 
     sudo LMCACHE_TRACK_USAGE=false python bench/bench_l2.py /path/on/the/drive
 
+``--baseline REVISION`` adds this package as of a git revision (system ``base``, built
+into a temporary directory as ``bench_ceiling.py --baseline`` builds it) and a column
+ours / base: a change measured in the same run, order rotated with the others.
+
 Every ``lmcache bench l2`` uses ``--l1-align-bytes 4096`` (``fs_native`` with
 O_DIRECT fails every store silently without it).  Results (raw runs and the
 table) go to ``bench/results/l2-<timestamp>.json`` / ``.md``.
@@ -31,6 +35,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -136,10 +141,20 @@ def main() -> int:
     parser.add_argument("--nvme-params", default="{}",
                         help="extra adapter_params for NVMeL2Adapter (JSON)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--baseline", metavar="REVISION",
+                        help="also run this package as of git REVISION (system 'base', built "
+                             "as bench_ceiling.py --baseline builds it); adds nvme/base")
     args = parser.parse_args()
     nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
     systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    if args.baseline:
+        from bench_ceiling import build_baseline  # this directory (it imports this module)
+
+        packages = build_baseline(args.baseline, Path(tempfile.mkdtemp(prefix="l2-baseline-")))
+        ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [str(packages),
+                                                          ENV.get("PYTHONPATH")]))
+        systems.append("base")
+    unknown = sorted(set(systems) - set(SYSTEMS) - ({"base"} if args.baseline else set()))
     if unknown:
         parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     if "fio" in systems and shutil.which("fio") is None:
@@ -192,9 +207,10 @@ def main() -> int:
 
 
 def summarize(runs: list[dict[str, Any]], systems: list[str], args: argparse.Namespace) -> str:
+    bases = ["fs_native", "fs", "fio"] + (["base"] if "base" in systems else [])
     lines = ["| object | op | " + " | ".join(f"{s} GB/s" for s in systems)
-             + " | nvme/fs_native | nvme/fs | nvme/fio | all keys ok |",
-             "|---|---|" + "---|" * (len(systems) + 4)]
+             + "".join(f" | nvme/{b}" for b in bases) + " | all keys ok |",
+             "|---|---|" + "---|" * (len(systems) + len(bases) + 1)]
     for size_mb in sorted({r["size_mb"] for r in runs}):
         for op in ("store", "load"):
             med: dict[str, float] = {}
@@ -213,7 +229,7 @@ def summarize(runs: list[dict[str, Any]], systems: list[str], args: argparse.Nam
 
             lines.append(f"| {size_mb} MiB | {op} | "
                          + " | ".join(f"{med[s]:.2f}" for s in systems)
-                         + f" | {ratio('fs_native')} | {ratio('fs')} | {ratio('fio')} | "
+                         + "".join(f" | {ratio(b)}" for b in bases) + " | "
                          + ("yes" if ok else "NO") + " |")
     return "\n".join(lines) + "\n"
 
