@@ -236,16 +236,14 @@ def tensor_metas(objs: Sequence[MemoryObj]) -> list[TensorMeta]:
     getters and comparisons on LMCache's ``meta`` attribute (what the ``metadata`` property
     returns under the object's lock; its layout fields never change), so the only Python
     call per object is its ``get_size``, and the first object's metadata serves them all."""
-    if len(objs) < 2:  # nothing to share (a task of one 16 MiB chunk, say)
-        return list(map(tensor_meta_of, objs))
-    try:
-        layouts = list(map(_LAYOUT_FIELDS, map(_META, objs)))
-    except AttributeError:  # not one of LMCache's memory objects: ask each the long way
-        return list(map(tensor_meta_of, objs))
-    sizes = list(map(_GET_SIZE, objs))
-    n = len(objs)
-    if layouts.count(layouts[0]) == n and sizes.count(sizes[0]) == n:
-        return [tensor_meta_of(objs[0])] * n
+    if len(objs) > 1:  # one object: nothing to share
+        try:
+            layouts = list(map(_LAYOUT_FIELDS, map(_META, objs)))
+            sizes = list(map(_GET_SIZE, objs))
+        except AttributeError:  # not one of LMCache's memory objects: ask each the long way
+            layouts = sizes = []
+        if layouts and layouts.count(layouts[0]) == len(objs) == sizes.count(sizes[0]):
+            return [tensor_meta_of(objs[0])] * len(objs)
     return list(map(tensor_meta_of, objs))
 
 

@@ -8,6 +8,7 @@ LMCache's ``fs`` L2 adapter uses for file names; the namespace is the model (and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from lmcache.v1.distributed.api import ObjectKey
 
@@ -43,14 +44,21 @@ def object_key_parts(key: ObjectKey) -> tuple[str, str]:
 
 
 def object_key_strings(keys: Sequence[ObjectKey]) -> list[str]:
-    """:func:`object_key_string` of each key (every chunk stored, loaded and deleted has one):
-    the native formatter's when it takes every key (``adapters/csrc/keys.c``: about a fifth
-    of the interpreter's instructions), else :func:`_format_key_strings`."""
+    """:func:`object_key_string` of each key (every chunk stored, loaded and deleted has
+    one)."""
+    return _key_columns(keys, False)[0]
+
+
+def _key_columns(keys: Sequence[ObjectKey], with_namespaces: bool
+                 ) -> tuple[list[str], list[str] | None]:
+    """The key strings (and the namespaces when asked): the native formatter's when it takes
+    every key (``adapters/csrc/keys.c``: about a fifth of the interpreter's instructions),
+    else this module's definitions'."""
     if _native_columns is not None:
-        formatted = _native_columns(keys, False)
+        formatted = _native_columns(keys, with_namespaces)
         if formatted is not None:
-            return formatted[0]
-    return _format_key_strings(keys)
+            return formatted
+    return _format_key_strings(keys), _format_namespaces(keys) if with_namespaces else None
 
 
 def _format_key_strings(keys: Sequence[ObjectKey]) -> list[str]:
@@ -69,11 +77,8 @@ def _format_key_strings(keys: Sequence[ObjectKey]) -> list[str]:
 
 def object_key_columns(keys: Sequence[ObjectKey]) -> tuple[list[str], list[str]]:
     """The key strings and the namespaces of ``keys``, as two lists."""
-    if _native_columns is not None:
-        formatted = _native_columns(keys, True)
-        if formatted is not None and formatted[1] is not None:
-            return formatted[0], formatted[1]
-    return _format_key_strings(keys), _format_namespaces(keys)
+    names, namespaces = _key_columns(keys, True)
+    return names, cast("list[str]", namespaces)
 
 
 def _format_namespaces(keys: Sequence[ObjectKey]) -> list[str]:
