@@ -547,6 +547,39 @@ def test_writes_files_the_python_engine_reads_and_validates(
     assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == ["chunk.kv"]
 
 
+@pytest.mark.parametrize("n,task_size,direct,kind,overlapped", [
+    (2 * BLOCK_SIZE, 64 * MIB, True, "aligned", True),  # two groups of one block
+    (3 * BLOCK_SIZE + 4096, 64 * MIB, True, "aligned", True),  # the last group short
+    (33 * BLOCK_SIZE + 8192, 64 * MIB, True, "aligned", True),  # groups of three blocks
+    (BLOCK_SIZE, 64 * MIB, True, "aligned", False),  # one block: nothing to overlap
+    (2 * BLOCK_SIZE, BLOCK_SIZE + 4096, True, "aligned", False),  # piece by piece
+    (2 * BLOCK_SIZE + 100, 64 * MIB, True, "aligned", False),  # a staged tail
+    (2 * BLOCK_SIZE, 64 * MIB, True, "unaligned", False),
+    (2 * BLOCK_SIZE, 64 * MIB, False, "aligned", False)])
+def test_a_chunk_of_several_blocks_is_written_while_it_is_hashed(
+        engine_for, tmp_path: Path, n: int, task_size: int, direct: bool, kind: str,
+        overlapped: bool) -> None:
+    """O_DIRECT, aligned, whole 4 KiB pages, more than one block and one piece: the groups
+    go out (last first, the header with the first) as their digests are known; the file is
+    the same format, whole, and validates.  Anything else takes the one-call path."""
+    payload = payload_for(n)
+    source = dest_for(n, kind)
+    source[:n] = payload
+    (tmp_path / REL).parent.mkdir(parents=True)
+    before = native.counters()["overlapped_writes"]
+    statuses, details = write_now(engine_for(task_size),
+                                  [write_item(tmp_path, source[:n], direct=direct)])
+    assert (statuses, details) == (bytes([native.OK]), [])
+    assert native.counters()["overlapped_writes"] - before == int(overlapped)
+    data = (tmp_path / REL).read_bytes()
+    assert len(data) == HEADER_SIZE + padded_length(n)
+    assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
+    assert set(data[HEADER_SIZE + n:]) <= {0}
+    assert decode_header(data[:HEADER_SIZE]).payload_checksum == payload_checksum(payload)
+    assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
+                                                    file_size=len(data))).ok
+
+
 def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> None:
     (tmp_path / REL).parent.mkdir(parents=True)
     old = os.umask(0o077)

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <linux/aio_abi.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +44,7 @@ static const uint8_t ZEROS[CHUNK_ALIGNMENT];
 _Atomic uint64_t chunkio_hashed_bytes;
 _Atomic uint64_t chunkio_hash_sampled_ns;
 _Atomic uint64_t chunkio_hash_sampled_bytes;
+_Atomic uint64_t chunkio_overlapped_writes;
 
 size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
 
@@ -347,6 +349,19 @@ static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
     return 0;
 }
 
+/* Moves past the first `n` bytes of the vector (those written). */
+static void iov_skip(struct iovec **iov, int *count, size_t n) {
+    while (*count > 0 && n >= (*iov)->iov_len) {
+        n -= (*iov)->iov_len;
+        (*iov)++;
+        (*count)--;
+    }
+    if (*count > 0) {
+        (*iov)->iov_base = (uint8_t *)(*iov)->iov_base + n;
+        (*iov)->iov_len -= n;
+    }
+}
+
 static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
     while (count > 0) {
         ssize_t n = pwritev(fd, iov, count, offset);
@@ -355,15 +370,7 @@ static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
             return errno;
         }
         offset += n;
-        while (count > 0 && (size_t)n >= iov->iov_len) {
-            n -= (ssize_t)iov->iov_len;
-            iov++;
-            count--;
-        }
-        if (count > 0) {
-            iov->iov_base = (uint8_t *)iov->iov_base + n;
-            iov->iov_len -= (size_t)n;
-        }
+        iov_skip(&iov, &count, (size_t)n);
     }
     return 0;
 }
@@ -460,10 +467,13 @@ typedef struct {
     uint8_t *header;
     uint8_t *staging;
     size_t staging_size;
+    aio_context_t aio; /* for overlapped writes; aio_state 0 untried, 1 set up, -1 none */
+    int aio_state;
 } thread_buffers;
 
 static void free_buffers(void *p) {
     thread_buffers *b = p;
+    if (b->aio_state == 1) syscall(SYS_io_destroy, b->aio);
     free(b->header);
     free(b->staging);
     free(b);
@@ -534,6 +544,112 @@ static int write_payload(int fd, const uint8_t *header, const uint8_t *data, siz
     return count ? pwritev_full(fd, iov, count, at) : 0; /* an empty payload: the header */
 }
 
+/* The job's header, into `out`, from its payload's block digests: 0 or EINVAL. */
+static int encode_job_header(const chunk_write *job, uint8_t *out, const uint64_t *digests,
+                             size_t blocks, uint64_t created) {
+    return chunk_encode_header(out, job->key, job->key_len, job->ns, job->ns_len, job->meta,
+                               job->meta_len, job->payload_len,
+                               combine_digests(digests, blocks), created,
+                               job->has_gpu_checksum ? job->gpu_checksum : NULL) != 0
+               ? EINVAL
+               : 0;
+}
+
+/* I/Os one chunk's overlapped write keeps in flight at most: its blocks go in this many
+ * groups or fewer. */
+#define WRITE_GROUPS 16
+
+/* This thread's AIO context, set up on first use; 0 where the kernel gives none (a seccomp
+ * filter, fs.aio-max-nr reached): its chunks are then written in one synchronous call. */
+static aio_context_t my_aio(thread_buffers *b) {
+    if (b->aio_state == 0) b->aio_state = syscall(SYS_io_setup, WRITE_GROUPS, &b->aio) == 0 ? 1 : -1;
+    return b->aio_state == 1 ? b->aio : 0;
+}
+
+/* Waits for `in_flight` submitted groups (their vectors in `vecs`) and writes
+ * synchronously what the kernel wrote short.  Returns the first error, or 0. */
+static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int in_flight) {
+    struct io_event events[WRITE_GROUPS];
+    int err = 0;
+    while (in_flight > 0) {
+        long got = syscall(SYS_io_getevents, b->aio, 1, in_flight, events, NULL);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { /* never for a valid context; destroying it waits for its I/O */
+            err = errno;
+            syscall(SYS_io_destroy, b->aio);
+            b->aio_state = -1;
+            return err;
+        }
+        for (long e = 0; e < got; e++) {
+            struct iocb *cb = (struct iocb *)(uintptr_t)events[e].obj;
+            struct iovec *iov = vecs[cb->aio_data];
+            int count = iov[1].iov_len ? 2 : 1;
+            size_t want = iov[0].iov_len + iov[1].iov_len;
+            if (events[e].res < 0) {
+                if (!err) err = (int)-events[e].res;
+            } else if ((size_t)events[e].res < want && !err) {
+                iov_skip(&iov, &count, (size_t)events[e].res);
+                err = pwritev_full(fd, iov, count, (off_t)cb->aio_offset + events[e].res);
+            }
+        }
+        in_flight -= (int)got;
+    }
+    return err;
+}
+
+/* An aligned O_DIRECT payload of several blocks, written while it is hashed, so that the
+ * drive is busy while the CPU hashes: the blocks in up to WRITE_GROUPS groups, last group
+ * first, each submitted (Linux AIO) as soon as its digests are known, and the first group
+ * with the header in one I/O once they all are.  The file's blocks are allocated first
+ * (fallocate; its size alone where the filesystem cannot): ext4 waits at submission for an
+ * O_DIRECT write that extends a file, which would serialise the groups again, and groups
+ * written last first into a hole could be placed last first.  A group the kernel does not
+ * take is written synchronously.  Returns an errno, 0, or -1 when it wrote nothing (no
+ * AIO here): the caller writes synchronously. */
+static int write_overlapped(const chunk_write *job, int fd, thread_buffers *b,
+                            uint64_t *digests, size_t blocks, uint64_t created) {
+    aio_context_t ctx = my_aio(b);
+    if (ctx == 0) return -1;
+    off_t size = (off_t)(CHUNK_HEADER_SIZE + job->payload_len);
+    if (fallocate(fd, 0, 0, size) != 0 && ftruncate(fd, size) != 0) return errno;
+    size_t group = (blocks + WRITE_GROUPS - 1) / WRITE_GROUPS * (size_t)CHUNK_BLOCK_SIZE;
+    size_t groups = (job->payload_len + group - 1) / group;
+    struct iocb cbs[WRITE_GROUPS];
+    struct iovec vecs[WRITE_GROUPS][2];
+    int in_flight = 0, err = 0;
+    for (size_t g = groups; g-- > 0 && !err;) {
+        size_t start = g * group;
+        size_t n = job->payload_len - start < group ? job->payload_len - start : group;
+        hash_blocks(job->payload, job->payload_len, start, start + n, digests, NULL);
+        struct iovec *iov = vecs[g];
+        iov[1] = (struct iovec){(void *)(job->payload + start), n};
+        if (g > 0) {
+            iov[0] = iov[1];
+            iov[1] = (struct iovec){NULL, 0};
+        } else if ((err = encode_job_header(job, b->header, digests, blocks, created)) != 0) {
+            break;
+        } else {
+            iov[0] = (struct iovec){b->header, CHUNK_HEADER_SIZE};
+        }
+        struct iocb *cb = &cbs[g];
+        memset(cb, 0, sizeof(*cb));
+        cb->aio_data = g;
+        cb->aio_lio_opcode = IOCB_CMD_PWRITEV;
+        cb->aio_fildes = (uint32_t)fd;
+        cb->aio_buf = (uintptr_t)iov;
+        cb->aio_nbytes = iov[1].iov_len ? 2 : 1;
+        cb->aio_offset = g > 0 ? (int64_t)(CHUNK_HEADER_SIZE + start) : 0;
+        struct iocb *one[1] = {cb};
+        if (syscall(SYS_io_submit, ctx, 1, one) == 1)
+            in_flight++;
+        else
+            err = pwritev_full(fd, iov, (int)cb->aio_nbytes, (off_t)cb->aio_offset);
+    }
+    int reaped = reap_groups(b, fd, vecs, in_flight);
+    atomic_fetch_add_explicit(&chunkio_overlapped_writes, 1, memory_order_relaxed);
+    return err ? err : reaped;
+}
+
 static int write_temp(chunk_write *job, int fd, size_t task_size) {
     size_t blocks = (job->payload_len + CHUNK_BLOCK_SIZE - 1) / CHUNK_BLOCK_SIZE;
     uint64_t stack_digests[64];
@@ -548,33 +664,28 @@ static int write_temp(chunk_write *job, int fd, size_t task_size) {
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     uint64_t created = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
-    int err = 0;
-    const uint64_t *gpu = job->has_gpu_checksum ? job->gpu_checksum : NULL;
-    if (job->payload_len <= piece) { /* one piece: hash first, one call for everything */
+    int err = -1; /* nothing written yet */
+    if (job->payload_len <= piece && blocks > 1 && job->direct && is_aligned(job->payload) &&
+        job->payload_len % CHUNK_ALIGNMENT == 0)
+        err = write_overlapped(job, fd, b, digests, blocks, created);
+    if (err < 0 && job->payload_len <= piece) { /* one piece: hash first, one call for all */
         hash_blocks(job->payload, job->payload_len, 0, job->payload_len, digests, NULL);
-        if (chunk_encode_header(b->header, job->key, job->key_len, job->ns, job->ns_len,
-                                job->meta, job->meta_len, job->payload_len,
-                                combine_digests(digests, blocks), created, gpu) != 0)
-            err = EINVAL;
-        else
+        err = encode_job_header(job, b->header, digests, blocks, created);
+        if (!err)
             err = write_payload(fd, b->header, job->payload, job->payload_len, 0, job->direct,
                                 task_size);
-    } else { /* piece by piece, each hashed just before it is written; the header last */
+    } else if (err < 0) { /* piece by piece, each hashed just before it is written; the header last */
+        err = 0;
         for (size_t start = 0; !err && start < job->payload_len; start += piece) {
             size_t n = job->payload_len - start < piece ? job->payload_len - start : piece;
             hash_blocks(job->payload, job->payload_len, start, start + n, digests, NULL);
             err = write_payload(fd, NULL, job->payload + start, n, start, job->direct,
                                 task_size);
         }
+        if (!err) err = encode_job_header(job, b->header, digests, blocks, created);
         if (!err) {
-            if (chunk_encode_header(b->header, job->key, job->key_len, job->ns, job->ns_len,
-                                    job->meta, job->meta_len, job->payload_len,
-                                    combine_digests(digests, blocks), created, gpu) != 0) {
-                err = EINVAL;
-            } else {
-                struct iovec iov = {b->header, CHUNK_HEADER_SIZE};
-                err = pwritev_full(fd, &iov, 1, 0);
-            }
+            struct iovec iov = {b->header, CHUNK_HEADER_SIZE};
+            err = pwritev_full(fd, &iov, 1, 0);
         }
     }
     if (digests != stack_digests) free(digests);

@@ -1274,14 +1274,16 @@ static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
 }
 
 static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{sKsKsKsKsK}", "gil_releases",
+    return Py_BuildValue("{sKsKsKsKsKsK}", "gil_releases",
                          (unsigned long long)atomic_load(&gil_releases), "wake_releases",
                          (unsigned long long)atomic_load(&wake_releases), "hashed_bytes",
                          (unsigned long long)atomic_load(&chunkio_hashed_bytes),
                          "hash_sampled_ns",
                          (unsigned long long)atomic_load(&chunkio_hash_sampled_ns),
                          "hash_sampled_bytes",
-                         (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes));
+                         (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
+                         "overlapped_writes",
+                         (unsigned long long)atomic_load(&chunkio_overlapped_writes));
 }
 
 /* The cycle collector stops tracking each object (if it did): for objects that can never be
@@ -1323,7 +1325,8 @@ static PyMethodDef module_methods[] = {
      " -> bytes: a chunk header as the native writer builds it."},
     {"counters", py_counters, METH_NOARGS,
      "counters() -> dict: GIL releases (and of them, to wake workers), bytes hashed, and "
-     "the thread CPU nanoseconds and bytes of the hash calls timed (one in eight)."},
+     "the thread CPU nanoseconds and bytes of the hash calls timed (one in eight), and the "
+     "chunks written while hashed (overlapped)."},
     {"gc_untrack", (PyCFunction)(void (*)(void))py_gc_untrack, METH_FASTCALL,
      "gc_untrack(*objs): the cycle collector no longer tracks these objects (which must "
      "never be part of a reference cycle)."},
