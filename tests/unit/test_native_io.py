@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from support.mounts import ext4_image
 from support.prerequisites import missing_prerequisite
 
 from lmcache_nvme_backend.disk.format import (
@@ -578,6 +579,34 @@ def test_a_chunk_of_several_blocks_is_written_while_it_is_hashed(
     assert decode_header(data[:HEADER_SIZE]).payload_checksum == payload_checksum(payload)
     assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
                                                     file_size=len(data))).ok
+
+
+def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
+        engine_for, tmp_path: Path) -> None:
+    """Two-block chunks into a small ext4 until it is full: each chunk is published whole
+    or fails with ENOSPC (its blocks cannot be allocated); no temp file is left and every
+    published file validates."""
+    with ext4_image(tmp_path / "fs", 16, journal=True) as fs:
+        n = 2 * BLOCK_SIZE
+        source = dest_for(n, "aligned")
+        source[:n] = payload_for(n)
+        (fs / REL).parent.mkdir(parents=True)
+        engine = engine_for()
+        before = native.counters()["overlapped_writes"]
+        results = [write_now(engine, [write_item(fs, source[:n], name=f"c{i}.kv")])
+                   for i in range(12)]  # 24 MiB into 16 MiB
+        written = [i for i, r in enumerate(results) if r.statuses == bytes([native.OK])]
+        assert written and len(written) < len(results)
+        assert all(r.details == [(0, native.FAILED, errno.ENOSPC)]
+                   for i, r in enumerate(results) if i not in written)
+        assert native.counters()["overlapped_writes"] - before >= len(written)
+        shard = (fs / REL).parent
+        assert sorted(p.name for p in shard.iterdir()) == sorted(f"c{i}.kv" for i in written)
+        for i in written:
+            data = (shard / f"c{i}.kv").read_bytes()
+            assert data[HEADER_SIZE:] == payload_for(n)
+            assert judge_chunk(data[:HEADER_SIZE], Expected(
+                key="k", payload_len=n, meta=meta_for(n), file_size=len(data))).ok
 
 
 def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> None:

@@ -611,7 +611,8 @@ static int write_overlapped(const chunk_write *job, int fd, thread_buffers *b,
     aio_context_t ctx = my_aio(b);
     if (ctx == 0) return -1;
     off_t size = (off_t)(CHUNK_HEADER_SIZE + job->payload_len);
-    if (fallocate(fd, 0, 0, size) != 0 && ftruncate(fd, size) != 0) return errno;
+    if (fallocate(fd, 0, 0, size) != 0 && (errno != EOPNOTSUPP || ftruncate(fd, size) != 0))
+        return errno; /* no room (ENOSPC) is said before anything is written */
     size_t group = (blocks + WRITE_GROUPS - 1) / WRITE_GROUPS * (size_t)CHUNK_BLOCK_SIZE;
     size_t groups = (job->payload_len + group - 1) / group;
     struct iocb cbs[WRITE_GROUPS];
