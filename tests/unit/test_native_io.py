@@ -551,7 +551,7 @@ def test_writes_files_the_python_engine_reads_and_validates(
 @pytest.mark.parametrize("n,task_size,direct,kind,overlapped", [
     (2 * BLOCK_SIZE, 64 * MIB, True, "aligned", True),  # two groups of one block
     (3 * BLOCK_SIZE + 4096, 64 * MIB, True, "aligned", True),  # the last group short
-    (33 * BLOCK_SIZE + 8192, 64 * MIB, True, "aligned", True),  # groups of three blocks
+    (33 * BLOCK_SIZE + 8192, 64 * MIB, True, "aligned", True),  # groups of nine blocks
     (BLOCK_SIZE, 64 * MIB, True, "aligned", False),  # one block: nothing to overlap
     (2 * BLOCK_SIZE, BLOCK_SIZE + 4096, True, "aligned", False),  # piece by piece
     (2 * BLOCK_SIZE + 100, 64 * MIB, True, "aligned", False),  # a staged tail
