@@ -523,6 +523,19 @@ def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool 
             victims)
 
 
+def assert_whole_chunk_file(path: Path, payload: bytes) -> None:
+    """``path`` holds ``payload`` whole, zero padded to 4 KiB, under a header whose checksum
+    is the payload's and which validates as key ``k``."""
+    n = len(payload)
+    data = path.read_bytes()
+    assert len(data) == HEADER_SIZE + padded_length(n)
+    assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
+    assert set(data[HEADER_SIZE + n:]) <= {0}
+    assert decode_header(data[:HEADER_SIZE]).payload_checksum == payload_checksum(payload)
+    assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
+                                                    file_size=len(data))).ok
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("kind", ["aligned", "unaligned"])
 @pytest.mark.parametrize("task_size", [8192, 2 * MIB])
@@ -537,14 +550,7 @@ def test_writes_files_the_python_engine_reads_and_validates(
                                   [write_item(tmp_path, source[:n], direct=direct,
                                               fsync_level=2)])
     assert (statuses, details) == (bytes([native.OK]), [])
-    data = (tmp_path / REL).read_bytes()
-    assert len(data) == HEADER_SIZE + padded_length(n)
-    assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
-    assert set(data[HEADER_SIZE + n:]) <= {0}
-    header = decode_header(data[:HEADER_SIZE])
-    assert header.payload_checksum == payload_checksum(payload)
-    assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
-                                                    file_size=len(data))).ok
+    assert_whole_chunk_file(tmp_path / REL, payload)
     assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == ["chunk.kv"]
 
 
@@ -572,13 +578,7 @@ def test_a_chunk_of_several_blocks_is_written_while_it_is_hashed(
                                   [write_item(tmp_path, source[:n], direct=direct)])
     assert (statuses, details) == (bytes([native.OK]), [])
     assert native.counters()["overlapped_writes"] - before == int(overlapped)
-    data = (tmp_path / REL).read_bytes()
-    assert len(data) == HEADER_SIZE + padded_length(n)
-    assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
-    assert set(data[HEADER_SIZE + n:]) <= {0}
-    assert decode_header(data[:HEADER_SIZE]).payload_checksum == payload_checksum(payload)
-    assert judge_chunk(data[:HEADER_SIZE], Expected(key="k", payload_len=n, meta=meta_for(n),
-                                                    file_size=len(data))).ok
+    assert_whole_chunk_file(tmp_path / REL, payload)
 
 
 def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
@@ -603,10 +603,7 @@ def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
         shard = (fs / REL).parent
         assert sorted(p.name for p in shard.iterdir()) == sorted(f"c{i}.kv" for i in written)
         for i in written:
-            data = (shard / f"c{i}.kv").read_bytes()
-            assert data[HEADER_SIZE:] == payload_for(n)
-            assert judge_chunk(data[:HEADER_SIZE], Expected(
-                key="k", payload_len=n, meta=meta_for(n), file_size=len(data))).ok
+            assert_whole_chunk_file(shard / f"c{i}.kv", payload_for(n))
 
 
 def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> None:
