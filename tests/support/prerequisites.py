@@ -11,8 +11,9 @@ import pytest
 
 
 def missing_prerequisite(reason: str) -> NoReturn:
-    """Skip, or fail under ``CI``, with ``reason``."""
+    """Skip, or fail under ``CI``, with ``reason`` (in a test, a fixture, or at the top of a
+    test module: the whole module)."""
     if os.environ.get("CI"):
         pytest.fail(f"prerequisite missing (CI is set, so this is a failure, not a skip): "
                     f"{reason}", pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
