@@ -48,8 +48,28 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+def python_shm_segments() -> set[str]:
+    """The ``multiprocessing.shared_memory`` segments in /dev/shm (``psm_*``, random names:
+    vLLM's message queues between its engine and its workers)."""
+    return {p.name for p in Path("/dev/shm").glob("psm_*")}
+
+
+def unmapped(segments: set[str]) -> set[str]:
+    """Of ``segments``, those no live process maps: left behind, nobody will remove them."""
+    left = set(segments)
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text = maps.read_text()
+            left -= {name for name in left if f"/dev/shm/{name}" in text}
+    return left
+
+
 def run_vllm(python: Path, model: Path, server: MPServer, phase: str, log: Path
              ) -> dict[str, Any]:
+    """One vLLM run of the driver; its report.  Its engine is shut down before the driver
+    exits: a vLLM left to exit on its own left two message-queue segments (160 and 240
+    MiB) in /dev/shm per run."""
+    segments_before = python_shm_segments()
     cmd = module_command(DRIVER, "run", "--model", model, "--port", str(server.port),
                          "--http", server.http, "--phase", phase, python=python)
     with open(log, "w") as out:
@@ -66,6 +86,8 @@ def run_vllm(python: Path, model: Path, server: MPServer, phase: str, log: Path
     text = log.read_text()
     report = reports.find(text)
     if report is not None:
+        left = unmapped(python_shm_segments() - segments_before)
+        assert not left, f"vLLM run '{phase}' left shared memory in /dev/shm: {sorted(left)}"
         return report
     raise AssertionError(f"vLLM run '{phase}' produced no report (rc {proc.returncode}):\n"
                          f"{text[-6000:]}\n--- server log ---\n{server.log.read_text()[-3000:]}")

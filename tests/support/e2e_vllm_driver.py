@@ -103,6 +103,7 @@ def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
         report["clear"] = clear_l1(http)
     report["hit"] = ask(prompt)
     report["status_after"] = adapter_status(http)
+    llm.llm_engine.engine_core.shutdown()  # else its message queues stay in /dev/shm
     return report
 
 
