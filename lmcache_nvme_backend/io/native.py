@@ -54,10 +54,8 @@ def counters() -> dict[str, int]:
     """The engine's process-wide counters: GIL releases (``gil_releases``, of them
     ``wake_releases``), bytes hashed (``hashed_bytes``) and the checksum's CPU time, sampled:
     one hash call in eight per thread is timed (``hash_sampled_ns`` over
-    ``hash_sampled_bytes``); see ``hash_cpu_ns``; the chunks written while they were hashed
-    (``overlapped_writes``: O_DIRECT chunks of two blocks or more, through Linux AIO), and the
-    read pieces hashed while they landed (``overlapped_reads``: O_DIRECT pieces read in place,
-    of 8 blocks (8 MiB) or more)."""
+    ``hash_sampled_bytes``); see ``hash_cpu_ns``; and the chunks written while they were
+    hashed (``overlapped_writes``: O_DIRECT chunks of two blocks or more, through Linux AIO)."""
     return dict(_native.counters()) if _native is not None else {}
 
 

@@ -201,49 +201,6 @@ def test_what_it_cannot_verify_comes_back_for_the_python_validator(
     assert verdict.defect is defect
 
 
-@pytest.mark.parametrize("n,task_size,kind,direct,overlapped", [
-    (8 * BLOCK_SIZE, 64 * MIB, "aligned", True, 1),  # four groups of two blocks
-    (9 * BLOCK_SIZE + 4097, 64 * MIB, "aligned", True, 1),  # the last group short
-    (33 * BLOCK_SIZE + 8192, 64 * MIB, "aligned", True, 1),  # groups of nine blocks
-    (20 * BLOCK_SIZE, 8 * BLOCK_SIZE + 4096, "aligned", True, 2),  # groups across blocks
-    (7 * BLOCK_SIZE + 4096, 64 * MIB, "aligned", True, 0),  # under 8 blocks: one call
-    (8 * BLOCK_SIZE, 64 * MIB, "unaligned", True, 0),  # staged
-    (8 * BLOCK_SIZE, 64 * MIB, "aligned", False, 0)])
-def test_a_piece_of_several_blocks_is_hashed_while_it_lands(
-        engine_for, tmp_path: Path, n: int, task_size: int, kind: str, direct: bool,
-        overlapped: int) -> None:
-    """An O_DIRECT piece read in place of 8 blocks or more is read in groups and each
-    group's blocks hashed as it lands (pieces that start or end inside a block leave it to
-    the end); the bytes and the verdict are those of a read in one call."""
-    payload = payload_for(n)
-    write_python(tmp_path, payload, direct=direct)
-    dest = dest_for(n, kind)
-    before = native.counters()["overlapped_reads"]
-    statuses, details = engine_for(task_size).read([item(tmp_path, dest, n, direct=direct)])
-    assert (statuses, details) == (bytes([native.OK]), [])
-    assert bytes(dest[:n]) == payload
-    assert native.counters()["overlapped_reads"] - before == overlapped
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_a_damaged_block_in_a_late_group_is_caught(engine_for, tmp_path: Path,
-                                                    version: int) -> None:
-    n = 8 * BLOCK_SIZE
-    payload = payload_for(n)
-    path = write_python(tmp_path, payload, version=version)
-    damage(path, HEADER_SIZE + 6 * BLOCK_SIZE + 12345)
-    landed = bytearray(payload)
-    landed[6 * BLOCK_SIZE + 12345] ^= 0x40
-    before = native.counters()["overlapped_reads"]
-    statuses, details = engine_for().read([item(tmp_path, dest_for(n, "aligned"), n)])
-    assert native.counters()["overlapped_reads"] - before == 1
-    assert statuses == bytes([native.JUDGE])
-    [(_, error, header, computed)] = details
-    assert error == 0 and decode_header(header).payload_checksum == payload_checksum(
-        payload, version)
-    assert computed == payload_checksum(bytes(landed), version)
-
-
 def test_failures_come_back_with_their_errno(engine_for, tmp_path: Path) -> None:
     n = 8192
     path = write_python(tmp_path, payload_for(n))

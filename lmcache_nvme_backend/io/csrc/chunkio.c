@@ -45,7 +45,6 @@ _Atomic uint64_t chunkio_hashed_bytes;
 _Atomic uint64_t chunkio_hash_sampled_ns;
 _Atomic uint64_t chunkio_hash_sampled_bytes;
 _Atomic uint64_t chunkio_overlapped_writes;
-_Atomic uint64_t chunkio_overlapped_reads;
 
 size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
 
@@ -268,176 +267,6 @@ static int quick_verdict(const chunk_read *req) {
     return rd_u64(h + OFF_CHECKSUM) == req->computed;
 }
 
-/* -- vectored I/O, per-thread buffers, and I/O overlapped with hashing ------------------- */
-
-/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
-static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
-    while (count > 0) {
-        ssize_t n = preadv(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) return ENODATA;
-        offset += n;
-        while (count > 0 && (size_t)n >= iov->iov_len) {
-            n -= (ssize_t)iov->iov_len;
-            iov++;
-            count--;
-        }
-        if (count > 0) {
-            iov->iov_base = (uint8_t *)iov->iov_base + n;
-            iov->iov_len -= (size_t)n;
-        }
-    }
-    return 0;
-}
-
-/* Moves past the first `n` bytes of the vector (those written). */
-static void iov_skip(struct iovec **iov, int *count, size_t n) {
-    while (*count > 0 && n >= (*iov)->iov_len) {
-        n -= (*iov)->iov_len;
-        (*iov)++;
-        (*count)--;
-    }
-    if (*count > 0) {
-        (*iov)->iov_base = (uint8_t *)(*iov)->iov_base + n;
-        (*iov)->iov_len -= n;
-    }
-}
-
-static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
-    while (count > 0) {
-        ssize_t n = pwritev(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        offset += n;
-        iov_skip(&iov, &count, (size_t)n);
-    }
-    return 0;
-}
-
-/* Per-thread aligned buffers: the header, and a staging area for unaligned payloads. */
-static pthread_key_t buffers_key;
-static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
-
-typedef struct {
-    uint8_t *header;
-    uint8_t *staging;
-    size_t staging_size;
-    aio_context_t aio; /* for overlapped I/O; aio_state 0 untried, 1 set up, -1 none */
-    int aio_state;
-} thread_buffers;
-
-static void free_buffers(void *p) {
-    thread_buffers *b = p;
-    if (b->aio_state == 1) syscall(SYS_io_destroy, b->aio);
-    free(b->header);
-    free(b->staging);
-    free(b);
-}
-
-static void make_key(void) { pthread_key_create(&buffers_key, free_buffers); }
-
-static thread_buffers *my_buffers(size_t staging) {
-    pthread_once(&buffers_once, make_key);
-    thread_buffers *b = pthread_getspecific(buffers_key);
-    if (b == NULL) {
-        b = calloc(1, sizeof(*b));
-        if (b == NULL) return NULL;
-        if (posix_memalign((void **)&b->header, CHUNK_ALIGNMENT, CHUNK_HEADER_SIZE) != 0) {
-            free(b);
-            return NULL;
-        }
-        pthread_setspecific(buffers_key, b);
-    }
-    if (staging > b->staging_size) {
-        free(b->staging);
-        b->staging = NULL;
-        b->staging_size = 0;
-        if (posix_memalign((void **)&b->staging, CHUNK_ALIGNMENT, staging) != 0) return NULL;
-        b->staging_size = staging;
-    }
-    return b;
-}
-
-/* I/Os one chunk's overlapped read or write keeps in flight at most: its blocks go in this
- * many groups or fewer.  A written group is one more system call and one more extent
- * conversion when it completes (16 groups cost a 16 MiB store 1.36x fs_native's CPU outside
- * the checksum, 4 groups 1.11x); 4 already hide three quarters of a large chunk's hash. */
-#define AIO_GROUPS 4
-
-/* A piece read in place is read in groups from this many blocks on: with 4 chunks in flight
- * on the ext4 image, 16 MiB chunks read in groups ran 1.04x as fast as in one call (their
- * hash after the read was 4 % of a chunk's time), 2 MiB chunks 0.92x (medians of 5 pairs). */
-#define READ_GROUPS_MIN_BLOCKS 8
-
-/* This thread's AIO context, set up on first use; 0 where the kernel gives none (a seccomp
- * filter, fs.aio-max-nr reached): its chunks are then moved in one synchronous call. */
-static aio_context_t my_aio(thread_buffers *b) {
-    if (b->aio_state == 0) b->aio_state = syscall(SYS_io_setup, AIO_GROUPS, &b->aio) == 0 ? 1 : -1;
-    return b->aio_state == 1 ? b->aio : 0;
-}
-
-/* Group `g` of an overlapped I/O: `iov` (one or two entries, the second empty when unused)
- * at file offset `offset`. */
-static void group_iocb(struct iocb *cb, uint16_t opcode, int fd, struct iovec *iov, size_t g,
-                       off_t offset) {
-    memset(cb, 0, sizeof(*cb));
-    cb->aio_data = g;
-    cb->aio_lio_opcode = opcode;
-    cb->aio_fildes = (uint32_t)fd;
-    cb->aio_buf = (uintptr_t)iov;
-    cb->aio_nbytes = iov[1].iov_len ? 2 : 1;
-    cb->aio_offset = (int64_t)offset;
-}
-
-/* The rest of a group the kernel moved short, synchronously (preadv_full, pwritev_full). */
-typedef int (*finish_fn)(int fd, struct iovec *iov, int count, off_t offset);
-
-/* Called for each group once it has landed whole. */
-typedef void (*landed_fn)(void *ctx, size_t group);
-
-/* Waits for `in_flight` submitted groups (their vectors in `vecs`), moves what the kernel
- * moved short with `finish`, and calls `landed` for each whole group until an error comes.
- * Returns the first error, or 0.  Without `landed` it asks for every group at once (woken
- * per group, a writer slept and woke twice as often per chunk: 5.6 voluntary context
- * switches per 16 MiB chunk against 2.8); with it, for the next one, so that each group is
- * hashed as soon as it lands. */
-static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int in_flight,
-                       finish_fn finish, landed_fn landed, void *ctx) {
-    struct io_event events[AIO_GROUPS];
-    int err = 0;
-    while (in_flight > 0) {
-        long got = syscall(SYS_io_getevents, b->aio, landed ? 1 : in_flight, in_flight, events,
-                           NULL);
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) { /* never for a valid context; destroying it waits for its I/O */
-            err = errno;
-            syscall(SYS_io_destroy, b->aio);
-            b->aio_state = -1;
-            return err;
-        }
-        for (long e = 0; e < got; e++) {
-            struct iocb *cb = (struct iocb *)(uintptr_t)events[e].obj;
-            struct iovec *iov = vecs[cb->aio_data];
-            int count = iov[1].iov_len ? 2 : 1;
-            size_t want = iov[0].iov_len + iov[1].iov_len;
-            if (events[e].res < 0) {
-                if (!err) err = (int)-events[e].res;
-            } else if ((size_t)events[e].res < want && !err) {
-                iov_skip(&iov, &count, (size_t)events[e].res);
-                err = finish(fd, iov, count, (off_t)cb->aio_offset + events[e].res);
-            }
-            if (!err && landed) landed(ctx, (size_t)cb->aio_data);
-        }
-        in_flight -= (int)got;
-    }
-    return err;
-}
-
 /* -- reads -------------------------------------------------------------------------------- */
 
 static void read_fail(chunk_read *req, int err) {
@@ -497,71 +326,56 @@ int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces) {
     return (int)n;
 }
 
-/* The payload ranges of an overlapped read's groups, for hashing each as it lands. */
-typedef struct {
-    chunk_read *req;
-    size_t start[AIO_GROUPS];
-    size_t len[AIO_GROUPS];
-} read_groups;
-
-static void hash_landed(void *ctx, size_t g) {
-    read_groups *groups = ctx;
-    chunk_read *req = groups->req;
-    hash_blocks(req->dest, req->payload_len, groups->start[g], groups->start[g] + groups->len[g],
-                req->digests, req->hashed);
-}
-
-/* An O_DIRECT piece of READ_GROUPS_MIN_BLOCKS blocks or more read into place while it is hashed, so that the CPU
- * hashes while the drive reads: the piece in up to AIO_GROUPS groups (the header with the
- * first when the piece starts the payload), submitted together (Linux AIO); each group's
- * blocks are hashed as soon as it has landed, so only the last group's hash follows the
- * drive.  A group the kernel does not take, or reads short, is read synchronously.  A
- * version 1 file's blocks are hashed too (its whole-payload checksum is computed at the
- * end as before).  Returns an errno, 0, or -1 when it read nothing (no AIO here): the
- * caller reads synchronously. */
-static int read_overlapped(chunk_piece *piece, int fd, size_t len) {
-    chunk_read *req = piece->req;
-    thread_buffers *b = my_buffers(0);
-    aio_context_t ctx = b ? my_aio(b) : 0;
-    if (ctx == 0) return -1;
-    size_t blocks = (len + CHUNK_BLOCK_SIZE - 1) / CHUNK_BLOCK_SIZE;
-    size_t group = (blocks + AIO_GROUPS - 1) / AIO_GROUPS * (size_t)CHUNK_BLOCK_SIZE;
-    size_t groups = (len + group - 1) / group;
-    read_groups landed = {.req = req};
-    struct iocb cbs[AIO_GROUPS], *list[AIO_GROUPS];
-    struct iovec vecs[AIO_GROUPS][2];
-    for (size_t g = 0; g < groups; g++) {
-        size_t at = piece->start + g * group;
-        size_t n = len - g * group < group ? len - g * group : group;
-        landed.start[g] = at;
-        landed.len[g] = n;
-        struct iovec *iov = vecs[g];
-        iov[0] = (struct iovec){req->dest + at, n};
-        iov[1] = (struct iovec){NULL, 0};
-        off_t offset = (off_t)(CHUNK_HEADER_SIZE + at);
-        if (at == 0) {
-            iov[1] = iov[0];
-            iov[0] = (struct iovec){req->header, CHUNK_HEADER_SIZE};
-            offset = 0;
+/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
+static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
+    while (count > 0) {
+        ssize_t n = preadv(fd, iov, count, offset);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
         }
-        group_iocb(&cbs[g], IOCB_CMD_PREADV, fd, iov, g, offset);
-        list[g] = &cbs[g];
+        if (n == 0) return ENODATA;
+        offset += n;
+        while (count > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
     }
-    long taken = syscall(SYS_io_submit, ctx, (long)groups, list);
-    if (taken <= 0) return -1;
-    int err = 0;
-    for (size_t g = (size_t)taken; g < groups && !err; g++) {
-        err = preadv_full(fd, vecs[g], (int)cbs[g].aio_nbytes, (off_t)cbs[g].aio_offset);
-        if (!err) hash_landed(&landed, g);
-    }
-    int reaped = reap_groups(b, fd, vecs, (int)taken, preadv_full, hash_landed, &landed);
-    atomic_fetch_add_explicit(&chunkio_overlapped_reads, 1, memory_order_relaxed);
-    return err ? err : reaped;
+    return 0;
 }
 
-/* Reads one piece into place (or into the staging buffer, then copies it); *hashed: whether
- * its blocks were hashed on the way (read_overlapped).  Returns 0 or an errno. */
-static int transfer(chunk_piece *piece, int *hashed) {
+/* Moves past the first `n` bytes of the vector (those written). */
+static void iov_skip(struct iovec **iov, int *count, size_t n) {
+    while (*count > 0 && n >= (*iov)->iov_len) {
+        n -= (*iov)->iov_len;
+        (*iov)++;
+        (*count)--;
+    }
+    if (*count > 0) {
+        (*iov)->iov_base = (uint8_t *)(*iov)->iov_base + n;
+        (*iov)->iov_len -= n;
+    }
+}
+
+static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
+    while (count > 0) {
+        ssize_t n = pwritev(fd, iov, count, offset);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        offset += n;
+        iov_skip(&iov, &count, (size_t)n);
+    }
+    return 0;
+}
+
+static int transfer(chunk_piece *piece) {
     chunk_read *req = piece->req;
     int fd = chunk_open_beneath(req->root_fd, req->rel,
                                 O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (req->direct ? O_DIRECT : 0),
@@ -590,15 +404,7 @@ static int transfer(chunk_piece *piece, int *hashed) {
             at = 0;
         }
         if (len) iov[count++] = (struct iovec){target, len};
-        int overlapped = !piece->staged && req->direct &&
-                                 len >= READ_GROUPS_MIN_BLOCKS * (size_t)CHUNK_BLOCK_SIZE
-                             ? read_overlapped(piece, fd, len)
-                             : -1;
-        *hashed = overlapped >= 0;
-        if (overlapped >= 0)
-            err = overlapped;
-        else if (count)
-            err = preadv_full(fd, iov, count, at);
+        if (count) err = preadv_full(fd, iov, count, at);
         if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
     }
     close(fd);
@@ -627,11 +433,10 @@ static void finalize(chunk_read *req) {
 int chunk_read_run(chunk_piece *piece) {
     chunk_read *req = piece->req;
     if (!atomic_load(&req->error)) {
-        int hashed = 0;
-        int err = transfer(piece, &hashed);
+        int err = transfer(piece);
         if (err) {
             read_fail(req, err);
-        } else if (!hashed) {
+        } else {
             /* a version 1 file is checked over the whole payload at the end */
             int v1 = piece->start == 0 && memcmp(req->header, MAGIC, 8) == 0 &&
                      rd_u16(req->header + OFF_VERSION) == 1;
@@ -653,6 +458,50 @@ void chunk_read_free(chunk_read *req) {
 }
 
 /* -- writes -------------------------------------------------------------------------------- */
+
+/* Per-thread aligned buffers: the header, and a staging area for unaligned payloads. */
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+
+typedef struct {
+    uint8_t *header;
+    uint8_t *staging;
+    size_t staging_size;
+    aio_context_t aio; /* for overlapped writes; aio_state 0 untried, 1 set up, -1 none */
+    int aio_state;
+} thread_buffers;
+
+static void free_buffers(void *p) {
+    thread_buffers *b = p;
+    if (b->aio_state == 1) syscall(SYS_io_destroy, b->aio);
+    free(b->header);
+    free(b->staging);
+    free(b);
+}
+
+static void make_key(void) { pthread_key_create(&buffers_key, free_buffers); }
+
+static thread_buffers *my_buffers(size_t staging) {
+    pthread_once(&buffers_once, make_key);
+    thread_buffers *b = pthread_getspecific(buffers_key);
+    if (b == NULL) {
+        b = calloc(1, sizeof(*b));
+        if (b == NULL) return NULL;
+        if (posix_memalign((void **)&b->header, CHUNK_ALIGNMENT, CHUNK_HEADER_SIZE) != 0) {
+            free(b);
+            return NULL;
+        }
+        pthread_setspecific(buffers_key, b);
+    }
+    if (staging > b->staging_size) {
+        free(b->staging);
+        b->staging = NULL;
+        b->staging_size = 0;
+        if (posix_memalign((void **)&b->staging, CHUNK_ALIGNMENT, staging) != 0) return NULL;
+        b->staging_size = staging;
+    }
+    return b;
+}
 
 /* payload[0, len) at payload offset `offset` (a 4 KiB multiple), zero padded to 4 KiB at
  * its end; with `header`, the header first in the same call (file offset 0).  O_DIRECT:
@@ -706,8 +555,54 @@ static int encode_job_header(const chunk_write *job, uint8_t *out, const uint64_
                : 0;
 }
 
+/* I/Os one chunk's overlapped write keeps in flight at most: its blocks go in this many
+ * groups or fewer.  Each group is one more system call and one more extent conversion when
+ * it completes (16 groups cost a 16 MiB store 1.36x fs_native's CPU outside the checksum,
+ * 4 groups 1.11x); 4 already hide three quarters of a large chunk's hash. */
+#define WRITE_GROUPS 4
+
+/* This thread's AIO context, set up on first use; 0 where the kernel gives none (a seccomp
+ * filter, fs.aio-max-nr reached): its chunks are then written in one synchronous call. */
+static aio_context_t my_aio(thread_buffers *b) {
+    if (b->aio_state == 0) b->aio_state = syscall(SYS_io_setup, WRITE_GROUPS, &b->aio) == 0 ? 1 : -1;
+    return b->aio_state == 1 ? b->aio : 0;
+}
+
+/* Waits for `in_flight` submitted groups (their vectors in `vecs`) and writes
+ * synchronously what the kernel wrote short.  Returns the first error, or 0.  It asks for
+ * every group at once: woken per group, a writer slept and woke twice as often per chunk
+ * (5.6 voluntary context switches per 16 MiB chunk against 2.8). */
+static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int in_flight) {
+    struct io_event events[WRITE_GROUPS];
+    int err = 0;
+    while (in_flight > 0) {
+        long got = syscall(SYS_io_getevents, b->aio, in_flight, in_flight, events, NULL);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { /* never for a valid context; destroying it waits for its I/O */
+            err = errno;
+            syscall(SYS_io_destroy, b->aio);
+            b->aio_state = -1;
+            return err;
+        }
+        for (long e = 0; e < got; e++) {
+            struct iocb *cb = (struct iocb *)(uintptr_t)events[e].obj;
+            struct iovec *iov = vecs[cb->aio_data];
+            int count = iov[1].iov_len ? 2 : 1;
+            size_t want = iov[0].iov_len + iov[1].iov_len;
+            if (events[e].res < 0) {
+                if (!err) err = (int)-events[e].res;
+            } else if ((size_t)events[e].res < want && !err) {
+                iov_skip(&iov, &count, (size_t)events[e].res);
+                err = pwritev_full(fd, iov, count, (off_t)cb->aio_offset + events[e].res);
+            }
+        }
+        in_flight -= (int)got;
+    }
+    return err;
+}
+
 /* An aligned O_DIRECT payload of several blocks, written while it is hashed, so that the
- * drive is busy while the CPU hashes: the blocks in up to AIO_GROUPS groups, last group
+ * drive is busy while the CPU hashes: the blocks in up to WRITE_GROUPS groups, last group
  * first, each submitted (Linux AIO) as soon as its digests are known, and the first group
  * with the header in one I/O once they all are.  The file's blocks are allocated first
  * (fallocate; its size alone where the filesystem cannot): ext4 waits at submission for an
@@ -722,10 +617,10 @@ static int write_overlapped(const chunk_write *job, int fd, thread_buffers *b,
     off_t size = (off_t)(CHUNK_HEADER_SIZE + job->payload_len);
     if (fallocate(fd, 0, 0, size) != 0 && (errno != EOPNOTSUPP || ftruncate(fd, size) != 0))
         return errno; /* no room (ENOSPC) is said before anything is written */
-    size_t group = (blocks + AIO_GROUPS - 1) / AIO_GROUPS * (size_t)CHUNK_BLOCK_SIZE;
+    size_t group = (blocks + WRITE_GROUPS - 1) / WRITE_GROUPS * (size_t)CHUNK_BLOCK_SIZE;
     size_t groups = (job->payload_len + group - 1) / group;
-    struct iocb cbs[AIO_GROUPS];
-    struct iovec vecs[AIO_GROUPS][2];
+    struct iocb cbs[WRITE_GROUPS];
+    struct iovec vecs[WRITE_GROUPS][2];
     int in_flight = 0, err = 0;
     for (size_t g = groups; g-- > 0 && !err;) {
         size_t start = g * group;
@@ -742,14 +637,20 @@ static int write_overlapped(const chunk_write *job, int fd, thread_buffers *b,
             iov[0] = (struct iovec){b->header, CHUNK_HEADER_SIZE};
         }
         struct iocb *cb = &cbs[g];
-        group_iocb(cb, IOCB_CMD_PWRITEV, fd, iov, g, g > 0 ? (off_t)(CHUNK_HEADER_SIZE + start) : 0);
+        memset(cb, 0, sizeof(*cb));
+        cb->aio_data = g;
+        cb->aio_lio_opcode = IOCB_CMD_PWRITEV;
+        cb->aio_fildes = (uint32_t)fd;
+        cb->aio_buf = (uintptr_t)iov;
+        cb->aio_nbytes = iov[1].iov_len ? 2 : 1;
+        cb->aio_offset = g > 0 ? (int64_t)(CHUNK_HEADER_SIZE + start) : 0;
         struct iocb *one[1] = {cb};
         if (syscall(SYS_io_submit, ctx, 1, one) == 1)
             in_flight++;
         else
             err = pwritev_full(fd, iov, (int)cb->aio_nbytes, (off_t)cb->aio_offset);
     }
-    int reaped = reap_groups(b, fd, vecs, in_flight, pwritev_full, NULL, NULL);
+    int reaped = reap_groups(b, fd, vecs, in_flight);
     atomic_fetch_add_explicit(&chunkio_overlapped_writes, 1, memory_order_relaxed);
     return err ? err : reaped;
 }

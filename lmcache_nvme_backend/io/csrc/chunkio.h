@@ -38,7 +38,6 @@ extern _Atomic uint64_t chunkio_hashed_bytes;
 extern _Atomic uint64_t chunkio_hash_sampled_ns;
 extern _Atomic uint64_t chunkio_hash_sampled_bytes;
 extern _Atomic uint64_t chunkio_overlapped_writes; /* chunks written while hashed (AIO) */
-extern _Atomic uint64_t chunkio_overlapped_reads;  /* pieces read while hashed (AIO) */
 
 size_t chunk_padded(size_t n);
 

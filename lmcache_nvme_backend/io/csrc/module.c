@@ -1274,7 +1274,7 @@ static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
 }
 
 static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "gil_releases",
+    return Py_BuildValue("{sKsKsKsKsKsK}", "gil_releases",
                          (unsigned long long)atomic_load(&gil_releases), "wake_releases",
                          (unsigned long long)atomic_load(&wake_releases), "hashed_bytes",
                          (unsigned long long)atomic_load(&chunkio_hashed_bytes),
@@ -1283,9 +1283,7 @@ static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
                          "hash_sampled_bytes",
                          (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
                          "overlapped_writes",
-                         (unsigned long long)atomic_load(&chunkio_overlapped_writes),
-                         "overlapped_reads",
-                         (unsigned long long)atomic_load(&chunkio_overlapped_reads));
+                         (unsigned long long)atomic_load(&chunkio_overlapped_writes));
 }
 
 /* The cycle collector stops tracking each object (if it did): for objects that can never be
