@@ -326,30 +326,7 @@ int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces) {
     return (int)n;
 }
 
-/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
-static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
-    while (count > 0) {
-        ssize_t n = preadv(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) return ENODATA;
-        offset += n;
-        while (count > 0 && (size_t)n >= iov->iov_len) {
-            n -= (ssize_t)iov->iov_len;
-            iov++;
-            count--;
-        }
-        if (count > 0) {
-            iov->iov_base = (uint8_t *)iov->iov_base + n;
-            iov->iov_len -= (size_t)n;
-        }
-    }
-    return 0;
-}
-
-/* Moves past the first `n` bytes of the vector (those written). */
+/* Moves past the first `n` bytes of the vector (those moved). */
 static void iov_skip(struct iovec **iov, int *count, size_t n) {
     while (*count > 0 && n >= (*iov)->iov_len) {
         n -= (*iov)->iov_len;
@@ -360,6 +337,21 @@ static void iov_skip(struct iovec **iov, int *count, size_t n) {
         (*iov)->iov_base = (uint8_t *)(*iov)->iov_base + n;
         (*iov)->iov_len -= n;
     }
+}
+
+/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
+static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
+    while (count > 0) {
+        ssize_t n = preadv(fd, iov, count, offset);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (n == 0) return ENODATA;
+        offset += n;
+        iov_skip(&iov, &count, (size_t)n);
+    }
+    return 0;
 }
 
 static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
