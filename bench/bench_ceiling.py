@@ -21,6 +21,8 @@ After two warm-up rounds the child runs ``--seconds`` of rounds and reports:
 * CPU-s/GiB: ``getrusage`` of the whole child (every thread: the adapter's, LMCache's,
   native workers'); with our native engine also the checksum's share, timed by the engine
   itself (thread CPU clock around one hash call in eight, scaled to all bytes hashed);
+  and by thread from the kernel's run time of each (``--paired`` prints that table too:
+  which CPU is the bench's thread, the adapter's Python threads, its native workers);
 * GIL-s/GiB and GIL acquisitions per chunk, exactly: the child runs with ``gilmeter.so``
   preloaded (``bench/gilmeter.c``), which sees every take and drop of the GIL under its
   mutex, per thread.  "main" is the bench's own thread (LMCache's bench loop, which also
@@ -253,7 +255,7 @@ class Driver:
         native_before = native_counters(self.system)
         main_id = threading.get_native_id()
         gil0, main0 = gilmeter.read(), gilmeter.read_thread(main_id)
-        by_thread0 = gil_by_thread()
+        by_thread0, cpu_by_thread0 = gil_by_thread(), cpu_by_thread(main_id)
         cpu0, wall0 = cpu_seconds(), time.perf_counter()
         while (seconds is not None and time.perf_counter() - wall0 < seconds) or \
                 (rounds is not None and self.index - measured_from < rounds):
@@ -261,7 +263,7 @@ class Driver:
         wall = time.perf_counter() - wall0
         cpu = cpu_seconds() - cpu0
         gil1, main1 = gilmeter.read(), gilmeter.read_thread(main_id)
-        by_thread1 = gil_by_thread()
+        by_thread1, cpu_by_thread1 = gil_by_thread(), cpu_by_thread(main_id)
         native_after = native_counters(self.system)
         n_rounds = self.index - measured_from
         chunks = n_rounds * self.chunks_per_round
@@ -282,11 +284,37 @@ class Driver:
                 "gil_s_per_gib_by_thread": {
                     name: (held - by_thread0.get(name, 0.0)) / gib
                     for name, held in sorted(by_thread1.items(), key=lambda kv: -kv[1])},
+                "cpu_s_per_gib_by_thread": {
+                    name: (ran - cpu_by_thread0.get(name, 0.0)) / gib
+                    for name, ran in sorted(cpu_by_thread1.items(), key=lambda kv: -kv[1])
+                    if ran > cpu_by_thread0.get(name, 0.0)},
                 "all_ok": self.ok, "verified": self.verified}
 
     def close(self) -> None:
         self.side.adapter.close()
         shutil.rmtree(self.side.path, ignore_errors=True)
+
+
+def cpu_by_thread(main_id: int) -> dict[str, float]:
+    """CPU seconds of every thread of this process, Python's and native ones (the kernel's
+    exact run time, ``/proc/self/task/*/schedstat``), summed by name with numbers
+    stripped: the bench's own thread is ``MainThread``, other Python threads go by their
+    Python name, threads Python does not know by their OS name and ``(native)``
+    (``fs_native``'s workers share the process's name).  A thread that ended between two
+    readings drops out of the second: compare readings of a steady state only."""
+    python_names = {thread.native_id: thread_group(thread.name)
+                    for thread in threading.enumerate() if thread.native_id is not None}
+    python_names[main_id] = "MainThread"
+    cpu: dict[str, float] = collections.defaultdict(float)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            ran_ns = int((task / "schedstat").read_text().split()[0])
+            os_name = (task / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        name = python_names.get(int(task.name)) or f"{thread_group(os_name)} (native)"
+        cpu[name] += ran_ns / 1e9
+    return dict(cpu)
 
 
 def gil_by_thread() -> dict[str, float]:
@@ -577,6 +605,30 @@ def paired_table(results: list[dict[str, Any]], systems: list[str], sizes: list[
     return lines
 
 
+def thread_cpu_table(results: list[dict[str, Any]], systems: list[str], sizes: list[int],
+                     ops: list[str]) -> list[str]:
+    """--paired: where each system's CPU goes, by thread: CPU-s/GiB, the median over the
+    windows (threads under 0.001 left out), and the checksum's share of it where the engine
+    times it.  The other systems' threads sit idle in a window, so a window's threads are
+    its system's (and the bench's ``MainThread``)."""
+    lines = ["| object | op | system | CPU-s/GiB by thread (median over windows) | "
+             "of which the checksum |", "|---|---|---|---|---|"]
+    for size in sizes:
+        for op in ops:
+            for system in systems:
+                mine = [r for r in results if r["size_mb"] == size and r["op"] == op
+                        and r["system"] == system]
+                names = dict.fromkeys(name for r in mine for name in r["cpu_s_per_gib_by_thread"])
+                medians = {name: statistics.median(r["cpu_s_per_gib_by_thread"].get(name, 0.0)
+                                                   for r in mine) for name in names}
+                cells = ", ".join(f"{name} {value:.4f}" for name, value in
+                                  sorted(medians.items(), key=lambda kv: -kv[1]) if value >= 1e-3)
+                hashes = [r["hash_cpu_s_per_gib"] for r in mine if r["hash_cpu_s_per_gib"]]
+                lines.append(f"| {size} MiB | {op} | {system} | {cells} | "
+                             + (f"{statistics.median(hashes):.4f} |" if hashes else "- |"))
+    return lines
+
+
 def methods_table(results: list[dict[str, Any]], systems: list[str], sizes: list[int],
                   ops: list[str]) -> list[str]:
     """``--methods``: the main thread's GIL-held microseconds per chunk in each adapter
@@ -631,6 +683,7 @@ def paired_parent(args: argparse.Namespace, systems: list[str], sizes: list[int]
                       ("" if r["all_ok"] and r["verified"] else " FAILED"), flush=True)
             results += found
     lines = paired_table(results, systems, sizes, ops, reference)
+    lines += [""] + thread_cpu_table(results, systems, sizes, ops)
     if args.methods is not None:
         lines += [""] + methods_table(results, systems, sizes, ops)
     where = (f"{args.path}, {os.cpu_count()} CPUs, two processes per size and op holding "
