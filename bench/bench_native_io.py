@@ -6,15 +6,18 @@ per cent in the engine.  This drives ``io.native.NativeEngine`` directly, as the
 (its default thread counts and task size), in batches of 4 chunks of ``--sizes-mb`` MiB:
 
 * **write**: each batch writes 4 new chunk files (O_DIRECT, exact mode, renamed into
-  place); the files of the batch before last are removed, so the directory stays small;
+  place); the files of the batch before last are removed through the engine, as the store
+  removes them (a revision that keeps removed files for reuse, ``nvme.recycle_mb``, does
+  so here too), so the directory stays small;
 * **read**: a working set of ``--files`` chunks is written first (not measured), then read
   4 at a time, in turn, into page-aligned buffers; every read must verify (status OK).
 
 Each measurement is a fresh child process running batches for ``--seconds``; it reports
 GiB/s, user and system CPU seconds per GiB (``getrusage``: every thread), the checksum's
 share (the engine's own sampled timing), CPU outside the checksum, voluntary and
-involuntary context switches per chunk, and the chunks the engine moved while hashing
-(``overlapped_writes`` / ``overlapped_reads`` per chunk).
+involuntary context switches per chunk, the chunks the engine moved while hashing
+(``overlapped_writes`` / ``overlapped_reads`` per chunk) and the chunks written into a
+removed file kept for reuse (``recycled_writes`` per chunk).
 
 ``--baseline REVISION`` builds this package as of a git revision (as ``bench_ceiling.py``
 does) and runs it as system ``base`` in alternating children, order rotated each
@@ -51,7 +54,7 @@ BATCH = 4  # chunks per batch: LMCache's benches keep 4 tasks in flight
 MIB = 1 << 20
 FIGURES = ("gibps", "user_s_per_gib", "sys_s_per_gib", "hash_s_per_gib",
            "cpu_outside_hash_s_per_gib", "voluntary_switches_per_chunk",
-           "involuntary_switches_per_chunk", "overlapped_per_chunk")
+           "involuntary_switches_per_chunk", "overlapped_per_chunk", "recycled_per_chunk")
 
 
 # -- child ---------------------------------------------------------------------------------
@@ -66,7 +69,13 @@ class EngineDriver:
         if not self.native.available():
             raise SystemExit(f"{package}: {self.native.unavailable_reason()}")
         settings = config.NVMeSettings.from_params({"path": str(root), "max_size_gb": 64})
-        self.engine = self.native.NativeEngine(settings.io_threads, 4, settings.task_size_bytes)
+        recycling: dict[str, Any] = {}
+        if hasattr(settings, "recycle_bytes"):  # removed files kept for reuse, as the store does
+            layout = importlib.import_module(package + ".disk.layout")
+            recycling = {"recycle_bytes": settings.recycle_bytes,
+                         "recycle_suffix": layout.temp_name("", layout.RETIRED_FILES_WRITER)}
+        self.engine = self.native.NativeEngine(settings.io_threads, 4, settings.task_size_bytes,
+                                               **recycling)
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         self.size = size
@@ -97,6 +106,13 @@ class EngineDriver:
         if self.batch.statuses != bytes([self.native.OK] * len(items)):
             raise SystemExit(f"a write failed: {self.batch.details}")
 
+    def remove(self, names: list[str]) -> None:
+        """Remove chunks as the store does: through the engine (which may keep the files
+        for the next writes of their size)."""
+        errors = self.engine.unlink([(self.root_fd, f"d/{name}") for name in names])
+        if any(errors):
+            raise SystemExit(f"a removal failed: {errors}")
+
     def read(self, names: list[str]) -> None:
         items = [(self.root_fd, f"d/{name}", memoryview(self.dests[i]), self.size, True,
                   name.encode(), self.meta) for i, name in enumerate(names)]
@@ -125,8 +141,7 @@ def measure(package: str, op: str, root: Path, size_mb: int, seconds: float,
         if op == "write":
             driver.write([f"b{batches}-{i}.kv" for i in range(BATCH)])
             if batches >= 2:
-                for i in range(BATCH):
-                    os.unlink(root / "d" / f"b{batches - 2}-{i}.kv")
+                driver.remove([f"b{batches - 2}-{i}.kv" for i in range(BATCH)])
         else:
             start = batches * BATCH % files
             driver.read(names[start:start + BATCH])
@@ -153,6 +168,8 @@ def measure(package: str, op: str, root: Path, size_mb: int, seconds: float,
             "involuntary_switches_per_chunk": (usage1.ru_nivcsw - usage0.ru_nivcsw) / chunks,
             "overlapped_per_chunk": (counters1.get(overlapped, 0)
                                      - counters0.get(overlapped, 0)) / chunks,
+            "recycled_per_chunk": (counters1.get("recycled_writes", 0)
+                                   - counters0.get("recycled_writes", 0)) / chunks,
             "chunks": chunks}
 
 

@@ -297,6 +297,8 @@ class NVMeSettings:
     # 0: one writer per path
     write_threads: int = field(default=0, metadata=_rule(_Number(0, integer=True)))
     task_size_mb: float = field(default=64.0, metadata=_rule(_Number(0.0, exclusive=True)))
+    # removed chunk files kept for writes of their size to overwrite (native engine); 0: none
+    recycle_mb: float = field(default=256.0, metadata=_rule(_Number(0.0)))
     # the compiled batch engine (io/native.py): auto = when built, on = refuse without it
     native_io: NativeIOMode = field(default=NativeIOMode.AUTO,
                                     metadata=_rule(_Choice(NativeIOMode)))
@@ -340,6 +342,13 @@ class NVMeSettings:
     def dir_mode(self) -> int:
         """Mode of the directories the tier creates (``file_mode`` plus search bits)."""
         return dir_mode_for(self.file_mode)
+
+    @property
+    def recycle_bytes(self) -> int:
+        """Bytes of removed chunk files the native engine keeps for reuse: ``recycle_mb``,
+        at most 1 % of the budget (they are on disk beside it); none in shared mode, where
+        removals are the members' ledger's to record."""
+        return 0 if self.shared else min(int(self.recycle_mb * MIB), self.max_size_bytes // 100)
 
     @property
     def task_size_bytes(self) -> int:

@@ -140,6 +140,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("used_bytes", "Bytes on disk of published chunks (header and padding included)."),
     _gauge("reserved_bytes", "Bytes reserved by writes in progress."),
     _gauge("capacity_bytes", "Byte budget (max_size_gb) over all paths."),
+    _gauge("retired_bytes", "Removed chunk files kept on disk for writes of their size to "
+           "overwrite (nvme.recycle_mb), beside the budget."),
     _gauge("directory_budget_bytes", "Shared mode: the directory's one byte budget for all its "
            "members (the ledger's; over all paths)."),
     _gauge("member_bytes", "Shared mode: bytes of the chunk files this member owns."),

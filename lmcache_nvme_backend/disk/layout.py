@@ -351,6 +351,11 @@ def split_tree_path(path: Path | str) -> tuple[str, str] | None:
     return None
 
 
+#: The writer number in the temp names of removed chunk files that the native engine keeps
+#: for reuse (``nvme.recycle_mb``); its writers write under number 0.
+RETIRED_FILES_WRITER = 1
+
+
 def temp_name(final_name: str, writer: int | None = None) -> str:
     """The temporary name beside ``final_name`` unique to this host, process and writer
     (the calling thread, or ``writer``: the native engine's writers never write the same

@@ -142,10 +142,16 @@ class NativeEngine:
 
     name = "native"
 
-    def __init__(self, threads: int, write_threads: int, task_size: int) -> None:
+    def __init__(self, threads: int, write_threads: int, task_size: int,
+                 recycle_bytes: int = 0, recycle_suffix: str | None = None) -> None:
+        """``recycle_bytes``: up to this many bytes of chunk files removed through the
+        engine (``unlink``, a write's victims) are kept, renamed ``<name><recycle_suffix>``
+        in their directory, for later writes of the same size to overwrite in place instead
+        of creating, allocating and freeing a file each; ``close`` removes what is left."""
         if _native is None:
             raise RuntimeError(unavailable_reason())
-        self._engine = _native.Engine(threads, write_threads, task_size)
+        self._engine = _native.Engine(threads, write_threads, task_size, recycle_bytes,
+                                      recycle_suffix)
         self._threads = threads
         self._signals: list[int] = []  # eventfds the completer's next wait writes
         self._completer = threading.Thread(target=self._complete, name="nvme-io-done",
@@ -200,9 +206,14 @@ class NativeEngine:
         return True
 
     def unlink(self, items: Sequence[tuple[int, str]]) -> list[int]:
-        """Remove chunk files ``(root_fd, rel)`` on the calling thread; an errno per item (0:
-        removed).  No link in a file's directories is followed."""
+        """Remove chunk files ``(root_fd, rel)`` on the calling thread (or keep them for
+        reuse, see ``recycle_bytes``); an errno per item (0: removed).  No link in a file's
+        directories is followed."""
         return list(self._engine.unlink(items))
+
+    def retired_bytes(self) -> int:
+        """Bytes in removed chunk files kept for reuse now (on disk, outside the index)."""
+        return int(self._engine.retired_bytes())
 
     def close(self) -> None:
         """Finish queued reads and writes, hand back their batches, stop every thread."""

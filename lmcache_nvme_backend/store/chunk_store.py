@@ -31,7 +31,14 @@ from pathlib import Path
 
 from ..config import NativeIOMode, NVMeConfigError, NVMeSettings
 from ..disk.format import ChunkHeader, TensorMeta
-from ..disk.layout import RootLayout, key_digest, key_digests, namespace_id
+from ..disk.layout import (
+    RETIRED_FILES_WRITER,
+    RootLayout,
+    key_digest,
+    key_digests,
+    namespace_id,
+    temp_name,
+)
 from ..disk.validate import Expected, Verdict, judge_chunk
 from ..io import native
 from ..io.native import NativeEngine
@@ -361,6 +368,8 @@ class ChunkStore:
     def usage(self) -> dict[str, int]:
         usage = self._catalog.usage()
         usage["queue_bytes"] = self._writer.queue_bytes
+        native_engine = self._reader.native
+        usage["retired_bytes"] = native_engine.retired_bytes() if native_engine else 0
         return usage
 
     def stats_snapshot(self) -> dict[str, float]:
@@ -403,4 +412,6 @@ def _native_engine(settings: NVMeSettings, writers: int) -> NativeEngine | None:
             raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
                                   "Or set nvme.native_io: auto to run the Python engine.")
         return None
-    return NativeEngine(settings.io_threads, writers, settings.task_size_bytes)
+    return NativeEngine(settings.io_threads, writers, settings.task_size_bytes,
+                        recycle_bytes=settings.recycle_bytes,
+                        recycle_suffix=temp_name("", writer=RETIRED_FILES_WRITER))

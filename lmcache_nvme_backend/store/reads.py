@@ -343,6 +343,10 @@ class ChunkReader:
             self._catalog.learn_meta(plan.digest, verdict.header.tensor_meta, replace=True)
             return verdict
         if not verdict.ok:
+            if self._catalog.entry(plan.digest) is None:
+                # Removed (deleted, evicted) while it was read: the file it had open may hold
+                # another chunk by now (nvme.recycle_mb).  A miss, not a bad file.
+                return verdict
             if verdict.defect is Defect.CHECKSUM:
                 self._stats.add(Counter.CHECKSUM_FAILURES)
             self.reject(root, plan.digest, plan.path, verdict)

@@ -87,6 +87,21 @@ def test_task_size_rounds_to_4k_and_never_below(extra: dict[str, Any]) -> None:
     assert NVMeSettings.from_extra_config(extra).task_size_bytes % 4096 == 0
 
 
+def test_recycle_mb_is_capped_at_one_percent_of_the_budget_and_off_in_shared_mode(
+        extra: dict[str, Any]) -> None:
+    assert NVMeSettings.from_extra_config(extra).recycle_bytes == 10 * GIB // 100  # 10 GiB
+    extra["nvme.max_size_gb"] = 100
+    assert NVMeSettings.from_extra_config(extra).recycle_bytes == 256 * MIB  # the default
+    extra["nvme.recycle_mb"] = 64
+    assert NVMeSettings.from_extra_config(extra).recycle_bytes == 64 * MIB
+    extra["nvme.recycle_mb"] = 0
+    assert NVMeSettings.from_extra_config(extra).recycle_bytes == 0
+    extra.update({"nvme.recycle_mb": 64, "nvme.shared": True})
+    assert NVMeSettings.from_extra_config(extra).recycle_bytes == 0
+    extra.update({"nvme.recycle_mb": -1, "nvme.shared": False})
+    assert "nvme.recycle_mb" in config_error(extra)
+
+
 def test_path_comma_list(tmp_path: Path, extra: dict[str, Any]) -> None:
     extra["nvme.path"] = f" {tmp_path / 'a'} ,{tmp_path / 'b'},, "
     s = NVMeSettings.from_extra_config(extra)

@@ -45,6 +45,7 @@ _Atomic uint64_t chunkio_hashed_bytes;
 _Atomic uint64_t chunkio_hash_sampled_ns;
 _Atomic uint64_t chunkio_hash_sampled_bytes;
 _Atomic uint64_t chunkio_overlapped_writes;
+_Atomic uint64_t chunkio_recycled_writes;
 
 size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
 
@@ -547,6 +548,136 @@ static int encode_job_header(const chunk_write *job, uint8_t *out, const uint64_
                : 0;
 }
 
+/* -- retired files ------------------------------------------------------------------------ */
+
+#define POOL_MAX_FILES 4096
+
+typedef struct {
+    int root_fd;
+    char *dir_rel; /* its shard directory beneath the root */
+    char *name;    /* its name there: the chunk's name and the pool's suffix */
+    off_t size;
+} pooled_file;
+
+struct chunk_pool {
+    pthread_mutex_t mu;
+    char *suffix;
+    uint64_t max_bytes, bytes; /* bytes: of the files listed and of those being put */
+    size_t count, putting;     /* files listed, and being put */
+    pooled_file files[];       /* POOL_MAX_FILES */
+};
+
+chunk_pool *chunk_pool_new(const char *suffix, uint64_t max_bytes) {
+    chunk_pool *pool = calloc(1, sizeof(chunk_pool) + POOL_MAX_FILES * sizeof(pooled_file));
+    if (pool == NULL || (pool->suffix = strdup(suffix)) == NULL) {
+        free(pool);
+        return NULL;
+    }
+    pthread_mutex_init(&pool->mu, NULL);
+    pool->max_bytes = max_bytes;
+    return pool;
+}
+
+static void pooled_file_clear(pooled_file *f) {
+    free(f->dir_rel);
+    free(f->name);
+    f->dir_rel = f->name = NULL;
+}
+
+void chunk_pool_drain(chunk_pool *pool) {
+    if (pool == NULL) return;
+    pthread_mutex_lock(&pool->mu);
+    pool->max_bytes = 0; /* files being put now are removed by their putters */
+    size_t count = pool->count;
+    pool->count = 0;
+    for (size_t i = 0; i < count; i++) pool->bytes -= (uint64_t)pool->files[i].size;
+    pthread_mutex_unlock(&pool->mu);
+    for (size_t i = 0; i < count; i++) {
+        pooled_file *f = &pool->files[i];
+        int dir_fd = chunk_open_beneath(f->root_fd, f->dir_rel, O_PATH | O_DIRECTORY, 0);
+        if (dir_fd >= 0) {
+            unlinkat(dir_fd, f->name, 0);
+            close(dir_fd);
+        }
+        pooled_file_clear(f);
+    }
+}
+
+void chunk_pool_free(chunk_pool *pool) {
+    if (pool == NULL) return;
+    chunk_pool_drain(pool);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->suffix);
+    free(pool);
+}
+
+uint64_t chunk_pool_bytes(chunk_pool *pool) {
+    if (pool == NULL) return 0;
+    pthread_mutex_lock(&pool->mu);
+    uint64_t bytes = pool->bytes;
+    pthread_mutex_unlock(&pool->mu);
+    return bytes;
+}
+
+/* Moves `name` of `dir_fd` (shard directory `dir_rel`) into the pool: 0 when it went there,
+ * an errno when it could not be touched (ENOENT: already gone), -1 when the pool does not
+ * take it (full, not a lone regular file, a file of that name already retired, or a
+ * filesystem without RENAME_NOREPLACE): the caller removes it. */
+static int pool_put(chunk_pool *pool, int root_fd, const char *dir_rel, int dir_fd,
+                    const char *name) {
+    struct stat st;
+    if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) return errno;
+    if (!S_ISREG(st.st_mode) || st.st_nlink != 1) return -1;
+    pthread_mutex_lock(&pool->mu); /* a place and the bytes held while it is renamed */
+    int room = pool->count + pool->putting < POOL_MAX_FILES &&
+               pool->bytes + (uint64_t)st.st_size <= pool->max_bytes;
+    if (room) {
+        pool->bytes += (uint64_t)st.st_size;
+        pool->putting++;
+    }
+    pthread_mutex_unlock(&pool->mu);
+    if (!room) return -1;
+    pooled_file f = {root_fd, strdup(dir_rel), malloc(strlen(name) + strlen(pool->suffix) + 1),
+                     st.st_size};
+    int err = -1;
+    if (f.dir_rel && f.name) {
+        strcat(strcpy(f.name, name), pool->suffix);
+        if (syscall(SYS_renameat2, dir_fd, name, dir_fd, f.name, RENAME_NOREPLACE) == 0) err = 0;
+        else if (errno != EEXIST && errno != EINVAL && errno != ENOSYS) err = errno;
+    }
+    pthread_mutex_lock(&pool->mu);
+    pool->putting--;
+    int listed = err == 0 && pool->max_bytes != 0; /* not drained meanwhile */
+    if (listed) pool->files[pool->count++] = f;
+    else pool->bytes -= (uint64_t)st.st_size;
+    pthread_mutex_unlock(&pool->mu);
+    if (!listed) {
+        if (err == 0) unlinkat(dir_fd, f.name, 0);
+        pooled_file_clear(&f);
+    }
+    return err;
+}
+
+/* Takes the file last retired beneath `root_fd` whose size is `size` out of the pool;
+ * 1 when there was one. */
+static int pool_take(chunk_pool *pool, int root_fd, off_t size, pooled_file *out) {
+    int found = 0;
+    pthread_mutex_lock(&pool->mu);
+    for (size_t i = pool->count; i-- > 0;) {
+        if (pool->files[i].root_fd == root_fd && pool->files[i].size == size) {
+            *out = pool->files[i];
+            pool->files[i] = pool->files[--pool->count];
+            pool->bytes -= (uint64_t)size;
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pool->mu);
+    return found;
+}
+
+/* -- writing a chunk ------------------------------------------------------------------------ */
+
 /* I/Os one chunk's overlapped write keeps in flight at most: its blocks go in this many
  * groups or fewer.  Each group is one more system call and one more extent conversion when
  * it completes (16 groups cost a 16 MiB store 1.36x fs_native's CPU outside the checksum,
@@ -599,15 +730,16 @@ static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int i
  * with the header in one I/O once they all are.  The file's blocks are allocated first
  * (fallocate; its size alone where the filesystem cannot): ext4 waits at submission for an
  * O_DIRECT write that extends a file, which would serialise the groups again, and groups
- * written last first into a hole could be placed last first.  A group the kernel does not
- * take is written synchronously.  Returns an errno, 0, or -1 when it wrote nothing (no
+ * written last first into a hole could be placed last first (a recycled file, `allocated`,
+ * has its blocks already).  A group the kernel does not take is written synchronously.  Returns an errno, 0, or -1 when it wrote nothing (no
  * AIO here): the caller writes synchronously. */
-static int write_overlapped(const chunk_write *job, int fd, thread_buffers *b,
+static int write_overlapped(const chunk_write *job, int fd, int allocated, thread_buffers *b,
                             uint64_t *digests, size_t blocks, uint64_t created) {
     aio_context_t ctx = my_aio(b);
     if (ctx == 0) return -1;
     off_t size = (off_t)(CHUNK_HEADER_SIZE + job->payload_len);
-    if (fallocate(fd, 0, 0, size) != 0 && (errno != EOPNOTSUPP || ftruncate(fd, size) != 0))
+    if (!allocated && fallocate(fd, 0, 0, size) != 0 &&
+        (errno != EOPNOTSUPP || ftruncate(fd, size) != 0))
         return errno; /* no room (ENOSPC) is said before anything is written */
     size_t group = (blocks + WRITE_GROUPS - 1) / WRITE_GROUPS * (size_t)CHUNK_BLOCK_SIZE;
     size_t groups = (job->payload_len + group - 1) / group;
@@ -647,7 +779,9 @@ static int write_overlapped(const chunk_write *job, int fd, thread_buffers *b,
     return err ? err : reaped;
 }
 
-static int write_temp(chunk_write *job, int fd, size_t task_size) {
+/* Writes the whole file (header and padded payload) at `fd`: a new file, or a recycled
+ * one of the same size (`allocated`), every byte of which is overwritten. */
+static int write_temp(chunk_write *job, int fd, int allocated, size_t task_size) {
     size_t blocks = (job->payload_len + CHUNK_BLOCK_SIZE - 1) / CHUNK_BLOCK_SIZE;
     uint64_t stack_digests[64];
     uint64_t *digests = blocks <= 64 ? stack_digests : malloc(blocks * sizeof(uint64_t));
@@ -664,7 +798,7 @@ static int write_temp(chunk_write *job, int fd, size_t task_size) {
     int err = -1; /* nothing written yet */
     if (job->payload_len <= piece && blocks > 1 && job->direct && is_aligned(job->payload) &&
         job->payload_len % CHUNK_ALIGNMENT == 0)
-        err = write_overlapped(job, fd, b, digests, blocks, created);
+        err = write_overlapped(job, fd, allocated, b, digests, blocks, created);
     if (err < 0 && job->payload_len <= piece) { /* one piece: hash first, one call for all */
         hash_blocks(job->payload, job->payload_len, 0, job->payload_len, digests, NULL);
         err = encode_job_header(job, b->header, digests, blocks, created);
@@ -749,6 +883,48 @@ static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *cre
     return fd;
 }
 
+/* The chunk file's size on disk: the header and the payload padded to the alignment. */
+static off_t chunk_file_size(const chunk_write *job) {
+    return (off_t)(CHUNK_HEADER_SIZE + chunk_padded(job->payload_len));
+}
+
+/* Opens a file taken from the pool for a write of `job`; its shard directory's descriptor
+ * goes to *file_dir (the job's own `dir_fd` when it is the same directory).  A file that is
+ * not as it was put (a link, another size or mode, more links) is removed.  Returns a
+ * descriptor, or -1. */
+static int open_recycled(const chunk_write *job, const pooled_file *f, int dir_fd, int flags,
+                         int *file_dir) {
+    int pdir = strcmp(f->dir_rel, job->dir_rel) == 0
+                   ? dir_fd
+                   : chunk_open_beneath(job->root_fd, f->dir_rel, O_PATH | O_DIRECTORY, 0);
+    if (pdir < 0) return -1;
+    int fd = openat(pdir, f->name, flags | O_NONBLOCK); /* never waits on a FIFO put there */
+    struct stat st;
+    if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+        st.st_size == chunk_file_size(job) && (st.st_mode & 07777) == job->mode) {
+        *file_dir = pdir;
+        return fd;
+    }
+    if (fd >= 0) close(fd);
+    unlinkat(pdir, f->name, 0);
+    if (pdir != dir_fd) close(pdir);
+    return -1;
+}
+
+/* Writes the job's chunk into `fd` (`name` in directory `file_dir`: a new temp file, or a
+ * `recycled` one), closes it and renames it to the job's final name in `dir_fd`; on
+ * failure the file is removed.  Returns 0 or an errno. */
+static int write_and_rename(chunk_write *job, int fd, int file_dir, const char *name, int dir_fd,
+                            int recycled, size_t task_size) {
+    int err = 0;
+    if (!recycled && fchmod(fd, job->mode) != 0) err = errno; /* exactly, whatever the umask */
+    if (!err) err = write_temp(job, fd, recycled, task_size);
+    if (close(fd) != 0 && !err) err = errno;
+    if (!err && renameat(file_dir, name, dir_fd, job->final_name) != 0) err = errno;
+    if (err) unlinkat(file_dir, name, 0);
+    return err;
+}
+
 void chunk_write_run(chunk_write *job, size_t task_size) {
     job->error = 0;
     int created_at = -1;
@@ -763,18 +939,27 @@ void chunk_write_run(chunk_write *job, size_t task_size) {
         job->error = -dir_fd;
         return;
     }
-    int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | (job->direct ? O_DIRECT : 0);
-    int fd = openat(dir_fd, job->tmp_name, flags, job->mode);
-    if (fd < 0 && errno == EEXIST) { /* left by a dead writer with this thread's name */
-        unlinkat(dir_fd, job->tmp_name, 0);
-        fd = openat(dir_fd, job->tmp_name, flags, job->mode);
+    int flags = O_WRONLY | O_NOFOLLOW | O_CLOEXEC | (job->direct ? O_DIRECT : 0);
+    int err = -1; /* not written yet */
+    pooled_file taken = {0};
+    if (job->pool && pool_take(job->pool, job->root_fd, chunk_file_size(job), &taken)) {
+        int file_dir, fd = open_recycled(job, &taken, dir_fd, flags, &file_dir);
+        if (fd >= 0) {
+            err = write_and_rename(job, fd, file_dir, taken.name, dir_fd, 1, task_size);
+            if (file_dir != dir_fd) close(file_dir);
+            if (!err) atomic_fetch_add_explicit(&chunkio_recycled_writes, 1, memory_order_relaxed);
+        } /* one that failed (removed by another process meanwhile?): a new file below */
+        pooled_file_clear(&taken);
     }
-    int err = fd < 0 ? errno : 0;
-    if (!err && fchmod(fd, job->mode) != 0) err = errno; /* exactly the mode, whatever the umask */
-    if (!err) err = write_temp(job, fd, task_size);
-    if (fd >= 0 && close(fd) != 0 && !err) err = errno;
-    if (!err && renameat(dir_fd, job->tmp_name, dir_fd, job->final_name) != 0) err = errno;
-    if (err && fd >= 0) unlinkat(dir_fd, job->tmp_name, 0);
+    if (err) {
+        int fd = openat(dir_fd, job->tmp_name, flags | O_CREAT | O_EXCL, job->mode);
+        if (fd < 0 && errno == EEXIST) { /* left by a dead writer with this thread's name */
+            unlinkat(dir_fd, job->tmp_name, 0);
+            fd = openat(dir_fd, job->tmp_name, flags | O_CREAT | O_EXCL, job->mode);
+        }
+        err = fd < 0 ? errno : write_and_rename(job, fd, dir_fd, job->tmp_name, dir_fd, 0,
+                                                task_size);
+    }
     if (!err && job->fsync_level >= 2 && fsync(dir_fd) != 0) err = errno;
     close(dir_fd);
     /* dir_rel is ns/<namespace id>/aa/bb: component 1 is the namespace's directory */
@@ -783,7 +968,7 @@ void chunk_write_run(chunk_write *job, size_t task_size) {
     job->error = err;
 }
 
-int chunk_unlink(int root_fd, const char *rel) {
+int chunk_unlink(chunk_pool *pool, int root_fd, const char *rel) {
     const char *slash = strrchr(rel, '/');
     if (slash == NULL) return unlinkat(root_fd, rel, 0) == 0 ? 0 : errno;
     char dir[PATH_MAX];
@@ -793,7 +978,8 @@ int chunk_unlink(int root_fd, const char *rel) {
     dir[n] = 0;
     int dir_fd = chunk_open_beneath(root_fd, dir, O_PATH | O_DIRECTORY, 0);
     if (dir_fd < 0) return -dir_fd;
-    int err = unlinkat(dir_fd, slash + 1, 0) == 0 ? 0 : errno;
+    int err = pool && pool->max_bytes ? pool_put(pool, root_fd, dir, dir_fd, slash + 1) : -1;
+    if (err < 0) err = unlinkat(dir_fd, slash + 1, 0) == 0 ? 0 : errno;
     close(dir_fd);
     return err;
 }

@@ -38,6 +38,7 @@ extern _Atomic uint64_t chunkio_hashed_bytes;
 extern _Atomic uint64_t chunkio_hash_sampled_ns;
 extern _Atomic uint64_t chunkio_hash_sampled_bytes;
 extern _Atomic uint64_t chunkio_overlapped_writes; /* chunks written while hashed (AIO) */
+extern _Atomic uint64_t chunkio_recycled_writes;   /* chunks written into a retired file */
 
 size_t chunk_padded(size_t n);
 
@@ -95,6 +96,23 @@ int chunk_read_run(chunk_piece *piece);
 /* Frees what the plan allocated (after the request is final). */
 void chunk_read_free(chunk_read *req);
 
+/* -- retired files ------------------------------------------------------------------ */
+
+/* Chunk files removed from the cache but kept, renamed to a temp name of this process in
+ * their shard directory, for the next write of the same size to overwrite in place: no
+ * inode or blocks freed and allocated again, no fallocate, no extent conversion.  Bounded
+ * by `max_bytes`; NULL (or 0 bytes) keeps none.  Thread-safe. */
+typedef struct chunk_pool chunk_pool;
+
+/* A pool whose files are named <chunk name><suffix>; NULL when out of memory. */
+chunk_pool *chunk_pool_new(const char *suffix, uint64_t max_bytes);
+/* Removes every file in the pool and takes no more. */
+void chunk_pool_drain(chunk_pool *pool);
+/* chunk_pool_drain, and frees it. */
+void chunk_pool_free(chunk_pool *pool);
+/* Bytes in the pool's files now. */
+uint64_t chunk_pool_bytes(chunk_pool *pool);
+
 /* -- writes ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -116,6 +134,7 @@ typedef struct {
     mode_t mode;     /* of the chunk file */
     mode_t dir_mode; /* of the directories it creates */
     int fsync_level; /* 0 none, 1 data (fdatasync), 2 full (and the directory) */
+    chunk_pool *pool; /* where a file of the same size may be taken from, or NULL */
     /* outcome */
     int status;
     int error;
@@ -126,8 +145,9 @@ typedef struct {
 void chunk_write_run(chunk_write *job, size_t task_size);
 
 /* Removes the file `rel` beneath the root (its directory reached without following a
- * link; a link at `rel` itself is removed, never its target); 0 or an errno. */
-int chunk_unlink(int root_fd, const char *rel);
+ * link; a link at `rel` itself is removed, never its target); 0 or an errno.  With a pool
+ * that has room, a regular file is moved into it instead. */
+int chunk_unlink(chunk_pool *pool, int root_fd, const char *rel);
 
 /* Builds the 4 KiB header; returns 0, or -EINVAL when the strings do not fit. */
 int chunk_encode_header(uint8_t *out, const uint8_t *key, size_t key_len, const uint8_t *ns,

@@ -8,7 +8,10 @@
  * yet, or to signal the eventfds the previous batches' callbacks left to it) hands back
  * every batch finished by then.
  *
- * Engine(threads, write_threads, task_size):
+ * Engine(threads, write_threads, task_size, recycle_bytes=0, recycle_suffix=None):
+ *   recycle_bytes: up to this many bytes of removed chunk files (unlink, a write's victims)
+ *   are kept, renamed <name><recycle_suffix> in their directory, and overwritten in place
+ *   by later writes of their size (chunkio.h, retired files); close() removes the rest
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
  *   submit_read(items, token)                 asynchronous; the batch comes back from wait
  *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
@@ -21,7 +24,9 @@
  *                                             signals (at most MAX_WAIT_SIGNALS), in the
  *                                             same release of the GIL
  *   cancel_writes() -> int                    queued writes not started end as ECANCELED
- *   unlink(items) -> [errno]                  blocking, on the calling thread
+ *   unlink(items) -> [errno]                  blocking, on the calling thread; with
+ *                                             recycle_bytes, files kept for reuse (below)
+ *   retired_bytes() -> int                    bytes in the files kept for reuse now
  *   close()                                   queued work finishes first
  * read item:  (root_fd, rel, dest, payload_len, direct, key, meta); paths are str, keys and
  *             metadata bytes (a key may hold lone surrogates, see format.text_bytes)
@@ -123,6 +128,7 @@ typedef struct {
     pid_t *tids; /* kernel thread ids: readers first, then writers (recorded at start) */
     int readers_started, writers_started, readers_wanted;
     size_t task_size;
+    chunk_pool *pool; /* removed chunk files kept for writes of their size (or NULL) */
 } Engine;
 
 static batch sealed_marker;
@@ -638,7 +644,9 @@ static void run_piece(Engine *self, chunk_piece *p) {
 }
 
 static void run_write(Engine *self, write_job *job) {
-    for (Py_ssize_t v = 0; v < job->nvictims; v++) chunk_unlink(job->w.root_fd, job->victims[v]);
+    for (Py_ssize_t v = 0; v < job->nvictims; v++)
+        chunk_unlink(self->pool, job->w.root_fd, job->victims[v]);
+    job->w.pool = self->pool;
     chunk_write_run(&job->w, self->task_size);
     batch_request_done(self, job->b);
 }
@@ -863,12 +871,21 @@ static void help_until_done(Engine *self, batch *b) {
 /* -- Engine methods ----------------------------------------------------------------------- */
 
 static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"threads", "write_threads", "task_size", NULL};
+    static char *names[] = {"threads", "write_threads", "task_size", "recycle_bytes",
+                            "recycle_suffix", NULL};
     int threads, write_threads;
     Py_ssize_t task_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iin", names, &threads, &write_threads,
-                                     &task_size))
+    unsigned long long recycle_bytes = 0;
+    const char *recycle_suffix = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iin|Kz", names, &threads, &write_threads,
+                                     &task_size, &recycle_bytes, &recycle_suffix))
         return -1;
+    if (recycle_bytes && (recycle_suffix == NULL || *recycle_suffix == 0 ||
+                          strchr(recycle_suffix, '/') != NULL)) {
+        PyErr_SetString(PyExc_ValueError, "recycle_bytes needs recycle_suffix: a file name "
+                                          "suffix without '/'");
+        return -1;
+    }
     if (threads < 1 || write_threads < 1 || task_size < CHUNK_ALIGNMENT ||
         task_size % CHUNK_ALIGNMENT) {
         PyErr_SetString(PyExc_ValueError, "threads and write_threads must be >= 1 and "
@@ -884,6 +901,10 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
     sem_init(&self->read_sem, 0, 0);
     sem_init(&self->write_sem, 0, 0);
     self->task_size = (size_t)task_size;
+    if (recycle_bytes && (self->pool = chunk_pool_new(recycle_suffix, recycle_bytes)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     self->readers_wanted = threads;
     self->threads = calloc((size_t)(threads + write_threads), sizeof(pthread_t));
     self->tids = calloc((size_t)(threads + write_threads), sizeof(pid_t));
@@ -1133,7 +1154,7 @@ static PyObject *Engine_unlink(Engine *self, PyObject *items) {
             goto done;
     if (n) {
         RELEASE_GIL_BEGIN
-        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(fds[i], rels[i]);
+        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(self->pool, fds[i], rels[i]);
         RELEASE_GIL_END
     }
     result = PyList_New(n);
@@ -1157,6 +1178,7 @@ static void engine_stop(Engine *self) {
     for (int i = 0; i < self->nthreads; i++) sem_post(&self->read_sem);
     for (int i = 0; i < self->nwthreads; i++) sem_post(&self->write_sem);
     for (int i = 0; i < self->nthreads + self->nwthreads; i++) pthread_join(self->threads[i], NULL);
+    chunk_pool_drain(self->pool); /* a closed store leaves no retired file behind */
 }
 
 static PyObject *Engine_close(Engine *self, PyObject *Py_UNUSED(ignored)) {
@@ -1176,6 +1198,7 @@ static void Engine_dealloc(Engine *self) {
         self->done_head = b->next;
         batch_free(b);
     }
+    chunk_pool_free(self->pool);
     if (self->threads) {
         free(self->threads);
         free(self->tids);
@@ -1187,7 +1210,13 @@ static void Engine_dealloc(Engine *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static PyObject *Engine_retired_bytes(Engine *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(chunk_pool_bytes(self->pool));
+}
+
 static PyMethodDef Engine_methods[] = {
+    {"retired_bytes", (PyCFunction)Engine_retired_bytes, METH_NOARGS,
+     "retired_bytes() -> int: bytes in removed chunk files kept for reuse now."},
     {"read", (PyCFunction)Engine_read, METH_O,
      "read(items) -> (statuses, details): read and verify a batch, waiting for it."},
     {"submit_read", (PyCFunction)Engine_submit_read, METH_VARARGS,
@@ -1274,7 +1303,7 @@ static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
 }
 
 static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{sKsKsKsKsKsK}", "gil_releases",
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "gil_releases",
                          (unsigned long long)atomic_load(&gil_releases), "wake_releases",
                          (unsigned long long)atomic_load(&wake_releases), "hashed_bytes",
                          (unsigned long long)atomic_load(&chunkio_hashed_bytes),
@@ -1283,7 +1312,9 @@ static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
                          "hash_sampled_bytes",
                          (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
                          "overlapped_writes",
-                         (unsigned long long)atomic_load(&chunkio_overlapped_writes));
+                         (unsigned long long)atomic_load(&chunkio_overlapped_writes),
+                         "recycled_writes",
+                         (unsigned long long)atomic_load(&chunkio_recycled_writes));
 }
 
 /* The cycle collector stops tracking each object (if it did): for objects that can never be
