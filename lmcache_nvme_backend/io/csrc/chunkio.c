@@ -625,6 +625,10 @@ uint64_t chunk_pool_bytes(chunk_pool *pool) {
  * filesystem without RENAME_NOREPLACE): the caller removes it. */
 static int pool_put(chunk_pool *pool, int root_fd, const char *dir_rel, int dir_fd,
                     const char *name) {
+    pthread_mutex_lock(&pool->mu);
+    int full = pool->count + pool->putting >= POOL_MAX_FILES || pool->bytes >= pool->max_bytes;
+    pthread_mutex_unlock(&pool->mu);
+    if (full) return -1; /* without a stat */
     struct stat st;
     if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) return errno;
     if (!S_ISREG(st.st_mode) || st.st_nlink != 1) return -1;
@@ -978,7 +982,7 @@ int chunk_unlink(chunk_pool *pool, int root_fd, const char *rel) {
     dir[n] = 0;
     int dir_fd = chunk_open_beneath(root_fd, dir, O_PATH | O_DIRECTORY, 0);
     if (dir_fd < 0) return -dir_fd;
-    int err = pool && pool->max_bytes ? pool_put(pool, root_fd, dir, dir_fd, slash + 1) : -1;
+    int err = pool ? pool_put(pool, root_fd, dir, dir_fd, slash + 1) : -1;
     if (err < 0) err = unlinkat(dir_fd, slash + 1, 0) == 0 ? 0 : errno;
     close(dir_fd);
     return err;
