@@ -11,8 +11,9 @@ setup(
         Extension(
             "lmcache_nvme_backend.io._native",
             sources=[f"lmcache_nvme_backend/io/csrc/{name}.c"
-                     for name in ("module", "chunkio", "xxh3")],
-            depends=[f"lmcache_nvme_backend/io/csrc/{name}.h" for name in ("chunkio", "xxh3")],
+                     for name in ("module", "chunkio", "pool", "xxh3")],
+            depends=[f"lmcache_nvme_backend/io/csrc/{name}.h"
+                     for name in ("chunkio", "pool", "xxh3")],
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             optional=True,
         ),

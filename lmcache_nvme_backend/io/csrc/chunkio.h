@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "pool.h"
+
 #define CHUNK_HEADER_SIZE 4096
 #define CHUNK_ALIGNMENT 4096
 #define CHUNK_BLOCK_SIZE (1u << 20)
@@ -95,23 +97,6 @@ int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces);
 int chunk_read_run(chunk_piece *piece);
 /* Frees what the plan allocated (after the request is final). */
 void chunk_read_free(chunk_read *req);
-
-/* -- retired files ------------------------------------------------------------------ */
-
-/* Chunk files removed from the cache but kept, renamed to a temp name of this process in
- * their shard directory, for the next write of the same size to overwrite in place: no
- * inode or blocks freed and allocated again, no fallocate, no extent conversion.  Bounded
- * by `max_bytes`; NULL (or 0 bytes) keeps none.  Thread-safe. */
-typedef struct chunk_pool chunk_pool;
-
-/* A pool whose files are named <chunk name><suffix>; NULL when out of memory. */
-chunk_pool *chunk_pool_new(const char *suffix, uint64_t max_bytes);
-/* Removes every file in the pool and takes no more. */
-void chunk_pool_drain(chunk_pool *pool);
-/* chunk_pool_drain, and frees it. */
-void chunk_pool_free(chunk_pool *pool);
-/* Bytes in the pool's files now. */
-uint64_t chunk_pool_bytes(chunk_pool *pool);
 
 /* -- writes ------------------------------------------------------------------------- */
 
