@@ -281,18 +281,21 @@ class Driver:
                 "gil_main_s_per_gib": (main1[0] - main0[0]) / gib,
                 "gil_main_cpu_s_per_gib": (main1[2] - main0[2]) / gib,
                 "gil_acquisitions_per_chunk": (gil1[1] - gil0[1]) / chunks,
-                "gil_s_per_gib_by_thread": {
-                    name: (held - by_thread0.get(name, 0.0)) / gib
-                    for name, held in sorted(by_thread1.items(), key=lambda kv: -kv[1])},
-                "cpu_s_per_gib_by_thread": {
-                    name: (ran - cpu_by_thread0.get(name, 0.0)) / gib
-                    for name, ran in sorted(cpu_by_thread1.items(), key=lambda kv: -kv[1])
-                    if ran > cpu_by_thread0.get(name, 0.0)},
+                "gil_s_per_gib_by_thread": per_gib_by_thread(by_thread0, by_thread1, gib),
+                "cpu_s_per_gib_by_thread": per_gib_by_thread(cpu_by_thread0, cpu_by_thread1,
+                                                             gib),
                 "all_ok": self.ok, "verified": self.verified}
 
     def close(self) -> None:
         self.side.adapter.close()
         shutil.rmtree(self.side.path, ignore_errors=True)
+
+
+def per_gib_by_thread(before: dict[str, float], after: dict[str, float],
+                      gib: float) -> dict[str, float]:
+    """Seconds per GiB each thread (by name) spent between two readings, largest first."""
+    spent = {name: (seconds - before.get(name, 0.0)) / gib for name, seconds in after.items()}
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
 def cpu_by_thread(main_id: int) -> dict[str, float]:

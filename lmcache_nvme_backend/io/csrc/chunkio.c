@@ -603,8 +603,9 @@ static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int i
  * (fallocate; its size alone where the filesystem cannot): ext4 waits at submission for an
  * O_DIRECT write that extends a file, which would serialise the groups again, and groups
  * written last first into a hole could be placed last first (a recycled file, `allocated`,
- * has its blocks already).  A group the kernel does not take is written synchronously.  Returns an errno, 0, or -1 when it wrote nothing (no
- * AIO here): the caller writes synchronously. */
+ * has its blocks already).  A group the kernel does not take is written synchronously.
+ * Returns an errno, 0, or -1 when it wrote nothing (no AIO here): the caller writes
+ * synchronously. */
 static int write_overlapped(const chunk_write *job, int fd, int allocated, thread_buffers *b,
                             uint64_t *digests, size_t blocks, uint64_t created) {
     aio_context_t ctx = my_aio(b);

@@ -11,7 +11,7 @@
  * Engine(threads, write_threads, task_size, recycle_bytes=0, recycle_suffix=None):
  *   recycle_bytes: up to this many bytes of removed chunk files (unlink, a write's victims)
  *   are kept, renamed <name><recycle_suffix> in their directory, and overwritten in place
- *   by later writes of their size (chunkio.h, retired files); close() removes the rest
+ *   by later writes of their size (pool.h); close() removes the rest
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
  *   submit_read(items, token)                 asynchronous; the batch comes back from wait
  *   submit_write(items, token)                asynchronous, on the write workers (nice 10,

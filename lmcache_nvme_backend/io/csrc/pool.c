@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,11 +52,9 @@ void chunk_pool_drain(chunk_pool *pool) {
     pthread_mutex_unlock(&pool->mu);
     for (size_t i = 0; i < count; i++) {
         pooled_file *f = &pool->files[i];
-        int dir_fd = chunk_open_beneath(f->root_fd, f->dir_rel, O_PATH | O_DIRECTORY, 0);
-        if (dir_fd >= 0) {
-            unlinkat(dir_fd, f->name, 0);
-            close(dir_fd);
-        }
+        char rel[PATH_MAX];
+        if (snprintf(rel, sizeof(rel), "%s/%s", f->dir_rel, f->name) < (int)sizeof(rel))
+            chunk_unlink(NULL, f->root_fd, rel);
         pooled_file_clear(f);
     }
 }
