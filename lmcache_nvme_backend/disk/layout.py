@@ -199,14 +199,6 @@ class RootLayout:
             return f"ns/{ns_id}/{digest[0:2]}"
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}"
 
-    def shard_rels(self, ns_id: str) -> list[str]:
-        """Every shard directory a namespace can have, relative to the root (with one level
-        256; with two, the 65,536 leaves)."""
-        top = [f"ns/{ns_id}/{i:02x}" for i in range(256)]
-        if self._one_level:
-            return top
-        return [f"{rel}/{i:02x}" for rel in top for i in range(256)]
-
     def write_names(self, ns_id: str, digest: str, temp_suffix: str) -> tuple[str, str, str]:
         """Where a writer puts a chunk: its shard directory relative to the root, the temp
         name it writes (``temp_suffix``: the writer's ``temp_name``) and the final name it

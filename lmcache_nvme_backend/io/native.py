@@ -11,8 +11,8 @@ What stays in Python: deciding per batch (the index, placement, capacity), and e
 that is not the common one.  A read the engine could not verify comes back with its header
 and checksum for ``disk/validate.judge_chunk`` to name the defect; a read that failed is run
 again through the Python engine, whose exceptions classify it (gone, planted, short, drive
-error) exactly as before.  A write that made its namespace's directory comes back for Python
-to write the namespace's name file.
+error) exactly as before.  A write whose shard directory does not exist yet comes back for
+Python to create the directory.
 """
 
 from __future__ import annotations
@@ -57,13 +57,6 @@ def counters() -> dict[str, int]:
     ``hash_sampled_bytes``); see ``hash_cpu_ns``; and the chunks written while they were
     hashed (``overlapped_writes``: O_DIRECT chunks of two blocks or more, through Linux AIO)."""
     return dict(_native.counters()) if _native is not None else {}
-
-
-def make_dirs(items: Sequence[tuple[int, str]], mode: int) -> list[int]:
-    """Make each directory ``(root_fd, rel)`` beneath its root, and what is missing above
-    it, with exactly ``mode`` and no link followed (``safe_fs.makedirs_beneath``), all in one
-    release of the GIL; an errno per item (0: made, or there already)."""
-    return list(_native.make_dirs(items, mode))
 
 
 def hash_cpu_ns(before: dict[str, int], after: dict[str, int]) -> float:

@@ -20,7 +20,6 @@ from ..disk.layout import CHUNK_SUFFIX, temp_name
 from ..disk.safe_fs import open_dir_beneath, open_dirs_beneath
 from ..io.posix import PosixIOEngine, create_in_dir
 from .roots import RootState, write_namespace_file
-from .shard_dirs import ShardDirMaker
 from .writeback import ChunkWrite
 
 #: The checksum the GPU read path checks, for a chunk (None: not recorded).
@@ -28,12 +27,10 @@ GpuChecksum = Callable[[ChunkWrite], tuple[int, int]]
 
 
 def write_chunk_file(root: RootState, job: ChunkWrite, engine: PosixIOEngine,
-                     settings: NVMeSettings, gpu_checksum: GpuChecksum | None,
-                     shard_dirs: ShardDirMaker) -> None:
+                     settings: NVMeSettings, gpu_checksum: GpuChecksum | None) -> None:
     """Write ``job`` as its chunk file on ``root`` and publish it by rename; raises OSError."""
     name = job.digest + CHUNK_SUFFIX
-    dir_fd = _open_shard_dir(root, job, root.layout.shard_rel(job.ns_id, job.digest), settings,
-                             shard_dirs)
+    dir_fd = _open_shard_dir(root, job, root.layout.shard_rel(job.ns_id, job.digest), settings)
     tmp = temp_name(name)
     try:
         try:
@@ -49,18 +46,16 @@ def write_chunk_file(root: RootState, job: ChunkWrite, engine: PosixIOEngine,
         os.close(dir_fd)
 
 
-def _open_shard_dir(root: RootState, job: ChunkWrite, rel: str, settings: NVMeSettings,
-                    shard_dirs: ShardDirMaker) -> int:
+def _open_shard_dir(root: RootState, job: ChunkWrite, rel: str, settings: NVMeSettings) -> int:
     """A descriptor of the chunk's shard directory, created (and the namespace's name
-    file with it, and its other shard directories after it) when it does not exist yet."""
+    file with it) when it does not exist yet."""
     try:
         return open_dir_beneath(root.layout.root, rel)
     except FileNotFoundError:
         pass
     dir_fd = open_dirs_beneath(root.layout.root, rel, settings.dir_mode)
     try:
-        if write_namespace_file(root.layout, job.ns_id, job.namespace, settings.file_mode):
-            shard_dirs.namespace_made(root.layout, job.ns_id)
+        write_namespace_file(root.layout, job.ns_id, job.namespace, settings.file_mode)
     except BaseException:
         os.close(dir_fd)
         raise

@@ -268,20 +268,18 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> bool:
+def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> None:
     """The namespace's readable name, created once with ``file_mode`` (``O_EXCL``: an
-    existing file or planted link is left alone, never written through); whether this call
-    created it (the namespace is new on this root)."""
+    existing file or planted link is left alone, never written through)."""
     try:
         fd = create_beneath(layout.root, layout.relative(layout.namespace_name_file(ns_id)),
                             file_mode)
     except FileExistsError:
-        return False
+        return
     try:
         os.write(fd, text_bytes(namespace) + b"\n")
     finally:
         os.close(fd)
-    return True
 
 
 def note_full(root: RootState, exc: BaseException | None) -> None:

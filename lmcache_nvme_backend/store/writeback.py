@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -21,21 +20,6 @@ from ..disk.format import TensorMeta, file_size_for, text_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
 
 logger = logging.getLogger(__name__)
-
-#: The nice value of the write-back's threads (the native engine's writers take the same).
-WRITER_NICE = 10
-
-
-def lower_thread_cpu_priority() -> None:
-    """Make the calling thread yield the CPU to the inference engine's threads.
-
-    On Linux a thread is a task with its own nice value; write-back is background
-    work and should never take a core from the engine when the host is busy.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (AttributeError, OSError) as exc:
-        logger.debug("could not lower the thread's priority: %s", exc)
 
 
 class SubmitResult(enum.Enum):

@@ -36,7 +36,6 @@ from .chunk_files import write_chunk_file
 from .index import IndexEntry
 from .room import Room
 from .roots import Roots, RootState, note_full, note_space, write_namespace_file
-from .shard_dirs import ShardDirMaker
 from .stats import Counter, StoreStats
 from .task_writes import NativeTaskWrites, OnTaskDone
 from .writeback import (
@@ -46,12 +45,12 @@ from .writeback import (
     WriteBackQueue,
     WriteTask,
     end_writes,
-    lower_thread_cpu_priority,
     outcome_of,
 )
 
 logger = logging.getLogger(__name__)
 
+WRITER_NICE = 10
 #: Most chunks one writer takes from the queue at a time (its share of the queue otherwise).
 MAX_WRITE_BATCH = 16
 #: How long a closing store waits for cancelled native writes to hand their buffers back.
@@ -86,8 +85,6 @@ class ChunkWriter:
         # (metadata, namespace, key bytes that fit the header beside them) of the last task
         # admitted: a server's tasks share a handful of layouts (one tuple: replaced whole).
         self._key_room: tuple[TensorMeta | None, str, int] = (None, "", 0)
-        # A new namespace's shard directories, made beside the writes (``shard_dirs.py``).
-        self.shard_dirs = ShardDirMaker(settings.dir_mode, native_engine is not None)
         # Whole store tasks in the common case (``task_writes.py``), with the native engine.
         self._tasks = NativeTaskWrites(self, native_engine) if native_engine is not None \
             else None
@@ -235,7 +232,7 @@ class ChunkWriter:
     # -- write-back ------------------------------------------------------------
 
     def _writer_loop(self) -> None:
-        lower_thread_cpu_priority()
+        _lower_thread_cpu_priority()
         self.engine.prepare_thread()
         while jobs := self.queue.take_share(len(self.threads), MAX_WRITE_BATCH):
             try:
@@ -321,8 +318,7 @@ class ChunkWriter:
     def _write_python(self, job: ChunkWrite, root: RootState) -> OSError | None:
         try:
             write_chunk_file(root, job, self.engine, self.settings,
-                             self._gpu_checksum if self.record_gpu_checksums else None,
-                             self.shard_dirs)
+                             self._gpu_checksum if self.record_gpu_checksums else None)
         except OSError as exc:
             return exc
         return None
@@ -419,9 +415,8 @@ class ChunkWriter:
         for index, status, err in result.details:
             job, root, _ = placed[index]
             if status == native.NEW_NAMESPACE:
-                if write_namespace_file(root.layout, job.ns_id, job.namespace,
-                                        self.settings.file_mode):
-                    self.shard_dirs.namespace_made(root.layout, job.ns_id)
+                write_namespace_file(root.layout, job.ns_id, job.namespace,
+                                     self.settings.file_mode)
                 continue
             error: OSError | None = _os_error(err, root.layout.chunk_path(job.ns_id,
                                                                           job.digest))
@@ -461,7 +456,6 @@ class ChunkWriter:
         self._finish(self.queue.close())
         for t in self.threads:
             t.join()
-        self.shard_dirs.close()
 
 
 def _os_error(err: int, path: Path) -> OSError:
@@ -471,3 +465,15 @@ def _os_error(err: int, path: Path) -> OSError:
         return NotAChunkFile(err, "a link or a non-directory in the cache tree (never "
                                   "followed)", str(path))
     return OSError(err, os.strerror(err), str(path))
+
+
+def _lower_thread_cpu_priority() -> None:
+    """Make the calling writer thread yield the CPU to the inference engine's threads.
+
+    On Linux a thread is a task with its own nice value; write-back is background
+    work and should never take a core from the engine when the host is busy.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError) as exc:
+        logger.debug("could not lower the writer thread's priority: %s", exc)

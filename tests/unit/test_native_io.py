@@ -681,28 +681,6 @@ def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
     assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
 
 
-def test_make_dirs_makes_exactly_the_mode_and_never_through_a_link(tmp_path: Path) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    root = tmp_path / "root"
-    (root / "ns").mkdir(parents=True)
-    (root / "ns" / "link").symlink_to(outside)
-    (root / "ns" / "file").write_bytes(b"x")
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    old = os.umask(0o077)
-    try:
-        errors = native.make_dirs([(fd, "ns/a/b"), (fd, "ns/a"), (fd, "ns/link/c"),
-                                   (fd, "ns/link"), (fd, "ns/file"), (fd, "../up")], 0o750)
-    finally:
-        os.umask(old)
-        os.close(fd)
-    assert errors[:2] == [0, 0]
-    assert {stat.S_IMODE((root / rel).stat().st_mode) for rel in ("ns/a", "ns/a/b")} == {0o750}
-    assert errors[2] == errno.ELOOP and errors[3] in (errno.ENOTDIR, errno.ELOOP)
-    assert errors[4] == errno.ENOTDIR and errors[5] != 0
-    assert list(outside.iterdir()) == [] and not (tmp_path / "up").exists()
-
-
 # -- a store task's writes as shares ---------------------------------------------------------
 
 

@@ -756,13 +756,6 @@ static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *cre
     return fd;
 }
 
-int chunk_make_dirs(int root_fd, const char *rel, mode_t mode) {
-    int created_at, fd = make_dirs_beneath(root_fd, rel, mode, &created_at);
-    if (fd < 0) return -fd;
-    close(fd);
-    return 0;
-}
-
 /* The chunk file's size on disk: the header and the payload padded to the alignment. */
 static off_t chunk_file_size(const chunk_write *job) {
     return (off_t)(CHUNK_HEADER_SIZE + chunk_padded(job->payload_len));

@@ -134,10 +134,6 @@ void chunk_write_run(chunk_write *job, size_t task_size);
  * that has room, a regular file is moved into it instead. */
 int chunk_unlink(chunk_pool *pool, int root_fd, const char *rel);
 
-/* Makes the directory `rel` beneath the root and what is missing above it, each exactly
- * `mode`, no link followed (disk/safe_fs.makedirs_beneath); 0 or an errno. */
-int chunk_make_dirs(int root_fd, const char *rel, mode_t mode);
-
 /* Builds the 4 KiB header; returns 0, or -EINVAL when the strings do not fit. */
 int chunk_encode_header(uint8_t *out, const uint8_t *key, size_t key_len, const uint8_t *ns,
                         size_t ns_len, const uint8_t *meta, size_t meta_len,

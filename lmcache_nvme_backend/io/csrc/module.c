@@ -1136,66 +1136,36 @@ static PyObject *Engine_wait(Engine *self, PyObject *args) {
     return out;
 }
 
-/* Paths beneath cache roots, as a call that works on each without the GIL takes them:
- * (root_fd, rel) items, the strings borrowed from `tuple` (kept alive by the caller). */
-typedef struct {
-    PyObject *tuple;
-    Py_ssize_t n;
-    int *fds;
-    const char **rels;
-    int *errors; /* the outcome of each: 0 or an errno */
-} path_items;
-
-static void path_items_free(path_items *p) {
-    free(p->fds);
-    free(p->rels);
-    free(p->errors);
-    Py_XDECREF(p->tuple);
-}
-
-/* Reads `items` into `p`; 0, or -1 with an exception set (and `p` freed). */
-static int path_items_parse(path_items *p, PyObject *items, const char *shape) {
-    memset(p, 0, sizeof(*p));
-    p->tuple = PySequence_Tuple(items);
-    if (p->tuple == NULL) return -1;
-    p->n = PyTuple_GET_SIZE(p->tuple);
-    size_t room = p->n ? (size_t)p->n : 1;
-    p->fds = calloc(room, sizeof(int));
-    p->rels = calloc(room, sizeof(char *));
-    p->errors = calloc(room, sizeof(int));
-    if (p->fds == NULL || p->rels == NULL || p->errors == NULL) {
-        PyErr_NoMemory();
-        path_items_free(p);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < p->n; i++) {
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(p->tuple, i), shape, &p->fds[i], &p->rels[i])) {
-            path_items_free(p);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* The errno of each item, as a list (and `p` freed). */
-static PyObject *path_items_errors(path_items *p) {
-    PyObject *result = PyList_New(p->n);
-    for (Py_ssize_t i = 0; result && i < p->n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(p->errors[i]));
-    path_items_free(p);
-    return result;
-}
-
 static PyObject *Engine_unlink(Engine *self, PyObject *items) {
-    path_items p;
-    if (path_items_parse(&p, items, "is;an unlink item is (root_fd, rel)") != 0) return NULL;
-    if (p.n) {
+    PyObject *tuple = PySequence_Tuple(items);
+    if (tuple == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    int *fds = calloc(n ? (size_t)n : 1, sizeof(int));
+    const char **rels = calloc(n ? (size_t)n : 1, sizeof(char *));
+    int *errors = calloc(n ? (size_t)n : 1, sizeof(int));
+    PyObject *result = NULL;
+    if (fds == NULL || rels == NULL || errors == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "is;an unlink item is (root_fd, rel)",
+                              &fds[i], &rels[i]))
+            goto done;
+    if (n) {
         RELEASE_GIL_BEGIN
-        for (Py_ssize_t i = 0; i < p.n; i++)
-            p.errors[i] = chunk_unlink(self->pool, p.fds[i], p.rels[i]);
+        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(self->pool, fds[i], rels[i]);
         RELEASE_GIL_END
     }
-    return path_items_errors(&p);
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result && i < n; i++)
+        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+done:
+    free(fds);
+    free(rels);
+    free(errors);
+    Py_DECREF(tuple);
+    return result;
 }
 
 /* Only the first caller stops and joins the threads (two close() calls at once would join
@@ -1282,21 +1252,6 @@ static PyTypeObject EngineType = {
 };
 
 /* -- module functions ------------------------------------------------------------------- */
-
-static PyObject *py_make_dirs(PyObject *mod, PyObject *args) {
-    PyObject *items;
-    unsigned int mode;
-    if (!PyArg_ParseTuple(args, "OI", &items, &mode)) return NULL;
-    path_items p;
-    if (path_items_parse(&p, items, "is;a make_dirs item is (root_fd, rel)") != 0) return NULL;
-    if (p.n) {
-        RELEASE_GIL_BEGIN
-        for (Py_ssize_t i = 0; i < p.n; i++)
-            p.errors[i] = chunk_make_dirs(p.fds[i], p.rels[i], (mode_t)mode);
-        RELEASE_GIL_END
-    }
-    return path_items_errors(&p);
-}
 
 static PyObject *py_xxh3_64(PyObject *mod, PyObject *arg) {
     Py_buffer view;
@@ -1393,10 +1348,6 @@ static PyObject *py_select_simd(PyObject *mod, PyObject *arg) {
 
 static PyMethodDef module_methods[] = {
     {"xxh3_64", py_xxh3_64, METH_O, "xxh3_64(buffer) -> int: XXH3-64 of the bytes."},
-    {"make_dirs", py_make_dirs, METH_VARARGS,
-     "make_dirs(items, mode) -> list: makes each directory (root_fd, rel) beneath its root "
-     "and what is missing above it, exactly `mode`, no link followed; an errno per item "
-     "(0: made or there), all in one release of the GIL."},
     {"memory_view", py_memory_view, METH_VARARGS,
      "memory_view(address, length) -> memoryview: writable bytes at address (the caller "
      "keeps the memory alive while the view is used)."},
