@@ -1,7 +1,8 @@
 """``lmcache bench l2`` (LMCache's own) on NVMeL2Adapter, ``fs``, ``fs_native``, and fio.
 
 For each object size and repetition, in interleaved order, every system gets a
-fresh directory on the same filesystem and runs:
+fresh directory on the same filesystem (``l2bench/<system>``: one parent for every run,
+so that each writes the same region of the drive) and runs:
 
 1. ``lmcache bench l2 --only store`` (a fresh process),
 2. ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root),
@@ -164,6 +165,12 @@ def main() -> int:
         print("warning: not root, cannot drop the page cache: loads are not cold",
               file=sys.stderr)
     runs: list[dict[str, Any]] = []
+    # Every run's directory is made inside one parent kept for the whole bench: ext4 places
+    # a new top-level directory in a block group of its own choosing (and a file's blocks
+    # near its directory), and on a virtual disk the first writes to a region can be 10 %
+    # slower than later ones; inside one parent every system writes into the same region.
+    parent = args.path / "l2bench"
+    parent.mkdir(parents=True, exist_ok=True)
     for size_mb in (int(s) for s in args.sizes_mb.split(",")):
         args.size_kb = size_mb * 1024
         args.num_keys = args.keys_per_task or max(1, 16 // size_mb)
@@ -174,7 +181,7 @@ def main() -> int:
         for rep in range(args.repeat):
             order = systems[rep % len(systems):] + systems[: rep % len(systems)]
             for system in order:
-                work = args.path / f"l2bench-{system}"
+                work = parent / system
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
                 try:
@@ -195,6 +202,7 @@ def main() -> int:
                     print(f"{size_mb:>3} MiB rep {rep} {system:>9} {r['op']:>5}: "
                           f"{r['gbps']:.2f} GB/s {'ok' if ok else 'FAILED ' + str(r)}",
                           flush=True)
+    shutil.rmtree(parent, ignore_errors=True)
     table = summarize(runs, systems, args)
     print(table)
     out = Path(__file__).parent / "results"
