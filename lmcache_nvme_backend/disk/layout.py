@@ -208,12 +208,17 @@ class RootLayout:
             return f"ns/{ns_id}/{digest[0:2]}", final + temp_suffix, final
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}", final + temp_suffix, final
 
+    def chunk_naming(self, ns_id: str) -> tuple[str, int, str]:
+        """``chunk_rel`` as the native engine applies it to each digest (a read share,
+        ``native.ChunkNaming``): ``(shard_prefix, shard_levels, final_suffix)``; a chunk's
+        shard directory is the prefix and the digest's first two characters (and, with two
+        levels, ``/`` and the next two), its file the digest and the suffix."""
+        return f"ns/{ns_id}/", self.shard_levels, CHUNK_SUFFIX
+
     def write_naming(self, ns_id: str, temp_suffix: str) -> tuple[str, int, str, str]:
         """``write_names`` as the native engine applies it to each digest (a store task's
-        share, ``native.WriteNaming``): ``(shard_prefix, shard_levels, final_suffix,
-        temp_suffix)``; a chunk's shard directory is the prefix and the digest's first two
-        characters (and, with two levels, ``/`` and the next two)."""
-        return f"ns/{ns_id}/", self.shard_levels, CHUNK_SUFFIX, temp_suffix
+        share, ``native.WriteNaming``): ``chunk_naming`` and the writer's temp suffix."""
+        return (*self.chunk_naming(ns_id), temp_suffix)
 
     def chunk_rels(self, entries: Iterable[Any]) -> tuple[str, ...]:
         """``chunk_rel`` of each of ``entries`` (anything with ``ns_id`` and ``digest``)."""

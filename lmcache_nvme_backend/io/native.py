@@ -112,6 +112,16 @@ ReadItem = tuple[int, str, memoryview, int, bool, bytes, bytes]
 WriteItem = tuple[int, str, str, str, memoryview, bytes, bytes, bytes, "tuple[int, int] | None",
                   bool, int, int, int, tuple[str, ...]]
 
+#: How a root names a chunk's file from its digest, ``(shard_prefix, shard_levels,
+#: final_suffix)`` (``RootLayout.chunk_naming``).
+ChunkNaming = tuple[str, int, str]
+
+#: The chunks of a read call on one root in one namespace and layout, ``(root_fd, naming,
+#: direct, payload_len, meta, digests, dests, keys)``: what ``ReadItem`` says per chunk said
+#: once, and three lists of one length; the engine makes each chunk's path from its digest
+#: and ``naming`` (as ``RootLayout.chunk_rel``), no Python per chunk.
+ReadShare = tuple[int, ChunkNaming, bool, int, bytes, list[str], list[memoryview], list[bytes]]
+
 #: How a root names a chunk's files from its digest, ``(shard_prefix, shard_levels,
 #: final_suffix, temp_suffix)`` (``RootLayout.write_naming``).
 WriteNaming = tuple[str, int, str, str]
@@ -165,6 +175,14 @@ class NativeEngine:
     def submit_read(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
         """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
         self._engine.submit_read(items, on_done)
+
+    def read_share(self, share: ReadShare) -> Batch:
+        """``read`` of a read call's chunks given as one share."""
+        return Batch(*self._engine.read_share(share))
+
+    def submit_read_share(self, share: ReadShare, on_done: OnDone) -> None:
+        """``submit_read`` of a read call's chunks given as one share."""
+        self._engine.submit_read_share(share, on_done)
 
     def submit_write(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
         """Start writing a batch (the engine's writers, at nice 10, let reads in flight go

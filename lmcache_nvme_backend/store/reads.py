@@ -75,6 +75,39 @@ class ReadPlan(NamedTuple):
 #: A chunk a read call reads: its index in the call, key, UTF-8 key, digest, namespace id,
 #: metadata (the index's when the call was planned), root and buffer.
 _Todo = tuple[int, str, bytes, str, str, TensorMeta, RootState, memoryview]
+#: What a read call gave the native engine: how many chunks, their payload bytes, their roots.
+_Issued = tuple[int, int, set[int]]
+#: A read share's chunks as columns: keys, UTF-8 keys, digests, namespace id, metadata,
+#: root, buffers.
+_ShareColumns = tuple[Sequence[str], list[bytes], list[str], str, TensorMeta, RootState,
+                      Sequence[memoryview]]
+
+
+def _share_todo(keys: Sequence[str], encoded: list[bytes], digests: list[str], ns_id: str,
+                meta: TensorMeta, root: RootState, dests: Sequence[memoryview]) -> list[_Todo]:
+    """The chunks of a read share as ``_Todo``, in its order."""
+    return [(i, keys[i], encoded[i], digests[i], ns_id, meta, root, dests[i])
+            for i in range(len(keys))]
+
+
+def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
+             dests: Sequence[memoryview], lengths: Sequence[int | None]
+             ) -> tuple[IndexEntry, TensorMeta, RootState] | None:
+    """Whether every chunk of a read call is read, as one share (``native.ReadShare``): all
+    indexed with one metadata object, in one namespace, on one root in service, into
+    buffers that fit; its first entry, metadata and root if so."""
+    first = entries[0] if entries else None
+    if first is None or (meta := first.meta) is None or (root := roots[first.root]) is None:
+        return None
+    index, ns_id, nbytes = first.root, first.ns_id, meta.nbytes
+    for entry in entries:
+        if entry is None or entry.meta is not meta or entry.root != index or \
+                entry.ns_id != ns_id:
+            return None
+    if min(map(len, dests)) < nbytes or \
+            lengths.count(None) + lengths.count(nbytes) != len(lengths):
+        return None
+    return first, meta, root
 
 
 def _plan_of(key: str, key_bytes: bytes, digest: str, ns_id: str, meta: TensorMeta,
@@ -195,6 +228,9 @@ class ChunkReader:
         nothing can be read), and must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
+        if self.native is not None and (uniform := _uniform(entries, roots, dests, lengths)):
+            self._read_share(keys, encoded, digests, dests, *uniform, on_done, wait)
+            return
         todo: list[_Todo] = []
         for i, entry in enumerate(entries):
             if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
@@ -229,6 +265,25 @@ class ChunkReader:
 
     # -- the native engine ---------------------------------------------------------------
 
+    def _read_share(self, keys: Sequence[str], encoded: list[bytes], digests: list[str],
+                    dests: Sequence[memoryview], first: IndexEntry, meta: TensorMeta,
+                    root: RootState, on_done: Callable[[list[bool]], None], wait: bool) -> None:
+        """A call whose every chunk is read (``_uniform``) through the native engine as one
+        share: no Python per chunk; the chunks as ``_Todo`` only if one was not served."""
+        assert self.native is not None
+        layout, n = root.layout, len(keys)
+        share: native.ReadShare = (root_descriptor(layout.root_str),
+                                   layout.chunk_naming(first.ns_id), root.direct, meta.nbytes,
+                                   meta.to_json(), digests, list(dests), encoded)
+        done = functools.partial(self._native_done, n,
+                                 (keys, encoded, digests, first.ns_id, meta, root, dests),
+                                 (n, n * meta.nbytes, {root.index}), on_done,
+                                 time.perf_counter())
+        if wait:
+            done(self.native.read_share(share))
+        else:
+            self.native.submit_read_share(share, done)
+
     def _read_native(self, size: int, todo: list[_Todo], on_done: Callable[[list[bool]], None],
                      wait: bool) -> None:
         """The batch through the native engine: one GIL round trip for all of it, and one
@@ -249,28 +304,31 @@ class ChunkReader:
             items.append((fd, layout.chunk_rel(ns_id, digest), dest, payload_len, direct,
                           key_bytes, meta_json))
             nbytes += payload_len
-        done = functools.partial(self._native_done, size, todo, (nbytes, issued_roots), on_done,
-                                 time.perf_counter())
+        done = functools.partial(self._native_done, size, todo, (len(todo), nbytes, issued_roots),
+                                 on_done, time.perf_counter())
         if wait:
             done(self.native.read(items))
         else:
             self.native.submit_read(items, done)
 
-    def _native_done(self, size: int, todo: list[_Todo],
-                     issued: tuple[int, set[int]], on_done: Callable[[list[bool]], None],
-                     started: float, result: native.Batch) -> None:
-        """A read call the native engine finished (``issued``: the payload bytes and roots
-        of ``todo``): judge what it did not serve, account the call under one lock hold,
-        answer ``on_done`` (also when accounting fails: a chunk is marked served only once
-        its bytes were verified)."""
+    def _native_done(self, size: int, chunks_read: list[_Todo] | _ShareColumns,
+                     issued: _Issued, on_done: Callable[[list[bool]], None], started: float,
+                     result: native.Batch) -> None:
+        """A read call the native engine finished (``issued``: how many chunks of it, their
+        payload bytes and roots; ``chunks_read``: those chunks in the engine's order, or a
+        share's columns): judge what it did not serve, account the call under one lock
+        hold, answer ``on_done`` (also when accounting fails: a chunk is marked served only
+        once its bytes were verified)."""
         served = [False] * size
         try:
-            if not result.details and len(todo) == size:  # the common case: all served
+            if not result.details and issued[0] == size:  # the common case: all served
                 served = [True] * size
                 chunks = engine_chunks = size
-                nbytes, roots = issued
+                _, nbytes, roots = issued
                 engine_bytes = nbytes
             else:
+                todo = chunks_read if isinstance(chunks_read, list) else \
+                    _share_todo(*chunks_read)
                 verdicts = {d[0]: self._native_verdict(_plan_of(*todo[d[0]][1:7]),
                                                        todo[d[0]][7], *d[1:])
                             for d in result.details}

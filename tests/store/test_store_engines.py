@@ -3,12 +3,13 @@ engine still serves everything when the native one is not built."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.chunks import NS, payload_for, put, read
+from support.chunks import NS, meta_for, payload_for, put, read
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.config import NVMeConfigError
@@ -97,3 +98,39 @@ def test_a_batch_of_mixed_outcomes_is_judged_chunk_by_chunk(open_store: StoreFac
     assert store.counter(path_counter(ReadPath.POSIX, "chunks")) == 2
     assert store.counter(path_counter(ReadPath.POSIX, "bytes")) == served_bytes
     assert store.histograms()[read_latency(ReadPath.POSIX)].count == 1
+
+
+def test_a_call_of_one_layout_is_one_share_and_each_chunk_judged_at_its_place(
+        open_store: StoreFactory, native_io: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common call (every chunk indexed in one namespace and layout on one root) goes to
+    the native engine as one share: a vanished, a damaged and a planted file among served
+    chunks are each judged at their own place in the call."""
+    store = open_store(task_size_mb=0.25)
+    size = 600_000
+    meta = meta_for(size)  # one object, as the adapters keep one per layout
+    keys = ["ok0", "gone", "bad", "ok1", "other"]
+    for key in keys:
+        store.submit(key, NS, meta, memoryview(payload_for(key, size)), release=lambda: None)
+    assert store.flush(10)
+    store.chunk_path("gone", NS).unlink()
+    with open(store.chunk_path("bad", NS), "r+b") as f:
+        f.seek(4096 + 300_000)
+        f.write(b"\xff")
+    shutil.copyfile(store.chunk_path("ok0", NS), store.chunk_path("other", NS))
+    shares = []
+    if native_io == "on":
+        engine = store.native_engine
+        assert engine is not None
+        real = engine.read_share
+        monkeypatch.setattr(engine, "read_share",
+                            lambda share: (shares.append(len(share[5])), real(share))[1])
+    dests = [memoryview(bytearray(size)) for _ in keys]
+    assert store.read_into([ChunkRead(k, d) for k, d in zip(keys, dests, strict=True)]) == \
+        [True, False, False, True, False]
+    assert shares == ([5] if native_io == "on" else [])
+    assert bytes(dests[0]) == payload_for("ok0", size)
+    assert bytes(dests[3]) == payload_for("ok1", size)
+    assert store.counter("checksum_failures") == 1 and store.counter("quarantined_files") == 2
+    assert store.counter("read_failures") == 3 and store.counter("read_bytes") == 2 * size
+    assert [store.contains(k) for k in keys] == [True, False, False, True, False]
+

@@ -108,16 +108,17 @@ class FlakyReads:
         engine._transfer = transfer  # type: ignore[method-assign]
         native_engine = store.native_engine
         if native_engine is not None:
-            real_read, real_submit = native_engine.read, native_engine.submit_read
+            for name in ("read", "read_share"):  # chunk by chunk, and a call as one share
+                setattr(native_engine, name, self._failing(getattr(native_engine, name)))
+            for name in ("submit_read", "submit_read_share"):
+                setattr(native_engine, name, self._failing_async(getattr(native_engine, name)))
 
-            def read(items: Any) -> native.Batch:
-                return self.failed(real_read(items))
+    def _failing(self, real: Callable[[Any], native.Batch]) -> Callable[[Any], native.Batch]:
+        return lambda batch: self.failed(real(batch))
 
-            def submit_read(items: Any, on_done: Callable[[native.Batch], None]) -> None:
-                real_submit(items, lambda batch: on_done(self.failed(batch)))
-
-            native_engine.read = read  # type: ignore[method-assign]
-            native_engine.submit_read = submit_read  # type: ignore[method-assign]
+    def _failing_async(self, real: Callable[[Any, Callable[[native.Batch], None]], None]
+                       ) -> Callable[[Any, Callable[[native.Batch], None]], None]:
+        return lambda batch, on_done: real(batch, lambda done: on_done(self.failed(done)))
 
     def error(self) -> OSError:
         if self.mode == "eio":

@@ -787,6 +787,84 @@ def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: P
     assert list(elsewhere.iterdir()) == []
 
 
+# -- a read call's chunks as one share --------------------------------------------------------
+
+
+def read_share_for(root: Path, layout: RootLayout, keys: list[str], dests: list[memoryview],
+                   payload_len: int, ns_id: str = "0123456789abcdef") -> native.ReadShare:
+    return (root_descriptor(str(root)), layout.chunk_naming(ns_id), True, payload_len,
+            meta_for(payload_len).to_json(), [key_digest(k) for k in keys], dests,
+            [k.encode() for k in keys])
+
+
+@pytest.mark.parametrize("levels", [SHARD_LEVELS, LEGACY_SHARD_LEVELS])
+@pytest.mark.parametrize("wait", [True, False], ids=["read_share", "submit_read_share"])
+def test_a_read_share_finds_each_chunk_where_the_layout_names_it(
+        engine_for, tmp_path: Path, levels: int, wait: bool) -> None:
+    """Chunks written where ``chunk_rel`` names them come back whole through one share (the
+    engine made each path from the digest and the root's naming), one missing file failed
+    at its place with ENOENT, a buffer that is not 4 KiB aligned filled all the same."""
+    layout = RootLayout(tmp_path, levels)
+    keys = [f"r{i}" for i in range(5)]
+    payloads = [random.Random(k).randbytes(BLOCK_SIZE + 4097) for k in keys]
+    engine = engine_for(task_size=BLOCK_SIZE)  # several pieces per chunk
+    written = write_shares_now(engine, [share_for(tmp_path, layout, keys,
+                                                  [memoryview(p) for p in payloads])])
+    assert set(written.statuses) <= {native.OK, native.NEW_NAMESPACE}
+    n = len(payloads[0])
+    dests = [dest_for(n, "aligned" if i % 2 else "staged") for i in range(6)]
+    share = read_share_for(tmp_path, layout, [*keys, "never-written"], dests, n)
+    if wait:
+        batch = engine.read_share(share)
+    else:
+        done = Done()
+        engine.submit_read_share(share, done("read"))
+        batch = done.wait_for(1)["read"]
+    assert bytes(batch.statuses) == bytes([native.OK] * 5 + [native.FAILED])
+    assert [d[:2] for d in batch.details] == [(5, errno.ENOENT)]
+    assert [bytes(dest[:n]) for dest in dests[:5]] == payloads
+
+
+def test_a_read_share_checks_each_key_and_its_metadata(engine_for, tmp_path: Path) -> None:
+    """A file at a chunk's path that holds another key (or was written with other
+    metadata) is not served: the engine hands it back to be judged."""
+    layout = RootLayout(tmp_path)
+    engine = engine_for()
+    payload = memoryview(b"x" * 9000)
+    write_shares_now(engine, [share_for(tmp_path, layout, ["a", "b"], [payload, payload])])
+    a_path = tmp_path / layout.chunk_rel("0123456789abcdef", key_digest("a"))
+    b_path = tmp_path / layout.chunk_rel("0123456789abcdef", key_digest("b"))
+    b_path.write_bytes(a_path.read_bytes())  # b's path now holds a's chunk
+    dests = [dest_for(9000, "aligned") for _ in range(2)]
+    batch = engine.read_share(read_share_for(tmp_path, layout, ["a", "b"], dests, 9000))
+    assert batch.statuses[0] == native.OK and batch.statuses[1] == native.JUDGE
+    other = read_share_for(tmp_path, layout, ["a"], dests[:1], 9000)
+    other = other[:4] + (meta_for(4500).to_json(),) + other[5:]  # the right key, other layout
+    assert engine.read_share(other).statuses[0] == native.JUDGE
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda s: (1, 2), TypeError, "a read share is a tuple of 8"),
+    (lambda s: s[:1] + (("ns/x/", 3, ".kv"),) + s[2:], ValueError, "shard_levels"),
+    (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, "naming is"),
+    (lambda s: s[:5] + (["a" * 32, "xyz"],) + s[6:], ValueError, "not lowercase hex"),
+    (lambda s: s[:5] + ([7, "b" * 32],) + s[6:], TypeError, "digest 0 must be str"),
+    (lambda s: s[:7] + (s[7][:1],), TypeError, "lists of one length"),
+    (lambda s: s[:7] + ([b"k", "k"],), TypeError, "key 1 must be bytes"),
+    (lambda s: s[:3] + (1 << 20,) + s[4:], ValueError, "destination 0 holds"),
+    (lambda s: s[:6] + ([memoryview(b"ro" * 5000)] * 2,) + s[7:], BufferError, "not writable"),
+])
+def test_a_malformed_read_share_is_refused_clearly(engine_for, tmp_path: Path,
+                                                   change: Callable[[tuple], tuple],
+                                                   error: type[Exception],
+                                                   message: str) -> None:
+    share = read_share_for(tmp_path, RootLayout(tmp_path), ["a", "b"],
+                           [dest_for(9000, "aligned") for _ in range(2)], 9000)
+    engine = engine_for()
+    with pytest.raises(error, match=message):
+        engine.read_share(change(share))
+
+
 def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Path) -> None:
     engine = engine_for()
     (tmp_path / REL).parent.mkdir(parents=True)

@@ -248,16 +248,62 @@ static int field_buffer(batch *b, PyObject *item, Py_ssize_t k, Py_ssize_t i, in
     return 0;
 }
 
-static batch *read_batch_new(Engine *self, PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_READ, -1);
-    if (b == NULL) return NULL;
+/* The requests and headers of a read batch of b->n chunks; 0, or -1 with an exception. */
+static int read_batch_alloc(batch *b) {
     b->reqs = calloc(b->n ? b->n : 1, sizeof(chunk_read));
     if (b->reqs == NULL ||
         posix_memalign((void **)&b->headers, CHUNK_ALIGNMENT,
                        (size_t)(b->n ? b->n : 1) * CHUNK_HEADER_SIZE) != 0) {
         PyErr_NoMemory();
-        goto fail;
+        return -1;
     }
+    return 0;
+}
+
+/* Request i reads into the buffer b->bufs[i] (acquired); 0, or -1 with an exception. */
+static int read_request_set(Engine *self, batch *b, Py_ssize_t i, unsigned long long payload_len) {
+    chunk_read *r = &b->reqs[i];
+    r->dest = b->bufs[i].buf;
+    r->dest_len = (size_t)b->bufs[i].len;
+    r->payload_len = payload_len;
+    r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
+    r->owner = b;
+    if (r->dest_len < payload_len) {
+        PyErr_Format(PyExc_ValueError, "destination %zd holds %zu bytes, need %llu", i,
+                     r->dest_len, payload_len);
+        return -1;
+    }
+    b->npieces += chunk_read_piece_count(r, self->task_size);
+    return 0;
+}
+
+/* Splits every request of a filled read batch into pieces; the batch, or NULL with an
+ * exception (and the batch freed). */
+static batch *read_batch_plan(batch *b, size_t task_size) {
+    b->pieces = calloc(b->npieces ? b->npieces : 1, sizeof(chunk_piece));
+    if (b->pieces == NULL) {
+        PyErr_NoMemory();
+        batch_free(b);
+        return NULL;
+    }
+    size_t at = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        int planned = chunk_read_plan(&b->reqs[i], task_size, b->pieces + at);
+        if (planned < 0) {
+            PyErr_NoMemory();
+            batch_free(b);
+            return NULL;
+        }
+        at += (size_t)planned;
+    }
+    atomic_store(&b->left, (long)b->n);
+    return b;
+}
+
+static batch *read_batch_new(Engine *self, PyObject *items) {
+    batch *b = batch_alloc(items, BATCH_READ, -1);
+    if (b == NULL) return NULL;
+    if (read_batch_alloc(b) != 0) goto fail;
     for (Py_ssize_t i = 0; i < b->n; i++) {
         chunk_read *r = &b->reqs[i];
         unsigned long long payload_len;
@@ -267,36 +313,11 @@ static batch *read_batch_new(Engine *self, PyObject *items) {
             (r->rel = field_path(item, 1)) == NULL || field_buffer(b, item, 2, i, 1) != 0 ||
             field_u64(item, 3, &payload_len) != 0 || field_flag(item, 4, &r->direct) != 0 ||
             field_bytes(item, 5, &r->key, &r->key_len) != 0 ||
-            field_bytes(item, 6, &r->meta, &r->meta_len) != 0)
+            field_bytes(item, 6, &r->meta, &r->meta_len) != 0 ||
+            read_request_set(self, b, i, payload_len) != 0)
             goto fail;
-        r->dest = b->bufs[i].buf;
-        r->dest_len = (size_t)b->bufs[i].len;
-        r->payload_len = payload_len;
-        r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
-        r->owner = b;
-        if (r->dest_len < payload_len) {
-            PyErr_Format(PyExc_ValueError, "destination %zd holds %zu bytes, need %llu", i,
-                         r->dest_len, payload_len);
-            goto fail;
-        }
-        b->npieces += chunk_read_piece_count(r, self->task_size);
     }
-    b->pieces = calloc(b->npieces ? b->npieces : 1, sizeof(chunk_piece));
-    if (b->pieces == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    size_t at = 0;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        int planned = chunk_read_plan(&b->reqs[i], self->task_size, b->pieces + at);
-        if (planned < 0) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        at += (size_t)planned;
-    }
-    atomic_store(&b->left, (long)b->n);
-    return b;
+    return read_batch_plan(b, self->task_size);
 fail:
     batch_free(b);
     return NULL;
@@ -561,6 +582,101 @@ static batch *share_batch_new(PyObject *shares) {
 fail_tuple:
     Py_DECREF(tuple);
     return NULL;
+fail:
+    batch_free(b);
+    return NULL;
+}
+
+/* A read call's chunks of one root, namespace and layout as columns: (root_fd,
+ * (shard_prefix, shard_levels, suffix), direct, payload_len, meta, digests, dests, keys),
+ * three lists of one length; each chunk's path is made here from its digest as
+ * RootLayout.chunk_rel makes it: shard_prefix + d[0:2] (+ "/" + d[2:4] with two levels) +
+ * "/" + d + suffix. */
+#define READ_SHARE_FIELDS 8
+static batch *read_share_batch_new(Engine *self, PyObject *share) {
+    if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != READ_SHARE_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "a read share is a tuple of %d", READ_SHARE_FIELDS);
+        return NULL;
+    }
+    PyObject *naming = PyTuple_GET_ITEM(share, 1), *digests = PyTuple_GET_ITEM(share, 5),
+             *dests = PyTuple_GET_ITEM(share, 6), *keys = PyTuple_GET_ITEM(share, 7);
+    const char *prefix, *suffix;
+    Py_ssize_t prefix_len, suffix_len;
+    int levels;
+    if (!PyArg_ParseTuple(naming, "s#is#;a read share's naming is (shard_prefix, "
+                                  "shard_levels, suffix)",
+                          &prefix, &prefix_len, &levels, &suffix, &suffix_len))
+        return NULL;
+    if (levels != 1 && levels != 2) {
+        PyErr_Format(PyExc_ValueError, "shard_levels must be 1 or 2, not %d", levels);
+        return NULL;
+    }
+    if (!PyList_Check(digests) || !PyList_Check(dests) || !PyList_Check(keys) ||
+        PyList_GET_SIZE(dests) != PyList_GET_SIZE(digests) ||
+        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
+        PyErr_SetString(PyExc_TypeError, "a read share's digests, dests and keys must be lists "
+                                         "of one length");
+        return NULL;
+    }
+    batch *b = batch_alloc(share, BATCH_READ, PyList_GET_SIZE(digests));
+    if (b == NULL) return NULL;
+    int root_fd, direct;
+    unsigned long long payload_len;
+    const uint8_t *meta;
+    size_t meta_len, arena = 0;
+    if (field_int(share, 0, &root_fd) != 0 || field_flag(share, 2, &direct) != 0 ||
+        field_u64(share, 3, &payload_len) != 0 || field_bytes(share, 4, &meta, &meta_len) != 0 ||
+        read_batch_alloc(b) != 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        PyObject *digest = PyList_GET_ITEM(digests, i);
+        if (!PyUnicode_Check(digest)) {
+            PyErr_Format(PyExc_TypeError, "digest %zd must be str", i);
+            goto fail;
+        }
+        Py_ssize_t len;
+        if (digest_text(digest, levels, &len) == NULL) goto fail;
+        arena += (size_t)(prefix_len + 3 * levels + len + suffix_len + 1);
+    }
+    b->names = malloc(arena ? arena : 1);
+    if (b->names == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    char *at = b->names;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        chunk_read *r = &b->reqs[i];
+        Py_ssize_t len;
+        const char *d = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(digests, i), &len);
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "key %zd must be bytes", i);
+            goto fail;
+        }
+        r->rel = at;
+        memcpy(at, prefix, (size_t)prefix_len);
+        at += prefix_len;
+        for (int level = 0; level < levels; level++) {
+            *at++ = d[2 * level];
+            *at++ = d[2 * level + 1];
+            *at++ = '/';
+        }
+        memcpy(at, d, (size_t)len);
+        at += len;
+        memcpy(at, suffix, (size_t)suffix_len + 1); /* with its NUL */
+        at += suffix_len + 1;
+        r->root_fd = root_fd;
+        r->direct = direct;
+        r->key = (const uint8_t *)PyBytes_AS_STRING(key);
+        r->key_len = (size_t)PyBytes_GET_SIZE(key);
+        r->meta = meta;
+        r->meta_len = meta_len;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, i), &b->bufs[i], PyBUF_WRITABLE) != 0)
+            goto fail;
+        b->nbufs = i + 1;
+        if (read_request_set(self, b, i, payload_len) != 0) goto fail;
+    }
+    return read_batch_plan(b, self->task_size);
 fail:
     batch_free(b);
     return NULL;
@@ -947,9 +1063,8 @@ static int engine_open(Engine *self) {
     return 1;
 }
 
-static PyObject *Engine_read(Engine *self, PyObject *items) {
-    if (!engine_open(self)) return NULL;
-    batch *b = read_batch_new(self, items);
+/* Runs a read batch on the threads, the calling thread helping, and hands back its results. */
+static PyObject *run_read(Engine *self, batch *b) {
     if (b == NULL) return NULL;
     if (b->n) {
         int count;
@@ -966,6 +1081,16 @@ static PyObject *Engine_read(Engine *self, PyObject *items) {
         }
     }
     return batch_results(b);
+}
+
+static PyObject *Engine_read(Engine *self, PyObject *items) {
+    if (!engine_open(self)) return NULL;
+    return run_read(self, read_batch_new(self, items));
+}
+
+static PyObject *Engine_read_share(Engine *self, PyObject *share) {
+    if (!engine_open(self)) return NULL;
+    return run_read(self, read_share_batch_new(self, share));
 }
 
 /* Hands an asynchronous batch to the threads; it comes back from wait().  It counts as
@@ -996,6 +1121,13 @@ static PyObject *Engine_submit_read(Engine *self, PyObject *args) {
     PyObject *items, *token;
     if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
     batch *b = read_batch_new(self, items);
+    return b == NULL ? NULL : submit(self, b, token);
+}
+
+static PyObject *Engine_submit_read_share(Engine *self, PyObject *args) {
+    PyObject *share, *token;
+    if (!PyArg_ParseTuple(args, "OO", &share, &token) || !engine_open(self)) return NULL;
+    batch *b = read_share_batch_new(self, share);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
@@ -1221,6 +1353,11 @@ static PyMethodDef Engine_methods[] = {
      "read(items) -> (statuses, details): read and verify a batch, waiting for it."},
     {"submit_read", (PyCFunction)Engine_submit_read, METH_VARARGS,
      "submit_read(items, token): start a read batch; wait() returns it with its token."},
+    {"read_share", (PyCFunction)Engine_read_share, METH_O,
+     "read_share(share) -> (statuses, details): read() of a call's chunks of one root, "
+     "namespace and layout given as columns (their paths made here from their digests)."},
+    {"submit_read_share", (PyCFunction)Engine_submit_read_share, METH_VARARGS,
+     "submit_read_share(share, token): submit_read() of a read share."},
     {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
      "submit_write(items, token): start a write batch; wait() returns it with its token."},
     {"submit_shares", (PyCFunction)Engine_submit_shares, METH_VARARGS,
