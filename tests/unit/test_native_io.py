@@ -847,6 +847,7 @@ def test_a_read_share_checks_each_key_and_its_metadata(engine_for, tmp_path: Pat
     (lambda s: (1, 2), TypeError, "a read share is a tuple of 8"),
     (lambda s: s[:1] + (("ns/x/", 3, ".kv"),) + s[2:], ValueError, "shard_levels"),
     (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, "naming is"),
+    (lambda s: s[:1] + (("ns/x\0/", 1, ".kv"),) + s[2:], ValueError, "NUL"),
     (lambda s: s[:5] + (["a" * 32, "xyz"],) + s[6:], ValueError, "not lowercase hex"),
     (lambda s: s[:5] + ([7, "b" * 32],) + s[6:], TypeError, "digest 0 must be str"),
     (lambda s: s[:7] + (s[7][:1],), TypeError, "lists of one length"),

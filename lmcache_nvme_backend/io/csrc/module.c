@@ -600,15 +600,25 @@ static batch *read_share_batch_new(Engine *self, PyObject *share) {
     }
     PyObject *naming = PyTuple_GET_ITEM(share, 1), *digests = PyTuple_GET_ITEM(share, 5),
              *dests = PyTuple_GET_ITEM(share, 6), *keys = PyTuple_GET_ITEM(share, 7);
-    const char *prefix, *suffix;
+    const char *prefix = NULL, *suffix = NULL;
     Py_ssize_t prefix_len, suffix_len;
     int levels;
-    if (!PyArg_ParseTuple(naming, "s#is#;a read share's naming is (shard_prefix, "
-                                  "shard_levels, suffix)",
-                          &prefix, &prefix_len, &levels, &suffix, &suffix_len))
+    if (PyTuple_Check(naming) && PyTuple_GET_SIZE(naming) == 3) {
+        prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len);
+        suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &suffix_len);
+    }
+    if (prefix == NULL || suffix == NULL || field_int(naming, 1, &levels) != 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "a read share's naming is (shard_prefix, "
+                                         "shard_levels, suffix)");
         return NULL;
+    }
     if (levels != 1 && levels != 2) {
         PyErr_Format(PyExc_ValueError, "shard_levels must be 1 or 2, not %d", levels);
+        return NULL;
+    }
+    if (strlen(prefix) != (size_t)prefix_len || strlen(suffix) != (size_t)suffix_len) {
+        PyErr_SetString(PyExc_ValueError, "a read share's naming holds a NUL character");
         return NULL;
     }
     if (!PyList_Check(digests) || !PyList_Check(dests) || !PyList_Check(keys) ||
