@@ -14,6 +14,10 @@
  *   by later writes of their size (pool.h); close() removes the rest
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
  *   submit_read(items, token)                 asynchronous; the batch comes back from wait
+ *   read_share(share), submit_read_share(share, token)
+ *                                             the same for a read call's chunks of one root,
+ *                                             namespace and layout as columns (their paths
+ *                                             made here, see read_share_batch_new)
  *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
  *                                             each waits up to 50 ms while reads are in flight)
  *   submit_shares(shares, token)              the same for a store task given as one share
@@ -418,6 +422,22 @@ static const char *digest_text(PyObject *o, int levels, Py_ssize_t *len) {
     return text;
 }
 
+/* Writes a chunk's shard directory as RootLayout names it, shard_prefix + d[0:2] (+ "/" +
+ * d[2:4] with two levels), at `at` (no NUL); returns where it ends. */
+static char *put_shard_dir(char *at, const char *prefix, Py_ssize_t prefix_len, const char *d,
+                           int levels) {
+    memcpy(at, prefix, (size_t)prefix_len);
+    at += prefix_len;
+    *at++ = d[0];
+    *at++ = d[1];
+    if (levels == 2) {
+        *at++ = '/';
+        *at++ = d[2];
+        *at++ = d[3];
+    }
+    return at;
+}
+
 /* A store task's writes as shares, one per root, the names of each chunk made here from its
  * digest as RootLayout.write_names makes them (docs/format.md): the directory shard_prefix
  * + d[0:2] (+ "/" + d[2:4] with two shard levels), the final name d + final_suffix, the temp
@@ -523,15 +543,7 @@ static batch *share_batch_new(PyObject *shares) {
                 goto fail;
             b->nbufs = i + 1;
             char *dir = at;
-            memcpy(at, prefix, (size_t)prefix_len);
-            at += prefix_len;
-            *at++ = d[0];
-            *at++ = d[1];
-            if (levels == 2) {
-                *at++ = '/';
-                *at++ = d[2];
-                *at++ = d[3];
-            }
+            at = put_shard_dir(at, prefix, prefix_len, d, levels);
             *at++ = '\0';
             w->dir_rel = dir;
             char *final = at;
@@ -664,13 +676,8 @@ static batch *read_share_batch_new(Engine *self, PyObject *share) {
             goto fail;
         }
         r->rel = at;
-        memcpy(at, prefix, (size_t)prefix_len);
-        at += prefix_len;
-        for (int level = 0; level < levels; level++) {
-            *at++ = d[2 * level];
-            *at++ = d[2 * level + 1];
-            *at++ = '/';
-        }
+        at = put_shard_dir(at, prefix, prefix_len, d, levels);
+        *at++ = '/';
         memcpy(at, d, (size_t)len);
         at += len;
         memcpy(at, suffix, (size_t)suffix_len + 1); /* with its NUL */
