@@ -756,10 +756,12 @@ def test_a_failed_chunk_of_a_share_is_reported_at_its_place_in_the_batch(
     (lambda s: s[:11] + ([b"k", "k"],), TypeError, "key 1 must be bytes"),
     (lambda s: s[:1] + (("ns/x/", 3, ".kv", ".tmp"),) + s[2:], ValueError, "shard_levels"),
     (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, "naming is"),
+    (lambda s: s[:1] + (("ns/x\0/", 1, ".kv", ".tmp"),) + s[2:], ValueError, "NUL"),
+    (lambda s: s[:1] + (("ns/x/", 1, ".kv", ".tmp\0"),) + s[2:], ValueError, "NUL"),
     (lambda s: s[:8] + (["v"],) + s[9:], TypeError, "victims must be a tuple, not list"),
     (lambda s: s[:9] + ([], [], []), ValueError, "share 0 has no chunks"),
 ], ids=["shape", "short-digest", "upper-digest", "digest-type", "lengths", "key-type",
-        "levels", "naming", "victims", "empty"])
+        "levels", "naming", "nul-prefix", "nul-suffix", "victims", "empty"])
 def test_a_malformed_share_is_refused_clearly_and_writes_nothing(
         engine_for, tmp_path: Path, change: Callable[[tuple], object], error: type[Exception],
         message: str) -> None:

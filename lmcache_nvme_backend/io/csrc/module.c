@@ -473,6 +473,12 @@ static batch *share_batch_new(PyObject *shares) {
                                               "shard_levels, final_suffix, temp_suffix)", s);
             goto fail_tuple;
         }
+        if (strlen(PyUnicode_AsUTF8(PyTuple_GET_ITEM(naming, 0))) != (size_t)prefix_len ||
+            strlen(PyUnicode_AsUTF8(PyTuple_GET_ITEM(naming, 2))) != (size_t)final_len ||
+            strlen(PyUnicode_AsUTF8(PyTuple_GET_ITEM(naming, 3))) != (size_t)temp_len) {
+            PyErr_Format(PyExc_ValueError, "share %zd: naming holds a NUL character", s);
+            goto fail_tuple;
+        }
         for (Py_ssize_t j = 0; j < size; j++) {
             PyObject *digest = PyList_GET_ITEM(PyTuple_GET_ITEM(share, 9), j);
             Py_ssize_t len;
