@@ -606,9 +606,11 @@ def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
             assert_whole_chunk_file(shard / f"c{i}.kv", payload_for(n))
 
 
-def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path) -> None:
+@pytest.mark.parametrize("umask", [0o077, 0o022, 0o000],
+                         ids=["chmod-needed", "umask-leaves-it", "no-umask"])
+def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path, umask: int) -> None:
     (tmp_path / REL).parent.mkdir(parents=True)
-    old = os.umask(0o077)
+    old = os.umask(umask)
     try:
         write_now(engine_for(), [write_item(tmp_path, memoryview(b"x" * 10), mode=0o640,
                                             gpu=(1, 2))])

@@ -697,6 +697,16 @@ static int write_temp(chunk_write *job, int fd, int allocated, size_t task_size)
     return err;
 }
 
+/* Gives a file or directory just created exactly `mode`, whatever the umask: a chmod only
+ * where the creation left another mode (an fstat reads; a chmod is one more journalled
+ * inode change per chunk written).  0 or an errno. */
+static int exact_mode(int fd, mode_t mode) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) return errno;
+    if ((st.st_mode & 07777) != mode && fchmod(fd, mode) != 0) return errno;
+    return 0;
+}
+
 /* Makes directory `name` in `dir_fd` with exactly `mode` (or finds it there) and opens it,
  * O_NOFOLLOW: a link there is ELOOP or ENOTDIR, never followed.  *created: whether this call
  * made it.  Returns a descriptor or -errno. */
@@ -705,8 +715,8 @@ static int make_dir_at(int dir_fd, const char *name, mode_t mode, int *created) 
     if (!*created && errno != EEXIST) return -errno;
     int fd = openat(dir_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return -errno;
-    if (*created && fchmod(fd, mode) != 0) { /* mkdir applied the umask */
-        int err = errno;
+    int err = *created ? exact_mode(fd, mode) : 0; /* mkdir applied the umask */
+    if (err) {
         close(fd);
         return -err;
     }
@@ -790,7 +800,7 @@ static int open_recycled(const chunk_write *job, const pooled_file *f, int dir_f
 static int write_and_rename(chunk_write *job, int fd, int file_dir, const char *name, int dir_fd,
                             int recycled, size_t task_size) {
     int err = 0;
-    if (!recycled && fchmod(fd, job->mode) != 0) err = errno; /* exactly, whatever the umask */
+    if (!recycled) err = exact_mode(fd, job->mode);
     if (!err) err = write_temp(job, fd, recycled, task_size);
     if (close(fd) != 0 && !err) err = errno;
     if (!err && renameat(file_dir, name, dir_fd, job->final_name) != 0) err = errno;
