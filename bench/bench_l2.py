@@ -21,6 +21,11 @@ GB/s of each system and the ratios of ours to each baseline.
 into a temporary directory as ``bench_ceiling.py --baseline`` builds it) and a column
 ours / base: a change measured in the same run, order rotated with the others.
 
+On a virtual disk, write the filesystem's free space once before measuring (a file of
+zeros until the disk is full, then removed) and prefer ``--total-mb 4096``: a block written
+for the first time costs more there, and the default run is under half a second of
+LMCache's timed loop (``docs/benchmarks.md``, "A bench image written once").
+
 Every ``lmcache bench l2`` uses ``--l1-align-bytes 4096`` (``fs_native`` with
 O_DIRECT fails every store silently without it).  Results (raw runs and the
 table) go to ``bench/results/l2-<timestamp>.json`` / ``.md``.
