@@ -214,6 +214,9 @@ static int field_u64(PyObject *item, Py_ssize_t k, unsigned long long *out) {
     return 0;
 }
 
+/* Whether UTF-8 text of `len` bytes holds a NUL (a C path would end there). */
+static int holds_nul(const char *text, Py_ssize_t len) { return strlen(text) != (size_t)len; }
+
 /* A str with no NUL character, as UTF-8 owned by the item. */
 static const char *field_path(PyObject *item, Py_ssize_t k) {
     PyObject *o = PyTuple_GET_ITEM(item, k);
@@ -224,7 +227,7 @@ static const char *field_path(PyObject *item, Py_ssize_t k) {
         return NULL;
     }
     const char *text = PyUnicode_AsUTF8AndSize(o, &len);
-    if (text != NULL && strlen(text) != (size_t)len) {
+    if (text != NULL && holds_nul(text, len)) {
         PyErr_Format(PyExc_ValueError, "item field %zd holds a NUL character", k);
         return NULL;
     }
@@ -454,6 +457,7 @@ static batch *share_batch_new(PyObject *shares) {
     for (Py_ssize_t s = 0; s < nshares; s++) {
         PyObject *share = PyTuple_GET_ITEM(tuple, s), *naming;
         Py_ssize_t size, prefix_len, final_len, temp_len;
+        const char *prefix, *final_suffix, *temp_suffix;
         if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != SHARE_FIELDS) {
             PyErr_Format(PyExc_TypeError, "share %zd is not a tuple of %d", s, SHARE_FIELDS);
             goto fail_tuple;
@@ -465,17 +469,18 @@ static batch *share_batch_new(PyObject *shares) {
             goto fail_tuple;
         }
         if (!PyTuple_Check(naming) || PyTuple_GET_SIZE(naming) != 4 ||
-            PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len) == NULL ||
-            PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &final_len) == NULL ||
-            PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3), &temp_len) == NULL) {
+            (prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len)) == NULL ||
+            (final_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &final_len)) ==
+                NULL ||
+            (temp_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3), &temp_len)) ==
+                NULL) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_TypeError, "share %zd: naming is (shard_prefix, "
                                               "shard_levels, final_suffix, temp_suffix)", s);
             goto fail_tuple;
         }
-        if (strlen(PyUnicode_AsUTF8(PyTuple_GET_ITEM(naming, 0))) != (size_t)prefix_len ||
-            strlen(PyUnicode_AsUTF8(PyTuple_GET_ITEM(naming, 2))) != (size_t)final_len ||
-            strlen(PyUnicode_AsUTF8(PyTuple_GET_ITEM(naming, 3))) != (size_t)temp_len) {
+        if (holds_nul(prefix, prefix_len) || holds_nul(final_suffix, final_len) ||
+            holds_nul(temp_suffix, temp_len)) {
             PyErr_Format(PyExc_ValueError, "share %zd: naming holds a NUL character", s);
             goto fail_tuple;
         }
@@ -635,7 +640,7 @@ static batch *read_share_batch_new(Engine *self, PyObject *share) {
         PyErr_Format(PyExc_ValueError, "shard_levels must be 1 or 2, not %d", levels);
         return NULL;
     }
-    if (strlen(prefix) != (size_t)prefix_len || strlen(suffix) != (size_t)suffix_len) {
+    if (holds_nul(prefix, prefix_len) || holds_nul(suffix, suffix_len)) {
         PyErr_SetString(PyExc_ValueError, "a read share's naming holds a NUL character");
         return NULL;
     }
