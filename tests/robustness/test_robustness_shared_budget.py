@@ -29,6 +29,7 @@ from support.process import child_env, module_command
 from support.shared_run import (
     DiskSampler,
     Member,
+    budget_report,
     running_pids,
     start_member,
     start_writers,
@@ -181,7 +182,7 @@ def test_a_killed_member_leaks_nothing(nodes: Nodes, victim: str, tmp_path: Path
           f"{[r['peer_served'] for r in results]} of each other's chunks")
     assert not left, f"left after {TAKEOVER_S} s: {left}"
     assert sampler.peak <= budget + len(members) * FILE
-    assert tree_bytes(nodes.real) <= budget
+    assert tree_bytes(nodes.real) <= budget, budget_report(nodes.real, survivors)
     assert all(r["wrong"] == 0 and r["written"] > 0 for r in results)
     assert any(r["peer_served"] > 0 for r in results)
 

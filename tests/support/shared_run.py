@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmcache_nvme_backend.disk.layout import TEMP_INFIX
+from lmcache_nvme_backend.store.ledger import LedgerChain
+
 from .process import child_env, module_command
 
 SAMPLE_S = 0.5
@@ -37,6 +40,33 @@ def tree_bytes(root: Path) -> int:
                     continue  # removed or renamed while walking
                 seen[(st.st_dev, st.st_ino)] = st.st_size
     return sum(seen.values())
+
+
+def budget_report(root: Path, members: Sequence[Member] = ()) -> str:
+    """What a tree holds against its budget, for an assertion message: the files by kind,
+    the ledger's accounts, and what the members warned of (a failure too rare to rerun
+    must say enough by itself)."""
+    kinds: dict[str, list[int]] = {}
+    for top in (root / "ns", root / "shared" / "evicting"):
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                kind = ("evicting" if top.name == "evicting" else
+                        "temp" if TEMP_INFIX in name else
+                        "chunk" if name.endswith(".kv") else "")
+                with contextlib.suppress(OSError):
+                    if kind:
+                        kinds.setdefault(kind, []).append(os.lstat(f"{dirpath}/{name}").st_size)
+    lines = [f"{kind}: {len(sizes)} files, {sum(sizes)} bytes" for kind, sizes in kinds.items()]
+    doc = LedgerChain(root, "reader-1-00000000", 0o600, 0o700).latest()
+    if doc is not None:
+        lines.append(f"ledger version {doc.n}: budget {doc.budget}, orphans {doc.orphans_cap} "
+                     f"(generation {doc.orphans_gen}), pool {doc.pool()}")
+        lines += [f"  {member}: {acct.state}, cap {acct.cap}, {len(acct.freed)} freed, "
+                  f"{len(acct.evicting)} evicting" for member, acct in doc.accounts.items()]
+    for member in members:
+        said = [ln for ln in member.stderr.splitlines() if "WARNING" in ln or "ERROR" in ln]
+        lines += [f"member {member.prefix} {member.ids}:", *said[-20:]]
+    return "\n".join(lines)
 
 
 def filesystem_used(path: Path) -> int:
@@ -182,6 +212,7 @@ class Member:
     prefix: str
     ids: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
+    stderr: str = ""  # once it ended (``result``)
 
     def wait_for(self, word: str, timeout_s: float = 60.0) -> str:
         """Read stdout lines until one starts with ``word``; that line."""
@@ -199,6 +230,7 @@ class Member:
 
     def result(self, timeout_s: float = 300.0) -> dict[str, Any]:
         out, err = self.proc.communicate(timeout=timeout_s)
+        self.stderr = err
         if self.proc.returncode != 0:
             raise RuntimeError(f"member {self.prefix} failed ({self.proc.returncode}):\n"
                                f"{err[-3000:]}")
