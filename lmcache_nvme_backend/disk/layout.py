@@ -38,7 +38,7 @@ from typing import Any
 import xxhash
 
 from .format import text_bytes, texts_bytes
-from .safe_fs import kind_of, read_small_file, scandir_beneath
+from .safe_fs import exists_beneath, kind_of, read_small_file, scandir_beneath
 
 MARKER_NAME = "LMCNVME"
 CHUNK_SUFFIX = ".kv"
@@ -186,6 +186,11 @@ class RootLayout:
     def chunk_path(self, ns_id: str, digest: str) -> Path:
         # one format and one parse: four ``/`` joins cost more on every read
         return Path(self._root_prefix + self.chunk_rel(ns_id, digest))
+
+    def has_chunk(self, ns_id: str, digest: str) -> bool:
+        """Whether the chunk file is there now (shared mode: another member may have
+        removed it)."""
+        return exists_beneath(self.root, self.chunk_rel(ns_id, digest))
 
     def chunk_rel(self, ns_id: str, digest: str) -> str:
         """The chunk file's path relative to the root (as ``safe_fs`` takes it)."""

@@ -377,6 +377,16 @@ def lstat_beneath(root: Path | str, rel: str) -> os.stat_result:
         os.close(fd)
 
 
+def exists_beneath(root: Path | str, rel: str) -> bool:
+    """Whether ``root / rel`` is there now (``lstat_beneath``: no link followed; a path that
+    is bad or cannot be reached is not there)."""
+    try:
+        lstat_beneath(root, rel)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def scandir_beneath(root: Path | str, rel: str) -> Iterator[os.DirEntry[str]]:
     """Entries of the directory ``root / rel`` (``""``: the root); a missing, unreadable or
     linked directory is empty.  Entries' ``is_dir``/``is_file`` must be asked with

@@ -40,7 +40,7 @@ from ..disk.coordination import (
     parse_journal_name,
 )
 from ..disk.layout import TempFile
-from ..disk.safe_fs import lstat_beneath, remove_quietly, scandir_beneath
+from ..disk.safe_fs import remove_quietly, scandir_beneath
 from .catalog import Catalog
 from .leases import Lease, Liveness, on_this_host_and_gone, remove_member_files
 from .ledger import DEAD, DEPARTED, LIVE, LedgerDoc, remove_tree_quietly
@@ -237,10 +237,14 @@ class Janitor:
         orphan_bytes = sum(size for d, size in files.items()
                            if now_owners.get(d, ("", 0))[0] not in live
                            and (d in now_owners or d not in before)
-                           and self._still_there(d, namespaces.get(d, "")))
+                           and layout.has_chunk(namespaces.get(d, ""), d))
+        # (a file stored again since the walk listed its directory is not gone)
         vanished = [(d, owner) for d, (owner, _) in before.items()
                     if owner in live and d not in files and d not in claimed
                     and now_owners.get(d, ("", 0))[0] == owner]
+        vanished = [(d, owner) for (d, owner), e in
+                    zip(vanished, self._catalog.entries([d for d, _ in vanished]), strict=True)
+                    if e is None or not layout.has_chunk(e.ns_id, d)]
 
         def change(doc: LedgerDoc) -> bool:
             if doc.orphans_gen != doc0.orphans_gen:
@@ -262,15 +266,6 @@ class Janitor:
                 removed = self._catalog.remove_entries(
                     e for e in self._catalog.entries([d for d, _ in vanished]) if e is not None)
                 self._catalog.notify_removed(removed)
-
-    def _still_there(self, digest: str, ns_id: str) -> bool:
-        """Whether a chunk file the walk listed is still there (not evicted meanwhile)."""
-        layout = self.account.root.layout
-        try:
-            lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
-        except (OSError, ValueError):
-            return False
-        return True
 
     def _temp_of_dead_writer(self, temp: TempFile, live_writers: set[tuple[str, int]]) -> bool:
         writer = (_tag(temp.host), temp.pid)

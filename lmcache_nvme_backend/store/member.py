@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..config import NVMeSettings
 from ..disk.coordination import LEDGER_DIR, MEMBERS_DIR, evicting_dir, new_member_id
 from ..disk.format import FORMAT_VERSION
-from ..disk.safe_fs import lstat_beneath, makedirs_beneath
+from ..disk.safe_fs import makedirs_beneath
 from .catalog import Catalog
 from .index import IndexEntry
 from .janitor import Janitor
@@ -195,9 +195,9 @@ class RootMember:
                 deleted = list(batch.deleted)
                 if batch.first:  # history, in no order with the others': ask the directory
                     published = [p for p in published if self._catalog.entry(p.digest)
-                                 is not None or self._file_exists(p.digest, p.ns_id)]
+                                 is not None or self.root.layout.has_chunk(p.ns_id, p.digest)]
                     deleted = [d for d in deleted if (e := self._catalog.entry(d)) is not None
-                               and not self._file_exists(d, e.ns_id)]
+                               and not self.root.layout.has_chunk(e.ns_id, d)]
                 entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta,
                                       now_ns, owner=batch.member) for p in published]
                 added, removed, doubles = self._catalog.apply_remote(
@@ -209,14 +209,6 @@ class RootMember:
                 self._stats.add(Counter.SHARED_VANISHED, len(removed))
                 if len(self.account.doubles) < 65536:
                     self.account.doubles.extend(doubles)
-
-    def _file_exists(self, digest: str, ns_id: str) -> bool:
-        layout = self.root.layout
-        try:
-            lstat_beneath(self.path, layout.relative(layout.chunk_path(ns_id, digest)))
-        except (OSError, ValueError):
-            return False
-        return True
 
     def heartbeat(self, raise_errors: bool = False) -> None:
         """Renew this member's lease and read the others'."""

@@ -13,6 +13,12 @@ them (the index holds every member's chunks and their recency, ``store/journal.p
 3. the claimed files are deleted, and only then is the room used (it is held as
    ``reserved`` until the unlink succeeded), so the tree never holds more than its budget.
 
+An owner can hear that its file is gone (the evicter's journal, a read that misses) before
+it reads the ledger version with the ``freed`` entry, and store the chunk again meanwhile:
+that entry is the earlier file's, so the earlier file is counted apart (*superseded*) until
+its entry comes, or until no eviction of it is pending (it was removed otherwise: ``gc``,
+quarantine), and the new file stays counted.
+
 A member that dies between any two of these steps leaves state the janitor completes
 (``store/janitor.py``).
 """
@@ -24,8 +30,14 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 
-from ..disk.coordination import evicting_dir, evicting_name
-from ..disk.safe_fs import NotAChunkFile, rename_beneath, unlink_beneath
+from ..disk.coordination import EVICTING_DIR, evicting_dir, evicting_name
+from ..disk.safe_fs import (
+    NotAChunkFile,
+    exists_beneath,
+    rename_beneath,
+    scandir_beneath,
+    unlink_beneath,
+)
 from .catalog import Catalog
 from .index import IndexEntry
 from .journal import JournalWriter, accessed_lines, deleted_line, published_line
@@ -67,6 +79,8 @@ class Account:
         self._lock = threading.Lock()  # the fields below
         self._ledger_lock = threading.Lock()  # this process's ledger updates, one at a time
         self.owned: dict[str, int] = {}
+        # earlier files of chunks stored again before their ``freed`` entry came: sizes
+        self._superseded: dict[str, list[int]] = {}
         self.usage = 0
         self.reserved = 0
         self.cap = 0
@@ -103,9 +117,7 @@ class Account:
                 return
             for seq, digest, _size in account.freed:
                 if seq > self._processed:
-                    owned = self.owned.pop(digest, None)
-                    if owned is not None:
-                        self.usage -= owned
+                    self.usage -= self._forget(digest)
                     self._processed = seq
             self.cap = account.cap
 
@@ -176,6 +188,10 @@ class Account:
         """A chunk file this member wrote is in place: it owns it now, and says so."""
         with self._lock:
             old = self.owned.get(entry.digest, 0)
+            if old and (replaced is None or replaced.owner != self.member):
+                # the earlier file is gone from the index: a ``freed`` entry may be on its way
+                self._superseded.setdefault(entry.digest, []).append(old)
+                old = 0
             self.owned[entry.digest] = entry.size
             self.usage += entry.size - old
             self.reserved -= reserved
@@ -343,6 +359,7 @@ class Account:
         """Acknowledge ``freed`` entries, clear deleted evicting names, and give headroom
         beyond ``keep`` back to the pool (held reserved while the update runs)."""
         self.retry_stuck()
+        self._settle_superseded()
         with self._lock:
             processed = self._processed
             cleared = set(self._cleared)
@@ -372,6 +389,47 @@ class Account:
         with self._lock:
             self.reserved -= excess
             self._cleared -= cleared
+
+    def _forget(self, digest: str) -> int:
+        """A ``freed`` entry for ``digest``: the bytes this account stops counting (an
+        earlier file stored over first, see the module doc).  Called with the lock held."""
+        earlier = self._superseded.get(digest)
+        if earlier:
+            size = earlier.pop()
+            if not earlier:
+                del self._superseded[digest]
+            return size
+        return self.owned.pop(digest, 0)
+
+    def _settle_superseded(self) -> None:
+        """Stop counting the superseded files no eviction is pending for.
+
+        An evicter renames the file into its evicting directory, records the transfer,
+        then unlinks it.  The earlier file left the chunk path before this member stored
+        the chunk again, so a claim of it is either still in an evicting directory now, or
+        recorded in the ledger read after this look; what neither explains was removed
+        another way and no ``freed`` entry will come for it.
+        """
+        with self._lock:
+            waiting = [(d, size) for d, sizes in self._superseded.items() for size in sizes]
+        if not waiting:
+            return
+        takers = [e.name for e in scandir_beneath(self.path, EVICTING_DIR)]
+        pending = {(d, size) for d, size in waiting
+                   if any(exists_beneath(self.path,
+                                        f"{evicting_dir(m)}/{evicting_name(d, size, self.member)}")
+                          for m in takers)}
+        doc = self.chain.latest()
+        if doc is not None:
+            self.adopt(doc)
+        with self._lock:
+            for digest, size in waiting:
+                sizes = self._superseded.get(digest, [])
+                if (digest, size) not in pending and size in sizes:
+                    sizes.remove(size)
+                    self.usage -= size
+                    if not sizes:
+                        del self._superseded[digest]
 
     def owned_lines(self) -> list[bytes]:
         """``P`` records of every chunk this member owns (a new journal generation's

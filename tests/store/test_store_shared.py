@@ -403,3 +403,77 @@ def test_every_path_keeps_its_share_of_the_budget(tmp_path: Path,
     b.refresh_shared()
     on_disk = sum(len(chunk_files(p)) for p in paths)
     assert sum(b.lookup(f"{w}{i}", "model") for w in "ab" for i in range(12)) == on_disk
+
+
+@pytest.mark.parametrize("learns_by", ["journal", "read"])
+def test_a_chunk_stored_again_before_its_eviction_reached_the_ledger_counts_once(
+        tmp_path: Path, open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch,
+        learns_by: str) -> None:
+    """b evicts a's chunk; a learns the file is gone (b's journal, or a read that misses)
+    and stores the chunk again before it reads the ledger version that takes the old
+    file out of its account: that entry is the old file's, and the new one stays counted."""
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    put(a, "k", fill=1)
+    put(a, "spare")
+    assert a.remove("spare")  # room a holds without asking the ledger
+    b.refresh_shared()
+    a_member = a._shared.members[0]  # type: ignore[union-attr]
+    sync = a_member.sync
+    monkeypatch.setattr(a_member, "sync", lambda: None)  # a reads no ledger meanwhile
+    victim = b.entry("k")
+    assert victim is not None and victim.owner == a.shared_members()[0]
+    assert b._shared.members[0].account.delete([victim]) == FILE  # type: ignore[union-attr]
+    if learns_by == "journal":
+        a_member.ingest()
+    else:
+        assert read(a, "k") is None
+    assert not a.lookup("k", "model")
+    payload = put(a, "k", fill=2)
+    sync()
+    assert a.stats_snapshot()["member_bytes"] == FILE  # the new file, counted once
+    assert read(a, "k") == payload and len(chunk_files(tmp_path)) == 1
+    doc = ledger(a)
+    assert doc.accounts[a.shared_members()[0]].cap >= FILE
+
+
+def test_a_chunk_removed_behind_its_owners_back_and_stored_again_counts_once(
+        tmp_path: Path, open_store: StoreFactory) -> None:
+    """No eviction is pending for the earlier file (an operator removed it): the new one
+    is all the account counts once the member has read the ledger."""
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    put(a, "k", fill=1)
+    os.unlink(a.chunk_path("k", "model"))
+    assert read(a, "k") is None
+    payload = put(a, "k", fill=2)
+    a.refresh_shared()
+    assert a.stats_snapshot()["member_bytes"] == FILE
+    janitor_round(a)
+    a._shared.members[0].janitor.reconcile({})  # type: ignore[union-attr]
+    a.refresh_shared()
+    assert a.stats_snapshot()["member_bytes"] == FILE and read(a, "k") == payload
+
+
+def test_a_walk_does_not_release_a_chunk_stored_again_while_it_ran(
+        tmp_path: Path, open_store: StoreFactory) -> None:
+    """The walk lists the tree while the file is missing; the owner stores the chunk again
+    (and has settled its account) before the walk decides: that file is not gone."""
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    put(a, "k", fill=1)
+    os.unlink(a.chunk_path("k", "model"))
+    janitor = a._shared.members[0].janitor  # type: ignore[union-attr]
+    ingest = janitor._ingest
+    stored: list[bytes] = []
+
+    def store_again_then_ingest() -> None:
+        if not stored:
+            assert read(a, "k") is None
+            stored.append(put(a, "k", fill=2))
+            a.refresh_shared()
+        ingest()
+
+    janitor._ingest = store_again_then_ingest
+    janitor.reconcile({})
+    a.refresh_shared()
+    assert stored and read(a, "k") == stored[0]
+    assert a.stats_snapshot()["member_bytes"] == FILE

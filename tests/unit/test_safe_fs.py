@@ -17,6 +17,7 @@ from lmcache_nvme_backend.disk.safe_fs import (
     create_beneath,
     create_in,
     dir_mode_for,
+    exists_beneath,
     makedirs_beneath,
     open_beneath,
     open_dirs_beneath,
@@ -62,6 +63,13 @@ def test_opens_below_the_root_and_refuses_links_in_any_component(tree: Path,
         open_beneath(tree, "a/b/none", os.O_RDONLY)
     with pytest.raises(ValueError):
         open_beneath(tree, "../outside/f", os.O_RDONLY)
+
+
+def test_exists_is_an_lstat_beneath_the_root(tree: Path, resolver: str) -> None:
+    assert exists_beneath(tree, "a/b/f") and exists_beneath(tree, "a/b/flink")  # the link
+    assert not exists_beneath(tree, "a/b/none")
+    assert not exists_beneath(tree, "a/link/f")  # not through a linked directory
+    assert not exists_beneath(tree, "../outside/f")
 
 
 def test_only_regular_files_are_opened_for_reading(tree: Path, resolver: str) -> None:
