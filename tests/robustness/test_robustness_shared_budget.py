@@ -119,6 +119,29 @@ def test_members_keep_one_budget_and_serve_each_other(nodes: Nodes, tmp_path: Pa
     assert doc.pool() >= 0 and doc.budget == budget
 
 
+def test_members_storing_evicted_chunks_again_keep_the_budget(nodes: Nodes,
+                                                              tmp_path: Path) -> None:
+    """Three writers each store the same 12 chunks over and over into a 24-chunk budget:
+    the others evict them, and each stores them again as soon as it hears (its journal
+    view runs up to 0.25 s ahead of its ledger view).  Every file stays counted."""
+    budget = 24 * FILE
+    members: list[Member] = []
+    try:
+        with nodes.sampler(members) as sampler:
+            start_writers(members, nodes.paths, ["c0", "c1", "c2"], budget, SIZE, SECONDS,
+                          tmp_path / "go", extra=["--cycle", "12"])
+            results = [m.result() for m in members]
+    finally:
+        stop_all(members)
+    print(f"\n{nodes.real}: peak {sampler.peak / 2**20:.2f} MiB of {budget / 2**20:.2f} MiB; "
+          + "; ".join(f"{r['prefix']}: {r['written']} stored, {r['evictions']} evicted"
+                      for r in results))
+    assert sum(r["written"] for r in results) > 4 * 36  # chunks were stored again and again
+    assert all(r["wrong"] == 0 for r in results)
+    assert sampler.peak <= budget + len(members) * FILE
+    assert tree_bytes(nodes.real) <= budget, budget_report(nodes.real, members)
+
+
 def test_a_hot_set_survives_another_members_flood(nodes: Nodes, tmp_path: Path) -> None:
     """A keeps reading 8 chunks while B floods: LRU across processes keeps A's."""
     budget = 256 * FILE

@@ -5,9 +5,10 @@ Run as ``python -m support.shared_member ROLE CACHE --budget-bytes N ...``:
 
 ``writer``  stores ``<prefix>-0``, ``<prefix>-1``, ... as fast as the store takes them for
             ``--seconds`` (with ``--chunks N``: until N are written, ``--seconds`` the
-            limit); between batches it looks up and reads recent chunks of the
-            members named in ``--peers`` (how far each got: ``--progress``) and compares
-            every byte.
+            limit; with ``--cycle N``: keys ``<prefix>-0`` to ``<prefix>-<N-1>`` over and
+            over, each stored again once it was evicted); between batches it looks up
+            and reads recent chunks of the members named in ``--peers`` (how far each
+            got: ``--progress``) and compares every byte.
 ``hot``     stores ``--hot`` chunks, prints ``HOT``, then reads them again and again
             (lookup, read, compare) for ``--seconds`` (with ``--until FILE``: until that
             file exists, ``--seconds`` the limit).
@@ -74,7 +75,7 @@ def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None
     written = 0
     while time.monotonic() < deadline and (args.chunks is None or written < args.chunks):
         for _ in range(BATCH):
-            _put(store, f"{args.prefix}-{written}", args.size)
+            _put(store, f"{args.prefix}-{_key(written, args.cycle)}", args.size)
             written += 1
         store.flush(60)
         if args.progress is not None:
@@ -83,8 +84,12 @@ def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None
             peer = rng.choice(peers)
             theirs = _progress(args.progress, peer, written)
             recent = rng.randrange(max(0, theirs - 24), max(1, theirs - 2))  # likely there
-            _check(store, f"{peer}-{recent}", args.size, counts, "peer")
+            _check(store, f"{peer}-{_key(recent, args.cycle)}", args.size, counts, "peer")
     counts["written"] = written
+
+
+def _key(n: int, cycle: int | None) -> int:
+    return n % cycle if cycle else n
 
 
 def _progress(directory: Path | None, peer: str, default: int) -> int:
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--hot", type=int, default=8)
     parser.add_argument("--pause", type=float, default=0.05)
     parser.add_argument("--chunks", type=int, help="writer: stop once this many are written")
+    parser.add_argument("--cycle", type=int, help="writer: store keys 0 to N-1 over and over")
     parser.add_argument("--until", type=Path, help="hot: stop once this file exists")
     parser.add_argument("--go", type=Path, help="start once this file exists")
     parser.add_argument("--progress", type=Path,

@@ -272,12 +272,12 @@ def start_member(role: str, cache: Path, prefix: str, budget: int, size: int, se
 
 def start_writers(members: list[Member], caches: Sequence[Path], prefixes: Sequence[str],
                   budget: int, size: int, seconds: float, go: Path,
-                  env: dict[str, str] | None = None) -> None:
+                  env: dict[str, str] | None = None, extra: Sequence[str] = ()) -> None:
     """Start one writer per prefix (on ``caches[i % len(caches)]``), each reading the
     others' chunks, appended to ``members`` as they start; then let them all go at once."""
     for i, prefix in enumerate(prefixes):
         members.append(start_member("writer", caches[i % len(caches)], prefix, budget, size,
-                                    seconds, prefixes, go=go, env=env))
+                                    seconds, prefixes, extra, go=go, env=env))
     go.touch()
 
 
