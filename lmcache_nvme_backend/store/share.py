@@ -89,6 +89,7 @@ class Account:
         self._claiming: set[str] = set()
         self._spread = 1
         self._stuck: dict[str, int] = {}  # claimed files whose unlink failed (held reserved)
+        self._stuck_own: dict[str, str] = {}  # of those, this member's own: name -> digest
         self._cleared: set[str] = set()  # recorded evicting names deleted, to clear
         self._shared_at: dict[str, float] = {}
         self.doubles: list[tuple[str, str]] = []  # (digest, other owner): for the janitor
@@ -267,7 +268,9 @@ class Account:
             with self._lock:
                 self.reserved -= expected
                 for entry, name in mine:
-                    if name in deleted and (size := self.owned.pop(entry.digest, None)):
+                    if name not in deleted:  # counted until ``retry_stuck`` deletes it
+                        self._stuck_own[name] = entry.digest
+                    elif size := self.owned.pop(entry.digest, None):
                         self.usage -= size
                         gained += size
                 self._cleared.update(n for _, n in theirs if n in deleted)
@@ -352,6 +355,9 @@ class Account:
                 self._stuck.pop(name, None)
                 self.reserved -= size
                 self._cleared.add(name)
+                digest = self._stuck_own.pop(name, None)
+                if digest is not None:
+                    self.usage -= self._forget(digest)
 
     # -- background ------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from lmcache_nvme_backend.disk.coordination import (
 )
 from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
+from lmcache_nvme_backend.store import share
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
 from lmcache_nvme_backend.store.index import IndexEntry
 from lmcache_nvme_backend.store.ledger import Account, LedgerChain, LedgerDoc
@@ -477,3 +478,24 @@ def test_a_walk_does_not_release_a_chunk_stored_again_while_it_ran(
     a.refresh_shared()
     assert stored and read(a, "k") == stored[0]
     assert a.stats_snapshot()["member_bytes"] == FILE
+
+
+def test_an_own_chunk_whose_unlink_failed_leaves_the_account_once_deleted(
+        tmp_path: Path, open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    put(a, "k")
+    unlink = share.unlink_beneath
+    failed: list[str] = []
+
+    def fail_once(root: Any, rel: str, *args: Any) -> None:
+        if not failed:
+            failed.append(rel)
+            raise PermissionError(13, "Permission denied")
+        unlink(root, rel, *args)
+
+    monkeypatch.setattr(share, "unlink_beneath", fail_once)
+    a.remove("k")
+    assert failed and (tmp_path / failed[0]).exists()  # claimed, not yet deleted
+    a.refresh_shared()  # the retry deletes it
+    assert not (tmp_path / failed[0]).exists() and not chunk_files(tmp_path)
+    assert a.stats_snapshot()["member_bytes"] == 0
