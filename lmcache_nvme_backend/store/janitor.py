@@ -238,12 +238,13 @@ class Janitor:
                            if now_owners.get(d, ("", 0))[0] not in live
                            and (d in now_owners or d not in before)
                            and layout.has_chunk(namespaces.get(d, ""), d))
-        # (a file stored again since the walk listed its directory is not gone)
-        vanished = [(d, owner) for d, (owner, _) in before.items()
+        # a chunk a live owner counts that the walk did not list and that is still not
+        # there (not one stored again since the walk listed its directory)
+        unlisted = [(d, owner) for d, (owner, _) in before.items()
                     if owner in live and d not in files and d not in claimed
                     and now_owners.get(d, ("", 0))[0] == owner]
-        vanished = [(d, owner) for (d, owner), e in
-                    zip(vanished, self._catalog.entries([d for d, _ in vanished]), strict=True)
+        vanished = [(d, owner, e) for (d, owner), e in
+                    zip(unlisted, self._catalog.entries([d for d, _ in unlisted]), strict=True)
                     if e is None or not layout.has_chunk(e.ns_id, d)]
 
         def change(doc: LedgerDoc) -> bool:
@@ -251,7 +252,7 @@ class Janitor:
                 return False
             doc.orphans_cap = orphan_bytes
             doc.orphans_gen += 1
-            for digest, owner in vanished:
+            for digest, owner, _ in vanished:
                 release(doc, owner, digest)
             return True
 
@@ -263,8 +264,7 @@ class Janitor:
             self._next_walk = started + max(RECONCILE_S, WALK_SHARE * self.last_walk_s)
             self._stats.add(Counter.SHARED_RECONCILES)
             if vanished:
-                removed = self._catalog.remove_entries(
-                    e for e in self._catalog.entries([d for d, _ in vanished]) if e is not None)
+                removed = self._catalog.remove_entries(e for _, _, e in vanished if e is not None)
                 self._catalog.notify_removed(removed)
 
     def _temp_of_dead_writer(self, temp: TempFile, live_writers: set[tuple[str, int]]) -> bool:

@@ -399,13 +399,19 @@ class Account:
     def _forget(self, digest: str) -> int:
         """A ``freed`` entry for ``digest``: the bytes this account stops counting (an
         earlier file stored over first, see the module doc).  Called with the lock held."""
-        earlier = self._superseded.get(digest)
-        if earlier:
-            size = earlier.pop()
-            if not earlier:
-                del self._superseded[digest]
-            return size
-        return self.owned.pop(digest, 0)
+        return self._unsupersede(digest) or self.owned.pop(digest, 0)
+
+    def _unsupersede(self, digest: str, size: int | None = None) -> int:
+        """Take one earlier file of ``digest`` (of ``size``, when given) off the superseded
+        ones; its bytes, 0 when there is none.  Called with the lock held."""
+        sizes = self._superseded.get(digest)
+        if not sizes or (size is not None and size not in sizes):
+            return 0
+        taken = sizes[-1] if size is None else size
+        sizes.remove(taken)
+        if not sizes:
+            del self._superseded[digest]
+        return taken
 
     def _settle_superseded(self) -> None:
         """Stop counting the superseded files no eviction is pending for.
@@ -430,12 +436,8 @@ class Account:
             self.adopt(doc)
         with self._lock:
             for digest, size in waiting:
-                sizes = self._superseded.get(digest, [])
-                if (digest, size) not in pending and size in sizes:
-                    sizes.remove(size)
-                    self.usage -= size
-                    if not sizes:
-                        del self._superseded[digest]
+                if (digest, size) not in pending:
+                    self.usage -= self._unsupersede(digest, size)
 
     def owned_lines(self) -> list[bytes]:
         """``P`` records of every chunk this member owns (a new journal generation's

@@ -24,11 +24,11 @@ SAMPLE_S = 0.5
 SETTLE_S = 0.05  # after every member stopped: what a filesystem daemon still applies
 
 
-def tree_bytes(root: Path) -> int:
-    """Bytes of the chunk and temp files under ``root/ns`` plus the victims being deleted
-    under ``root/shared/evicting`` right now (what the budget bounds).  A file renamed while
-    the walk runs (temp to chunk, chunk to evicting) is counted once (by inode)."""
-    seen: dict[tuple[int, int], int] = {}
+def _budgeted_files(root: Path) -> dict[tuple[int, int], tuple[str, int]]:
+    """(kind, size) by inode of the chunk and temp files under ``root/ns`` and the victims
+    being deleted under ``root/shared/evicting`` right now (what the budget bounds).  A
+    file renamed while the walk runs (temp to chunk, chunk to evicting) is seen once."""
+    seen: dict[tuple[int, int], tuple[str, int]] = {}
     for top in (root / "ns", root / "shared" / "evicting"):
         for dirpath, _dirs, files in os.walk(top):
             for name in files:
@@ -38,8 +38,15 @@ def tree_bytes(root: Path) -> int:
                     st = os.lstat(os.path.join(dirpath, name))
                 except OSError:
                     continue  # removed or renamed while walking
-                seen[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(seen.values())
+                kind = ("evicting" if top.name == "evicting" else
+                        "temp" if TEMP_INFIX in name else "chunk")
+                seen[(st.st_dev, st.st_ino)] = (kind, st.st_size)
+    return seen
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes the budget bounds in the tree right now (``_budgeted_files``)."""
+    return sum(size for _, size in _budgeted_files(root).values())
 
 
 def budget_report(root: Path, members: Sequence[Member] = ()) -> str:
@@ -47,15 +54,8 @@ def budget_report(root: Path, members: Sequence[Member] = ()) -> str:
     the ledger's accounts, and what the members warned of (a failure too rare to rerun
     must say enough by itself)."""
     kinds: dict[str, list[int]] = {}
-    for top in (root / "ns", root / "shared" / "evicting"):
-        for dirpath, _dirs, files in os.walk(top):
-            for name in files:
-                kind = ("evicting" if top.name == "evicting" else
-                        "temp" if TEMP_INFIX in name else
-                        "chunk" if name.endswith(".kv") else "")
-                with contextlib.suppress(OSError):
-                    if kind:
-                        kinds.setdefault(kind, []).append(os.lstat(f"{dirpath}/{name}").st_size)
+    for kind, size in _budgeted_files(root).values():
+        kinds.setdefault(kind, []).append(size)
     lines = [f"{kind}: {len(sizes)} files, {sum(sizes)} bytes" for kind, sizes in kinds.items()]
     doc = LedgerChain(root, "reader-1-00000000", 0o600, 0o700).latest()
     if doc is not None:
