@@ -461,8 +461,11 @@ class Account:
         return max(0.0, (now_ns - max(times)) / 1e9), max(0.0, (now_ns - min(times)) / 1e9)
 
     def stats(self) -> dict[str, int]:
+        """The account's counts; a superseded file is still on disk, so it is one of the
+        chunks owned (as its size is in ``owned_bytes``) until it is settled."""
         with self._lock:
-            return {"owned_bytes": self.usage, "owned_chunks": len(self.owned),
+            files = len(self.owned) + sum(map(len, self._superseded.values()))
+            return {"owned_bytes": self.usage, "owned_chunks": files,
                     "cap": self.cap, "reserved": self.reserved}
 
     def departing_cap(self) -> Callable[[LedgerDoc], bool]:

@@ -431,8 +431,10 @@ def test_a_chunk_stored_again_before_its_eviction_reached_the_ledger_counts_once
         assert read(a, "k") is None
     assert not a.lookup("k", "model")
     payload = put(a, "k", fill=2)
+    assert a_member.account.stats()["owned_chunks"] == 2  # the earlier file is not freed yet
     sync()
     assert a.stats_snapshot()["member_bytes"] == FILE  # the new file, counted once
+    assert a_member.account.stats()["owned_chunks"] == 1
     assert read(a, "k") == payload and len(chunk_files(tmp_path)) == 1
     doc = ledger(a)
     assert doc.accounts[a.shared_members()[0]].cap >= FILE
