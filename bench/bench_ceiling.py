@@ -79,7 +79,7 @@ spread that means nothing::
     sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive \
         --paired --baseline main --systems nvme --sizes-mb 16
 
-Needs CPython 3.11 on Linux and a C compiler (for the meter).
+Needs CPython 3.11 or 3.12 on Linux and a C compiler (for the meter).
 """
 
 from __future__ import annotations

@@ -107,11 +107,18 @@ def build_variants(names: list[str], store: Any, chunks: Any, args: argparse.Nam
                              register=decision.path == "kvikio-gds")
 
         def read(idx: list[int]) -> int:
+            bounced = store.counter("path_host_bounce_chunks")
             objs = reader.read([chunks.keys[i] for i in idx], [chunks.metas[i] for i in idx])
             got = sum(o is not None for o in objs)
             release_all(objs)
             if got != len(idx):
                 raise RuntimeError(f"{name}: {len(idx) - got} of {len(idx)} chunks not served")
+            bounced = store.counter("path_host_bounce_chunks") - bounced
+            if decision.path != ReadPath.HOST_BOUNCE and bounced:
+                counters = {c: store.counter(c) for c in (
+                    "gpu_unverified_fallbacks", "gpu_read_errors", "gpu_pool_fallbacks")}
+                raise RuntimeError(f"{name}: {bounced} of {len(idx)} chunks went through the "
+                                   f"host, not {decision.path} ({counters})")
             return got * nbytes
 
         return Variant(name, read, reader.close, f"path {decision.path}: {decision.reason}")
@@ -251,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "min_free_gb": 0, "manifest_interval_s": 0, "io_threads": args.threads,
             "task_size_mb": args.task_mb, "write_queue_mb": max(64.0, 4 * chunk_mb)})
         store = ChunkStore(settings)
-        store.record_gpu_checksums = True
+        store.set_gpu_checksums(True)  # the files the kvikio path verifies on the GPU
         try:
             chunks = write_chunks(store, args.chunks, nbytes, prefix=f"bench-{chunk_mb:g}")
             variants, failures = build_variants(names, store, chunks, args, nbytes, torch)

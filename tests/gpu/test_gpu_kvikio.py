@@ -1,11 +1,13 @@
 """The GPU read path on a CUDA GPU: kvikio into the pool, host bounce, strict mode,
-GPU-side verification, the backend end to end, and writes from GPU memory."""
+GPU-side verification, the fallbacks (kvikio missing, cuFile refusing), the backend end to
+end, and writes from GPU memory."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,6 +185,79 @@ def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) ->
                                             host=host_memory(host))  # type: ignore[arg-type]
         assert decision.path == ReadPath.KVIKIO_GDS and reader is not None
         reader.close()
+
+
+def test_without_kvikio_auto_reads_into_cuda_through_the_host(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_nvme_backend.adapters.memory_objects import host_memory
+    from lmcache_nvme_backend.testing.gpu import (
+        HostTier,
+        object_bytes,
+        release_all,
+        write_chunks,
+    )
+
+    for name in [m for m in sys.modules if m == "kvikio" or m.startswith("kvikio.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "kvikio", None)  # `import kvikio` raises ImportError
+    missing = GpuProbe.detect()
+    assert missing.cuda_devices >= 1 and missing.kvikio_version is None, missing
+    assert missing.kvikio_error
+    params = {"path": str(store.settings.paths[0]), "max_size_gb": 1, "gpu_pool_mb": 64}
+    refused = select_read_path("on", DEVICE, 64 * MIB, missing).refusal
+    assert refused is not None and "kvikio" in refused
+    auto = NVMeSettings.from_params({**params, "gds_mode": "auto"})
+    decision, reader = build_gpu_reader(store, auto, DEVICE, probe=missing,
+                                        host=host_memory(HostTier(64 * MIB)))
+    assert decision.path == ReadPath.HOST_BOUNCE and reader is not None, decision
+    print(f"without kvikio: {decision.reason}")
+    try:
+        chunks = write_chunks(store, 3, SIZE)
+        objs = reader.read(chunks.keys, chunks.metas)
+        assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
+        assert [object_bytes(o) for o in objs if o] == chunks.payloads
+        assert store.counter("path_host_bounce_chunks") == 3
+        release_all(objs)
+    finally:
+        reader.close()
+
+
+def test_a_cufile_refusal_is_served_through_the_host(store: ChunkStore, probe: GpuProbe) -> None:
+    """kvikio with compat mode off: cuFile serves the file or refuses it; a refused chunk is
+    read through the host (``gpu_read_errors``), never lost or served wrong."""
+    import kvikio.defaults
+
+    from lmcache_nvme_backend.testing.gpu import (
+        HostTier,
+        in_pool,
+        make_reader,
+        object_bytes,
+        release_all,
+        write_chunks,
+    )
+
+    decision = kvikio_decision(probe)
+    chunks = write_chunks(store, 3, SIZE)
+    before = kvikio.defaults.get("compat_mode")
+    reader = make_reader(store, decision, DEVICE, 64 * MIB, HostTier(64 * MIB),
+                         payload_reader=KvikioPayloadReader(threads=8, task_size=MIB,
+                                                            strict=True))
+    try:
+        objs = reader.read(chunks.keys, chunks.metas)
+        assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
+        assert all(o is not None and in_pool(reader.pool, o) for o in objs)
+        assert [object_bytes(o) for o in objs if o] == chunks.payloads
+        refused = store.counter("gpu_read_errors")
+        prefix = decision.path.replace("-", "_")
+        served = {"kvikio": store.counter(f"path_{prefix}_chunks"),
+                  "host": store.counter("path_host_bounce_chunks")}
+        print(f"compat mode off: cuFile refused {refused} of 3 chunks; served {served}")
+        assert refused in (0, 3) and served == ({"kvikio": 3, "host": 0} if refused == 0
+                                                else {"kvikio": 0, "host": 3})
+        release_all(objs)
+    finally:
+        reader.close()
+        kvikio.defaults.set({"compat_mode": before})
 
 
 def test_pool_registration_failure_is_not_fatal() -> None:
