@@ -23,11 +23,20 @@ from lmcache_nvme_backend.disk.gpusum import (
     to_unsigned,
 )
 from lmcache_nvme_backend.gpu.pool import GpuBufferPool
-from lmcache_nvme_backend.gpu.reader import build_gpu_reader
+from lmcache_nvme_backend.gpu.reader import GpuChunkReader, build_gpu_reader
 from lmcache_nvme_backend.gpu.select import KVIKIO_PATHS, GpuProbe, PathDecision, select_read_path
 from lmcache_nvme_backend.io.kvikio import KvikioPayloadReader
 from lmcache_nvme_backend.store import ReadPath
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
+from lmcache_nvme_backend.testing.gpu import (
+    HostTier,
+    chunk_meta,
+    in_pool,
+    make_reader,
+    object_bytes,
+    release_all,
+    write_chunks,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (see docs/gpu.md)")
@@ -82,15 +91,6 @@ def test_probe_and_auto_decision_agree(probe: GpuProbe) -> None:
 
 
 def test_kvikio_reads_straight_into_the_cuda_pool(store: ChunkStore, probe: GpuProbe) -> None:
-    from lmcache_nvme_backend.testing.gpu import (
-        HostTier,
-        in_pool,
-        make_reader,
-        object_bytes,
-        release_all,
-        write_chunks,
-    )
-
     decision = kvikio_decision(probe)
     chunks = write_chunks(store, 6, SIZE)
     reader = make_reader(store, decision, DEVICE, 64 * MIB, HostTier(64 * MIB),
@@ -115,7 +115,6 @@ def test_kvikio_reads_straight_into_the_cuda_pool(store: ChunkStore, probe: GpuP
 
 def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) -> None:
     from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
-    from lmcache_nvme_backend.testing.gpu import HostTier, make_reader, release_all, write_chunks
 
     decision = kvikio_decision(probe)
     chunks = write_chunks(store, 2, SIZE)
@@ -144,31 +143,28 @@ def test_gpu_checksum_catches_a_flipped_bit(store: ChunkStore, probe: GpuProbe) 
         reader.close()
 
 
-def test_host_bounce_into_cuda(store: ChunkStore) -> None:
-    from lmcache_nvme_backend.testing.gpu import (
-        HostTier,
-        make_reader,
-        object_bytes,
-        release_all,
-        write_chunks,
-    )
+def assert_read_through_the_host(store: ChunkStore, reader: GpuChunkReader, count: int) -> None:
+    """``count`` new chunks read by ``reader``: CUDA objects, exact bytes, all of them through
+    the host path."""
+    chunks = write_chunks(store, count, SIZE)
+    objs = reader.read(chunks.keys, chunks.metas)
+    assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
+    assert [object_bytes(o) for o in objs if o] == chunks.payloads
+    assert store.counter("path_host_bounce_chunks") == count
+    release_all(objs)
 
-    chunks = write_chunks(store, 4, SIZE)
+
+def test_host_bounce_into_cuda(store: ChunkStore) -> None:
     reader = make_reader(store, PathDecision(ReadPath.HOST_BOUNCE, "test"), DEVICE, 64 * MIB,
                          HostTier(64 * MIB))
     try:
-        objs = reader.read(chunks.keys, chunks.metas)
-        assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
-        assert [object_bytes(o) for o in objs if o] == chunks.payloads
-        assert store.counter("path_host_bounce_chunks") == 4
-        release_all(objs)
+        assert_read_through_the_host(store, reader, 4)
     finally:
         reader.close()
 
 
 def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) -> None:
     from lmcache_nvme_backend.adapters.memory_objects import host_memory
-    from lmcache_nvme_backend.testing.gpu import HostTier
 
     pytest.importorskip("kvikio")
     strict = NVMeSettings.from_params({"path": str(store.settings.paths[0]), "max_size_gb": 1,
@@ -190,12 +186,6 @@ def test_strict_mode_starts_only_with_gds(store: ChunkStore, probe: GpuProbe) ->
 def test_without_kvikio_auto_reads_into_cuda_through_the_host(
         store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
     from lmcache_nvme_backend.adapters.memory_objects import host_memory
-    from lmcache_nvme_backend.testing.gpu import (
-        HostTier,
-        object_bytes,
-        release_all,
-        write_chunks,
-    )
 
     for name in [m for m in sys.modules if m == "kvikio" or m.startswith("kvikio.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -212,12 +202,7 @@ def test_without_kvikio_auto_reads_into_cuda_through_the_host(
     assert decision.path == ReadPath.HOST_BOUNCE and reader is not None, decision
     print(f"without kvikio: {decision.reason}")
     try:
-        chunks = write_chunks(store, 3, SIZE)
-        objs = reader.read(chunks.keys, chunks.metas)
-        assert all(o is not None and o.tensor is not None and o.tensor.is_cuda for o in objs)
-        assert [object_bytes(o) for o in objs if o] == chunks.payloads
-        assert store.counter("path_host_bounce_chunks") == 3
-        release_all(objs)
+        assert_read_through_the_host(store, reader, 3)
     finally:
         reader.close()
 
@@ -227,14 +212,6 @@ def test_a_cufile_refusal_is_served_through_the_host(store: ChunkStore, probe: G
     read through the host (``gpu_read_errors``), never lost or served wrong."""
     import kvikio.defaults
 
-    from lmcache_nvme_backend.testing.gpu import (
-        HostTier,
-        in_pool,
-        make_reader,
-        object_bytes,
-        release_all,
-        write_chunks,
-    )
 
     decision = kvikio_decision(probe)
     chunks = write_chunks(store, 3, SIZE)
@@ -274,13 +251,6 @@ def test_backend_on_cuda_end_to_end_and_writes_from_gpu_memory(cache_dir: Path) 
     from lmcache.v1.config import LMCacheEngineConfig
 
     from lmcache_nvme_backend.adapters.backend import NVMeBackend
-    from lmcache_nvme_backend.testing.gpu import (
-        HostTier,
-        chunk_meta,
-        in_pool,
-        object_bytes,
-        release_all,
-    )
 
     config = LMCacheEngineConfig.from_dict({
         "chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.1,
