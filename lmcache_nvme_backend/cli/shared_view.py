@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..disk.coordination import LEDGER_DIR, host_tag, member_host_pid
-from ..store.leases import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
-from ..store.ledger import LIVE, LedgerChain, LedgerError
+from ..store.shared.leases import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
+from ..store.shared.ledger import LIVE, LedgerChain, LedgerError
 from .common import human_age, human_bytes
 
 READER = "inspect-0-00000000"  # the ledger chain needs a member id; this one never writes

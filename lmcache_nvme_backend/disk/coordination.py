@@ -12,7 +12,7 @@ is no server::
 
 Paths here are relative to the root, as ``disk/safe_fs.py`` takes them.  A member id is
 ``<host>-<pid>-<8 hex>``: unique per process start, and it tells on which host and under
-which process id the member ran (``store/leases.py`` judges liveness from it).
+which process id the member ran (``store/shared/leases.py`` judges liveness from it).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ RemovalListener = Callable[[list[IndexEntry]], None]
 
 class Accounting(Protocol):
     """Who hears of publishes and released reservations (shared mode: the member's
-    account of the directory's budget, ``store/share.py``)."""
+    account of the directory's budget, ``store/shared/share.py``)."""
 
     def on_publish(self, entry: IndexEntry, replaced: IndexEntry | None,
                    reserved: int) -> None: ...

@@ -9,7 +9,7 @@ host buffers.  The parts, each in its own module:
 * ``writer.py``   admission, the byte-bounded write-back queue and its threads,
   reservation and LRU eviction, atomic publish;
 * ``reads.py``    reads into host buffers and the judgement of every read;
-* ``shared.py``   shared mode: one budget and one index for every process using the
+* ``shared/``     shared mode: one budget and one index for every process using the
   directory (``ledger.py``, ``share.py``, ``journal.py``, ``leases.py``, ``janitor.py``);
 * ``recovery.py`` the index rebuilt at start, the manifest kept while running;
 * ``stats.py``    counters and histograms.
@@ -49,7 +49,7 @@ from .reads import ChunkRead, ChunkReader, ReadPlan
 from .recovery import ManifestKeeper, recover_root
 from .room import Room
 from .roots import RootInfo, Roots
-from .shared import SharedTree
+from .shared.tree import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
 from .writeback import ChunkWrite, ReadPriorityGate, SubmitResult, TaskOutcome, WriteTask
 from .writer import ChunkWriter

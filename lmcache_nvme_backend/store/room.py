@@ -2,7 +2,7 @@
 eviction of the least recently used unpinned chunks, and removal of chunk files.
 
 In shared mode the room is the directory's one budget, kept with the other members
-(``store/shared.py``); otherwise it is this process's share in the ``Catalog``.
+(``store/shared/tree.py``); otherwise it is this process's share in the ``Catalog``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .roots import Roots, RootState, note_full, unlink_quietly
 from .stats import Counter, StoreStats
 
 if TYPE_CHECKING:
-    from .shared import SharedTree
+    from .shared.tree import SharedTree
 
 logger = logging.getLogger(__name__)
 

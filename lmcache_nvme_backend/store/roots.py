@@ -96,7 +96,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
     umask; nothing below the root is reached through a link.  A full filesystem (no
     block, no inode) does not stop the start: the store serves what the root holds and
     drops writes (``capacity_drops``) until space frees.  In shared mode a tree on a
-    read-only filesystem is opened to be served (``store/member.py`` says so).
+    read-only filesystem is opened to be served (``store/shared/member.py`` says so).
     """
     try:
         layout = RootLayout.of(path)  # reads only: nothing is made before the checks

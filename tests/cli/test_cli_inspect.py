@@ -12,8 +12,8 @@ from support.cli import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import file_size_for
-from lmcache_nvme_backend.store.janitor import Janitor
-from lmcache_nvme_backend.store.ledger import Account, LedgerChain
+from lmcache_nvme_backend.store.shared.janitor import Janitor
+from lmcache_nvme_backend.store.shared.ledger import Account, LedgerChain
 
 
 def test_inspect_counts_every_namespace(run_cli: RunCLI, cache_dir: Path) -> None:

@@ -39,7 +39,7 @@ from support.shared_run import (
 
 from lmcache_nvme_backend.disk.coordination import MEMBERS_DIR, evicting_dir
 from lmcache_nvme_backend.disk.format import file_size_for
-from lmcache_nvme_backend.store.ledger import LedgerChain, LedgerDoc
+from lmcache_nvme_backend.store.shared.ledger import LedgerChain, LedgerDoc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

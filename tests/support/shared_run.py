@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_nvme_backend.disk.layout import TEMP_INFIX
-from lmcache_nvme_backend.store.ledger import LedgerChain
+from lmcache_nvme_backend.store.shared.ledger import LedgerChain
 
 from .process import child_env, module_command
 

@@ -9,8 +9,8 @@ import pytest
 
 from lmcache_nvme_backend.disk.coordination import MEMBERS_DIR, journal_path
 from lmcache_nvme_backend.disk.format import TensorMeta
-from lmcache_nvme_backend.store import journal as journal_module
-from lmcache_nvme_backend.store.journal import (
+from lmcache_nvme_backend.store.shared import journal as journal_module
+from lmcache_nvme_backend.store.shared.journal import (
     Batch,
     JournalTail,
     JournalWriter,

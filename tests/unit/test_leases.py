@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lmcache_nvme_backend.disk.coordination import MEMBERS_DIR, host_tag, lease_path
 from lmcache_nvme_backend.disk.layout import pid_alive
-from lmcache_nvme_backend.store.leases import Lease, Liveness, read_leases, write_lease
+from lmcache_nvme_backend.store.shared.leases import Lease, Liveness, read_leases, write_lease
 
 REMOTE = "otherhost-4242-0000000a"
 

@@ -10,8 +10,8 @@ import pytest
 
 from lmcache_nvme_backend.disk import coordination
 from lmcache_nvme_backend.disk.coordination import LEDGER_DIR, version_path
-from lmcache_nvme_backend.store import ledger as ledger_module
-from lmcache_nvme_backend.store.ledger import (
+from lmcache_nvme_backend.store.shared import ledger as ledger_module
+from lmcache_nvme_backend.store.shared.ledger import (
     DEAD,
     LIVE,
     Account,

@@ -1,10 +1,10 @@
 """This member's account of one shared root's budget: reserving, evicting, publishing.
 
-The account (``store/ledger.py``) holds ``cap`` bytes; this member owns ``usage`` bytes of
+The account (``store/shared/ledger.py``) holds ``cap`` bytes; this member owns ``usage`` bytes of
 chunk files and has ``reserved`` bytes of writes in flight, and writes only while
 ``usage + reserved <= cap``.  When that does not fit it first claims unheld budget from
 the ledger's pool, then evicts the directory's least recently used chunks, whoever wrote
-them (the index holds every member's chunks and their recency, ``store/journal.py``):
+them (the index holds every member's chunks and their recency, ``store/shared/journal.py``):
 
 1. each victim is *claimed* by renaming it into ``shared/evicting/<member>/`` (exactly one
    member can move a file, so two members never both count one deletion);
@@ -20,7 +20,7 @@ its entry comes, or until no eviction of it is pending (it was removed otherwise
 quarantine), and the new file stays counted.
 
 A member that dies between any two of these steps leaves state the janitor completes
-(``store/janitor.py``).
+(``store/shared/janitor.py``).
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 
-from ..disk.coordination import EVICTING_DIR, evicting_dir, evicting_name
-from ..disk.safe_fs import (
+from ...disk.coordination import EVICTING_DIR, evicting_dir, evicting_name
+from ...disk.safe_fs import (
     NotAChunkFile,
     exists_beneath,
     rename_beneath,
     scandir_beneath,
     unlink_beneath,
 )
-from .catalog import Catalog
-from .index import IndexEntry
+from ..catalog import Catalog
+from ..index import IndexEntry
+from ..roots import RootState
+from ..stats import Counter, StoreStats
 from .journal import JournalWriter, accessed_lines, deleted_line, published_line
 from .ledger import DEPARTED, LIVE, LedgerChain, LedgerDoc, LedgerError
 from .ledger import Account as LedgerAccount
-from .roots import RootState
-from .stats import Counter, StoreStats
 
 logger = logging.getLogger(__name__)
 

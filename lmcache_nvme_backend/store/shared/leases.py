@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..disk.coordination import (
+from ...disk.coordination import (
     MEMBERS_DIR,
     host_tag,
     lease_member,
@@ -30,8 +30,8 @@ from ..disk.coordination import (
     lease_temp_path,
     member_host_pid,
 )
-from ..disk.layout import pid_alive, this_host
-from ..disk.safe_fs import (
+from ...disk.layout import pid_alive, this_host
+from ...disk.safe_fs import (
     create_beneath,
     read_small_file,
     remove_quietly,

@@ -4,7 +4,7 @@ One member is the janitor: the live member with the smallest id, as each member 
 (two may act for a moment while views differ; every step below is a ledger update that
 re-checks its premise, or an idempotent file removal, so that is harmless).  Each round:
 
-* a member whose lease stopped moving (``store/leases.py``) is marked dead;
+* a member whose lease stopped moving (``store/shared/leases.py``) is marked dead;
 * a dead or departed member's claimed victims are settled (the ones whose transfer it
   had not recorded are taken from their owners) and deleted, then its account is merged
   into the orphans' (its cap keeps counting its files: nothing is over-committed), and
@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Callable
 
-from ..disk.coordination import (
+from ...disk.coordination import (
     EVICTING_DIR,
     LEDGER_DIR,
     MEMBER_RE,
@@ -39,14 +39,14 @@ from ..disk.coordination import (
     parse_evicting_name,
     parse_journal_name,
 )
-from ..disk.layout import TempFile
-from ..disk.safe_fs import remove_quietly, scandir_beneath
-from .catalog import Catalog
+from ...disk.layout import TempFile
+from ...disk.safe_fs import remove_quietly, scandir_beneath
+from ..catalog import Catalog
+from ..roots import unlink_quietly
+from ..stats import Counter, StoreStats
 from .leases import Lease, Liveness, on_this_host_and_gone, remove_member_files
 from .ledger import DEAD, DEPARTED, LIVE, LedgerDoc, remove_tree_quietly
-from .roots import unlink_quietly
 from .share import Account
-from .stats import Counter, StoreStats
 
 logger = logging.getLogger(__name__)
 

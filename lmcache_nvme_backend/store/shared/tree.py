@@ -24,16 +24,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..config import NVMeSettings
-from .catalog import Catalog
-from .index import IndexEntry
+from ...config import NVMeSettings
+from ..catalog import Catalog
+from ..index import IndexEntry
+from ..roots import Roots, RootState
+from ..stats import StoreStats
 from .leases import HEARTBEAT_S
 from .member import RootMember
-from .roots import Roots, RootState
-from .stats import StoreStats
 
 if TYPE_CHECKING:
-    from .free_space import FreeSpaceGuard
+    from ..free_space import FreeSpaceGuard
 
 logger = logging.getLogger(__name__)
 

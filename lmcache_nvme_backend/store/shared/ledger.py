@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..disk.coordination import (
+from ...disk.coordination import (
     EPOCH_VERSIONS,
     LEDGER_DIR,
     MEMBER_RE,
@@ -42,8 +42,8 @@ from ..disk.coordination import (
     version_number,
     version_path,
 )
-from ..disk.layout import DIGEST_RE
-from ..disk.safe_fs import (
+from ...disk.layout import DIGEST_RE
+from ...disk.safe_fs import (
     create_beneath,
     link_beneath,
     lstat_beneath,

@@ -1,4 +1,4 @@
-"""This process as a member of one shared root (see ``shared.py``, docs/deployment.md).
+"""This process as a member of one shared root (see ``tree.py``, docs/deployment.md).
 
 A ``RootMember`` joins the root's ledger (or serves reads only, saying why), renews its
 lease, follows the other members' journals into the index, follows the ledger (its
@@ -14,12 +14,14 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..config import NVMeSettings
-from ..disk.coordination import LEDGER_DIR, MEMBERS_DIR, evicting_dir, new_member_id
-from ..disk.format import FORMAT_VERSION
-from ..disk.safe_fs import makedirs_beneath
-from .catalog import Catalog
-from .index import IndexEntry
+from ...config import NVMeSettings
+from ...disk.coordination import LEDGER_DIR, MEMBERS_DIR, evicting_dir, new_member_id
+from ...disk.format import FORMAT_VERSION
+from ...disk.safe_fs import makedirs_beneath
+from ..catalog import Catalog
+from ..index import IndexEntry
+from ..roots import RootState, note_full
+from ..stats import Counter, StoreStats
 from .janitor import Janitor
 from .journal import JournalTail, JournalWriter
 from .leases import (
@@ -41,12 +43,10 @@ from .ledger import (
     LedgerError,
 )
 from .ledger import Account as LedgerAccount
-from .roots import RootState, note_full
 from .share import Account
-from .stats import Counter, StoreStats
 
 if TYPE_CHECKING:
-    from .free_space import FreeSpaceGuard
+    from ..free_space import FreeSpaceGuard
 
 logger = logging.getLogger(__name__)
 

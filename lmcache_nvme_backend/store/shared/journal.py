@@ -32,16 +32,16 @@ from pathlib import Path
 
 import xxhash
 
-from ..disk.coordination import MEMBERS_DIR, journal_path, parse_journal_name
-from ..disk.format import ALIGNMENT, FormatError, TensorMeta
-from ..disk.layout import DIGEST_RE, NS_ID_RE
-from ..disk.safe_fs import (
+from ...disk.coordination import MEMBERS_DIR, journal_path, parse_journal_name
+from ...disk.format import ALIGNMENT, FormatError, TensorMeta
+from ...disk.layout import DIGEST_RE, NS_ID_RE
+from ...disk.safe_fs import (
     create_beneath,
     open_regular,
     remove_quietly,
     scandir_beneath,
 )
-from ..io.buffers import AlignedBuffer
+from ...io.buffers import AlignedBuffer
 
 logger = logging.getLogger(__name__)
 
