@@ -72,9 +72,11 @@ fi
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available()); \
 print('kvikio', kvikio.__version__); print('lmcache import ok'); \
 from lmcache_nvme_backend.gpu.select import GpuProbe; print(GpuProbe.detect())"
+  LMCACHE_FS=no
   for ext in cuda_ops lmcache_fs; do  # LMCache's compiled parts, built for another torch
-    python3 -c "import torch, lmcache.$ext" >/dev/null 2>&1 && echo "lmcache.$ext loads" \
-      || echo "lmcache.$ext does not load: $(python3 -c "import torch, lmcache.$ext" 2>&1 | tail -1)"
+    if why=$(python3 -c "import torch, lmcache.$ext" 2>&1); then
+      echo "lmcache.$ext loads"; [ $ext = lmcache_fs ] && LMCACHE_FS=yes
+    else echo "lmcache.$ext does not load: $(tail -1 <<<"$why")"; fi
   done
   command -v fio || echo "fio: not installed"
 } > "$OUT/env.txt" 2>&1
@@ -124,7 +126,7 @@ fi
 # fs adapter stands in where it does not load, and the log says so.
 if step ceiling; then
   note ceiling
-  if python3 -c "import torch, lmcache.lmcache_fs" >/dev/null 2>&1; then PEER=fs_native; else
+  if [ $LMCACHE_FS = yes ]; then PEER=fs_native; else
     PEER=fs; echo "lmcache_fs does not load: measuring against fs"; fi
   if [ "${QUICK:-0}" = 1 ]; then WIN="--windows 2 --seconds 1"; else
     WIN="--windows 4 --seconds 1.5"; fi

@@ -29,6 +29,7 @@ from lmcache_nvme_backend.io.kvikio import KvikioPayloadReader
 from lmcache_nvme_backend.store import ReadPath
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
 from lmcache_nvme_backend.testing.gpu import (
+    Chunks,
     HostTier,
     chunk_meta,
     in_pool,
@@ -193,10 +194,10 @@ def test_without_kvikio_auto_reads_into_cuda_through_the_host(
     missing = GpuProbe.detect()
     assert missing.cuda_devices >= 1 and missing.kvikio_version is None, missing
     assert missing.kvikio_error
-    params = {"path": str(store.settings.paths[0]), "max_size_gb": 1, "gpu_pool_mb": 64}
     refused = select_read_path("on", DEVICE, 64 * MIB, missing).refusal
     assert refused is not None and "kvikio" in refused
-    auto = NVMeSettings.from_params({**params, "gds_mode": "auto"})
+    auto = NVMeSettings.from_params({"path": str(store.settings.paths[0]), "max_size_gb": 1,
+                                     "gpu_pool_mb": 64, "gds_mode": "auto"})
     decision, reader = build_gpu_reader(store, auto, DEVICE, probe=missing,
                                         host=host_memory(HostTier(64 * MIB)))
     assert decision.path == ReadPath.HOST_BOUNCE and reader is not None, decision
@@ -212,10 +213,18 @@ def test_a_cufile_refusal_is_served_through_the_host(store: ChunkStore, probe: G
     read through the host (``gpu_read_errors``), never lost or served wrong."""
     import kvikio.defaults
 
-
     decision = kvikio_decision(probe)
     chunks = write_chunks(store, 3, SIZE)
     before = kvikio.defaults.get("compat_mode")
+    try:
+        assert_served_with_compat_mode_off(store, decision, chunks)
+    finally:
+        kvikio.defaults.set({"compat_mode": before})  # the strict reader switched it off
+
+
+def assert_served_with_compat_mode_off(store: ChunkStore, decision: PathDecision,
+                                       chunks: Chunks) -> None:
+    """Every chunk served with exact bytes, all by kvikio or all through the host."""
     reader = make_reader(store, decision, DEVICE, 64 * MIB, HostTier(64 * MIB),
                          payload_reader=KvikioPayloadReader(threads=8, task_size=MIB,
                                                             strict=True))
@@ -234,7 +243,6 @@ def test_a_cufile_refusal_is_served_through_the_host(store: ChunkStore, probe: G
         release_all(objs)
     finally:
         reader.close()
-        kvikio.defaults.set({"compat_mode": before})
 
 
 def test_pool_registration_failure_is_not_fatal() -> None:
