@@ -215,14 +215,14 @@ class RootLayout:
 
     def chunk_naming(self, ns_id: str) -> tuple[str, int, str]:
         """``chunk_rel`` as the native engine applies it to each digest (a read share,
-        ``native.ChunkNaming``): ``(shard_prefix, shard_levels, final_suffix)``; a chunk's
+        ``io.engine.ChunkNaming``): ``(shard_prefix, shard_levels, final_suffix)``; a chunk's
         shard directory is the prefix and the digest's first two characters (and, with two
         levels, ``/`` and the next two), its file the digest and the suffix."""
         return f"ns/{ns_id}/", self.shard_levels, CHUNK_SUFFIX
 
     def write_naming(self, ns_id: str, temp_suffix: str) -> tuple[str, int, str, str]:
         """``write_names`` as the native engine applies it to each digest (a store task's
-        share, ``native.WriteNaming``): ``chunk_naming`` and the writer's temp suffix."""
+        share, ``io.engine.WriteNaming``): ``chunk_naming`` and the writer's temp suffix."""
         return (*self.chunk_naming(ns_id), temp_suffix)
 
     def chunk_rels(self, entries: Iterable[Any]) -> tuple[str, ...]:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+
+from .engine import Batch, OnDone, ReadShare, WriteShare
 
 try:
     from . import _native  # type: ignore[attr-defined]
@@ -30,7 +31,6 @@ except ImportError as exc:  # not built: no C compiler at install time
 else:
     _MISSING = ""
 
-OK, JUDGE, FAILED, NEW_NAMESPACE = 0, 1, 2, 3
 #: Eventfds one ``wait`` may signal (``NativeEngine.signal_later``).
 MAX_WAIT_SIGNALS: int = getattr(_native, "MAX_WAIT_SIGNALS", 0)
 
@@ -97,53 +97,15 @@ def simd() -> str:
     return str(_native.simd()) if _native is not None else ""
 
 
-#: One chunk to read, ``(root_fd, rel, dest, payload_len, direct, key, meta)``: ``rel``
-#: beneath the root descriptor into ``dest``, checked against the header's ``key`` (UTF-8)
-#: and ``meta`` (its JSON).  A plain tuple: one is built per chunk moved, and a named
-#: tuple's constructor (a Python function) costs about five times a tuple's.
+#: One chunk to read, ``(root_fd, rel, dest, payload_len, direct, key, meta)`` (the item form,
+#: going: ``engine.ReadShare`` says the same per share).
 ReadItem = tuple[int, str, memoryview, int, bool, bytes, bytes]
 
 #: One chunk file to write, ``(root_fd, dir_rel, tmp_name, final_name, payload, key,
-#: namespace, meta, gpu_checksum, direct, mode, dir_mode, fsync_level, victims)``: written as
-#: ``tmp_name`` in ``dir_rel`` (its shard directories made with ``dir_mode``), renamed to
-#: ``final_name``; ``gpu_checksum`` None or ``(a, b)``; ``fsync_level`` 0 none, 1 data, 2
-#: full; ``victims``: files beneath the same root removed first (evicted).  A plain tuple,
-#: as ``ReadItem``.
+#: namespace, meta, gpu_checksum, direct, mode, dir_mode, fsync_level, victims)`` (the item
+#: form, going: ``engine.WriteShare`` says the same per share).
 WriteItem = tuple[int, str, str, str, memoryview, bytes, bytes, bytes, "tuple[int, int] | None",
                   bool, int, int, int, tuple[str, ...]]
-
-#: How a root names a chunk's file from its digest, ``(shard_prefix, shard_levels,
-#: final_suffix)`` (``RootLayout.chunk_naming``).
-ChunkNaming = tuple[str, int, str]
-
-#: The chunks of a read call on one root in one namespace and layout, ``(root_fd, naming,
-#: direct, payload_len, meta, digests, dests, keys)``: what ``ReadItem`` says per chunk said
-#: once, and three lists of one length; the engine makes each chunk's path from its digest
-#: and ``naming`` (as ``RootLayout.chunk_rel``), no Python per chunk.
-ReadShare = tuple[int, ChunkNaming, bool, int, bytes, list[str], list[memoryview], list[bytes]]
-
-#: How a root names a chunk's files from its digest, ``(shard_prefix, shard_levels,
-#: final_suffix, temp_suffix)`` (``RootLayout.write_naming``).
-WriteNaming = tuple[str, int, str, str]
-
-#: The chunks of a store task that go to one root, ``(root_fd, naming, namespace, meta, direct,
-#: mode, dir_mode, fsync_level, victims, digests, payloads, keys)``: what ``WriteItem`` says
-#: per chunk said once, and three lists of one length; the engine makes each chunk's names
-#: from its digest and ``naming`` (as ``RootLayout.write_names``), no Python per chunk.
-WriteShare = tuple[int, WriteNaming, bytes, bytes, bool, int, int, int, tuple[str, ...],
-                   list[str], list[memoryview], list[bytes]]
-
-
-class Batch(NamedTuple):
-    """Per item a status (OK, JUDGE, FAILED, NEW_NAMESPACE), and the details of the rest: for
-    reads ``(index, errno, header or None, payload checksum of the bytes that landed)``,
-    for writes ``(index, status, errno)``."""
-
-    statuses: bytes
-    details: list[Any]
-
-
-OnDone = Callable[[Batch], None]
 
 
 class NativeEngine:
@@ -168,31 +130,39 @@ class NativeEngine:
                                            daemon=True)
         self._completer.start()
 
-    def read(self, items: Sequence[ReadItem]) -> Batch:
+    def read(self, shares: Sequence[ReadShare]) -> Batch:
         """Read and verify a batch; the calling thread helps and returns when all are done."""
+        return Batch(*self._engine.read_shares(shares))
+
+    def submit_read(self, shares: Sequence[ReadShare], on_done: OnDone) -> None:
+        """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+        self._engine.submit_read_shares(shares, on_done)
+
+    def submit_write(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
+        """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
+        first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it; the
+        batch's chunks come back share by share, in order."""
+        self._engine.submit_shares(shares, on_done)
+
+    # -- the item forms and the single read share: going once the store sends batches ----
+
+    def read_items(self, items: Sequence[ReadItem]) -> Batch:
         return Batch(*self._engine.read(items))
 
-    def submit_read(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
-        """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+    def submit_read_items(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
         self._engine.submit_read(items, on_done)
 
     def read_share(self, share: ReadShare) -> Batch:
-        """``read`` of a read call's chunks given as one share."""
         return Batch(*self._engine.read_share(share))
 
     def submit_read_share(self, share: ReadShare, on_done: OnDone) -> None:
-        """``submit_read`` of a read call's chunks given as one share."""
         self._engine.submit_read_share(share, on_done)
 
-    def submit_write(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
-        """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
-        first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
+    def submit_write_items(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
         self._engine.submit_write(items, on_done)
 
     def submit_shares(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
-        """``submit_write`` of a store task given as one share per root; the batch's chunks
-        come back share by share, in order."""
-        self._engine.submit_shares(shares, on_done)
+        self._engine.submit_shares([share[:12] for share in shares], on_done)
 
     def writer_thread_ids(self) -> list[int]:
         """Kernel ids of the engine's write threads (each runs at nice 10)."""

@@ -29,7 +29,7 @@ from ..disk.format import ChunkHeader, TensorMeta, texts_bytes
 from ..disk.layout import digest_of_key_bytes, key_digest
 from ..disk.safe_fs import root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
-from ..io import native
+from ..io import engine
 from ..io.native import NativeEngine, ReadItem
 from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError
 from .catalog import Catalog
@@ -93,7 +93,7 @@ def _share_todo(keys: Sequence[str], encoded: list[bytes], digests: list[str], n
 def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
              dests: Sequence[memoryview], lengths: Sequence[int | None]
              ) -> tuple[IndexEntry, TensorMeta, RootState] | None:
-    """Whether every chunk of a read call is read, as one share (``native.ReadShare``): all
+    """Whether every chunk of a read call is read, as one share (``engine.ReadShare``): all
     indexed with one metadata object, in one namespace, on one root in service, into
     buffers that fit; its first entry, metadata and root if so."""
     first = entries[0] if entries else None
@@ -272,7 +272,7 @@ class ChunkReader:
         share: no Python per chunk; the chunks as ``_Todo`` only if one was not served."""
         assert self.native is not None
         layout, n = root.layout, len(keys)
-        share: native.ReadShare = (root_descriptor(layout.root_str),
+        share: engine.ReadShare = (root_descriptor(layout.root_str),
                                    layout.chunk_naming(first.ns_id), root.direct, meta.nbytes,
                                    meta.to_json(), digests, list(dests), encoded)
         done = functools.partial(self._native_done, n,
@@ -307,13 +307,13 @@ class ChunkReader:
         done = functools.partial(self._native_done, size, todo, (len(todo), nbytes, issued_roots),
                                  on_done, time.perf_counter())
         if wait:
-            done(self.native.read(items))
+            done(self.native.read_items(items))
         else:
-            self.native.submit_read(items, done)
+            self.native.submit_read_items(items, done)
 
     def _native_done(self, size: int, chunks_read: list[_Todo] | _ShareColumns,
                      issued: _Issued, on_done: Callable[[list[bool]], None], started: float,
-                     result: native.Batch) -> None:
+                     result: engine.Batch) -> None:
         """A read call the native engine finished (``issued``: how many chunks of it, their
         payload bytes and roots; ``chunks_read``: those chunks in the engine's order, or a
         share's columns): judge what it did not serve, account the call under one lock

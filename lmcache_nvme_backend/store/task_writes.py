@@ -10,7 +10,7 @@ key that fits the header, room in the queue now, no shared directory, no GPU che
 Python decides once per task and each lock is taken once per task (the queue's, the
 catalogue's at admission and at publication); what runs per chunk is its digest and its
 index entry.  The engine writes the whole task as one batch, given as one share per root
-(``native.WriteShare``): it makes each chunk's file names from its digest itself.
+(``engine.WriteShare``): it makes each chunk's file names from its digest itself.
 
 Anything else goes the general way: ``submit`` returns False before it has changed
 anything, or undoes what it did (a reservation that did not fit on every root).  A batch
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..disk.safe_fs import root_descriptor
-from ..io import native
+from ..io import engine, native
 from .index import IndexEntry
 from .roots import RootState, note_space
 from .stats import Counter
@@ -176,13 +176,13 @@ class NativeTaskWrites:
 
     def _shares(self, layout: _Layout, digests: list[str], payloads: Sequence[memoryview],
                 groups: list[tuple[RootState, list[int], list[IndexEntry]]],
-                key_bytes: list[bytes]) -> list[native.WriteShare]:
+                key_bytes: list[bytes]) -> list[engine.WriteShare]:
         """The engine's shares of a task, one per root (it names each chunk's files from its
         digest: no Python per chunk when the task goes to one root whole)."""
         writer = self._writer
         file_mode, dir_mode, fsync = writer.native_modes
         temp_suffix = writer.native_temp_suffix
-        shares: list[native.WriteShare] = []
+        shares: list[engine.WriteShare] = []
         for root, mine, victims in groups:
             tree = root.layout
             if len(mine) == len(digests):  # the whole task, in order
@@ -194,10 +194,10 @@ class NativeTaskWrites:
             shares.append((root_descriptor(tree.root_str),
                            tree.write_naming(layout.ns_id, temp_suffix), layout.namespace_raw,
                            layout.meta_json, root.direct, file_mode, dir_mode, fsync,
-                           tree.chunk_rels(victims), share, share_payloads, share_keys))
+                           tree.chunk_rels(victims), share, share_payloads, share_keys, None))
         return shares
 
-    def _written(self, task: _Task, result: native.Batch) -> None:
+    def _written(self, task: _Task, result: engine.Batch) -> None:
         """The engine wrote the task's batch (on its completion thread)."""
         if result.details:
             self._settle_one_by_one(task, result)
@@ -224,7 +224,7 @@ class NativeTaskWrites:
             writer.queue.release(count * layout.nbytes, count)
             _call(on_done, outcome)
 
-    def _settle_one_by_one(self, task: _Task, result: native.Batch) -> None:
+    def _settle_one_by_one(self, task: _Task, result: engine.Batch) -> None:
         """A chunk of the batch was not published: the general path's completion settles
         the batch (it publishes the others, and says why each failed one did not)."""
         on_done, layout, keys, payloads, _, _, _, groups, started = task

@@ -28,7 +28,7 @@ from ..disk.format import TensorMeta, max_key_bytes, namespace_bytes
 from ..disk.gpusum import host_checksum
 from ..disk.layout import temp_name
 from ..disk.safe_fs import root_descriptor
-from ..io import native
+from ..io import engine
 from ..io.native import NativeEngine, WriteItem
 from ..io.posix import NotAChunkFile, PosixIOEngine
 from .catalog import Catalog
@@ -353,7 +353,7 @@ class ChunkWriter:
                           meta_json, self._gpu_checksum(job) if record_gpu else None, direct,
                           file_mode, dir_mode, fsync, layout.chunk_rels(gone) if gone else ()))
         try:
-            self.native.submit_write(items, functools.partial(
+            self.native.submit_write_items(items, functools.partial(
                 self.settle_batch, placed, victims, time.perf_counter()))
         except BaseException:
             for _, root, size in placed:
@@ -366,7 +366,7 @@ class ChunkWriter:
         return host_checksum(job.payload)
 
     def settle_batch(self, placed: list[tuple[ChunkWrite, RootState, int]],
-                 victims: list[list[IndexEntry]], started: float, result: native.Batch
+                 victims: list[list[IndexEntry]], started: float, result: engine.Batch
                  ) -> None:
         """A batch of native writes finished (on the engine's completion thread)."""
         seconds = (time.perf_counter() - started) / len(placed)
@@ -408,13 +408,13 @@ class ChunkWriter:
             self._finish([job for job, _, _ in placed], all_published)
 
     def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
-                      result: native.Batch) -> dict[int, OSError]:
+                      result: engine.Batch) -> dict[int, OSError]:
         """The chunks of a batch that were not published, with the reason; a chunk that made
         its namespace's directory gets the name file (and is published)."""
         errors: dict[int, OSError] = {}
         for index, status, err in result.details:
             job, root, _ = placed[index]
-            if status == native.NEW_NAMESPACE:
+            if status == engine.NEW_NAMESPACE:
                 write_namespace_file(root.layout, job.ns_id, job.namespace,
                                      self.settings.file_mode)
                 continue

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmcache_nvme_backend.io import native
+from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io.posix import ReadRequest, ShortFileError
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
@@ -37,12 +37,12 @@ def before_each_write(store: ChunkStore, hook: Callable[[], None]) -> None:
         return
     real_submit = engine.submit_write
 
-    def delayed(items: Any, on_done: Callable[[native.Batch], None]) -> None:
+    def delayed(items: Any, on_done: Callable[[seam.Batch], None]) -> None:
         for _ in items:
             hook()
         real_submit(items, on_done)
 
-    def native_submit(items: Any, on_done: Callable[[native.Batch], None]) -> None:
+    def native_submit(items: Any, on_done: Callable[[seam.Batch], None]) -> None:
         threading.Thread(target=delayed, args=(items, on_done), daemon=True).start()
 
     engine.submit_write = native_submit  # type: ignore[method-assign]
@@ -68,16 +68,16 @@ def fail_writes_under(store: ChunkStore, root: Path, err: int = errno.EIO) -> No
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (bad.st_dev, bad.st_ino)
 
-    def native_submit(items: Any, on_done: Callable[[native.Batch], None]) -> None:
+    def native_submit(items: Any, on_done: Callable[[seam.Batch], None]) -> None:
         keep = [i for i, item in enumerate(items) if not beneath_root(item[0])]  # its root_fd
 
-        def merged(done: native.Batch) -> None:
-            statuses = bytearray([native.FAILED] * len(items))
-            details = [(i, native.FAILED, err) for i in range(len(items)) if i not in keep]
+        def merged(done: seam.Batch) -> None:
+            statuses = bytearray([seam.FAILED] * len(items))
+            details = [(i, seam.FAILED, err) for i in range(len(items)) if i not in keep]
             for k, i in enumerate(keep):
                 statuses[i] = done.statuses[k]
             details += [(keep[d[0]], *d[1:]) for d in done.details]
-            on_done(native.Batch(bytes(statuses), sorted(details)))
+            on_done(seam.Batch(bytes(statuses), sorted(details)))
 
         real_submit([items[i] for i in keep], merged)
 
@@ -113,11 +113,11 @@ class FlakyReads:
             for name in ("submit_read", "submit_read_share"):
                 setattr(native_engine, name, self._failing_async(getattr(native_engine, name)))
 
-    def _failing(self, real: Callable[[Any], native.Batch]) -> Callable[[Any], native.Batch]:
+    def _failing(self, real: Callable[[Any], seam.Batch]) -> Callable[[Any], seam.Batch]:
         return lambda batch: self.failed(real(batch))
 
-    def _failing_async(self, real: Callable[[Any, Callable[[native.Batch], None]], None]
-                       ) -> Callable[[Any, Callable[[native.Batch], None]], None]:
+    def _failing_async(self, real: Callable[[Any, Callable[[seam.Batch], None]], None]
+                       ) -> Callable[[Any, Callable[[seam.Batch], None]], None]:
         return lambda batch, on_done: real(batch, lambda done: on_done(self.failed(done)))
 
     def error(self) -> OSError:
@@ -127,11 +127,11 @@ class FlakyReads:
             return ShortFileError(errno.EIO, "injected short read")
         return PermissionError(errno.EACCES, "injected permission denied")
 
-    def failed(self, batch: native.Batch) -> native.Batch:
+    def failed(self, batch: seam.Batch) -> seam.Batch:
         if not self.active.is_set():
             return batch
         n = len(batch.statuses)
-        return native.Batch(bytes([native.FAILED] * n),
+        return seam.Batch(bytes([seam.FAILED] * n),
                             [(i, errno.EIO, None, 0) for i in range(n)])
 
     def __enter__(self) -> FlakyReads:

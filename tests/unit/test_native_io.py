@@ -41,6 +41,7 @@ from lmcache_nvme_backend.disk.layout import (
 )
 from lmcache_nvme_backend.disk.safe_fs import root_descriptor
 from lmcache_nvme_backend.disk.validate import Defect, Expected, judge_chunk
+from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
 from lmcache_nvme_backend.io.native import NativeEngine, ReadItem, WriteItem
@@ -160,7 +161,7 @@ def test_reads_what_the_python_engine_wrote_and_verifies_it(
     write_python(tmp_path, payload, direct=direct)
     dest = dest_for(n, kind)
     statuses, details = engine_for(task_size).read([item(tmp_path, dest, n, direct=direct)])
-    assert (statuses, details) == (bytes([native.OK]), [])
+    assert (statuses, details) == (bytes([seam.OK]), [])
     assert bytes(dest[:n]) == payload
 
 
@@ -170,7 +171,7 @@ def test_a_version_1_file_is_checked_over_the_whole_payload(engine_for, tmp_path
     write_python(tmp_path, payload, version=1)
     dest = dest_for(len(payload), "aligned")
     statuses, _ = engine_for(BLOCK_SIZE).read([item(tmp_path, dest, len(payload))])
-    assert statuses == bytes([native.OK]) and bytes(dest[: len(payload)]) == payload
+    assert statuses == bytes([seam.OK]) and bytes(dest[: len(payload)]) == payload
 
 
 def damage(path: Path, offset: int) -> None:
@@ -193,7 +194,7 @@ def test_what_it_cannot_verify_comes_back_for_the_python_validator(
         damage(path, 60)
     key = "another key" if what == "key" else "k"
     statuses, details = engine_for().read([item(tmp_path, dest_for(n, "aligned"), n, key=key)])
-    assert statuses == bytes([native.JUDGE])
+    assert statuses == bytes([seam.JUDGE])
     [(index, error, header, computed)] = details
     assert index == 0 and error == 0 and header == path.read_bytes()[:HEADER_SIZE]
     verdict = judge_chunk(header, Expected(key=key, payload_len=n, meta=meta_for(n)),
@@ -213,7 +214,7 @@ def test_failures_come_back_with_their_errno(engine_for, tmp_path: Path) -> None
     items = [item(tmp_path, dest_for(n, "aligned"), n, rel=str(Path(REL).parent / name))
              for name in names]
     statuses, details = engine_for().read(items)
-    assert statuses == bytes([native.FAILED] * len(names))
+    assert statuses == bytes([seam.FAILED] * len(names))
     errors = {names[i]: err for i, err, header, _ in details if header is None}
     assert errors == {"missing.kv": errno.ENOENT, "short.kv": errno.ENODATA,
                       "link.kv": errno.ELOOP, "fifo.kv": errno.EINVAL,
@@ -286,7 +287,7 @@ def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
     before = native.counters()
     statuses, _ = engine.read(items)
     after = native.counters()
-    assert statuses == bytes([native.OK] * 8)
+    assert statuses == bytes([seam.OK] * 8)
     assert after["gil_releases"] - before["gil_releases"] == 1
     assert after["hashed_bytes"] - before["hashed_bytes"] >= 8 * 3 * BLOCK_SIZE
 
@@ -305,7 +306,7 @@ def test_the_checksum_time_is_sampled_and_scaled_to_every_byte_hashed(
     before = native.counters()
     statuses, _ = engine.read(items)
     after = native.counters()
-    assert statuses == bytes([native.OK] * 16)
+    assert statuses == bytes([seam.OK] * 16)
     hashed = after["hashed_bytes"] - before["hashed_bytes"]
     sampled = after["hash_sampled_bytes"] - before["hash_sampled_bytes"]
     assert hashed == 16 * BLOCK_SIZE
@@ -320,24 +321,24 @@ class Done:
     """Collects the batches an engine hands back, by name."""
 
     def __init__(self) -> None:
-        self.batches: dict[object, native.Batch] = {}
+        self.batches: dict[object, seam.Batch] = {}
         self.cond = threading.Condition()
 
-    def __call__(self, name: object) -> Callable[[native.Batch], None]:
-        def on_done(batch: native.Batch) -> None:
+    def __call__(self, name: object) -> Callable[[seam.Batch], None]:
+        def on_done(batch: seam.Batch) -> None:
             assert threading.current_thread().name == "nvme-io-done"
             with self.cond:
                 self.batches[name] = batch
                 self.cond.notify_all()
         return on_done
 
-    def wait_for(self, count: int) -> dict[object, native.Batch]:
+    def wait_for(self, count: int) -> dict[object, seam.Batch]:
         with self.cond:
             assert self.cond.wait_for(lambda: len(self.batches) >= count, timeout=30)
             return self.batches
 
 
-def write_now(engine: NativeEngine, items: list[WriteItem]) -> native.Batch:
+def write_now(engine: NativeEngine, items: list[WriteItem]) -> seam.Batch:
     done = Done()
     engine.submit_write(items, done("write"))
     return done.wait_for(1)["write"]
@@ -355,7 +356,7 @@ def test_asynchronous_batches_come_back_on_the_completion_thread(engine_for, tmp
         engine.submit_read([item(tmp_path, dest, n)], done(i))
     engine.submit_read([], done("empty"))
     got = {name: batch.statuses for name, batch in done.wait_for(6).items()}
-    assert got == {**{i: bytes([native.OK]) for i in range(5)}, "empty": b""}
+    assert got == {**{i: bytes([seam.OK]) for i in range(5)}, "empty": b""}
     assert all(bytes(d[:n]) == payload for d in dests)
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -373,10 +374,10 @@ def test_close_finishes_queued_writes_and_cancel_ends_the_rest(engine_for, tmp_p
     engine.close()  # what was not cancelled finishes first
     batches = done.wait_for(20)
     statuses = [batches[i].statuses for i in range(20)]
-    assert statuses.count(bytes([native.FAILED])) == cancelled
-    assert all(batches[i].details == [(0, native.FAILED, errno.ECANCELED)]
-               for i in range(20) if statuses[i] == bytes([native.FAILED]))
-    written = [i for i in range(20) if statuses[i] != bytes([native.FAILED])]
+    assert statuses.count(bytes([seam.FAILED])) == cancelled
+    assert all(batches[i].details == [(0, seam.FAILED, errno.ECANCELED)]
+               for i in range(20) if statuses[i] == bytes([seam.FAILED]))
+    written = [i for i in range(20) if statuses[i] != bytes([seam.FAILED])]
     shard = (tmp_path / REL).parent  # made by the first write, if any ran
     on_disk = sorted(p.name for p in shard.iterdir()) if shard.exists() else []
     assert on_disk == sorted(f"c{i}.kv" for i in written)
@@ -398,7 +399,7 @@ def test_waking_sleeping_workers_releases_the_gil_once(tmp_path: Path) -> None:
         assert after["gil_releases"] - before["gil_releases"] == 1
         done = engine.wait(30.0)
         assert [(token, statuses) for token, (statuses, _) in done] == \
-            [("token", bytes([native.OK]))]
+            [("token", bytes([seam.OK]))]
         assert (tmp_path / REL.rpartition("/")[0] / "chunk.kv").stat().st_size > BLOCK_SIZE
     finally:
         engine.close()
@@ -497,7 +498,7 @@ def test_a_callback_signals_its_eventfd_when_the_completer_waits_again(
     deferred: list[tuple[bool, bool, int]] = []
     done = threading.Event()
 
-    def on_done(batch: native.Batch) -> None:
+    def on_done(batch: seam.Batch) -> None:
         deferred.append((engine.signal_later(eventfds[0]), engine.signal_later(eventfds[0]),
                          eventfd_count(eventfds[0])))  # not yet written
         done.set()
@@ -549,7 +550,7 @@ def test_writes_files_the_python_engine_reads_and_validates(
     statuses, details = write_now(engine_for(task_size),
                                   [write_item(tmp_path, source[:n], direct=direct,
                                               fsync_level=2)])
-    assert (statuses, details) == (bytes([native.OK]), [])
+    assert (statuses, details) == (bytes([seam.OK]), [])
     assert_whole_chunk_file(tmp_path / REL, payload)
     assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == ["chunk.kv"]
 
@@ -576,7 +577,7 @@ def test_a_chunk_of_several_blocks_is_written_while_it_is_hashed(
     before = native.counters()["overlapped_writes"]
     statuses, details = write_now(engine_for(task_size),
                                   [write_item(tmp_path, source[:n], direct=direct)])
-    assert (statuses, details) == (bytes([native.OK]), [])
+    assert (statuses, details) == (bytes([seam.OK]), [])
     assert native.counters()["overlapped_writes"] - before == int(overlapped)
     assert_whole_chunk_file(tmp_path / REL, payload)
 
@@ -595,9 +596,9 @@ def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
         before = native.counters()["overlapped_writes"]
         results = [write_now(engine, [write_item(fs, source[:n], name=f"c{i}.kv")])
                    for i in range(12)]  # 24 MiB into 16 MiB
-        written = [i for i, r in enumerate(results) if r.statuses == bytes([native.OK])]
+        written = [i for i, r in enumerate(results) if r.statuses == bytes([seam.OK])]
         assert written and len(written) < len(results)
-        assert all(r.details == [(0, native.FAILED, errno.ENOSPC)]
+        assert all(r.details == [(0, seam.FAILED, errno.ENOSPC)]
                    for i, r in enumerate(results) if i not in written)
         assert native.counters()["overlapped_writes"] - before >= len(written)
         shard = (fs / REL).parent
@@ -622,8 +623,8 @@ def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path, uma
 
 
 @pytest.mark.parametrize("existing,status", [
-    ("", native.NEW_NAMESPACE), ("ns", native.NEW_NAMESPACE),
-    ("ns/0123456789abcdef", native.OK), ("ns/0123456789abcdef/ab", native.OK)])
+    ("", seam.NEW_NAMESPACE), ("ns", seam.NEW_NAMESPACE),
+    ("ns/0123456789abcdef", seam.OK), ("ns/0123456789abcdef/ab", seam.OK)])
 def test_missing_shard_directories_are_made_with_exactly_their_mode(
         engine_for, tmp_path: Path, existing: str, status: int) -> None:
     if existing:
@@ -634,7 +635,7 @@ def test_missing_shard_directories_are_made_with_exactly_their_mode(
     finally:
         os.umask(old)
     assert statuses == bytes([status])
-    assert details == ([] if status == native.OK else [(0, status, 0)])
+    assert details == ([] if status == seam.OK else [(0, status, 0)])
     made = Path(REL).parent
     for depth in range(len(Path(existing).parts) if existing else 0, len(made.parts)):
         directory = tmp_path.joinpath(*made.parts[: depth + 1])
@@ -656,7 +657,7 @@ def test_writers_racing_to_make_one_new_shard_all_publish(engine_for, tmp_path: 
             batch = write_now(engine, items)
         finally:
             os.umask(old)
-        assert batch.statuses == bytes([native.OK] * 8), batch.details
+        assert batch.statuses == bytes([seam.OK] * 8), batch.details
         leaf = (root / REL).parent
         assert stat.S_IMODE(leaf.stat().st_mode) == 0o750
         assert sorted(p.name for p in leaf.iterdir()) == sorted(f"c{i}.kv" for i in range(8))
@@ -667,7 +668,7 @@ def test_a_stale_temp_file_is_replaced(engine_for, tmp_path: Path) -> None:
     shard.mkdir(parents=True)
     (shard / "chunk.kv.tmp-test").write_bytes(b"left by a dead writer")
     assert write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))]).statuses == \
-        bytes([native.OK])
+        bytes([seam.OK])
     assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
 
 
@@ -679,7 +680,7 @@ def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
     victims = (f"{shard.relative_to(tmp_path)}/old1.kv", f"{shard.relative_to(tmp_path)}/old2.kv",
                f"{shard.relative_to(tmp_path)}/already-gone.kv")
     batch = write_now(engine_for(), [write_item(tmp_path, memoryview(b"new"), victims=victims)])
-    assert batch.statuses == bytes([native.OK])
+    assert batch.statuses == bytes([seam.OK])
     assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
 
 
@@ -688,13 +689,13 @@ def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
 
 def share_for(root: Path, layout: RootLayout, keys: list[str], payloads: list[memoryview], *,
               victims: tuple[str, ...] = (), ns_id: str = "0123456789abcdef"
-              ) -> native.WriteShare:
+              ) -> seam.WriteShare:
     return (root_descriptor(str(root)), layout.write_naming(ns_id, ".tmp-test"), b"ns",
             meta_for(len(payloads[0])).to_json(), True, 0o640, 0o750, 0,
             victims, [key_digest(k) for k in keys], payloads, [k.encode() for k in keys])
 
 
-def write_shares_now(engine: NativeEngine, shares: list[native.WriteShare]) -> native.Batch:
+def write_shares_now(engine: NativeEngine, shares: list[seam.WriteShare]) -> seam.Batch:
     done = Done()
     engine.submit_shares(shares, done("shares"))
     return done.wait_for(1)["shares"]
@@ -720,8 +721,8 @@ def test_shares_put_each_chunk_where_the_layout_names_it(engine_for, tmp_path: P
               for root, layout, mine in zip(roots, layouts, keys, strict=True)]
     batch = write_shares_now(engine_for(), shares)
     assert len(batch.statuses) == 8  # published, and the namespace made on root a
-    assert set(batch.statuses) <= {native.OK, native.NEW_NAMESPACE}
-    assert native.NEW_NAMESPACE in batch.statuses[:5]
+    assert set(batch.statuses) <= {seam.OK, seam.NEW_NAMESPACE}
+    assert seam.NEW_NAMESPACE in batch.statuses[:5]
     assert not (roots[1] / victim).exists()
     for root, layout, mine in zip(roots, layouts, keys, strict=True):
         for k in mine:
@@ -744,7 +745,7 @@ def test_a_failed_chunk_of_a_share_is_reported_at_its_place_in_the_batch(
     blocked.write_bytes(b"a file where the shard directory goes")
     share = share_for(tmp_path, layout, keys, [memoryview(b"abc")] * 3)
     batch = write_shares_now(engine_for(), [share])
-    assert batch.statuses[2] == native.FAILED and batch.details[-1][:2] == (2, native.FAILED)
+    assert batch.statuses[2] == seam.FAILED and batch.details[-1][:2] == (2, seam.FAILED)
     assert all((tmp_path / layout.chunk_rel("0123456789abcdef", key_digest(k))).exists()
                for k in keys[:2])
 
@@ -786,7 +787,7 @@ def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: P
     (tmp_path / planted_at).parent.mkdir(parents=True)
     os.symlink(elsewhere, tmp_path / planted_at)
     statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
-    assert statuses == bytes([native.FAILED]) and details[0][2] in (errno.ELOOP,
+    assert statuses == bytes([seam.FAILED]) and details[0][2] in (errno.ELOOP,
                                                                     errno.ENOTDIR)
     assert list(elsewhere.iterdir()) == []
 
@@ -795,7 +796,7 @@ def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: P
 
 
 def read_share_for(root: Path, layout: RootLayout, keys: list[str], dests: list[memoryview],
-                   payload_len: int, ns_id: str = "0123456789abcdef") -> native.ReadShare:
+                   payload_len: int, ns_id: str = "0123456789abcdef") -> seam.ReadShare:
     return (root_descriptor(str(root)), layout.chunk_naming(ns_id), True, payload_len,
             meta_for(payload_len).to_json(), [key_digest(k) for k in keys], dests,
             [k.encode() for k in keys])
@@ -814,7 +815,7 @@ def test_a_read_share_finds_each_chunk_where_the_layout_names_it(
     engine = engine_for(task_size=BLOCK_SIZE)  # several pieces per chunk
     written = write_shares_now(engine, [share_for(tmp_path, layout, keys,
                                                   [memoryview(p) for p in payloads])])
-    assert set(written.statuses) <= {native.OK, native.NEW_NAMESPACE}
+    assert set(written.statuses) <= {seam.OK, seam.NEW_NAMESPACE}
     n = len(payloads[0])
     dests = [dest_for(n, "aligned" if i % 2 else "staged") for i in range(6)]
     share = read_share_for(tmp_path, layout, [*keys, "never-written"], dests, n)
@@ -824,7 +825,7 @@ def test_a_read_share_finds_each_chunk_where_the_layout_names_it(
         done = Done()
         engine.submit_read_share(share, done("read"))
         batch = done.wait_for(1)["read"]
-    assert bytes(batch.statuses) == bytes([native.OK] * 5 + [native.FAILED])
+    assert bytes(batch.statuses) == bytes([seam.OK] * 5 + [seam.FAILED])
     assert [d[:2] for d in batch.details] == [(5, errno.ENOENT)]
     assert [bytes(dest[:n]) for dest in dests[:5]] == payloads
 
@@ -841,10 +842,10 @@ def test_a_read_share_checks_each_key_and_its_metadata(engine_for, tmp_path: Pat
     b_path.write_bytes(a_path.read_bytes())  # b's path now holds a's chunk
     dests = [dest_for(9000, "aligned") for _ in range(2)]
     batch = engine.read_share(read_share_for(tmp_path, layout, ["a", "b"], dests, 9000))
-    assert batch.statuses[0] == native.OK and batch.statuses[1] == native.JUDGE
+    assert batch.statuses[0] == seam.OK and batch.statuses[1] == seam.JUDGE
     other = read_share_for(tmp_path, layout, ["a"], dests[:1], 9000)
     other = other[:4] + (meta_for(4500).to_json(),) + other[5:]  # the right key, other layout
-    assert engine.read_share(other).statuses[0] == native.JUDGE
+    assert engine.read_share(other).statuses[0] == seam.JUDGE
 
 
 @pytest.mark.parametrize(("change", "error", "message"), [
@@ -877,7 +878,7 @@ def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Pat
 
     def write(key: str) -> None:
         item = write_item(tmp_path, memoryview(payloads[key]), key=key, name=f"{key}.kv")
-        assert write_now(engine, [item]).statuses == bytes([native.OK])
+        assert write_now(engine, [item]).statuses == bytes([seam.OK])
 
     threads = [threading.Thread(target=write, args=(k,)) for k in payloads]
     for t in threads:
@@ -904,10 +905,10 @@ def test_a_finished_read_never_hands_back_a_batch_allocated_after_it(
     rounds = 3000
     for i in range(rounds):
         assert engine.read([item(tmp_path, d, n) for d in dests]).statuses == \
-            bytes([native.OK]) * 3
+            bytes([seam.OK]) * 3
         engine.submit_write([write_item(tmp_path, payload, name=f"w{i}.kv")], done(i))
     batches = done.wait_for(rounds)
-    assert {i: b.details for i, b in batches.items() if b.statuses != bytes([native.OK])} == {}
+    assert {i: b.details for i, b in batches.items() if b.statuses != bytes([seam.OK])} == {}
     written = (tmp_path / REL).parent
     assert all(written.joinpath(f"w{i}.kv").stat().st_size == HEADER_SIZE + 4096
                for i in range(rounds))
@@ -953,4 +954,4 @@ def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
     else:
         pytest.fail("wait() never reported the closed engine drained: a batch was lost")
     assert [(token, statuses) for token, (statuses, _) in handed_back] == \
-        ([("late", bytes([native.OK]))] if submitted else [])
+        ([("late", bytes([seam.OK]))] if submitted else [])

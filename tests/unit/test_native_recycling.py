@@ -25,6 +25,7 @@ from lmcache_nvme_backend.disk.format import (
 )
 from lmcache_nvme_backend.disk.safe_fs import root_descriptor
 from lmcache_nvme_backend.disk.validate import Expected, judge_chunk
+from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
 from lmcache_nvme_backend.io.native import NativeEngine, WriteItem
@@ -70,9 +71,9 @@ class Writes:
         return (self.fd, shard, f"{name}.tmp-test-w", name, payload, b"k", b"ns",
                 meta_for(len(payload)).to_json(), None, direct, mode, 0o750, 0, victims)
 
-    def write(self, *items: WriteItem) -> native.Batch:
+    def write(self, *items: WriteItem) -> seam.Batch:
         done = threading.Event()
-        got: list[native.Batch] = []
+        got: list[seam.Batch] = []
         self.engine.submit_write(list(items), lambda batch: (got.append(batch), done.set()))
         assert done.wait(30)
         return got[0]
@@ -127,7 +128,7 @@ def test_a_removed_file_is_overwritten_whole_by_the_next_write_of_its_size(
     writes = writes_for()
     old, new = payload_for(n, 1), payload_for(n, 2)
     assert writes.write(writes.item(SHARDS[0], "old.kv", source_for(old, aligned),
-                                    direct=direct)).statuses == bytes([native.OK])
+                                    direct=direct)).statuses == bytes([seam.OK])
     inode = os.stat(tmp_path / SHARDS[0] / "old.kv").st_ino
 
     assert writes.remove(f"{SHARDS[0]}/old.kv") == [0]
@@ -136,7 +137,7 @@ def test_a_removed_file_is_overwritten_whole_by_the_next_write_of_its_size(
 
     before = recycled()
     assert writes.write(writes.item(SHARDS[1], "new.kv", source_for(new, aligned),
-                                    direct=direct)).statuses == bytes([native.OK])
+                                    direct=direct)).statuses == bytes([seam.OK])
     assert recycled() - before == 1
     assert names_in(tmp_path) == [f"{SHARDS[1]}/new.kv"]
     assert os.stat(tmp_path / SHARDS[1] / "new.kv").st_ino == inode  # the same file, reused
@@ -152,14 +153,14 @@ def test_a_write_of_another_size_or_mode_makes_a_new_file(writes_for, tmp_path: 
     before = recycled()
     other = payload_for(n + 4096, 2)
     assert writes.write(writes.item(SHARDS[1], "bigger.kv", source_for(other))).statuses == \
-        bytes([native.OK])
+        bytes([seam.OK])
     assert recycled() == before
     assert_chunk(tmp_path / SHARDS[1] / "bigger.kv", other)
     assert writes.engine.retired_bytes() == file_size(n)  # still kept for its size
 
     same = payload_for(n, 3)
     batch = writes.write(writes.item(SHARDS[1], "mode.kv", source_for(same), mode=0o600))
-    assert batch.statuses == bytes([native.OK]) and recycled() == before
+    assert batch.statuses == bytes([seam.OK]) and recycled() == before
     # the kept file was taken, found with another mode, and removed: never half-used
     assert names_in(tmp_path) == [f"{SHARDS[1]}/bigger.kv", f"{SHARDS[1]}/mode.kv"]
     assert os.stat(tmp_path / SHARDS[1] / "mode.kv").st_mode & 0o7777 == 0o600
@@ -189,7 +190,7 @@ def test_a_write_takes_its_own_victim(writes_for, tmp_path: Path) -> None:
     new = payload_for(n, 2)
     batch = writes.write(writes.item(SHARDS[1], "new.kv", source_for(new),
                                      victims=(f"{SHARDS[0]}/victim.kv",)))
-    assert batch.statuses == bytes([native.OK]) and recycled() - before == 1
+    assert batch.statuses == bytes([seam.OK]) and recycled() - before == 1
     assert names_in(tmp_path) == [f"{SHARDS[1]}/new.kv"]
     assert os.stat(tmp_path / SHARDS[1] / "new.kv").st_ino == inode
     assert_chunk(tmp_path / SHARDS[1] / "new.kv", new)
@@ -220,7 +221,7 @@ def test_a_kept_file_changed_meanwhile_is_never_written_into(
     before = recycled()
     new = payload_for(n, 2)
     assert writes.write(writes.item(SHARDS[1], "new.kv", source_for(new))).statuses == \
-        bytes([native.OK])
+        bytes([seam.OK])
     assert recycled() == before
     assert not kept.exists() and not kept.is_symlink()
     assert outside.read_bytes() == b"x" * file_size(n)
