@@ -280,9 +280,9 @@ class ChunkReader:
                                  (n, n * meta.nbytes, {root.index}), on_done,
                                  time.perf_counter())
         if wait:
-            done(self.native.read_share(share))
+            done(self.native.read([share]))
         else:
-            self.native.submit_read_share(share, done)
+            self.native.submit_read([share], done)
 
     def _read_native(self, size: int, todo: list[_Todo], on_done: Callable[[list[bool]], None],
                      wait: bool) -> None:

@@ -125,7 +125,7 @@ class NativeTaskWrites:
                        time.perf_counter())
         shares = self._shares(layout, digests, payloads, groups, key_bytes)
         try:
-            self._engine.submit_shares(shares, functools.partial(self._written, task))
+            self._engine.submit_write(shares, functools.partial(self._written, task))
         except BaseException:
             self._undo(groups, digests, layout.file_size, nbytes)
             _call(on_done, TaskOutcome.failed())

@@ -121,9 +121,9 @@ def test_a_call_of_one_layout_is_one_share_and_each_chunk_judged_at_its_place(
     if native_io == "on":
         engine = store.native_engine
         assert engine is not None
-        real = engine.read_share
-        monkeypatch.setattr(engine, "read_share",
-                            lambda share: (shares.append(len(share[5])), real(share))[1])
+        real = engine.read
+        monkeypatch.setattr(engine, "read",
+                            lambda batch: (shares.extend(len(s[5]) for s in batch), real(batch))[1])
     dests = [memoryview(bytearray(size)) for _ in keys]
     assert store.read_into([ChunkRead(k, d) for k, d in zip(keys, dests, strict=True)]) == \
         [True, False, False, True, False]

@@ -108,9 +108,9 @@ class FlakyReads:
         engine._transfer = transfer  # type: ignore[method-assign]
         native_engine = store.native_engine
         if native_engine is not None:
-            for name in ("read", "read_share"):  # chunk by chunk, and a call as one share
+            for name in ("read", "read_items"):
                 setattr(native_engine, name, self._failing(getattr(native_engine, name)))
-            for name in ("submit_read", "submit_read_share"):
+            for name in ("submit_read", "submit_read_items"):
                 setattr(native_engine, name, self._failing_async(getattr(native_engine, name)))
 
     def _failing(self, real: Callable[[Any], seam.Batch]) -> Callable[[Any], seam.Batch]:

@@ -167,7 +167,7 @@ def test_a_dispatch_that_raises_completes_the_task_and_gives_everything_back(
     def broken(shares: Any, on_done: Any) -> None:
         raise OSError("engine closed")
 
-    monkeypatch.setattr(engine, "submit_shares", broken)
+    monkeypatch.setattr(engine, "submit_write", broken)
     done: list[TaskOutcome] = []
     with pytest.raises(OSError, match="engine closed"):
         store.submit_task(["a"], [NS], [meta_for(CHUNK)], [memoryview(payload_for("a"))],
