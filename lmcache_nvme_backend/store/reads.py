@@ -30,7 +30,7 @@ from ..disk.layout import digest_of_key_bytes, key_digest
 from ..disk.safe_fs import root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io import engine
-from ..io.native import NativeEngine, ReadItem
+from ..io.native import NativeEngine
 from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError
 from .catalog import Catalog
 from .index import IndexEntry
@@ -72,22 +72,53 @@ class ReadPlan(NamedTuple):
         return self.root_dir / self.rel
 
 
-#: A chunk a read call reads: its index in the call, key, UTF-8 key, digest, namespace id,
-#: metadata (the index's when the call was planned), root and buffer.
+#: A chunk the Python engine's route reads: its index in the call, key, UTF-8 key, digest,
+#: namespace id, metadata (the index's when the call was planned), root and buffer.
 _Todo = tuple[int, str, bytes, str, str, TensorMeta, RootState, memoryview]
-#: What a read call gave the native engine: how many chunks, their payload bytes, their roots.
-_Issued = tuple[int, int, set[int]]
-#: A read share's chunks as columns: keys, UTF-8 keys, digests, namespace id, metadata,
-#: root, buffers.
-_ShareColumns = tuple[Sequence[str], list[bytes], list[str], str, TensorMeta, RootState,
-                      Sequence[memoryview]]
+#: A read call handed to the engine, as its completion needs it: ``(keys, encoded, digests,
+#: entries, roots, dests, order, nbytes, roots_read)``: the call's columns, its index entries
+#: and roots when it was planned, the positions read in the batch's order (None: every one,
+#: in order), their payload bytes and the roots they are on.  A plain tuple (one per call).
+_Call = tuple[Sequence[str], list[bytes], list[str], "list[IndexEntry | None]",
+              "list[RootState | None]", Sequence[memoryview], "list[int] | None", int, set[int]]
 
 
-def _share_todo(keys: Sequence[str], encoded: list[bytes], digests: list[str], ns_id: str,
-                meta: TensorMeta, root: RootState, dests: Sequence[memoryview]) -> list[_Todo]:
-    """The chunks of a read share as ``_Todo``, in its order."""
-    return [(i, keys[i], encoded[i], digests[i], ns_id, meta, root, dests[i])
-            for i in range(len(keys))]
+def _share(root: RootState, ns_id: str, meta: TensorMeta, digests: list[str],
+           dests: list[memoryview], encoded: list[bytes]) -> engine.ReadShare:
+    """The read share of chunks on ``root`` in one namespace and layout."""
+    layout = root.layout
+    return (root_descriptor(layout.root_str), layout.chunk_naming(ns_id), root.direct,
+            meta.nbytes, meta.to_json(), digests, dests, encoded)
+
+
+def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
+             dests: Sequence[memoryview], lengths: Sequence[int | None], digests: list[str],
+             encoded: list[bytes]) -> tuple[list[int], list[engine.ReadShare], int, set[int]]:
+    """The chunks of a call that can be read (indexed, on a root in service, into a buffer
+    that fits), as one share per root, namespace and layout: their positions in the batch's
+    order, the shares, their payload bytes and their roots."""
+    groups: dict[tuple[int, str, int], list[int]] = {}
+    firsts: dict[tuple[int, str, int], tuple[IndexEntry, TensorMeta, RootState]] = {}
+    for i, entry in enumerate(entries):
+        if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
+            continue
+        length = lengths[i]
+        if len(dests[i]) < meta.nbytes or (length is not None and length != meta.nbytes):
+            continue  # a buffer for another layout: a miss
+        group = (entry.root, entry.ns_id, id(meta))
+        if group not in groups:
+            groups[group], firsts[group] = [], (entry, meta, root)
+        groups[group].append(i)
+    order: list[int] = []
+    shares: list[engine.ReadShare] = []
+    nbytes = 0
+    for group, mine in groups.items():
+        entry, meta, root = firsts[group]
+        order += mine
+        nbytes += len(mine) * meta.nbytes
+        shares.append(_share(root, entry.ns_id, meta, [digests[i] for i in mine],
+                             [dests[i] for i in mine], [encoded[i] for i in mine]))
+    return order, shares, nbytes, {entry.root for entry, _, _ in firsts.values()}
 
 
 def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
@@ -228,8 +259,9 @@ class ChunkReader:
         nothing can be read), and must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
-        if self.native is not None and (uniform := _uniform(entries, roots, dests, lengths)):
-            self._read_share(keys, encoded, digests, dests, *uniform, on_done, wait)
+        if self.native is not None:
+            self._read_batch(keys, encoded, digests, entries, roots, dests, lengths, on_done,
+                             wait)
             return
         todo: list[_Todo] = []
         for i, entry in enumerate(entries):
@@ -239,11 +271,7 @@ class ChunkReader:
             if len(dest) >= payload_len and (length is None or length == payload_len):
                 todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
             # (else a buffer for another layout: a miss)
-        if self.native is not None and todo:
-            self._read_native(len(keys), todo, on_done, wait)
-            return
-        batch = _Batch(len(keys), on_done, self._stats,
-                       self._gate if self.native is None else None)
+        batch = _Batch(len(keys), on_done, self._stats, self._gate)
         batch.start(len(todo))
         if not todo:
             return
@@ -263,95 +291,90 @@ class ChunkReader:
         verdict = self.complete(plan, req.header, req.error, req.payload_matches)
         batch.chunks_done([(index, verdict.ok, plan.payload_len)])
 
-    # -- the native engine ---------------------------------------------------------------
+    # -- the engine's batches ----------------------------------------------------------
 
-    def _read_share(self, keys: Sequence[str], encoded: list[bytes], digests: list[str],
-                    dests: Sequence[memoryview], first: IndexEntry, meta: TensorMeta,
-                    root: RootState, on_done: Callable[[list[bool]], None], wait: bool) -> None:
-        """A call whose every chunk is read (``_uniform``) through the native engine as one
-        share: no Python per chunk; the chunks as ``_Todo`` only if one was not served."""
+    def _read_batch(self, keys: Sequence[str], encoded: list[bytes], digests: list[str],
+                    entries: list[IndexEntry | None], roots: list[RootState | None],
+                    dests: Sequence[memoryview], lengths: Sequence[int | None],
+                    on_done: Callable[[list[bool]], None], wait: bool) -> None:
+        """The call as one batch of read shares: one share, built with no Python per chunk,
+        when every chunk is read with one layout from one root (``_uniform``), else one per
+        root, namespace and layout of the chunks that can be read."""
         assert self.native is not None
-        layout, n = root.layout, len(keys)
-        share: engine.ReadShare = (root_descriptor(layout.root_str),
-                                   layout.chunk_naming(first.ns_id), root.direct, meta.nbytes,
-                                   meta.to_json(), digests, list(dests), encoded)
-        done = functools.partial(self._native_done, n,
-                                 (keys, encoded, digests, first.ns_id, meta, root, dests),
-                                 (n, n * meta.nbytes, {root.index}), on_done,
-                                 time.perf_counter())
-        if wait:
-            done(self.native.read([share]))
+        if uniform := _uniform(entries, roots, dests, lengths):
+            first, meta, root = uniform
+            shares = [_share(root, first.ns_id, meta, digests, list(dests), encoded)]
+            call: _Call = (keys, encoded, digests, entries, roots, dests, None,
+                           len(keys) * meta.nbytes, {root.index})
         else:
-            self.native.submit_read([share], done)
-
-    def _read_native(self, size: int, todo: list[_Todo], on_done: Callable[[list[bool]], None],
-                     wait: bool) -> None:
-        """The batch through the native engine: one GIL round trip for all of it, and one
-        completion call that judges, accounts and answers the whole call (a chunk's
-        ``ReadPlan`` is only built if the engine did not serve it)."""
-        assert self.native is not None
-        items: list[ReadItem] = []
-        issued_roots: set[int] = set()
-        nbytes = 0
-        last_root = last_meta = None
-        for _, _, key_bytes, digest, ns_id, meta, root, dest in todo:
-            if root is not last_root:  # a call's chunks share roots and layouts: once each
-                last_root, layout = root, root.layout
-                issued_roots.add(root.index)
-                fd, direct = root_descriptor(layout.root_str), root.direct
-            if meta is not last_meta:
-                last_meta, meta_json, payload_len = meta, meta.to_json(), meta.nbytes
-            items.append((fd, layout.chunk_rel(ns_id, digest), dest, payload_len, direct,
-                          key_bytes, meta_json))
-            nbytes += payload_len
-        done = functools.partial(self._native_done, size, todo, (len(todo), nbytes, issued_roots),
-                                 on_done, time.perf_counter())
+            order, shares, nbytes, touched = _grouped(entries, roots, dests, lengths, digests,
+                                                      encoded)
+            call = (keys, encoded, digests, entries, roots, dests, order, nbytes, touched)
+            if not order:  # nothing to read: every chunk a miss
+                self._stats.add(Counter.READ_FAILURES, len(keys))
+                on_done([False] * len(keys))
+                return
+        done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
         if wait:
-            done(self.native.read_items(items))
+            done(self.native.read(shares))
         else:
-            self.native.submit_read_items(items, done)
+            self.native.submit_read(shares, done)
 
-    def _native_done(self, size: int, chunks_read: list[_Todo] | _ShareColumns,
-                     issued: _Issued, on_done: Callable[[list[bool]], None], started: float,
-                     result: engine.Batch) -> None:
-        """A read call the native engine finished (``issued``: how many chunks of it, their
-        payload bytes and roots; ``chunks_read``: those chunks in the engine's order, or a
-        share's columns): judge what it did not serve, account the call under one lock
-        hold, answer ``on_done`` (also when accounting fails: a chunk is marked served only
-        once its bytes were verified)."""
+    def _batch_done(self, call: _Call, on_done: Callable[[list[bool]], None], started: float,
+                    result: engine.Batch) -> None:
+        """A read batch the engine finished: judge what it did not serve, account the call
+        under one lock hold, answer ``on_done`` (also when accounting fails: a chunk is
+        marked served only once its bytes were verified)."""
+        keys, encoded, digests, entries, roots, dests, order, issued_bytes, touched = call
+        size = len(keys)
         served = [False] * size
         try:
-            if not result.details and issued[0] == size:  # the common case: all served
+            if not result.details and order is None:  # the common case: all served
                 served = [True] * size
                 chunks = engine_chunks = size
-                _, nbytes, roots = issued
-                engine_bytes = nbytes
+                nbytes = engine_bytes = issued_bytes
             else:
-                todo = chunks_read if isinstance(chunks_read, list) else \
-                    _share_todo(*chunks_read)
-                verdicts = {d[0]: self._native_verdict(_plan_of(*todo[d[0]][1:7]),
-                                                       todo[d[0]][7], *d[1:])
-                            for d in result.details}
-                chunks = nbytes = engine_chunks = engine_bytes = 0
-                roots = set()
-                for k, (i, _, _, _, _, meta, root, _) in enumerate(todo):
-                    payload_len = meta.nbytes
-                    judged = verdicts.get(k)
-                    if judged is None:  # served by the engine (``complete`` counted the rest)
-                        engine_chunks += 1
-                        engine_bytes += payload_len
-                        roots.add(root.index)
-                    if judged is None or judged:
-                        served[i] = True
-                        chunks += 1
-                        nbytes += payload_len
-            for index in roots:
+                chunks, nbytes, engine_chunks, engine_bytes, touched = self._judge_batch(
+                    call, result.details, served)
+            for index in touched:
                 self._roots[index].consecutive_errors = 0
-            seconds = time.perf_counter() - started
-            self._stats.record_read(ReadPath.POSIX, chunks, nbytes, seconds,
-                                    failures=size - chunks, checked=(engine_chunks, engine_bytes))
+            self._stats.record_read(ReadPath.POSIX, chunks, nbytes,
+                                    time.perf_counter() - started, failures=size - chunks,
+                                    checked=(engine_chunks, engine_bytes))
         finally:
             on_done(served)
+
+    def _judge_batch(self, call: _Call, details: list[tuple[int, int, bytes | None, int]],
+                     served: list[bool]) -> tuple[int, int, int, int, set[int]]:
+        """Mark in ``served`` the chunks of a batch that are served, judging each one the
+        engine did not serve; the chunks and bytes served, those served by the engine alone,
+        and the roots that served any."""
+        keys, encoded, digests, entries, roots, dests, order, _, _ = call
+        positions = range(len(keys)) if order is None else order
+        judged: dict[int, bool] = {}
+        for k, err, header, computed in details:
+            i = positions[k]
+            entry = entries[i]
+            assert entry is not None and entry.meta is not None
+            root = roots[entry.root]
+            assert root is not None
+            plan = _plan_of(keys[i], encoded[i], digests[i], entry.ns_id, entry.meta, root)
+            judged[i] = self._native_verdict(plan, dests[i], err, header, computed)
+        chunks = nbytes = engine_chunks = engine_bytes = 0
+        touched: set[int] = set()
+        for i in positions:
+            entry = entries[i]
+            assert entry is not None and entry.meta is not None
+            verdict = judged.get(i)
+            if verdict is None:  # served by the engine (``complete`` counted the rest)
+                engine_chunks += 1
+                engine_bytes += entry.meta.nbytes
+                touched.add(entry.root)
+            if verdict is None or verdict:
+                served[i] = True
+                chunks += 1
+                nbytes += entry.meta.nbytes
+        return chunks, nbytes, engine_chunks, engine_bytes, touched
 
     def _native_verdict(self, plan: ReadPlan, dest: memoryview, error: int,
                         header: bytes | None, computed: int) -> bool:

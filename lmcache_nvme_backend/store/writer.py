@@ -29,7 +29,7 @@ from ..disk.gpusum import host_checksum
 from ..disk.layout import temp_name
 from ..disk.safe_fs import root_descriptor
 from ..io import engine
-from ..io.native import NativeEngine, WriteItem
+from ..io.native import NativeEngine
 from ..io.posix import NotAChunkFile, PosixIOEngine
 from .catalog import Catalog
 from .chunk_files import write_chunk_file
@@ -336,30 +336,47 @@ class ChunkWriter:
         self._finish(dropped)
         if not placed:
             return
-        file_mode, dir_mode, fsync = self.native_modes
-        record_gpu = self.record_gpu_checksums
-        temp_suffix = self.native_temp_suffix
-        items: list[WriteItem] = []
-        last_root = meta = namespace = None
-        for (job, root, _), gone in zip(placed, victims, strict=True):
-            if root is not last_root:  # a batch's chunks share roots and layouts: once each
-                last_root, layout, direct = root, root.layout, root.direct
-                fd = root_descriptor(layout.root_str)
-            if job.meta is not meta or job.namespace != namespace:
-                meta, namespace = job.meta, job.namespace
-                meta_json, namespace_raw = meta.to_json(), namespace_bytes(namespace)
-            shard, temp, final = layout.write_names(job.ns_id, job.digest, temp_suffix)
-            items.append((fd, shard, temp, final, job.payload, job.key_bytes, namespace_raw,
-                          meta_json, self._gpu_checksum(job) if record_gpu else None, direct,
-                          file_mode, dir_mode, fsync, layout.chunk_rels(gone) if gone else ()))
+        placed, victims, shares = self._shares(placed, victims)
         try:
-            self.native.submit_write_items(items, functools.partial(
+            self.native.submit_write(shares, functools.partial(
                 self.settle_batch, placed, victims, time.perf_counter()))
         except BaseException:
             for _, root, size in placed:
                 self.catalog.release(root.index, size)
             self._finish([job for job, _, _ in placed])
             raise
+
+    def _shares(self, placed: list[tuple[ChunkWrite, RootState, int]],
+                victims: list[list[IndexEntry]]
+                ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[list[IndexEntry]],
+                           list[engine.WriteShare]]:
+        """The placed jobs as write shares, one per root, namespace and layout, and the jobs
+        and their victims in the batch's order (share by share)."""
+        groups: dict[tuple[int, str, int], list[int]] = {}
+        for i, (job, root, _) in enumerate(placed):
+            groups.setdefault((root.index, job.namespace, id(job.meta)), []).append(i)
+        if len(groups) > 1:
+            order = [i for mine in groups.values() for i in mine]
+            placed, victims = [placed[i] for i in order], [victims[i] for i in order]
+        file_mode, dir_mode, fsync = self.native_modes
+        shares: list[engine.WriteShare] = []
+        at = 0
+        for mine in groups.values():
+            share = placed[at : at + len(mine)]
+            gone = [v for vs in victims[at : at + len(mine)] for v in vs]
+            at += len(mine)
+            first, root, _ = share[0]
+            layout = root.layout
+            jobs = [job for job, _, _ in share]
+            shares.append((root_descriptor(layout.root_str),
+                           layout.write_naming(first.ns_id, self.native_temp_suffix),
+                           namespace_bytes(first.namespace), first.meta.to_json(), root.direct,
+                           file_mode, dir_mode, fsync, layout.chunk_rels(gone),
+                           [job.digest for job in jobs], [job.payload for job in jobs],
+                           [job.key_bytes for job in jobs],
+                           list(map(self._gpu_checksum, jobs)) if self.record_gpu_checksums
+                           else None))
+        return placed, victims, shares
 
     def _gpu_checksum(self, job: ChunkWrite) -> tuple[int, int]:
         self.stats.add(Counter.GPU_CHECKSUMS_RECORDED)

@@ -37,13 +37,13 @@ def before_each_write(store: ChunkStore, hook: Callable[[], None]) -> None:
         return
     real_submit = engine.submit_write
 
-    def delayed(items: Any, on_done: Callable[[seam.Batch], None]) -> None:
-        for _ in items:
+    def delayed(shares: Any, on_done: Callable[[seam.Batch], None]) -> None:
+        for _ in range(_chunks(shares)):
             hook()
-        real_submit(items, on_done)
+        real_submit(shares, on_done)
 
-    def native_submit(items: Any, on_done: Callable[[seam.Batch], None]) -> None:
-        threading.Thread(target=delayed, args=(items, on_done), daemon=True).start()
+    def native_submit(shares: Any, on_done: Callable[[seam.Batch], None]) -> None:
+        threading.Thread(target=delayed, args=(shares, on_done), daemon=True).start()
 
     engine.submit_write = native_submit  # type: ignore[method-assign]
 
@@ -68,20 +68,30 @@ def fail_writes_under(store: ChunkStore, root: Path, err: int = errno.EIO) -> No
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (bad.st_dev, bad.st_ino)
 
-    def native_submit(items: Any, on_done: Callable[[seam.Batch], None]) -> None:
-        keep = [i for i, item in enumerate(items) if not beneath_root(item[0])]  # its root_fd
+    def native_submit(shares: Any, on_done: Callable[[seam.Batch], None]) -> None:
+        kept, keep, at = [], [], 0  # the shares not beneath ``root`` (by their root_fd)
+        for share in shares:
+            if not beneath_root(share[0]):
+                kept.append(share)
+                keep += range(at, at + len(share[9]))
+            at += len(share[9])
 
         def merged(done: seam.Batch) -> None:
-            statuses = bytearray([seam.FAILED] * len(items))
-            details = [(i, seam.FAILED, err) for i in range(len(items)) if i not in keep]
+            statuses = bytearray([seam.FAILED] * at)
+            details = [(i, seam.FAILED, err) for i in range(at) if i not in keep]
             for k, i in enumerate(keep):
                 statuses[i] = done.statuses[k]
             details += [(keep[d[0]], *d[1:]) for d in done.details]
             on_done(seam.Batch(bytes(statuses), sorted(details)))
 
-        real_submit([items[i] for i in keep], merged)
+        real_submit(kept, merged)
 
     engine.submit_write = native_submit  # type: ignore[method-assign]
+
+
+def _chunks(shares: Any) -> int:
+    """The chunks of a batch of write shares (their digests' column)."""
+    return sum(len(share[9]) for share in shares)
 
 
 class FlakyReads:
