@@ -3,28 +3,28 @@
 One vocabulary everywhere: ``nvme.<name>`` keys in LMCache's ``extra_config``,
 the bare ``<name>`` in an L2 adapter's ``adapter_params``.  Every problem is
 reported at construction as an ``NVMeConfigError`` that names the key and says
-how to fix it.
+how to fix it; what only opening a directory tells (can this process create files
+there, use the tree another user made?) is reported the same way when the store
+opens it, before it serves anything.
 
 Each field of :class:`NVMeSettings` carries its validation rule in its
 ``metadata`` (``_Number``, ``_Choice``, ...); one loop in ``_Parser.review``
-reads every setting through its rule.  The tier raises the first problem and
-creates its directories (``from_params``); ``lmcache-nvme check-config`` asks
-for every problem and creates nothing (``review``).
+reads every setting through its rule.  The tier raises the first problem
+(``from_params``); ``lmcache-nvme check-config`` asks for every problem (``review``).
+Validating creates and writes nothing: a path is only looked at (``disk/probe.py``);
+the store creates and probes its directories when it opens them (``store/roots.py``).
 """
 
 from __future__ import annotations
 
 import difflib
 import enum
-import errno
-import os
-import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .disk.layout import MARKER_NAME
+from .disk.probe import path_problem, probe_path
 from .disk.safe_fs import dir_mode_for
 
 EXTRA_CONFIG_PREFIX = "nvme."
@@ -215,7 +215,9 @@ class _FileMode(_Rule):
 
 
 class _Directories(_Rule):
-    """One directory or several (a list, or a comma-separated string); each made writable."""
+    """One directory or several (a list, or a comma-separated string).  Each is looked at,
+    never created or written (``disk/probe.py``, ``look_only``): a path that is a file, or
+    lies below one, is an error here; the store creates a missing one at start."""
 
     def parse(self, raw: Any, fail: _Fail) -> tuple[Path, ...]:
         if raw is None or raw == "" or raw == []:
@@ -233,45 +235,11 @@ class _Directories(_Rule):
             path = Path(item.removeprefix("file://")).expanduser().absolute()
             if path in paths:
                 raise fail(f"'{path}' is listed twice", "List each directory once.")
-            if path.exists() and not path.is_dir():
-                raise fail(f"'{path}' exists and is not a directory",
-                           "Point it at a directory (it is created if missing).")
+            problem = path_problem(probe_path(path, look_only=True))
+            if problem is not None:
+                raise fail(*problem)
             paths.append(path)
         return tuple(paths)
-
-    @staticmethod
-    def prepare(path: Path, dir_mode: int, fail: _Fail, shared: bool = False) -> None:
-        """Create ``path`` (missing directories get ``dir_mode``, whatever the umask) and
-        check that this process can create files in it.  A full filesystem (no space or no
-        inode for the probe) is fine: the store starts and serves what the path holds; so
-        is, in shared mode, a read-only cache directory (this member only reads there)."""
-        missing = [p for p in (path, *path.parents) if not p.exists()]
-        try:
-            for p in reversed(missing):
-                try:
-                    p.mkdir(dir_mode)
-                except FileExistsError:
-                    continue
-                os.chmod(p, dir_mode)  # mkdir applied the umask
-        except OSError as exc:
-            raise fail(f"cannot create '{path}': {exc.strerror}",
-                       "Create it yourself or choose a writable location.") from exc
-        if not path.is_dir():
-            raise fail(f"'{path}' exists and is not a directory",
-                       "Point it at a directory (it is created if missing).")
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                return
-            if shared and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and \
-                    (path / MARKER_NAME).is_file():
-                return
-            why = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
-            raise fail(f"'{path}' is not writable ({why})",
-                       "Grant this process write access or choose another directory.") from exc
 
 
 def _rule(rule: _Rule, key: str | None = None) -> dict[str, Any]:
@@ -324,6 +292,10 @@ class NVMeSettings:
                               metadata=_rule(_Number(0, integer=True, maximum=65535)))
     # 0: no periodic stats line
     stats_log_interval_s: float = field(default=0.0, metadata=_rule(_Number(0.0)))
+    # Not a setting: the prefix of the keys these were read from (``nvme.``, ``adapter_params.``
+    # or none), so that errors found when the store opens its directories name the key too.
+    key_prefix: str = field(default=EXTRA_CONFIG_PREFIX, compare=False, repr=False,
+                            metadata={_RULE: None, _KEY: None})
 
     @property
     def max_size_bytes(self) -> int:
@@ -368,7 +340,7 @@ class NVMeSettings:
 
     @classmethod
     def setting_names(cls) -> list[str]:
-        return [f.metadata[_KEY] or f.name for f in fields(cls)]
+        return [f.metadata[_KEY] or f.name for f in _setting_fields()]
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> NVMeSettings:
@@ -383,8 +355,8 @@ class NVMeSettings:
 
     @classmethod
     def review(cls, params: Mapping[str, Any], key_prefix: str = "") -> SettingsReview:
-        """Every problem of bare setting names, by the rules ``from_params`` applies, without
-        creating or probing any directory (for tools that check a config before a deploy)."""
+        """Every problem of bare setting names, by the rules ``from_params`` applies (for
+        tools that check a config before a deploy); like it, creates and writes nothing."""
         return _Parser(params, key_prefix).review()
 
     @classmethod
@@ -399,12 +371,17 @@ class NVMeSettings:
         """One setting's value as the tier reads it (``name`` bare, e.g. ``gds_mode``), for
         tools that check a config without opening a tier; raises :class:`NVMeConfigError`."""
         parser = _Parser({}, key_prefix)
-        for f in fields(cls):
+        for f in _setting_fields():
             if (f.metadata[_KEY] or f.name) == name:
                 rule: _Rule = f.metadata[_RULE]
                 return rule.parse(raw, parser.failer(name))
         raise parser.fail(name, "unknown setting",
                           f"Known settings: {', '.join(cls.setting_names())}.")
+
+
+def _setting_fields() -> list[Field[Any]]:
+    """The fields of :class:`NVMeSettings` that are settings (each has a rule)."""
+    return [f for f in fields(NVMeSettings) if f.metadata[_RULE] is not None]
 
 
 class _Parser:
@@ -419,18 +396,15 @@ class _Parser:
         return lambda problem, fix: self.fail(name, problem, fix)
 
     def parse(self) -> NVMeSettings:
-        """The settings, with their directories created; the first problem is raised."""
+        """The settings; the first problem is raised."""
         review = self.review()
         if review.settings is None:
             raise review.errors[0]
-        for path in review.settings.paths:
-            _Directories.prepare(path, review.settings.dir_mode, self.failer("path"),
-                                 shared=review.settings.shared)
         return review.settings
 
     def review(self) -> SettingsReview:
         """Every problem (unknown keys first, then the settings in field order) and the
-        values that passed; touches no directory."""
+        values that passed."""
         known = NVMeSettings.setting_names()
         errors: list[NVMeConfigError] = []
         for name in self.params:
@@ -441,7 +415,7 @@ class _Parser:
                     name, "unknown setting",
                     f"{hint}Known settings: {', '.join(self.prefix + k for k in known)}."))
         values: dict[str, Any] = {}
-        for f in fields(NVMeSettings):
+        for f in _setting_fields():
             name = f.metadata[_KEY] or f.name
             default = None if f.default is MISSING else f.default
             rule: _Rule = f.metadata[_RULE]
@@ -449,7 +423,7 @@ class _Parser:
                 values[f.name] = rule.parse(self.params.get(name, default), self.failer(name))
             except NVMeConfigError as exc:
                 errors.append(exc)
-        settings = None if errors else NVMeSettings(**values)
+        settings = None if errors else NVMeSettings(**values, key_prefix=self.prefix)
         return SettingsReview(settings, errors, values)
 
 

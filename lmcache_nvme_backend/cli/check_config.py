@@ -36,6 +36,7 @@ from ..config import (
     SettingsReview,
     adapter_params_of,
 )
+from ..disk.probe import probe_path
 from ..store.access import user_name
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
 from .common import mount_for, print_json
@@ -200,9 +201,10 @@ def path_checks(review: SettingsReview) -> list[Check]:
     probed: list[tuple[Path, Path]] = []
     for path in paths:
         mount = mount_for(path)
-        first, probe_dir = check_path(path, mount, missing_status=INFO)
+        probe = probe_path(path)
+        first, probe_dir = check_path(probe, mount, missing_status=INFO)
         found = [first, check_filesystem(mount)]
-        tree = check_tree(path) if probe_dir is not None else None
+        tree = check_tree(probe) if probe_dir is not None else None
         if tree is not None:
             found.insert(1, tree)
         if probe_dir is not None:

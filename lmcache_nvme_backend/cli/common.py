@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+from ..disk.probe import nearest_existing
+
 T = TypeVar("T")
 
 KIB = 1024
@@ -218,17 +220,9 @@ class MountInfo:
         self.options = options
 
 
-def nearest_existing(path: Path) -> Path:
-    """``path`` or its closest existing ancestor, resolved."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path.resolve()
-
-
 def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None:
     """The mount holding ``path`` (longest matching mount point; the last one wins)."""
-    target = str(nearest_existing(path))
+    target = str(nearest_existing(path).resolve())
     best: MountInfo | None = None
     try:
         with open(mounts_file) as f:

@@ -20,6 +20,7 @@ from typing import Any
 from ..adapters.hashing import FIX as HASHING_FIX
 from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing, unknown_algorithm
 from ..config import EXTRA_CONFIG_PREFIX, GdsMode, NVMeConfigError, NVMeSettings
+from ..disk.probe import probe_path
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
 from .common import CLIError, mount_for, non_negative_float, print_json
 from .gpu_checks import check_gpu, check_kvikio, check_libcufile, check_nvidia_fs, check_run_udev
@@ -164,7 +165,7 @@ def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
                config: dict[str, Any] | None = None) -> list[Check]:
     path = path.absolute()
     mount = mount_for(path)
-    first, probe_dir = check_path(path, mount)
+    first, probe_dir = check_path(probe_path(path, tree=False), mount)
     checks = [first, check_filesystem(mount)]
     if probe_dir is not None:
         checks += [check_direct_io(probe_dir),

@@ -1,9 +1,10 @@
 """Checks of one cache directory: used by ``doctor`` and ``check-config``.
 
-Whether the path exists (or can be created) and is writable, its filesystem, O_DIRECT
-(the probe the store runs at start), free space against a budget, and alignment.  The
-only thing written is a probe file in an existing directory, removed at once; a
-missing path is checked in its nearest existing parent and is never created.
+Whether the path exists (or can be created) and is writable, and whether its tree is
+usable (both rendered from ``disk/probe.py``, the probe the store runs at start), its
+filesystem, O_DIRECT (the store's probe too), free space against a budget, and
+alignment.  The only thing written is a probe file in an existing directory, removed at
+once; a missing path is checked in its nearest existing parent and is never created.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..config import min_free_bytes_for
 from ..disk.format import ALIGNMENT
-from ..disk.layout import RootLayout
+from ..disk.probe import PathProbe, PathState
 from ..io.posix import probe_direct_io
-from ..store.access import describe_owner, unusable_dirs, user_name
+from ..store.access import describe_owner, user_name
 from .check import FAIL, INFO, PASS, WARN, Check
-from .common import GIB, MountInfo, nearest_existing
+from .common import GIB, MountInfo
 
 GOOD_LOCAL_FS = {"ext4", "xfs"}
 SHARED_FS = {"lustre", "gpfs", "beegfs", "wekafs", "nfs", "nfs4", "cephfs", "ceph"}
@@ -33,33 +33,34 @@ LOW_FREE_GB = 10.0
 EXT4_SYSFS = Path("/sys/fs/ext4")
 
 
-def check_path(path: Path, mount: MountInfo | None,
+def check_path(probe: PathProbe, mount: MountInfo | None,
                missing_status: str = WARN) -> tuple[Check, Path | None]:
-    """Exists (or can be created) and is writable; returns the directory to probe.
+    """Exists (or can be created) and is writable, from the probe (``disk/probe.py``) the
+    store runs at start; returns the directory the checks below run in.
 
     A missing path is reported with ``missing_status`` when its nearest existing parent
     is writable (the tier creates it at start).
     """
-    if path.exists() and not path.is_dir():
+    path, where = probe.path, probe.where
+    if probe.state is PathState.NOT_A_DIRECTORY:
         return Check("path", FAIL, f"{path} exists and is not a directory",
                      "point nvme.path at a directory"), None
-    probe_dir = path if path.exists() else nearest_existing(path)
-    try:
-        fd, name = tempfile.mkstemp(prefix=".doctor-probe-", dir=probe_dir)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        return _unwritable(path, probe_dir, mount, exc), None
-    if not path.exists():
-        return Check("path", missing_status, f"{path} does not exist yet; {probe_dir} is "
+    if probe.state is PathState.BLOCKED:
+        return Check("path", FAIL, f"{path} does not exist, and it cannot be created: {where} "
+                     "is not a directory", "point nvme.path at a directory"), None
+    if probe.error is not None:
+        return _unwritable(probe, mount, probe.error), None
+    if not probe.exists:
+        return Check("path", missing_status, f"{path} does not exist yet; {where} is "
                      "writable (checks below ran there)",
-                     "nothing to do if this is intended: the backend creates it"), probe_dir
-    return Check("path", PASS, f"{path} is a writable directory"), probe_dir
+                     "nothing to do if this is intended: the backend creates it"), where
+    return Check("path", PASS, f"{path} is a writable directory"), where
 
 
-def _unwritable(path: Path, probe_dir: Path, mount: MountInfo | None, exc: OSError) -> Check:
-    """Why no file can be created in ``probe_dir``, in words that match the cause."""
-    where = "" if path.exists() else f"{path} does not exist, and it cannot be created: "
+def _unwritable(probe: PathProbe, mount: MountInfo | None, exc: OSError) -> Check:
+    """Why no file can be created where the probe ran, in words that match the cause."""
+    path, probe_dir = probe.path, probe.where
+    where = "" if probe.exists else f"{path} does not exist, and it cannot be created: "
     if mount is not None and mount.fstype in KERNEL_FS:
         return Check("path", FAIL, f"{where}{probe_dir} is on {mount.fstype}, a kernel "
                      f"filesystem that holds no files ({exc.strerror})",
@@ -77,21 +78,21 @@ def _unwritable(path: Path, probe_dir: Path, mount: MountInfo | None, exc: OSErr
                  f"({exc.strerror})", "choose a directory on a writable local filesystem")
 
 
-def check_tree(path: Path) -> Check | None:
+def check_tree(probe: PathProbe) -> Check | None:
     """An existing cache tree whose directories this user cannot use (made by another
-    user): the same check the store makes at start.  None when there is no tree."""
-    if not path.is_dir():
-        return None
-    try:
-        layout = RootLayout.of(path)
-    except ValueError as exc:  # a newer version's layout
-        return Check("cache tree", FAIL, str(exc),
+    user), or whose marker is a newer version's: what the store refuses at start.  None
+    when there is no tree, or it was not walked (a read-only filesystem, which the path
+    check reports)."""
+    path = probe.path
+    if probe.layout_error is not None:
+        return Check("cache tree", FAIL, probe.layout_error,
                      "upgrade lmcache-nvme-backend, or choose another directory")
-    problems = unusable_dirs(layout)
-    if not problems:
-        return Check("cache tree", PASS, f"every directory of {path} is usable by "
-                     f"{user_name(os.geteuid())}")
+    if not probe.tree_checked:
+        return None
     me = user_name(os.geteuid())
+    problems = probe.unusable
+    if not problems:
+        return Check("cache tree", PASS, f"every directory of {path} is usable by {me}")
     return Check("cache tree", FAIL, f"{len(problems)} director"
                  f"{'ies' if len(problems) > 1 else 'y'} of the tree cannot be listed and "
                  f"written by {me}, e.g. {problems[0]} ({describe_owner(problems[0])}); the "

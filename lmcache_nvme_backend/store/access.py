@@ -1,16 +1,22 @@
-"""Can this process use a cache tree that already exists?
+"""Can this process use a cache directory?  The store's check at start, before it creates
+anything there.
 
-A tree is often created by one user and later opened by another: a server started
-once as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by root with mode
-``0700``, and the service user's server then cannot list or write them.  Rather than
-fail on the first such directory with a bare ``Permission denied``, the store checks
-the tree's directories at start and refuses with one message that names the
-directory, its owner and mode, this process's user, and the ``chown`` that fixes it.
+The store probes each root (``disk/probe.py``, the probe ``lmcache-nvme doctor`` and
+``check-config`` report too) and refuses one it cannot use with one ``NVMeConfigError``
+that names the setting, the directory and the fix: a path that is not a directory or
+cannot be created, a directory in which no file can be created, a marker written by a
+newer version, or an existing tree whose directories this process cannot use.
 
-Only directories are checked (a few per namespace, up to 256 shard directories each,
+That last one is common: a tree is often created by one user and later opened by another.
+A server started once as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by
+root with mode ``0700``, and the service user's server then cannot list or write them.
+Rather than fail on the first such directory with a bare ``Permission denied``, the store
+names the directory, its owner and mode, this process's user, and the ``chown`` that fixes
+it.  Only directories are checked (a few per namespace, up to 256 shard directories each,
 65 536 in a tree made by version 0.2 or earlier); a chunk file this process may not read
 stays a miss when it is asked for.  A process running as root skips the walk (it may use
-every directory).
+every directory), and so does one on a read-only filesystem (a shared-mode member that
+only reads there).
 """
 
 from __future__ import annotations
@@ -20,12 +26,8 @@ import pwd
 import stat
 from pathlib import Path
 
-from ..config import NVMeConfigError
-from ..disk.layout import MARKER_NAME, RootLayout
-
-#: Directories the store keeps directly under a root.
-TOP_DIRS = ("index", "quarantine", "ns")
-_USE = os.R_OK | os.W_OK | os.X_OK
+from ..config import EXTRA_CONFIG_PREFIX, NVMeConfigError
+from ..disk.probe import PathProbe, path_problem, probe_path
 
 
 def user_name(uid: int) -> str:
@@ -46,38 +48,31 @@ def describe_owner(path: Path) -> str:
             f"{stat.S_IMODE(st.st_mode):04o}")
 
 
-def _usable(path: Path | str, mode: int) -> bool:
-    return os.access(path, mode, effective_ids=True, follow_symlinks=False)
+def path_error(key_prefix: str, problem: str, fix: str = "") -> NVMeConfigError:
+    """The error of the ``path`` setting (``<prefix>path: <problem>. <fix>``)."""
+    return NVMeConfigError(f"{key_prefix}path: {problem}" + (f". {fix}" if fix else ""))
 
 
-def unusable_dirs(layout: RootLayout) -> list[Path]:
-    """Directories of the cache tree ``layout`` describes this process cannot list, enter
-    and write (the root itself only needs writing when the store must create something in
-    it)."""
-    root = layout.root
-    missing = [name for name in (*TOP_DIRS, MARKER_NAME) if not (root / name).exists()]
-    need = _USE if missing else os.R_OK | os.X_OK
-    if not _usable(root, need):
-        return [root]
-    found = [root / name for name in TOP_DIRS
-             if (root / name).is_dir() and not (root / name).is_symlink()
-             and not _usable(root / name, _USE)]
-    if not _usable(layout.namespaces_dir, os.R_OK | os.X_OK):
-        return found
-    prefix = f"{root}/"  # strings, not Paths: a full two-level namespace has 65 793 directories
-    return found + [root / rel for rel in layout.iter_tree_dirs()
-                    if not _usable(prefix + rel, _USE)]
+def require_usable_root(path: Path, shared: bool = False,
+                        key_prefix: str = EXTRA_CONFIG_PREFIX) -> PathProbe:
+    """Probe ``path`` and raise ``NVMeConfigError`` naming ``<key_prefix>path``, the problem
+    and the fix when the store cannot use it; else the probe (whether the path exists, the
+    tree's layout).  In ``shared`` mode a cache directory this process may not write is
+    served read-only (``store/shared/member.py``)."""
+    probe = probe_path(path, tree=os.geteuid() != 0)
+    found = path_problem(probe, shared)
+    if found is not None:
+        raise path_error(key_prefix, *found)
+    if probe.layout_error is not None:
+        raise path_error(key_prefix, probe.layout_error)
+    if probe.unusable:
+        raise path_error(key_prefix, *_tree_problem(probe.path, list(probe.unusable)))
+    return probe
 
 
-def require_tree_access(layout: RootLayout) -> None:
-    """Raise ``NVMeConfigError`` naming the first directory of an existing tree (``layout``)
-    that this process cannot use, its owner, and the fix."""
-    root = layout.root
-    if os.geteuid() == 0 or not root.is_dir():
-        return
-    problems = unusable_dirs(layout)
-    if not problems:
-        return
+def _tree_problem(root: Path, problems: list[Path]) -> tuple[str, str]:
+    """(problem, fix) of an existing tree whose directories ``problems`` this process cannot
+    use: the first one, its owner, this process's user and the ``chown``."""
     first = problems[0]
     me = user_name(os.geteuid())
     more = (f"; {len(problems) - 1} more director{'ies' if len(problems) > 2 else 'y'} of "
@@ -86,8 +81,8 @@ def require_tree_access(layout: RootLayout) -> None:
         owner = first.lstat().st_uid
     except OSError:  # removed meanwhile: the message still names it
         owner = os.geteuid()
-    raise NVMeConfigError(
-        f"nvme.path: '{first}' is {describe_owner(first)}, and this process runs as {me} "
-        f"(uid {os.geteuid()}), which cannot list and write it{more}. Was the server once "
-        f"started as {user_name(owner)}? Give the tree to the user the server runs as "
-        f"(as root: chown -R {me}: {root}), or run the server as {user_name(owner)}.")
+    return (f"'{first}' is {describe_owner(first)}, and this process runs as {me} (uid "
+            f"{os.geteuid()}), which cannot list and write it{more}",
+            f"Was the server once started as {user_name(owner)}? Give the tree to the user "
+            f"the server runs as (as root: chown -R {me}: {root}), or run the server as "
+            f"{user_name(owner)}.")

@@ -69,7 +69,7 @@ class ChunkStore:
         self.settings = settings
         self._stats = StoreStats()
         self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
-                                 settings.min_free_gb, settings.shared)
+                                 settings.min_free_gb, settings.shared, settings.key_prefix)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
         engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)

@@ -23,9 +23,10 @@ from typing import TypeVar
 
 import xxhash
 
-from ..config import NVMeConfigError, min_free_bytes_for
+from ..config import EXTRA_CONFIG_PREFIX, NVMeConfigError, min_free_bytes_for
 from ..disk.format import text_bytes
 from ..disk.layout import MARKER_NAME, RootLayout, marker_text, split_tree_path
+from ..disk.probe import CREATE_FIX, NOT_A_DIRECTORY_FIX
 from ..disk.safe_fs import (
     NotAChunkFile,
     create_beneath,
@@ -38,7 +39,7 @@ from ..disk.safe_fs import (
     unlink_beneath,
 )
 from ..io.posix import probe_direct_io, probe_direct_read
-from .access import require_tree_access
+from .access import path_error, require_usable_root
 from .free_space import free_bytes
 
 logger = logging.getLogger(__name__)
@@ -87,27 +88,30 @@ class RootInfo:
 
 
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
-              min_free_gb: float | None = None, shared: bool = False) -> RootState:
-    """Create the root's directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
+              min_free_gb: float | None = None, shared: bool = False,
+              key_prefix: str = EXTRA_CONFIG_PREFIX) -> RootState:
+    """Check the root, create its directories and marker, and probe O_DIRECT per
+    ``nvme.direct_io``.
 
-    An existing tree with directories this process cannot use (created by another user)
-    is refused with a message naming the directory, its owner and the fix (``access.py``).
-    Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
-    umask; nothing below the root is reached through a link.  A full filesystem (no
-    block, no inode) does not stop the start: the store serves what the root holds and
-    drops writes (``capacity_drops``) until space frees.  In shared mode a tree on a
-    read-only filesystem is opened to be served (``store/shared/member.py`` says so).
+    Nothing is created before the check (``access.require_usable_root``): a path that is
+    not a directory or where no file can be created, and an existing tree with directories
+    this process cannot use (created by another user), are refused with a message naming
+    the setting (``<key_prefix>path``), the directory and the fix.  A missing path is
+    created here, with its missing parents.  Directories get ``dir_mode_for(file_mode)``
+    and the marker ``file_mode``, whatever the umask; nothing below the root is reached
+    through a link.  A full filesystem (no block, no inode) does not stop the start: the
+    store serves what the root holds and drops writes (``capacity_drops``) until space
+    frees.  In shared mode a tree on a read-only filesystem is opened to be served
+    (``store/shared/member.py`` says so).
     """
-    try:
-        layout = RootLayout.of(path)  # reads only: nothing is made before the checks
-    except ValueError as exc:  # a marker from a newer version
-        raise NVMeConfigError(f"nvme.path: {exc}") from None
-    if not (shared and _read_only_filesystem(path)):
-        require_tree_access(layout)
+    probe = require_usable_root(path, shared, key_prefix)
     dir_mode = dir_mode_for(file_mode)
-    if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, dir_mode)  # mkdir applied the umask
+    if not probe.exists:
+        _create_directory(path, dir_mode, key_prefix)
+    try:
+        layout = probe.layout if probe.layout is not None else RootLayout.of(path)
+    except ValueError as exc:  # a marker from a newer version, written meanwhile
+        raise path_error(key_prefix, str(exc)) from None
     for d in (layout.index_dir, layout.quarantine_dir, layout.namespaces_dir):
         try:
             makedirs_beneath(path, d.name, dir_mode)
@@ -124,9 +128,9 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
     direct = direct_io_mode != "off" and _probe(path)
     if direct_io_mode == "on" and not direct:
         raise NVMeConfigError(
-            f"nvme.direct_io: '{path}' does not support O_DIRECT (tmpfs, some network or "
-            "overlay filesystems). Put the cache on a local NVMe filesystem such as ext4 or "
-            "xfs, or set nvme.direct_io to 'auto' to fall back to buffered I/O.")
+            f"{key_prefix}direct_io: '{path}' does not support O_DIRECT (tmpfs, some network "
+            "or overlay filesystems). Put the cache on a local NVMe filesystem such as ext4 "
+            f"or xfs, or set {key_prefix}direct_io to 'auto' to fall back to buffered I/O.")
     if direct_io_mode == "auto" and not direct:
         logger.warning("NVMe tier: %s does not support O_DIRECT; using buffered I/O there "
                        "(page cache in the data path).", path)
@@ -142,11 +146,23 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
     return state
 
 
-def _read_only_filesystem(path: Path) -> bool:
+def _create_directory(path: Path, dir_mode: int, key_prefix: str) -> None:
+    """Create ``path`` and its missing parents, each with exactly ``dir_mode`` (whatever the
+    umask); another process creating one meanwhile is fine."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
+        for p in reversed(missing):
+            try:
+                p.mkdir(dir_mode)
+            except FileExistsError:
+                continue
+            os.chmod(p, dir_mode)  # mkdir applied the umask
+    except OSError as exc:
+        raise path_error(key_prefix, f"cannot create '{path}': {exc.strerror}",
+                         CREATE_FIX) from exc
+    if not path.is_dir():
+        raise path_error(key_prefix, f"'{path}' exists and is not a directory",
+                         NOT_A_DIRECTORY_FIX)
 
 
 def _probe(path: Path) -> bool:
@@ -199,9 +215,12 @@ class Roots(Sequence[RootState]):
 
     @classmethod
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
-             min_free_gb: float | None = None, shared: bool = False) -> Roots:
-        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared)
-                    for i, path in enumerate(paths)])
+             min_free_gb: float | None = None, shared: bool = False,
+             key_prefix: str = EXTRA_CONFIG_PREFIX) -> Roots:
+        """Open (and create) each root (``open_root``); errors name the settings with
+        ``key_prefix`` (``nvme.``, ``adapter_params.``, or none for bare names)."""
+        return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared,
+                              key_prefix) for i, path in enumerate(paths)])
 
     def __getitem__(self, i: int) -> RootState:  # type: ignore[override]
         return self._states[i]

@@ -120,6 +120,11 @@ def test_a_path_that_cannot_exist_fails_naming_why(run_cli: RunCLI, tmp_path: Pa
     assert status == 2
     assert failures(report) == [f"nvme.path: '{file}' exists and is not a directory. Point "
                                 "it at a directory (it is created if missing)."]
+    config = lmcache_yaml(tmp_path, {"nvme.path": str(file / "cache"), **TINY})
+    status, report = check(run_cli, config)
+    assert status == 2
+    assert failures(report) == [f"nvme.path: cannot create '{file / 'cache'}': Not a "
+                                "directory. Create it yourself or choose a writable location."]
 
 
 def test_direct_io_on_and_a_budget_that_does_not_fit(run_cli: RunCLI, tmp_path: Path) -> None:

@@ -204,6 +204,17 @@ def test_a_path_on_a_kernel_filesystem_says_what_is_wrong(run_cli: RunCLI) -> No
     assert "not writable" not in check["detail"]
 
 
+def test_a_path_below_a_file_names_the_file(run_cli: RunCLI, tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    proc = run_cli("doctor", a_file / "cache", "--skip-gpu", "--json")
+    check = checks_of(proc.stdout)["path"]
+    assert check["status"] == "fail" and proc.returncode == 2
+    assert check["detail"] == (f"{a_file / 'cache'} does not exist, and it cannot be created: "
+                               f"{a_file} is not a directory")
+    assert check["fix"] == "point nvme.path at a directory"
+
+
 def test_a_config_with_a_misspelt_setting_fails_the_settings_check(run_cli: RunCLI,
                                                                    tmp_path: Path) -> None:
     config = tmp_path / "lmcache.yaml"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,34 @@ def test_open_creates_the_tree_and_the_marker(roots: Roots) -> None:
         assert root.layout.quarantine_dir.is_dir() and root.layout.namespaces_dir.is_dir()
     assert [info.path for info in roots.describe()] == [r.layout.root for r in roots]
     assert all(info.healthy for info in roots.describe())
+
+
+def test_a_missing_directory_and_its_parents_are_created_with_the_dir_mode(
+        tmp_path: Path) -> None:
+    """Validation creates nothing (tests/unit/test_config.py): opening the roots does, each
+    missing directory with ``nvme.file_mode`` plus search bits, whatever the umask."""
+    path = tmp_path / "a" / "b" / "cache"
+    old = os.umask(0o077)
+    try:
+        Roots.open([path], "off", file_mode=0o640)
+    finally:
+        os.umask(old)
+    for created in (tmp_path / "a", tmp_path / "a" / "b", path, path / "ns"):
+        assert stat.S_IMODE(created.stat().st_mode) == 0o750, created
+    assert (path / MARKER_NAME).is_file()
+
+
+def test_a_path_that_became_a_file_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Between validation and start the path may change: opening checks it again."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(NVMeConfigError, match=r"^adapter_params\.path: '.*' exists and is "
+                       r"not a directory\. Point it at a directory"):
+        Roots.open([a_file], "auto", key_prefix="adapter_params.")
+    with pytest.raises(NVMeConfigError, match=r"^nvme\.path: cannot create '.*/file/sub': "
+                       "Not a directory"):
+        Roots.open([a_file / "sub"], "auto")
+    assert a_file.read_text() == "x"
 
 
 def test_direct_io_on_refuses_a_filesystem_without_it(tmp_path: Path,

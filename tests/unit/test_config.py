@@ -1,7 +1,13 @@
-"""NVMeSettings: defaults, path forms, and errors that name the offending key."""
+"""NVMeSettings: defaults, path forms, and errors that name the offending key.
+
+Validating creates and writes nothing: the store creates and probes its directories when
+it opens them (``tests/store/test_roots.py``), and the errors found there name the setting
+as these do.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -12,6 +18,7 @@ from typing import Any
 import pytest
 
 from lmcache_nvme_backend.config import GIB, MIB, NVMeConfigError, NVMeSettings
+from lmcache_nvme_backend.store.roots import Roots
 
 
 @pytest.fixture
@@ -32,13 +39,22 @@ def config_error(extra_config: dict[str, Any]) -> str:
     return str(info.value)
 
 
+def start_error(settings: NVMeSettings) -> str:
+    """The error of a setting that validates but is refused when the store opens its
+    directories at start (before it serves anything)."""
+    with pytest.raises(NVMeConfigError) as info:
+        Roots.open(settings.paths, settings.direct_io, settings.file_mode, settings.min_free_gb,
+                   settings.shared, settings.key_prefix)
+    return str(info.value)
+
+
 # -- accepted values --------------------------------------------------------------------------
 
 
 def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     s = NVMeSettings.from_extra_config(extra)
     assert s.paths == (cache_dir,)
-    assert cache_dir.is_dir()  # created on validation
+    assert not cache_dir.exists()  # validation creates nothing; the store does, at start
     assert s.max_size_gb == 10.0
     assert s.max_size_bytes == 10 * GIB
     # "auto": 5% of each path's filesystem, at most 1 GiB
@@ -106,7 +122,7 @@ def test_path_comma_list(tmp_path: Path, extra: dict[str, Any]) -> None:
     extra["nvme.path"] = f" {tmp_path / 'a'} ,{tmp_path / 'b'},, "
     s = NVMeSettings.from_extra_config(extra)
     assert s.paths == (tmp_path / "a", tmp_path / "b")
-    assert all(p.is_dir() for p in s.paths)
+    assert not any(p.exists() for p in s.paths)
 
 
 @pytest.mark.parametrize("container", [list, tuple])
@@ -118,7 +134,6 @@ def test_path_list(tmp_path: Path, extra: dict[str, Any], container: type) -> No
 def test_path_file_url_prefix(tmp_path: Path, extra: dict[str, Any]) -> None:
     extra["nvme.path"] = f"file://{tmp_path / 'u'}"
     assert NVMeSettings.from_extra_config(extra).paths == (tmp_path / "u",)
-    assert (tmp_path / "u").is_dir()
 
 
 def test_relative_path_is_made_absolute(tmp_path: Path, extra: dict[str, Any],
@@ -193,10 +208,31 @@ def unwritable_dir(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["chattr", "-i", str(ro)], check=True)
 
 
-def test_unwritable_directory(unwritable_dir: Path, extra: dict[str, Any]) -> None:
+def test_unwritable_directory_is_refused_at_start(unwritable_dir: Path,
+                                                  extra: dict[str, Any]) -> None:
     extra["nvme.path"] = str(unwritable_dir)
-    msg = config_error(extra)
-    assert "nvme.path" in msg and "not writable" in msg
+    settings = NVMeSettings.from_extra_config(extra)  # validation writes nothing
+    why = os.strerror(errno.EACCES if os.geteuid() else errno.EPERM)  # mode 0500, chattr +i
+    assert start_error(settings) == (
+        f"nvme.path: '{unwritable_dir}' is not writable ({why}). Grant this process write "
+        "access or choose another directory.")
+    missing = unwritable_dir / "sub" / "cache"
+    extra["nvme.path"] = str(missing)
+    assert start_error(NVMeSettings.from_extra_config(extra)) == (
+        f"nvme.path: cannot create '{missing}': {why}. Create it yourself or choose a "
+        "writable location.")
+    assert not (unwritable_dir / "sub").exists()
+
+
+@pytest.mark.parametrize(("prefix", "key"), [("nvme.", "nvme.path"),
+                                             ("adapter_params.", "adapter_params.path"),
+                                             ("", "path")])
+def test_errors_at_start_name_the_key_as_the_user_wrote_it(unwritable_dir: Path, prefix: str,
+                                                          key: str) -> None:
+    settings = NVMeSettings.from_params({"path": str(unwritable_dir / "c"), "max_size_gb": 1},
+                                        key_prefix=prefix)
+    assert settings.key_prefix == prefix
+    assert start_error(settings).startswith(f"{key}: cannot create '{unwritable_dir / 'c'}'")
 
 
 def test_path_listed_twice(tmp_path: Path, extra: dict[str, Any]) -> None:
@@ -211,9 +247,22 @@ def test_path_of_wrong_type(extra: dict[str, Any], bad: Any) -> None:
     assert msg.startswith("nvme.path:") and type(bad).__name__ in msg
 
 
-def test_write_probe_leaves_nothing(extra: dict[str, Any], cache_dir: Path) -> None:
-    NVMeSettings.from_extra_config(extra)
-    assert list(cache_dir.iterdir()) == []
+def test_validation_creates_and_writes_nothing(tmp_path: Path, params: dict[str, Any]) -> None:
+    """Parsing a config that names directories that do not exist leaves them absent (and
+    an existing one untouched): the store creates them when it opens them."""
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    before = existing.stat().st_mtime_ns
+    missing = [tmp_path / "not" / "yet", tmp_path / "other"]
+    paths = [str(p) for p in (*missing, existing)]
+    for settings in (NVMeSettings.from_params({**params, "path": paths, "file_mode": "0640"}),
+                     NVMeSettings.from_extra_config({"nvme.path": ",".join(paths),
+                                                     "nvme.max_size_gb": 1,
+                                                     "nvme.shared": True}),
+                     NVMeSettings.review({**params, "path": paths}).settings):
+        assert settings is not None and len(settings.paths) == 3
+    assert not any(p.exists() for p in missing) and not (tmp_path / "not").exists()
+    assert list(existing.iterdir()) == [] and existing.stat().st_mtime_ns == before
 
 
 # -- numeric errors ---------------------------------------------------------------------------
