@@ -5,7 +5,7 @@ fresh directory on the same filesystem (``l2bench/<system>``: one parent for eve
 so that each writes the same region of the drive) and runs:
 
 1. ``lmcache bench l2 --only store`` (a fresh process),
-2. ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root),
+2. ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root; not with ``--no-drop-caches``),
 3. ``lmcache bench l2 --only load`` in a fresh process (cold reads; this is
    also the restart-recovery check: every stored key must load),
 
@@ -18,17 +18,17 @@ GB/s of each system and the ratios of ours to each baseline.
     sudo LMCACHE_TRACK_USAGE=false python bench/bench_l2.py /path/on/the/drive
 
 ``--baseline REVISION`` adds this package as of a git revision (system ``base``, built
-into a temporary directory as ``bench_ceiling.py --baseline`` builds it) and a column
-ours / base: a change measured in the same run, order rotated with the others.
+into a temporary directory by ``common.build_baseline``) and a column ours / base: a change
+measured in the same run, order rotated with the others.
 
 On a virtual disk, write the filesystem's free space once before measuring (a file of
 zeros until the disk is full, then removed) and prefer ``--total-mb 4096``: a block written
 for the first time costs more there, and the default run is under half a second of
-LMCache's timed loop (``docs/benchmarks.md``, "A bench image written once").
+LMCache's timed loop (``docs/development-log.md``, "A bench image written once").
 
 Every ``lmcache bench l2`` uses ``--l1-align-bytes 4096`` (``fs_native`` with
 O_DIRECT fails every store silently without it).  Results (raw runs and the
-table) go to ``bench/results/l2-<timestamp>.json`` / ``.md``.
+table) go to ``bench/results/l2-<timestamp>.json`` / ``.md`` (``--results DIR``).
 """
 
 from __future__ import annotations
@@ -46,35 +46,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import (
+    adapter_json,
+    adapter_params,
+    add_drop_caches_option,
+    build_baseline,
+    drop_caches,
+)
+
 ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1",
            LMCACHE_LOG_LEVEL="WARNING")
 SYSTEMS = ("nvme", "fs_native", "fs", "fio")
-
-
-#: The package each of our systems loads: ``base`` is another revision of this one, which
-#: ``bench_ceiling.py --baseline`` builds and puts on the path under that name.
-NVME_PACKAGES = {"nvme": "lmcache_nvme_backend", "base": "lmcache_nvme_backend_base"}
-
-
-def adapter_json(system: str, path: Path, nvme_params: dict[str, Any]) -> str:
-    if system in NVME_PACKAGES:
-        return json.dumps({"type": "plugin", "module_path": NVME_PACKAGES[system],
-                           "class_name": "NVMeL2Adapter",
-                           "adapter_params": {"path": str(path), **nvme_params}})
-    if system == "fs_native":
-        return json.dumps({"type": "fs_native", "base_path": str(path), "use_odirect": True})
-    if system == "fs":
-        return json.dumps({"type": "fs", "base_path": str(path), "use_odirect": True})
-    raise ValueError(system)
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 _SECTION = re.compile(r"^-+ (Store|Load|Lookup) -+$")
@@ -149,13 +131,14 @@ def main() -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--baseline", metavar="REVISION",
                         help="also run this package as of git REVISION (system 'base', built "
-                             "as bench_ceiling.py --baseline builds it); adds nvme/base")
+                             "into a temporary directory); adds nvme/base")
+    parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results",
+                        help="where the raw runs and the table go (default bench/results)")
+    add_drop_caches_option(parser)
     args = parser.parse_args()
-    nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
+    nvme_params = adapter_params(args.nvme_params)
     systems = args.systems.split(",")
     if args.baseline:
-        from bench_ceiling import build_baseline  # this directory (it imports this module)
-
         packages = build_baseline(args.baseline, Path(tempfile.mkdtemp(prefix="l2-baseline-")))
         ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [str(packages),
                                                           ENV.get("PYTHONPATH")]))
@@ -166,7 +149,9 @@ def main() -> int:
     if "fio" in systems and shutil.which("fio") is None:
         parser.error("--systems includes fio, but no fio is on PATH: install it (e.g. "
                      "apt-get install fio) or leave it out with --systems nvme,fs_native,fs")
-    if not drop_caches():
+    if not args.drop_caches:
+        print("page cache kept (--no-drop-caches): loads are not cold", file=sys.stderr)
+    elif not drop_caches():
         print("warning: not root, cannot drop the page cache: loads are not cold",
               file=sys.stderr)
     runs: list[dict[str, Any]] = []
@@ -192,11 +177,13 @@ def main() -> int:
                 try:
                     if system == "fio":
                         store = run_fio(work, "write", args)
-                        drop_caches()
+                        if args.drop_caches:
+                            drop_caches()
                         load = run_fio(work, "read", args)
                     else:
                         store = run_l2(system, work, "store", args, nvme_params)
-                        drop_caches()
+                        if args.drop_caches:
+                            drop_caches()
                         load = run_l2(system, work, "load", args, nvme_params)
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
@@ -210,8 +197,8 @@ def main() -> int:
     shutil.rmtree(parent, ignore_errors=True)
     table = summarize(runs, systems, args)
     print(table)
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = args.results
+    out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (out / f"l2-{stamp}.json").write_text(json.dumps({"args": vars(args) | {"path": str(
         args.path)}, "runs": runs}, indent=1, default=str))

@@ -30,91 +30,27 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_l2 import adapter_json, drop_caches  # this directory: run as a script
+from common import (
+    GIB,
+    Side,
+    adapter_params,
+    add_drop_caches_option,
+    cpu_seconds,
+    drop_caches,
+    fill_store_buffers,
+    open_side,
+    round_keys,
+)
 
 SYSTEMS = ("nvme", "fs_native", "fs")
 BASELINES = ("fs_native", "fs")
-GIB = 1 << 30
-
-
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-
-
-@dataclass
-class Side:
-    """One adapter under test, with its own L1 buffer and directory."""
-
-    system: str
-    path: Path
-    adapter: Any
-    buffer: Any
-    store_objs: list[list[Any]] = field(default_factory=list)
-    load_objs: list[list[Any]] = field(default_factory=list)
-
-
-def open_side(system: str, root: Path, shape: dict[str, int],
-              nvme_params: dict[str, Any]) -> Side:
-    from lmcache.cli.commands.bench.l2_adapter_bench.data import (
-        create_l1_memory_desc,
-        make_aligned_tensor,
-        make_memory_objects,
-    )
-    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
-
-    path = root / system
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    per_round = shape["in_flight"] * shape["num_keys"] * shape["size"]
-    buffer = make_aligned_tensor(2 * per_round, 4096)  # O_DIRECT needs aligned L1 buffers
-    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(
-        l2_adapter=[adapter_json(system, path, nvme_params)])).adapters[0]
-    adapter = create_l2_adapter(cfg, l1_memory_desc=create_l1_memory_desc(buffer, 4096))
-    side = Side(system, path, adapter, buffer)
-    batch = shape["num_keys"] * shape["size"]
-    side.store_objs = [make_memory_objects(buffer, shape["num_keys"], shape["size"], i * batch)
-                       for i in range(shape["in_flight"])]
-    side.load_objs = [make_memory_objects(buffer, shape["num_keys"], shape["size"],
-                                          per_round + i * batch, fill_offset=1)
-                      for i in range(shape["in_flight"])]
-    return side
-
-
-def round_keys(shape: dict[str, int], round_index: int, inner: int) -> list[list[Any]]:
-    from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
-
-    base = (round_index * shape["inner"] + inner) * shape["in_flight"] * shape["num_keys"]
-    return [make_object_keys(shape["num_keys"], key_offset=base + i * shape["num_keys"])
-            for i in range(shape["in_flight"])]
-
-
-def fill_store_buffers(sides: list[Side], seed: int) -> None:
-    """The same random bytes in every system's store objects (never all zero)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    first = sides[0]
-    for objs in first.store_objs:
-        for obj in objs:
-            obj.raw_data.copy_(torch.randint(0, 256, obj.raw_data.shape, dtype=torch.uint8,
-                                             generator=generator))
-    for side in sides[1:]:
-        for mine, theirs in zip(side.store_objs, first.store_objs, strict=True):
-            for a, b in zip(mine, theirs, strict=True):
-                a.raw_data.copy_(b.raw_data)
 
 
 def run_op(side: Side, op: str, shape: dict[str, int], round_index: int) -> dict[str, Any]:
@@ -207,7 +143,8 @@ def run_sizes_apart(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, str(args.path), "--sizes-mb", size, "--one-size",
                    "--rounds", str(args.rounds), "--round-mb", str(args.round_mb),
                    "--in-flight", str(args.in_flight), "--task-mb", str(args.task_mb),
-                   "--nvme-params", args.nvme_params, "--json", out.name]
+                   "--nvme-params", args.nvme_params, "--json", out.name,
+                   "--drop-caches" if args.drop_caches else "--no-drop-caches"]
             subprocess.run(cmd, check=True)
             doc = json.loads(Path(out.name).read_text())
         runs += doc["runs"]
@@ -242,6 +179,7 @@ def main() -> int:
     parser.add_argument("--nvme-params", default="{}",
                         help="extra adapter_params for NVMeL2Adapter (JSON)")
     parser.add_argument("--json", type=Path, help="write every run and the table here")
+    add_drop_caches_option(parser)
     parser.add_argument("--one-size", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.one_size and "," in args.sizes_mb:
@@ -254,9 +192,9 @@ def main() -> int:
     # taking the cores the adapters under test need.  Passive waiting keeps harness work
     # from competing with them; it changes nothing the adapters do.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    nvme_params = {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
-    cold = drop_caches()
-    if not cold:
+    nvme_params = adapter_params(args.nvme_params)
+    cold = args.drop_caches and drop_caches()
+    if args.drop_caches and not cold:
         print("warning: not root, cannot drop the page cache: loads are not cold",
               file=sys.stderr)
     table = list(TABLE_HEAD)
@@ -274,7 +212,8 @@ def main() -> int:
                 order = sides[round_index % 3:] + sides[: round_index % 3]
                 fill_store_buffers(sides, seed=size_mb * 1000 + round_index)
                 stores = [run_op(side, "store", shape, round_index) for side in order]
-                drop_caches()
+                if cold:
+                    drop_caches()
                 loads = [run_op(side, "load", shape, round_index) for side in order]
                 for side in order:
                     delete_round(side, shape, round_index)

@@ -1,8 +1,10 @@
 """Overload: store through a real LMCacheEngine faster than the drive can write.
 
 The NVMe tier's writes are throttled to ``--drive-mbps`` (a sleep proportional to the
-bytes written, wrapped around the store's write call: a slow drive, reproducible on any
-machine) while the engine stores distinct prompts back to back.  Reported:
+bytes written, wrapped around each chunk's write: a slow drive, reproducible on any
+machine) while the engine stores distinct prompts back to back.  The tier runs its Python
+I/O engine (``nvme.native_io: off``), whose write is one call per chunk to wrap; the
+queue in front of it, which this measures, is the same for both engines.  Reported:
 ``engine.store()`` latency p50 / p99 / max, how many chunks the tier dropped because its
 write queue was full (policy ``drop``) or waited for (policy ``wait``), the peak bytes
 held by the write queue against its budget (sampled every millisecond), and the
@@ -48,27 +50,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_local_cpu_size": args.cpu_gb,
         "extra_config": {"nvme.path": str(cache), "nvme.max_size_gb": 4, "nvme.min_free_gb": 0,
                          "nvme.write_queue_mb": args.queue_mb,
-                         "nvme.queue_full_policy": args.policy}})
+                         "nvme.queue_full_policy": args.policy, "nvme.native_io": "off"}})
     engine, connector = build_engine(config, instance_id="overload")
     try:
         backend = storage_tiers(engine)["nvme"]
         store = backend.store  # type: ignore[attr-defined]
-        real_write = store._engine.write_chunk
+        real_write = store.io_engine.write_hashed_to
 
-        def throttled(path: Path, header: bytes, payload: memoryview, **kw: Any) -> None:
+        def throttled(fd: int, payload: memoryview, *rest: Any, **kw: Any) -> None:
             started = time.perf_counter()
-            real_write(path, header, payload, **kw)
-            budget = len(payload) / (args.drive_mbps * 1e6)
+            real_write(fd, payload, *rest, **kw)
+            budget = payload.nbytes / (args.drive_mbps * 1e6)
             time.sleep(max(0.0, budget - (time.perf_counter() - started)))
 
-        store._engine.write_chunk = throttled
+        store.io_engine.write_hashed_to = throttled
         peak_queue = 0
         stop = threading.Event()
 
         def sample() -> None:
             nonlocal peak_queue
             while not stop.wait(0.001):
-                peak_queue = max(peak_queue, store._queue.bytes_held)
+                peak_queue = max(peak_queue, store.usage()["queue_bytes"])
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "writes_completed": stats["writes_completed"],
             "queue_full_drops": stats["queue_full_drops"],
             "queue_full_waits": stats["queue_full_waits"],
-            "queue_budget_bytes": store._queue.capacity,
+            "queue_budget_bytes": store.settings.write_queue_bytes,
             "queue_peak_bytes": peak_queue,
             "peak_rss_MiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "cpu_tier_gb": args.cpu_gb,

@@ -1,6 +1,6 @@
-"""bench/bench_ceiling.py's CPU by thread: busy threads show under their own names, a thread
-Python does not know under its OS name, and the per-thread table reads from window results;
-nothing about speed."""
+"""bench/instruments/bench_ceiling.py's CPU by thread: busy threads show under their own
+names, a thread Python does not know under its OS name, and the per-thread table reads from
+window results; nothing about speed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ BUSY_S = 0.3
 
 @pytest.fixture
 def ceiling(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))  # the script imports its neighbours
+    monkeypatch.syspath_prepend(str(BENCH_DIR / "instruments"))  # a script: not a package
     return importlib.import_module("bench_ceiling")
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU machine without a package index can check, in one run (docs/gpu.md):
 # the GPU suite, the GPU read benchmark, the drive's ceiling and one process's ceiling
-# (bench_ceiling.py: this tier against LMCache's fs_native, GIL-held seconds per GiB).
+# (bench/instruments/bench_ceiling.py: this tier against LMCache's fs_native, GIL-held
+# seconds per GiB).
 #
 # On a machine with pip access, once:    bash tests/gpu/prepare_wheels.sh
 # Then, on the GPU machine, from the repository root with `.whl` copied along:
@@ -131,9 +132,9 @@ if step ceiling; then
   if [ "${QUICK:-0}" = 1 ]; then WIN="--windows 2 --seconds 1"; else
     WIN="--windows 4 --seconds 1.5"; fi
   # shellcheck disable=SC2086
-  (cd bench && timeout 240 python3 bench_ceiling.py "$BENCH_DIR/ceiling" --paired \
+  timeout 240 python3 bench/instruments/bench_ceiling.py "$BENCH_DIR/ceiling" --paired \
     --systems nvme,$PEER --sizes-mb 2,16,64 $WIN --json "$OUT/ceiling.json" \
-    ${CEILING_ARGS:-}) > "$OUT/ceiling.log" 2>&1
+    ${CEILING_ARGS:-} > "$OUT/ceiling.log" 2>&1
   rc=$?; grep -v Warning "$OUT/ceiling.log" | tail -30; echo "ceiling exit $rc"
   status=$(( status | rc ))
 fi

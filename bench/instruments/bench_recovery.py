@@ -8,7 +8,8 @@ process and reports wall and CPU seconds (``time.process_time``: this process's 
 system time), and per chunk.  Tiny chunks (4 KiB) keep the tree cheap to make; the walk
 costs the same per file whatever the size::
 
-    LMCACHE_TRACK_USAGE=false python bench/bench_recovery.py /path/on/the/drive --chunks 100000
+    LMCACHE_TRACK_USAGE=false python bench/instruments/bench_recovery.py /path/on/the/drive \\
+        --chunks 100000
 
 To compare two revisions, run it from a checkout of each on the same directory.
 """
@@ -18,10 +19,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from bench_l2 import drop_caches  # this directory: run as a script
+# bench/ for common.py, the shared helpers
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from common import add_drop_caches_option, drop_caches  # noqa: E402
 
 from lmcache_nvme_backend.config import NVMeSettings
 from lmcache_nvme_backend.disk.format import TensorMeta
@@ -68,6 +72,7 @@ def main() -> None:
     parser.add_argument("path", type=Path, help="a directory on the drive (made, then removed)")
     parser.add_argument("--chunks", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
+    add_drop_caches_option(parser)
     args = parser.parse_args()
     tree = args.path / "bench-recovery"
     shutil.rmtree(tree, ignore_errors=True)
@@ -75,7 +80,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": []}
     for rep in range(args.repeat):
         for kind in ("cold", "warm"):
-            if kind == "cold" and not drop_caches():  # needs root
+            if kind == "cold" and not (args.drop_caches and drop_caches()):  # root
                 continue
             wall, cpu, entries = reopen(tree)
             if entries != args.chunks:

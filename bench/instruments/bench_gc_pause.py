@@ -20,7 +20,7 @@ Each measurement is a fresh child process (order rotated each repetition):
 The child times ``gc.collect()`` five times before filling (the process's own floor) and
 five times after; the figure is the median after, less the median before::
 
-    LMCACHE_TRACK_USAGE=false python bench/bench_gc_pause.py /path/on/the/drive
+    LMCACHE_TRACK_USAGE=false python bench/instruments/bench_gc_pause.py /path/on/the/drive
 """
 
 from __future__ import annotations

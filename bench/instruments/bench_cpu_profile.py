@@ -13,7 +13,7 @@ GiB it moved.  The table is samples per GiB (at 1999 Hz: 1 sample ~ 0.5 ms of CP
 column per system, run one after the other (separate processes: the categories move less
 between runs than the totals do; compare within a run).
 
-    sudo LMCACHE_TRACK_USAGE=false python bench/bench_cpu_profile.py /path/on/the/drive \\
+    sudo LMCACHE_TRACK_USAGE=false python bench/instruments/bench_cpu_profile.py /path/on/drive \\
         --systems nvme,fs_native --size-mb 2 --op store
 
 Needs ``perf`` (linux-tools) and root (or ``kernel.perf_event_paranoid`` <= 1) for
@@ -35,7 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_ceiling  # this directory: run as a script
+# bench/ for common.py, the shared helpers
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from common import GIB, IN_FLIGHT, TASK_MB, Driver, adapter_params, cpu_seconds  # noqa: E402
 
 HASH_SYMBOLS = ("accumulate_", "scramble_", "xxh3_")
 CALL_RE = re.compile(r"(?:__x64_sys_|__do_sys_|do_sys_)(\w+)")
@@ -43,8 +45,8 @@ CALL_RE = re.compile(r"(?:__x64_sys_|__do_sys_|do_sys_)(\w+)")
 
 def child(args: argparse.Namespace) -> int:
     """Prepare one adapter with perf paused, then measure ``--seconds`` of rounds."""
-    driver = bench_ceiling.Driver(args.system, args.size_mb, args.dir,
-                                  bench_ceiling.child_nvme_params(args))
+    driver = Driver(args.system, args.size_mb, args.dir, adapter_params(args.nvme_params),
+                    args.task_mb, args.in_flight)
     driver.prepare(args.op)
     if args.fill_shards:
         fill_shards(args.dir)
@@ -56,13 +58,13 @@ def child(args: argparse.Namespace) -> int:
             ack.readline()
 
     perf("enable")
-    start, cpu0 = time.perf_counter(), bench_ceiling.cpu_seconds()
+    start, cpu0 = time.perf_counter(), cpu_seconds()
     first = driver.index
     while time.perf_counter() - start < args.seconds:
         driver.step(args.op)
-    cpu, rounds = bench_ceiling.cpu_seconds() - cpu0, driver.index - first
+    cpu, rounds = cpu_seconds() - cpu0, driver.index - first
     perf("disable")
-    gib = rounds * driver.bytes_per_round / bench_ceiling.GIB
+    gib = rounds * driver.bytes_per_round / GIB
     print(json.dumps({"gib": gib, "cpu_s_per_gib": cpu / gib, "all_ok": driver.ok}))
     driver.close()
     return 0 if driver.ok else 1
@@ -124,7 +126,8 @@ def measure(args: argparse.Namespace, system: str, work: Path) -> dict[str, obje
     data = work / f"{system}.data"
     command = [sys.executable, __file__, str(args.dir / system), "--child", "--system", system,
                "--size-mb", str(args.size_mb), "--op", args.op, "--seconds", str(args.seconds),
-               "--control", str(control), "--nvme-params", args.nvme_params]
+               "--control", str(control), "--nvme-params", args.nvme_params,
+               "--task-mb", str(args.task_mb), "--in-flight", str(args.in_flight)]
     if args.fill_shards:
         command.append("--fill-shards")
     out = subprocess.run(["perf", "record", "-q", "-F", "1999", "-g", "-D", "-1", "--control",
@@ -165,6 +168,10 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--fill-shards", action="store_true")
     parser.add_argument("--nvme-params", default="{}")
+    parser.add_argument("--task-mb", type=int, default=TASK_MB,
+                        help=f"MiB of objects per task ({TASK_MB}; at least one object)")
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                        help=f"tasks in flight per round ({IN_FLIGHT})")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
@@ -179,7 +186,7 @@ def main() -> int:
         for system in args.systems.split(","):
             shutil.rmtree(args.dir / system, ignore_errors=True)
             results[system] = measure(args, system, Path(work))
-    print(f"{args.dir}, {args.size_mb} MiB {args.op}, {args.seconds:.0f} s per system, "
+    print(f"{args.dir}, {args.size_mb} MiB {args.op}, {args.seconds:g} s per system, "
           f"perf samples per GiB moved (1999 Hz)")
     print(table(results, args.rows))
     if args.json:

@@ -24,12 +24,12 @@ After two warm-up rounds the child runs ``--seconds`` of rounds and reports:
   and by thread from the kernel's run time of each (``--paired`` prints that table too:
   which CPU is the bench's thread, the adapter's Python threads, its native workers);
 * GIL-s/GiB and GIL acquisitions per chunk, exactly: the child runs with ``gilmeter.so``
-  preloaded (``bench/gilmeter.c``), which sees every take and drop of the GIL under its
-  mutex, per thread.  "main" is the bench's own thread (LMCache's bench loop, which also
-  calls the adapter's ``submit_*``); the rest is the adapter's threads.  GIL CPU-s/GiB is
-  the holders' own CPU time while they held it: on this 2-vCPU machine a holder is often
-  descheduled while holding (wall time counts that); with a core for every thread, as on
-  a big server, the two agree;
+  preloaded (``gilmeter.c``, beside this script), which sees every take and drop of the GIL
+  under its mutex, per thread.  "main" is the bench's own thread (LMCache's bench loop,
+  which also calls the adapter's ``submit_*``); the rest is the adapter's threads.  GIL
+  CPU-s/GiB is the holders' own CPU time while they held it: on this 2-vCPU machine a
+  holder is often descheduled while holding (wall time counts that); with a core for every
+  thread, as on a big server, the two agree;
 * GIL-releasing calls per chunk made under the adapter's own frames, from a separate
   traced child (``sys.setprofile`` in every thread, a few rounds): blocking system calls of
   ``os``/``select``/``time``, ``Condition.wait``, hashing, the ``openat2`` ctypes call, plus
@@ -53,7 +53,7 @@ when a CPU is free, i.e. when threads just blocked), so it is not used for the f
 
 Medians over ``--runs`` (systems in rotated order each run), then a Markdown table::
 
-    sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive
+    sudo LMCACHE_TRACK_USAGE=false python bench/instruments/bench_ceiling.py /path/on/the/drive
 
 ``--paired`` measures the same figures differently: a child per size and op holds every
 system, prepares each, then measures windows of ``--seconds`` (2) per system, taking the
@@ -67,7 +67,7 @@ the separate mode span 1.0-1.8x); the table gives each figure's median for both 
 median of the per-window ratios with their range.  The other systems' threads sit idle in
 the process meanwhile (they hold no GIL); no traced child in this mode::
 
-    sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive \
+    sudo LMCACHE_TRACK_USAGE=false python bench/instruments/bench_ceiling.py /path/on/the/drive \
         --paired --systems nvme,fs_native
 
 ``--baseline REVISION`` (with ``--paired``) also builds this package as of a git revision
@@ -76,7 +76,7 @@ beside this tree's, and gives every ratio against it: what a change does, in pai
 the drift between runs.  Run it once on an unchanged tree (``--baseline HEAD``) to see the
 spread that means nothing::
 
-    sudo LMCACHE_TRACK_USAGE=false python bench/bench_ceiling.py /path/on/the/drive \
+    sudo LMCACHE_TRACK_USAGE=false python bench/instruments/bench_ceiling.py /path/on/the/drive \
         --paired --baseline main --systems nvme --sizes-mb 16
 
 Needs CPython 3.11 or 3.12 on Linux and a C compiler (for the meter).
@@ -89,8 +89,6 @@ import collections
 import importlib
 import json
 import os
-import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -101,17 +99,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import gilmeter
-from bench_l2 import NVME_PACKAGES  # this directory: run as a script
-from bench_l2_paired import fill_store_buffers, open_side, round_keys
+# bench/ for common.py, the shared helpers (gilmeter.py is beside this script)
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+import gilmeter  # noqa: E402
+from common import (  # noqa: E402
+    BASELINE,
+    GIB,
+    IN_FLIGHT,
+    NVME_PACKAGES,
+    TASK_MB,
+    Driver,
+    adapter_params,
+    build_baseline,
+    cpu_seconds,
+)
 
 SYSTEMS = ("nvme", "fs_native", "fs")
-BASELINE = "base"  # --baseline: this package as of another revision
-GIB = 1 << 30
-TASK_MB = 16
-IN_FLIGHT = 4
-WARMUP_ROUNDS = 2
-LOAD_SET_ROUNDS = 6
 # Whose frames count as "the adapter's own" in a trace.
 ADAPTER_FILES = {
     **{system: (package + "/",) for system, package in NVME_PACKAGES.items()},
@@ -135,16 +138,6 @@ RELEASING_PY = {"Condition.wait", "_Openat2.__call__"}
 def thread_group(name: str) -> str:
     """A thread's name without its number (``nvme-writer-3`` -> ``nvme-writer``)."""
     return name.rstrip("0123456789").rstrip("-_ ") or name
-
-
-def shape_for(size_mb: int) -> dict[str, int]:
-    num_keys = max(1, TASK_MB // size_mb)
-    return {"size": size_mb << 20, "num_keys": num_keys, "in_flight": IN_FLIGHT, "inner": 1}
-
-
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def native_module(system: str) -> Any:
@@ -176,69 +169,8 @@ def hash_cpu_s(system: str, before: dict[str, float], after: dict[str, float]) -
 # -- child ---------------------------------------------------------------------------------
 
 
-class Driver:
-    """One adapter in this process, driven round by round with LMCache's bench functions."""
-
-    def __init__(self, system: str, size_mb: int, root: Path, nvme_params: dict[str, Any]):
-        self.system = system
-        self.shape = shape_for(size_mb)
-        self.side = open_side(system, root, self.shape, nvme_params)
-        package = NVME_PACKAGES.get(system)
-        if package and not type(self.side.adapter).__module__.startswith(package + "."):
-            raise SystemExit(f"{system}: LMCache loaded {type(self.side.adapter).__module__}, "
-                             f"not {package}")
-        fill_store_buffers([self.side], seed=size_mb)
-        self.chunks_per_round = IN_FLIGHT * self.shape["num_keys"]
-        self.bytes_per_round = self.chunks_per_round * self.shape["size"]
-        self.index, self.ok, self.verified = 0, True, True  # rounds done, and their outcome
-
-    def round(self, op: str, index: int) -> bool:
-        """One LMCache bench round; True when every key of it succeeded."""
-        from lmcache.cli.commands.bench.l2_adapter_bench.runner import bench_load, bench_store
-
-        keys = round_keys(self.shape, index, 0)
-        bench = bench_store if op == "store" else bench_load
-        objs = self.side.store_objs if op == "store" else self.side.load_objs
-        result = bench(self.side.adapter, in_flight=IN_FLIGHT, num_keys=self.shape["num_keys"],
-                       data_size=self.shape["size"], rounds=1,
-                       keys_for_round=lambda _r: keys, objs_for_round=lambda _r: objs,
-                       log=lambda _msg: None)
-        return not result.timed_out_rounds and sum(result.success_counts) == \
-            self.chunks_per_round
-
-    def delete(self, index: int) -> None:
-        if index >= 0:
-            self.side.adapter.delete([k for batch in round_keys(self.shape, index, 0)
-                                      for k in batch])
-
-    def loaded_equal(self) -> bool:
-        import torch
-
-        return all(torch.equal(s.raw_data, lo.raw_data)
-                   for stored, loaded in zip(self.side.store_objs, self.side.load_objs,
-                                             strict=True)
-                   for s, lo in zip(stored, loaded, strict=True))
-
-    def prepare(self, op: str) -> None:
-        """Store the working set (loads), then the warm-up rounds."""
-        if op == "load":
-            for i in range(LOAD_SET_ROUNDS):
-                if not self.round("store", i):
-                    raise SystemExit(f"{self.system}: storing the working set failed")
-        self.index, self.ok, self.verified = 0, True, True
-        for _ in range(WARMUP_ROUNDS):
-            self.step(op)
-
-    def step(self, op: str) -> None:
-        """One measured round (a store also deletes the keys of the round before last)."""
-        if op == "store":
-            self.ok &= self.round("store", LOAD_SET_ROUNDS + self.index)
-            self.delete(LOAD_SET_ROUNDS + self.index - 2)
-        else:
-            self.ok &= self.round("load", self.index % LOAD_SET_ROUNDS)
-            if self.index % LOAD_SET_ROUNDS == 0:
-                self.verified &= self.loaded_equal()
-        self.index += 1
+class MeteredDriver(Driver):
+    """``common.Driver`` with what this script measures around its rounds."""
 
     def run(self, op: str, seconds: float | None, rounds: int | None,
             before: Any = None) -> dict[str, Any]:
@@ -285,10 +217,6 @@ class Driver:
                 "cpu_s_per_gib_by_thread": per_gib_by_thread(cpu_by_thread0, cpu_by_thread1,
                                                              gib),
                 "all_ok": self.ok, "verified": self.verified}
-
-    def close(self) -> None:
-        self.side.adapter.close()
-        shutil.rmtree(self.side.path, ignore_errors=True)
 
 
 def per_gib_by_thread(before: dict[str, float], after: dict[str, float],
@@ -373,18 +301,14 @@ class Tracer:
         threading.setprofile(self.hook)
 
 
-def child_nvme_params(args: argparse.Namespace) -> dict[str, Any]:
-    """The adapter's parameters in a child: a budget no run fills, no free-space floor."""
-    return {"max_size_gb": 64, "min_free_gb": 0, **json.loads(args.nvme_params)}
-
-
 def child(args: argparse.Namespace) -> int:
-    nvme_params = child_nvme_params(args)
+    nvme_params = adapter_params(args.nvme_params)
     gilmeter.start()
     tracer = Tracer(ADAPTER_FILES[args.system]) if args.trace else None
     if tracer is not None:
         tracer.install()  # before the adapter starts its threads
-    driver = Driver(args.system, args.size_mb, args.dir, nvme_params)
+    driver = MeteredDriver(args.system, args.size_mb, args.dir, nvme_params, args.task_mb,
+                           args.in_flight)
     try:
         if tracer is not None:
             result = driver.run(args.op, None, args.trace,
@@ -442,10 +366,11 @@ def paired_child(args: argparse.Namespace) -> int:
     """Every system in this one process, measured in short windows taken in turn (the order
     rotated each window), so that each window of one has a neighbour of the other on the
     same machine state: the ratio of a pair cancels the drift between processes and runs."""
-    nvme_params = child_nvme_params(args)
+    nvme_params = adapter_params(args.nvme_params)
     gilmeter.start()
     systems = args.systems.split(",")
-    drivers = [Driver(system, args.size_mb, args.dir, nvme_params) for system in systems]
+    drivers = [MeteredDriver(system, args.size_mb, args.dir, nvme_params, args.task_mb,
+                             args.in_flight) for system in systems]
     methods = args.methods.split(",") if args.methods else BENCH_CALLS
     meters = {id(d): MethodMeter(d.side.adapter, methods) for d in drivers
               if args.methods is not None}
@@ -490,6 +415,7 @@ def child_results(args: argparse.Namespace, which: list[str], size_mb: int, op: 
            "--windows", str(windows or args.windows),
            "--size-mb", str(size_mb), "--op", op, "--dir", str(args.path),
            "--seconds", str(args.seconds), "--nvme-params", args.nvme_params,
+           "--task-mb", str(args.task_mb), "--in-flight", str(args.in_flight),
            "--trace", str(trace)]
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
                LMCACHE_DISABLE_BANNER="1", LMCACHE_LOG_LEVEL="WARNING",
@@ -750,26 +676,6 @@ def parent(args: argparse.Namespace) -> int:
     return 0 if all(r["all_ok"] and r["verified"] for r in runs) else 1
 
 
-def build_baseline(revision: str, into: Path) -> Path:
-    """This package as of git ``revision``, its native extension built, under the name
-    ``lmcache_nvme_backend_base`` in a directory of ``into`` (returned: for ``PYTHONPATH``),
-    so that one process can hold both revisions' adapters (system ``base``)."""
-    repo = Path(__file__).resolve().parent.parent
-    source, packages = into / "baseline-source", into / "baseline"
-    source.mkdir()
-    packages.mkdir()
-    archive = subprocess.run(["git", "-C", str(repo), "archive", revision],
-                             stdout=subprocess.PIPE, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=source,
-                   stdout=subprocess.DEVNULL, check=True)
-    package = source / NVME_PACKAGES["nvme"]
-    if not list((package / "io").glob("_native*.so")):
-        raise SystemExit(f"--baseline {revision}: its native extension did not build")
-    package.rename(packages / NVME_PACKAGES[BASELINE])
-    return packages
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -784,6 +690,10 @@ def main() -> int:
                         help="rounds of the traced child that counts GIL round trips (0: none)")
     parser.add_argument("--nvme-params", default="{}",
                         help="extra adapter_params for NVMeL2Adapter (JSON)")
+    parser.add_argument("--task-mb", type=int, default=TASK_MB,
+                        help=f"MiB of objects per task ({TASK_MB}; at least one object)")
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                        help=f"tasks in flight per round ({IN_FLIGHT})")
     parser.add_argument("--json", type=Path, help="write every run and the table here")
     parser.add_argument("--paired", action="store_true",
                         help="every system in one process per size and op, measured in "

@@ -15,24 +15,24 @@ costs more than one that hits, and GIL-held seconds also count system calls made
 GIL held and a holder descheduled.  Use it to A/B a change of the Python path; judge the
 result with ``bench_ceiling.py``.
 
-Each measurement is a child process under callgrind holding one adapter, driven with
-``bench_ceiling.py``'s driver (LMCache's ``bench_store`` / ``bench_load``; a store round
-also deletes the keys of the round before last): the working set and the warm-up rounds
-run uninstrumented, then ``--rounds`` rounds are counted (``cgcontrol.c``'s client requests
-start and dump the count)::
+Each measurement is a child process under callgrind holding one adapter, driven as
+``bench_ceiling.py`` drives it (``common.Driver``: LMCache's ``bench_store`` /
+``bench_load``; a store round also deletes the keys of the round before last): the working
+set and the warm-up rounds run uninstrumented, then ``--rounds`` rounds are counted
+(``cgcontrol.c``'s client requests start and dump the count)::
 
-    LMCACHE_TRACK_USAGE=false python bench/bench_instructions.py /path/on/the/drive \\
+    LMCACHE_TRACK_USAGE=false python bench/instruments/bench_instructions.py /path/on/the/drive \\
         --systems nvme,fs_native --sizes-mb 2,16
 
 ``--keep DIR`` keeps each cell's callgrind dump there: ``callgrind_annotate
 DIR/cg-nvme-2-store.out`` lists the interpreter's C functions by instructions (where a
-Python change moved them).
-``--baseline REVISION`` also counts this package as of a git revision (system ``base``,
-built as ``bench_ceiling.py`` does).  ``--opcodes N`` says where the work is: a traced child
-per cell (``sys.settrace`` with opcode events in every thread, no valgrind) counts the Python
-opcodes of the same rounds by module and function, and lists the N functions that run the
-most.  Needs valgrind with its headers (Debian package
-``valgrind``), a C compiler, CPython 3.11 on Linux; each child takes about half a minute.
+Python change moved them).  ``--baseline REVISION`` also counts this package as of a git
+revision (system ``base``, built into a temporary directory as ``bench_ceiling.py
+--baseline`` builds it).  ``--opcodes N`` says where the work is: a traced child per cell
+(``sys.settrace`` with opcode events in every thread, no valgrind) counts the Python opcodes
+of the same rounds by module and function, and lists the N functions that run the most.
+Needs valgrind with its headers (Debian package ``valgrind``), a C compiler, CPython 3.11
+on Linux; each child takes about half a minute.
 """
 
 from __future__ import annotations
@@ -50,6 +50,17 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+# bench/ for common.py, the shared helpers
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from common import (  # noqa: E402
+    IN_FLIGHT,
+    REPO_ROOT,
+    TASK_MB,
+    Driver,
+    adapter_params,
+    build_baseline,
+)
 
 HERE = Path(__file__).resolve().parent
 CONTROL_SOURCE = HERE / "cgcontrol.c"
@@ -160,7 +171,7 @@ class OpcodeCounter:
 
 def _short(filename: str) -> str:
     """A source file's name from its package on (``lmcache_nvme_backend/store/writer.py``)."""
-    for marker in ("site-packages/", str(HERE.parent) + "/"):
+    for marker in ("site-packages/", str(REPO_ROOT) + "/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
     return filename
@@ -171,13 +182,11 @@ def child(args: argparse.Namespace) -> int:
     ``--opcodes``, not under callgrind: the Python opcodes of those rounds instead)."""
     import ctypes
 
-    from bench_ceiling import Driver  # this directory: run as a script
-
     counter = OpcodeCounter(args.lines) if args.opcodes else None
     if counter is not None:
         counter.install()
-    driver = Driver(args.system, args.size_mb, args.dir,
-                    {"max_size_gb": 64, "min_free_gb": 0})
+    driver = Driver(args.system, args.size_mb, args.dir, adapter_params(), args.task_mb,
+                    args.in_flight)
     try:
         driver.prepare(args.op)
         control = ctypes.CDLL(str(args.control)) if counter is None else None
@@ -203,6 +212,11 @@ def child(args: argparse.Namespace) -> int:
 # -- parent ----------------------------------------------------------------------------------
 
 
+def shape_args(args: argparse.Namespace) -> list[str]:
+    """A child's LMCache bench shape: the parent's ``--task-mb`` and ``--in-flight``."""
+    return ["--task-mb", str(args.task_mb), "--in-flight", str(args.in_flight)]
+
+
 def count(args: argparse.Namespace, system: str, size_mb: int, op: str, work: Path,
           control: Path, baseline: Path | None) -> dict[str, Any]:
     """One child under callgrind; its counts per chunk."""
@@ -217,7 +231,7 @@ def count(args: argparse.Namespace, system: str, size_mb: int, op: str, work: Pa
                f"--callgrind-out-file={out}.%p", os.path.realpath(sys.executable),
                str(Path(__file__).resolve()), "--child", "--system", system, "--size-mb",
                str(size_mb), "--op", op, "--rounds", str(args.rounds), "--dir",
-               str(directory), "--control", str(control)]
+               str(directory), "--control", str(control), *shape_args(args)]
     r = subprocess.run(command, env=env, capture_output=True, text=True)
     shutil.rmtree(directory, ignore_errors=True)
     found = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -249,7 +263,7 @@ def opcodes(args: argparse.Namespace, system: str, size_mb: int, op: str) -> dic
     r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--opcodes",
                         "1", "--system", system, "--size-mb", str(size_mb), "--op", op,
                         "--rounds", str(args.rounds), "--dir", str(directory),
-                        *(["--lines"] if args.lines else [])],
+                        *shape_args(args), *(["--lines"] if args.lines else [])],
                        env=env, capture_output=True, text=True)
     shutil.rmtree(directory, ignore_errors=True)
     found = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -297,8 +311,6 @@ def table(results: list[dict[str, Any]], systems: list[str]) -> str:
 
 
 def parent(args: argparse.Namespace) -> int:
-    from bench_ceiling import build_baseline  # this directory: run as a script
-
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package valgrind)")
     systems = args.systems.split(",")
@@ -343,6 +355,10 @@ def main() -> int:
     parser.add_argument("--ops", default="store,load")
     parser.add_argument("--rounds", type=int, default=20,
                         help="rounds counted per child (20: 80 chunks at 16 MiB)")
+    parser.add_argument("--task-mb", type=int, default=TASK_MB,
+                        help=f"MiB of objects per task ({TASK_MB}; at least one object)")
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                        help=f"tasks in flight per round ({IN_FLIGHT})")
     parser.add_argument("--baseline", metavar="REVISION",
                         help="also count this package as of git REVISION (system 'base')")
     parser.add_argument("--opcodes", type=int, default=0, metavar="N",
