@@ -4,6 +4,8 @@ Every read of a chunk file opens it with :func:`open_for_read`, every chunk (tem
 file is created with :func:`create_for_write` (or :func:`create_in_dir`, in a shard
 directory the writer has open); inside a cache tree both resolve
 beneath the root without following a link in any component (``disk/safe_fs.py``).
+A batch engine reports a failed read as an errno; :func:`read_failure` turns it into
+the exception these functions raise for the same file, so callers classify it alike.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+class ShortFileError(OSError):
+    """The file ended before the bytes its header promises."""
 
 
 def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
@@ -174,6 +180,59 @@ def create_in_dir(dir_fd: int, name: str, direct: bool, mode: int) -> int:
     """Create the new chunk (temp) file ``name`` with exactly ``mode`` in an open directory
     (``O_EXCL | O_NOFOLLOW``: never an existing file or link)."""
     return create_in(dir_fd, name, mode, _write_flags(direct))
+
+
+def read_failure(path: Path, err: int) -> OSError:
+    """The exception a read of the chunk file ``path`` raises here for what an engine
+    reported as ``err``: ``FileNotFoundError`` (ENOENT), ``PermissionError`` (EACCES,
+    EPERM), ``ShortFileError`` (ENODATA: shorter than its header and payload),
+    ``NotAChunkFile`` for a link, a non-directory in the tree, a path out of the root, or
+    something not a regular file at ``path`` (ELOOP, ENOTDIR, EXDEV; EINVAL, ENXIO, EISDIR
+    when an ``lstat`` finds no regular file there), else ``OSError(err)`` (ESTALE, EIO,
+    ...).  What is there is found without following a link."""
+    text = os.strerror(err)
+    if err == errno.ENOENT:
+        return FileNotFoundError(err, text, str(path))
+    if err in (errno.EACCES, errno.EPERM):
+        return PermissionError(err, text, str(path))
+    if err == errno.ENODATA:
+        return ShortFileError(err, "chunk file shorter than its payload", str(path))
+    if err in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV, errno.EINVAL, errno.ENXIO,
+               errno.EISDIR):
+        found = _found_at(path)
+        if found is not None and found[1] != path:  # on the way to the file
+            kind, where = found
+            what = ("a symbolic link in the cache tree (never followed)"
+                    if kind == "symbolic link" else f"a {kind}, not a directory of the cache tree")
+            return NotAChunkFile(err, f"{what}: {where}", str(path))
+        if found is not None and found[0] != "regular file":
+            what = ("a symbolic link (never followed)" if found[0] == "symbolic link"
+                    else f"a {found[0]}, not a chunk file")
+            return NotAChunkFile(err, what, str(path))
+        if err == errno.ELOOP:
+            return NotAChunkFile(err, "a symbolic link (never followed)", str(path))
+        if err in (errno.ENOTDIR, errno.EXDEV):
+            return NotAChunkFile(err, "not a directory of the cache tree", str(path))
+    return OSError(err, text, str(path))
+
+
+def _found_at(path: Path) -> tuple[str, Path] | None:
+    """What blocks the way to ``path``: the first entry of the cache tree on it (from the
+    root, which is trusted) that is not a real directory, or the file itself, as ``(kind,
+    where)``; None when nothing is there.  Each entry is ``lstat``-ed (never followed)
+    after every one before it was found a real directory."""
+    where = split_tree_path(path)
+    root, parts = (Path(where[0]), where[1].split("/")) if where else (path.parent, [path.name])
+    at = root
+    for part in parts:
+        at = at / part
+        try:
+            mode = os.lstat(at).st_mode
+        except OSError:
+            return None
+        if not stat.S_ISDIR(mode) or at == path:
+            return kind_of(mode), at
+    return None
 
 
 def _write_flags(direct: bool) -> int:

@@ -12,6 +12,10 @@ files and caller memory:
   is how a Python process reaches a drive's queue depth;
 * O_DIRECT is probed once per directory; where the filesystem refuses it the
   engine runs buffered and says so.
+
+The write path and the per-thread buffers (``ChunkFileIO``) and a read's planning and
+transfer (``plan_pieces``, ``read_piece``) are shared with the Python batch engine
+(``python_engine.py``), which opens files beneath a root's descriptor instead of by path.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..disk.format import block_digests as hash_blocks
 from ..disk.safe_fs import NotAChunkFile
 from .buffers import AlignedBuffer, is_aligned
 from .files import (
+    ShortFileError,
     create_for_write,
     create_in_dir,
     open_for_read,
@@ -39,9 +44,9 @@ from .files import (
 )
 from .read_jobs import Latch, ReadRequest
 
-__all__ = ["AlignedBuffer", "NotAChunkFile", "PosixIOEngine", "ReadRequest", "ShortFileError",
-           "create_for_write", "create_in_dir", "open_for_read", "probe_direct_io",
-           "probe_direct_read"]
+__all__ = ["AlignedBuffer", "ChunkFileIO", "NotAChunkFile", "Piece", "PosixIOEngine",
+           "ReadRequest", "ShortFileError", "create_for_write", "create_in_dir", "open_for_read",
+           "plan_pieces", "probe_direct_io", "probe_direct_read", "read_piece"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +54,8 @@ logger = logging.getLogger(__name__)
 _MAX_IO_CALL = 0x7FFFF000 // ALIGNMENT * ALIGNMENT
 
 
-class ShortFileError(OSError):
-    """The file ended before the bytes its header promises."""
-
-
 @dataclass(frozen=True)
-class _Piece:
+class Piece:
     """One I/O of a read: payload bytes ``[start, start + length)`` land through ``bufs``."""
 
     start: int
@@ -63,142 +64,26 @@ class _Piece:
     copy: tuple[memoryview, memoryview] | None = None  # staged: (staging, dest) after the read
 
 
-class PosixIOEngine:
-    """Reads and writes chunk files with O_DIRECT (or buffered I/O) and a thread pool."""
+class ChunkFileIO:
+    """Writes chunk files (O_DIRECT or buffered) and keeps each thread's aligned staging
+    buffers: what every Python engine shares (``PosixIOEngine`` here, and ``PythonEngine``,
+    ``python_engine.py``, which reads through its own threads)."""
 
-    name = "posix"
-
-    def __init__(self, task_size: int, pool: ThreadPoolExecutor) -> None:
-        """``pool`` runs the read pieces and the write-side hashing; its owner shuts it down."""
+    def __init__(self, task_size: int) -> None:
+        """``task_size``: the largest single I/O, a multiple of 4 KiB."""
         if task_size % ALIGNMENT:
             raise ValueError(f"task size {task_size} is not a multiple of {ALIGNMENT}")
         self.task_size = task_size
-        self._pool = pool
         self._local = threading.local()
-
-    def warm_up(self, threads: int) -> None:
-        """Start ``threads`` pool threads and give each its staging buffers now.
-
-        A thread pool starts threads on demand and each thread maps its buffers on
-        first use; doing both at start keeps that cost off the first request.
-        """
-        ready = threading.Barrier(threads)
-
-        def prepare() -> None:
-            self.prepare_thread()
-            ready.wait(timeout=30)
-
-        for fut in [self._pool.submit(prepare) for _ in range(threads)]:
-            fut.result()
 
     def prepare_thread(self) -> None:
         """Map the calling thread's staging buffers now rather than on its first chunk."""
         self._staging("header", HEADER_SIZE)
 
-    # -- reads ---------------------------------------------------------------
-
-    def submit_reads(self, requests: Sequence[ReadRequest]) -> None:
-        """Start reading every request; each one's ``on_done`` runs when it is complete.
-
-        Every piece of every request goes to the pool at once, request by request,
-        so a batch keeps many I/Os in flight and the first chunks complete (and
-        are verified) while later ones are still being read.
-        """
-        self._submit(self._plans(requests))
-
-    def read_chunks(self, requests: Sequence[ReadRequest]) -> None:
-        """Read the requests and wait; failures land in ``request.error``.
-
-        A batch of at most two pieces runs on the calling thread (no hand-off).
-        """
-        latch = Latch(len(requests))
-        for req in requests:
-            req.on_done = _then(req.on_done, latch.count_down)
-        plans = self._plans(requests)
-        if sum(len(pieces) for _, pieces in plans) <= 2:
-            for req, pieces in plans:
-                for piece in pieces:
-                    self._run_piece(req, piece)
-        else:
-            self._submit(plans)
-        latch.wait()
-
-    def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
-        """The raw header of a chunk file and the file's size."""
-        fd, size = open_for_read_sized(path, direct)
-        try:
-            buf = self._staging("header", HEADER_SIZE)
-            _preadv_full(fd, [buf[:HEADER_SIZE]], 0)
-            return bytes(buf[:HEADER_SIZE]), size
-        finally:
-            os.close(fd)
-
-    def _plans(self, requests: Sequence[ReadRequest]) -> list[tuple[ReadRequest, list[_Piece]]]:
-        plans = []
-        for req in requests:
-            try:
-                pieces = self._plan_read(req)
-            except ValueError as exc:
-                req.fail(exc)
-                _finish(req)
-                continue
-            req.expect_pieces([(piece.start, piece.length) for piece in pieces])
-            plans.append((req, pieces))
-        return plans
-
-    def _submit(self, plans: list[tuple[ReadRequest, list[_Piece]]]) -> None:
-        for req, pieces in plans:
-            for piece in pieces:
-                self._pool.submit(self._run_piece, req, piece)
-
-    def _plan_read(self, req: ReadRequest) -> list[_Piece]:
-        if len(req.dest) < req.payload_len:
-            raise ValueError(f"destination holds {len(req.dest)} bytes, need {req.payload_len}")
-        pieces: list[_Piece] = []
-        in_place, staged = _split_for_direct(req.dest, req.payload_len, req.direct)
-        for offset in range(0, len(in_place), self.task_size):
-            view = in_place[offset : offset + self.task_size]
-            pieces.append(_Piece(offset, len(view), [view]))
-        if staged:
-            staging = AlignedBuffer(staged).view
-            start = len(in_place)
-            staged_io = padded_length(staged) if req.direct else staged
-            pieces.append(_Piece(start, staged, [staging[:staged_io]],
-                                 copy=(staging[:staged], req.dest[start : start + staged])))
-        if not pieces:  # an empty payload: the header alone
-            pieces.append(_Piece(0, 0, []))
-        return pieces
-
-    def _run_piece(self, req: ReadRequest, piece: _Piece) -> None:
-        if req.error is None:
-            try:
-                self._transfer(req, piece)
-                if piece.copy is not None:
-                    src, dst = piece.copy
-                    dst[:] = src
-            except Exception as exc:  # a piece must always count down
-                req.fail(exc)
-        if req.piece_done(piece.start, piece.length):
-            _finish(req)
-
-    def _transfer(self, req: ReadRequest, piece: _Piece) -> None:
-        """Read one piece; the first (``start`` 0) brings the header and checks the size."""
-        fd, size = open_for_read_sized(req.path, req.direct)
-        try:
-            if piece.start:
-                _preadv_full(fd, piece.bufs, HEADER_SIZE + piece.start)
-                return
-            need = HEADER_SIZE + (padded_length(req.payload_len) if req.direct
-                                  else req.payload_len)
-            if size < need:
-                raise ShortFileError(errno.EIO, "chunk file shorter than its payload",
-                                     str(req.path))
-            # the running thread's own buffer: no mmap/munmap (and TLB shootdown) per chunk
-            head = self._staging("header", HEADER_SIZE)[:HEADER_SIZE]
-            _preadv_full(fd, [head, *piece.bufs], 0)
-            req.header = bytes(head)
-        finally:
-            os.close(fd)
+    def header_buffer(self) -> memoryview:
+        """The calling thread's aligned buffer of one header (reused by every read and write
+        of the thread: no mmap/munmap, and TLB shootdown, per chunk)."""
+        return self._staging("header", HEADER_SIZE)[:HEADER_SIZE]
 
     # -- writes --------------------------------------------------------------
 
@@ -293,6 +178,156 @@ class PosixIOEngine:
             buf = bufs[purpose] = AlignedBuffer(size)
         return buf.view
 
+
+class PosixIOEngine(ChunkFileIO):
+    """Reads and writes chunk files with O_DIRECT (or buffered I/O) and a thread pool."""
+
+    name = "posix"
+
+    def __init__(self, task_size: int, pool: ThreadPoolExecutor) -> None:
+        """``pool`` runs the read pieces and the write-side hashing; its owner shuts it down."""
+        super().__init__(task_size)
+        self._pool = pool
+
+    def warm_up(self, threads: int) -> None:
+        """Start ``threads`` pool threads and give each its staging buffers now.
+
+        A thread pool starts threads on demand and each thread maps its buffers on
+        first use; doing both at start keeps that cost off the first request.
+        """
+        ready = threading.Barrier(threads)
+
+        def prepare() -> None:
+            self.prepare_thread()
+            ready.wait(timeout=30)
+
+        for fut in [self._pool.submit(prepare) for _ in range(threads)]:
+            fut.result()
+
+    # -- reads ---------------------------------------------------------------
+
+    def submit_reads(self, requests: Sequence[ReadRequest]) -> None:
+        """Start reading every request; each one's ``on_done`` runs when it is complete.
+
+        Every piece of every request goes to the pool at once, request by request,
+        so a batch keeps many I/Os in flight and the first chunks complete (and
+        are verified) while later ones are still being read.
+        """
+        self._submit(self._plans(requests))
+
+    def read_chunks(self, requests: Sequence[ReadRequest]) -> None:
+        """Read the requests and wait; failures land in ``request.error``.
+
+        A batch of at most two pieces runs on the calling thread (no hand-off).
+        """
+        latch = Latch(len(requests))
+        for req in requests:
+            req.on_done = _then(req.on_done, latch.count_down)
+        plans = self._plans(requests)
+        if sum(len(pieces) for _, pieces in plans) <= 2:
+            for req, pieces in plans:
+                for piece in pieces:
+                    self._run_piece(req, piece)
+        else:
+            self._submit(plans)
+        latch.wait()
+
+    def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
+        """The raw header of a chunk file and the file's size."""
+        fd, size = open_for_read_sized(path, direct)
+        try:
+            head = self.header_buffer()
+            _preadv_full(fd, [head], 0)
+            return bytes(head), size
+        finally:
+            os.close(fd)
+
+    def _plans(self, requests: Sequence[ReadRequest]) -> list[tuple[ReadRequest, list[Piece]]]:
+        plans = []
+        for req in requests:
+            try:
+                pieces = self._plan_read(req)
+            except ValueError as exc:
+                req.fail(exc)
+                _finish(req)
+                continue
+            req.expect_pieces([(piece.start, piece.length) for piece in pieces])
+            plans.append((req, pieces))
+        return plans
+
+    def _submit(self, plans: list[tuple[ReadRequest, list[Piece]]]) -> None:
+        for req, pieces in plans:
+            for piece in pieces:
+                self._pool.submit(self._run_piece, req, piece)
+
+    def _plan_read(self, req: ReadRequest) -> list[Piece]:
+        return plan_pieces(req.dest, req.payload_len, req.direct, self.task_size)
+
+    def _run_piece(self, req: ReadRequest, piece: Piece) -> None:
+        if req.error is None:
+            try:
+                self._transfer(req, piece)
+                if piece.copy is not None:
+                    src, dst = piece.copy
+                    dst[:] = src
+            except Exception as exc:  # a piece must always count down
+                req.fail(exc)
+        if req.piece_done(piece.start, piece.length):
+            _finish(req)
+
+    def _transfer(self, req: ReadRequest, piece: Piece) -> None:
+        """Read one piece; the first (``start`` 0) brings the header and checks the size."""
+        fd, size = open_for_read_sized(req.path, req.direct)
+        try:
+            header = read_piece(fd, size, piece, req.payload_len, req.direct,
+                                self.header_buffer(), str(req.path))
+            if header is not None:
+                req.header = header
+        finally:
+            os.close(fd)
+
+
+def plan_pieces(dest: memoryview, payload_len: int, direct: bool, task_size: int
+                ) -> list[Piece]:
+    """The I/Os that read a payload of ``payload_len`` bytes into ``dest``: pieces of at most
+    ``task_size`` landing in place (all of it when reads are buffered, or when ``dest`` is
+    4 KiB aligned and holds the padded payload; else its whole 4 KiB pages), and one staged
+    piece for the rest (through an aligned buffer, copied into ``dest`` after the read).
+    An empty payload is one piece of no bytes: the header alone.  ``ValueError`` when
+    ``dest`` holds fewer than ``payload_len`` bytes."""
+    if len(dest) < payload_len:
+        raise ValueError(f"destination holds {len(dest)} bytes, need {payload_len}")
+    pieces: list[Piece] = []
+    in_place, staged = _split_for_direct(dest, payload_len, direct)
+    for offset in range(0, len(in_place), task_size):
+        view = in_place[offset : offset + task_size]
+        pieces.append(Piece(offset, len(view), [view]))
+    if staged:
+        staging = AlignedBuffer(staged).view
+        start = len(in_place)
+        staged_io = padded_length(staged) if direct else staged
+        pieces.append(Piece(start, staged, [staging[:staged_io]],
+                             copy=(staging[:staged], dest[start : start + staged])))
+    if not pieces:  # an empty payload: the header alone
+        pieces.append(Piece(0, 0, []))
+    return pieces
+
+
+def read_piece(fd: int, size: int, piece: Piece, payload_len: int, direct: bool,
+               head: memoryview, path: str = "") -> bytes | None:
+    """Read one piece (``plan_pieces``) from an open chunk file of ``size`` bytes; the first
+    (``start`` 0) brings the header too, in the same vectored call, and is returned (None
+    for the others) after the file's size was checked against the payload's.  A staged
+    piece lands in its staging buffer (the caller copies it).  ``ShortFileError`` when the
+    file is shorter than the header and payload."""
+    if piece.start:
+        _preadv_full(fd, piece.bufs, HEADER_SIZE + piece.start)
+        return None
+    need = HEADER_SIZE + (padded_length(payload_len) if direct else payload_len)
+    if size < need:
+        raise ShortFileError(errno.EIO, "chunk file shorter than its payload", path)
+    _preadv_full(fd, [head, *piece.bufs], 0)
+    return bytes(head)
 
 def _then(first: Callable[[ReadRequest], None] | None,
           then: Callable[[], None]) -> Callable[[ReadRequest], None]:

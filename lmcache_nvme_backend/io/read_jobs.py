@@ -84,6 +84,14 @@ class ReadRequest:
             self._pieces_left -= 1
             return self._pieces_left == 0
 
+    def computed_checksum(self) -> int:
+        """The payload checksum of the bytes that landed, as the header that landed states
+        its version: the whole payload's xxh3 for version 1, the block digests combined
+        otherwise (what an engine hands back with a chunk it could not verify)."""
+        if stated_version(self.header) == 1:
+            return payload_checksum(self.dest[: self.payload_len], version=1)
+        return combine_block_digests(self.digests)
+
     def payload_matches(self, header: ChunkHeader) -> bool:
         """Whether the payload that landed matches the header's checksum (v2 or v1)."""
         if header.version == 1:
