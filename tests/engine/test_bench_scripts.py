@@ -5,7 +5,8 @@ The page cache is never dropped here (``--no-drop-caches``, or the script's defa
 smoke run must not disturb whatever else the machine is measuring.  A script that needs a
 tool the project does not install (fio, valgrind, perf, a C compiler) skips, saying which.
 Also here: the rules ``bench/`` keeps (no script imports another or ``tests/``; every
-script has a smoke test).
+script has a smoke test) and the docs' references to it (every ``bench/`` path they name
+exists, every link into the benchmark pages lands on a heading).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.paths import BENCH_DIR, REPO_ROOT
+from support.paths import BENCH_DIR, DOCS_DIR, REPO_ROOT
 
 ENV = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
        "LMCACHE_DISABLE_BANNER": "1"}
@@ -290,3 +291,41 @@ def test_bench_recovery(tmp_path: Path) -> None:
     assert float(warm[1]) > 0 and float(warm[3]) > 0  # wall s, wall µs per chunk
     assert not table_rows(proc.stdout, "cold")  # the page cache was left alone
     assert not (tmp_path / "bench-recovery").exists()
+
+
+# -- the docs' references to bench/ ---------------------------------------------------------
+
+
+DOCS = [REPO_ROOT / "README.md", *sorted(DOCS_DIR.glob("*.md"))]
+#: A dated record: it names the scripts of its day, some removed since (it says where they are).
+LOG = DOCS_DIR / "development-log.md"
+BENCHMARK_PAGES = [DOCS_DIR / "benchmarks.md", LOG]
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings."""
+    found = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d != LOG], ids=lambda p: p.name)
+def test_docs_name_bench_scripts_that_exist(doc: Path) -> None:
+    named = set(re.findall(r"bench/[\w/]+\.(?:py|c)\b", doc.read_text()))
+    missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
+    assert not missing, f"{doc.name} names {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_into_the_benchmark_pages_land_on_a_heading(doc: Path) -> None:
+    text = doc.read_text()
+    links = re.findall(r"\(((?:docs/)?(?:benchmarks|development-log)\.md)#([\w\-]+)\)", text)
+    if doc in BENCHMARK_PAGES:  # and within the page
+        links += [(doc.name, anchor) for anchor in re.findall(r"\]\(#([\w\-]+)\)", text)]
+    for page, anchor in links:
+        target = DOCS_DIR / Path(page).name
+        assert target.exists(), f"{doc.name} links to {page}, which does not exist"
+        assert anchor in anchors(target), f"{doc.name} links to {page}#{anchor}: no such heading"
