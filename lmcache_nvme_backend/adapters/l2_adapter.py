@@ -135,12 +135,11 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
-        # A task finished on the native engine's completion thread is signalled when that
-        # thread goes back to waiting, in the GIL release it makes anyway (an eventfd's
-        # notify is a write of 1, which the engine makes): a GIL round trip less per task.
-        native_engine = store.native_engine
-        self._signal_later = native_engine.signal_later if native_engine is not None and \
-            isinstance(self._store_efd, EventfdNotifier) else None
+        # A task finished on the engine's completion thread is signalled when that thread
+        # goes back to waiting, in the GIL release it makes anyway (an eventfd's notify is a
+        # write of 1, which the native engine makes): a GIL round trip less per task.
+        self._signal_later = store.engine.signal_later \
+            if isinstance(self._store_efd, EventfdNotifier) else None
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-lookup")
         # Chunks found on disk at start count toward usage; their keys are not known
         # until read, so they are accounted as one untracked amount.

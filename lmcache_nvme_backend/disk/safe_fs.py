@@ -146,6 +146,20 @@ def root_descriptor(root: str) -> int:
     return fd if fd is not None else _root_fd(root)
 
 
+def refresh_root_descriptor(root: str) -> bool:
+    """Reopen the kept descriptor of ``root`` if its directory was deleted (and maybe made
+    again): an engine that got ENOENT beneath it writes through the new one next time.
+    Whether it was reopened."""
+    fd = _ROOT_FDS.get(root)
+    if fd is None or not _root_deleted(fd):
+        return False
+    try:
+        _root_fd(root, fresh=True)
+    except OSError:  # gone for good: the next use opens it, or fails, by name
+        return False
+    return True
+
+
 def _root_deleted(fd: int) -> bool:
     try:
         return os.fstat(fd).st_nlink == 0

@@ -24,6 +24,7 @@ Two engines implement ``ChunkEngine``: the compiled one (``native.py``) and the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
 #: A chunk's status in a ``Batch``.  OK: read and verified (header, key, length, metadata,
@@ -97,6 +98,10 @@ class ChunkEngine(Protocol):
 
     def cancel_writes(self) -> int:
         """Writes not started yet end as ``ECANCELED`` (a closing store); how many."""
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Held while reading outside the engine (the GPU path): writers that can see it
+        yield as they yield to the engine's own reads."""
 
     def signal_later(self, eventfd: int) -> bool:
         """In an ``on_done``: have ``eventfd`` signalled once the engine's thread is done with

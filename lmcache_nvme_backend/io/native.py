@@ -17,9 +17,11 @@ Python to create the directory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from .engine import Batch, OnDone, ReadShare, WriteShare
 
@@ -176,6 +178,11 @@ class NativeEngine:
         of the GIL that waiting makes anyway."""
         done = self._engine.wait(timeout_s, signals)
         return None if done is None else [(token, Batch(*res)) for token, res in done]
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Held while reading outside the engine: the compiled writers see only the engine's
+        own reads in flight, so this changes nothing."""
+        return contextlib.nullcontext()
 
     def signal_later(self, eventfd: int) -> bool:
         """In a batch's ``on_done`` (on ``nvme-io-done``): have ``eventfd`` signalled when the

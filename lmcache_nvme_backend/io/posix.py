@@ -234,13 +234,7 @@ class PosixIOEngine(ChunkFileIO):
 
     def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
         """The raw header of a chunk file and the file's size."""
-        fd, size = open_for_read_sized(path, direct)
-        try:
-            head = self.header_buffer()
-            _preadv_full(fd, [head], 0)
-            return bytes(head), size
-        finally:
-            os.close(fd)
+        return _read_header(path, direct, self.header_buffer())
 
     def _plans(self, requests: Sequence[ReadRequest]) -> list[tuple[ReadRequest, list[Piece]]]:
         plans = []
@@ -285,6 +279,24 @@ class PosixIOEngine(ChunkFileIO):
                 req.header = header
         finally:
             os.close(fd)
+
+
+def read_header(path: Path, direct: bool) -> tuple[bytes, int]:
+    """The raw header of a chunk file and the file's size (the calling thread's buffer)."""
+    return _read_header(path, direct, _HEADERS.header_buffer())
+
+
+def _read_header(path: Path, direct: bool, head: memoryview) -> tuple[bytes, int]:
+    fd, size = open_for_read_sized(path, direct)
+    try:
+        _preadv_full(fd, [head], 0)
+        return bytes(head), size
+    finally:
+        os.close(fd)
+
+
+#: Each thread's header buffer for ``read_header`` outside an engine (metadata reads).
+_HEADERS = ChunkFileIO(ALIGNMENT)
 
 
 def plan_pieces(dest: memoryview, payload_len: int, direct: bool, task_size: int

@@ -29,6 +29,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from ..disk.format import ALIGNMENT
 from .beneath import unlink_at
@@ -252,6 +253,10 @@ class PythonEngine:
         """Remove chunk files ``(root_fd, rel)`` now, on the calling thread, without following
         a link in their directories; an errno per item (0: removed)."""
         return [unlink_at(root_fd, rel) for root_fd, rel in items]
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Held while reading outside the engine: the writers yield to it as to reads."""
+        return self._gate.reading()
 
     def signal_later(self, eventfd: int) -> bool:
         """Never: the caller signals ``eventfd`` itself (no GIL release to share here)."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -41,8 +40,10 @@ from ..disk.layout import (
 )
 from ..disk.validate import Expected, Verdict, judge_chunk
 from ..io import native
+from ..io.engine import ChunkEngine
 from ..io.native import NativeEngine
-from ..io.posix import PosixIOEngine
+from ..io.posix import read_header
+from ..io.python_engine import PythonEngine
 from .catalog import Catalog, RemovalListener
 from .index import IndexEntry
 from .reads import ChunkRead, ChunkReader, ReadPlan
@@ -51,7 +52,7 @@ from .room import Room
 from .roots import RootInfo, Roots
 from .shared.tree import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
-from .writeback import ChunkWrite, ReadPriorityGate, SubmitResult, TaskOutcome, WriteTask
+from .writeback import ChunkWrite, SubmitResult, TaskOutcome, WriteTask
 from .writer import ChunkWriter
 
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult",
@@ -71,17 +72,12 @@ class ChunkStore:
         self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
                                  settings.min_free_gb, settings.shared, settings.key_prefix)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
-        self._io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="nvme-io")
-        engine = PosixIOEngine(settings.task_size_bytes, self._io_pool)
-        native_engine = _native_engine(settings, ChunkWriter.writer_count(settings,
+        self.engine = engine = _engine(settings, ChunkWriter.writer_count(settings,
                                                                           len(self._roots)))
-        gate = ReadPriorityGate()
-        self._reader = ChunkReader(self._catalog, self._roots, engine, gate, self._stats,
-                                   native_engine)
-        self._room = Room(self._catalog, self._roots, self._stats, native_engine)
+        self._reader = ChunkReader(self._catalog, self._roots, engine, self._stats)
+        self._room = Room(self._catalog, self._roots, self._stats, engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, self._room, engine,
-                                   gate, self._stats, native_engine)
-        self._gate = gate
+                                   self._stats)
         self._closed = False
         for root in self._roots:
             recover_root(root, self._catalog, self._stats, self._room.evict,
@@ -91,26 +87,13 @@ class ChunkStore:
             self._shared = SharedTree(settings, self._catalog, self._roots, self._stats)
             self._shared.start()
             self._room.shared = self._shared
-        if native_engine is None:
-            engine.warm_up(settings.io_threads)
-        self._writer.start()
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
                                          settings.manifest_interval_s)
 
     @property
-    def io_engine(self) -> PosixIOEngine:
-        """The POSIX engine every host read and write of this store goes through."""
-        return self._reader.engine
-
-    @property
-    def native_engine(self) -> NativeEngine | None:
-        """The compiled batch engine, when this store runs it (``nvme.native_io``)."""
-        return self._reader.native
-
-    @property
     def io_engine_name(self) -> str:
         """``native`` (the compiled batch engine) or ``python``, and why not native."""
-        if self._reader.native is not None:
+        if self.engine.name == NativeEngine.name:
             return f"native ({native.simd()} checksums)"
         if self.settings.native_io == NativeIOMode.OFF:
             return "python (nvme.native_io: off)"
@@ -118,11 +101,8 @@ class ChunkStore:
 
     @property
     def writer_thread_ids(self) -> list[int]:
-        """Kernel ids of the threads that write chunk files (the native engine's, or the
-        Python engine's ``nvme-writer-*``)."""
-        if self._reader.native is not None:
-            return self._reader.native.writer_thread_ids()
-        return [t.native_id or 0 for t in self._writer.threads]
+        """Kernel ids of the threads that write chunk files (the engine's)."""
+        return self.engine.writer_thread_ids()
 
     # -- lookups -------------------------------------------------------------
 
@@ -301,8 +281,9 @@ class ChunkStore:
         return self._reader.plan(keys)
 
     def reading(self) -> AbstractContextManager[None]:
-        """Hold while reading outside the store: write-back yields to readers."""
-        return self._gate.reading()
+        """Hold while reading outside the store: write-back yields to readers (where the
+        engine's writers can see them)."""
+        return self.engine.reading()
 
     def complete_read(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                       payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
@@ -321,7 +302,7 @@ class ChunkStore:
         for root in self._roots:
             for loc in root.layout.iter_chunks():
                 try:
-                    raw, size = self.io_engine.read_header(loc.path, root.direct)
+                    raw, size = read_header(loc.path, root.direct)
                 except OSError:
                     continue
                 verdict = judge_chunk(raw, Expected(digest=loc.digest, ns_id=loc.namespace_id,
@@ -368,8 +349,7 @@ class ChunkStore:
     def usage(self) -> dict[str, int]:
         usage = self._catalog.usage()
         usage["queue_bytes"] = self._writer.queue_bytes
-        native_engine = self._reader.native
-        usage["retired_bytes"] = native_engine.retired_bytes() if native_engine else 0
+        usage["retired_bytes"] = self.engine.retired_bytes()
         return usage
 
     def stats_snapshot(self) -> dict[str, float]:
@@ -398,20 +378,18 @@ class ChunkStore:
         self._manifests.save_all()
         if self._shared is not None:
             self._shared.close()
-        if self._reader.native is not None:
-            self._reader.native.close()
-        self._io_pool.shutdown(wait=True)
+        self.engine.close()
 
 
-def _native_engine(settings: NVMeSettings, writers: int) -> NativeEngine | None:
-    """The compiled engine per ``nvme.native_io``: ``on`` refuses to start without it."""
-    if settings.native_io == NativeIOMode.OFF:
-        return None
-    if not native.available():
+def _engine(settings: NVMeSettings, writers: int) -> ChunkEngine:
+    """The store's I/O engine: the compiled one per ``nvme.native_io`` (``on`` refuses to
+    start without it), else the Python one."""
+    if settings.native_io != NativeIOMode.OFF:
+        if native.available():
+            return NativeEngine(settings.io_threads, writers, settings.task_size_bytes,
+                                recycle_bytes=settings.recycle_bytes,
+                                recycle_suffix=temp_name("", writer=RETIRED_FILES_WRITER))
         if settings.native_io == NativeIOMode.ON:
             raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
                                   "Or set nvme.native_io: auto to run the Python engine.")
-        return None
-    return NativeEngine(settings.io_threads, writers, settings.task_size_bytes,
-                        recycle_bytes=settings.recycle_bytes,
-                        recycle_suffix=temp_name("", writer=RETIRED_FILES_WRITER))
+    return PythonEngine(settings.io_threads, writers, settings.task_size_bytes)

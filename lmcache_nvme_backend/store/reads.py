@@ -19,24 +19,23 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from ..disk.format import ChunkHeader, TensorMeta, texts_bytes
 from ..disk.layout import digest_of_key_bytes, key_digest
-from ..disk.safe_fs import root_descriptor
+from ..disk.safe_fs import refresh_root_descriptor, root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io import engine
-from ..io.native import NativeEngine
-from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError
+from ..io.engine import ChunkEngine
+from ..io.files import read_failure
+from ..io.posix import NotAChunkFile, ShortFileError, read_header
 from .catalog import Catalog
 from .index import IndexEntry
 from .roots import Roots, RootState, quarantine_file
 from .stats import Counter, ReadPath, StoreStats
-from .writeback import ReadPriorityGate
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +71,6 @@ class ReadPlan(NamedTuple):
         return self.root_dir / self.rel
 
 
-#: A chunk the Python engine's route reads: its index in the call, key, UTF-8 key, digest,
-#: namespace id, metadata (the index's when the call was planned), root and buffer.
-_Todo = tuple[int, str, bytes, str, str, TensorMeta, RootState, memoryview]
 #: A read call handed to the engine, as its completion needs it: ``(keys, encoded, digests,
 #: entries, roots, dests, order, nbytes, roots_read)``: the call's columns, its index entries
 #: and roots when it was planned, the positions read in the batch's order (None: every one,
@@ -152,14 +148,11 @@ def _plan_of(key: str, key_bytes: bytes, digest: str, ns_id: str, meta: TensorMe
 class ChunkReader:
     """Reads and judges chunk files for one store."""
 
-    def __init__(self, catalog: Catalog, roots: Roots, engine: PosixIOEngine,
-                 gate: ReadPriorityGate, stats: StoreStats,
-                 native_engine: NativeEngine | None = None) -> None:
+    def __init__(self, catalog: Catalog, roots: Roots, engine: ChunkEngine,
+                 stats: StoreStats) -> None:
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
-        self.native = native_engine
-        self._gate = gate
         self._stats = stats
 
     # -- headers -------------------------------------------------------------
@@ -170,7 +163,7 @@ class ChunkReader:
         An invalid file is rejected here (quarantined); an unreadable one is skipped.
         """
         try:
-            raw, size = self.engine.read_header(path, root.direct)
+            raw, size = read_header(path, root.direct)
         except FileNotFoundError:
             return None
         except NotAChunkFile as exc:
@@ -259,48 +252,6 @@ class ChunkReader:
         nothing can be read), and must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
-        if self.native is not None:
-            self._read_batch(keys, encoded, digests, entries, roots, dests, lengths, on_done,
-                             wait)
-            return
-        todo: list[_Todo] = []
-        for i, entry in enumerate(entries):
-            if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
-                continue
-            dest, length, payload_len = dests[i], lengths[i], meta.nbytes
-            if len(dest) >= payload_len and (length is None or length == payload_len):
-                todo.append((i, keys[i], encoded[i], digests[i], entry.ns_id, meta, root, dest))
-            # (else a buffer for another layout: a miss)
-        batch = _Batch(len(keys), on_done, self._stats, self._gate)
-        batch.start(len(todo))
-        if not todo:
-            return
-        requests = []
-        for i, key, key_bytes, digest, ns_id, meta, root, dest in todo:
-            plan = _plan_of(key, key_bytes, digest, ns_id, meta, root)
-            requests.append(ReadRequest(plan.path, plan.payload_len, dest, plan.direct,
-                                        on_done=functools.partial(self._judged, batch, i,
-                                                                  plan)))
-        if wait:
-            self.engine.read_chunks(requests)
-        else:
-            self.engine.submit_reads(requests)
-
-    def _judged(self, batch: _Batch, index: int, plan: ReadPlan, req: ReadRequest) -> None:
-        """One chunk's read completed (on the thread that finished it): judge it at once."""
-        verdict = self.complete(plan, req.header, req.error, req.payload_matches)
-        batch.chunks_done([(index, verdict.ok, plan.payload_len)])
-
-    # -- the engine's batches ----------------------------------------------------------
-
-    def _read_batch(self, keys: Sequence[str], encoded: list[bytes], digests: list[str],
-                    entries: list[IndexEntry | None], roots: list[RootState | None],
-                    dests: Sequence[memoryview], lengths: Sequence[int | None],
-                    on_done: Callable[[list[bool]], None], wait: bool) -> None:
-        """The call as one batch of read shares: one share, built with no Python per chunk,
-        when every chunk is read with one layout from one root (``_uniform``), else one per
-        root, namespace and layout of the chunks that can be read."""
-        assert self.native is not None
         if uniform := _uniform(entries, roots, dests, lengths):
             first, meta, root = uniform
             shares = [_share(root, first.ns_id, meta, digests, list(dests), encoded)]
@@ -316,9 +267,9 @@ class ChunkReader:
                 return
         done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
         if wait:
-            done(self.native.read(shares))
+            done(self.engine.read(shares))
         else:
-            self.native.submit_read(shares, done)
+            self.engine.submit_read(shares, done)
 
     def _batch_done(self, call: _Call, on_done: Callable[[list[bool]], None], started: float,
                     result: engine.Batch) -> None:
@@ -359,7 +310,7 @@ class ChunkReader:
             root = roots[entry.root]
             assert root is not None
             plan = _plan_of(keys[i], encoded[i], digests[i], entry.ns_id, entry.meta, root)
-            judged[i] = self._native_verdict(plan, dests[i], err, header, computed)
+            judged[i] = self._verdict(plan, err, header, computed)
         chunks = nbytes = engine_chunks = engine_bytes = 0
         touched: set[int] = set()
         for i in positions:
@@ -376,16 +327,16 @@ class ChunkReader:
                 nbytes += entry.meta.nbytes
         return chunks, nbytes, engine_chunks, engine_bytes, touched
 
-    def _native_verdict(self, plan: ReadPlan, dest: memoryview, error: int,
-                        header: bytes | None, computed: int) -> bool:
-        """Whether a chunk the native engine did not serve at once is served after all."""
-        if header is not None:  # the bytes landed; the validator names what is wrong
+    def _verdict(self, plan: ReadPlan, err: int, header: bytes | None, computed: int) -> bool:
+        """Whether a chunk the engine did not serve at once is served after all: the bytes
+        landed (``header``) and the validator names what is wrong, or the read failed
+        (``err``) and its exception classifies the failure."""
+        if header is not None:
             return self.complete(plan, header, None,
                                  lambda h: h.payload_checksum == computed).ok
-        # a failure: read it again here, so the Python engine's exception classifies it
-        req = ReadRequest(plan.path, plan.payload_len, dest, plan.direct)
-        self.engine.read_chunks([req])
-        return self.complete(plan, req.header, req.error, req.payload_matches).ok
+        if err == errno.ENOENT:  # gone, or the cache directory was removed and made again
+            refresh_root_descriptor(str(plan.root_dir))
+        return self.complete(plan, b"", read_failure(plan.path, err), _never).ok
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
@@ -464,50 +415,6 @@ class ChunkReader:
             self._catalog.notify_removed([entry])
 
 
-class _Batch:
-    """One read call: the result of each chunk, and the call's counters once all are judged."""
-
-    def __init__(self, size: int, on_done: Callable[[list[bool]], None], stats: StoreStats,
-                 gate: ReadPriorityGate | None) -> None:
-        """``gate``: the Python writers' (they yield to reads in flight); None with the
-        native engine, whose writers see its reads themselves."""
-        self.served = [False] * size
-        self._on_done = on_done
-        self._stats = stats
-        self._gate = gate
-        self._left = self._issued = 0
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._started = 0.0
-
-    def start(self, chunks: int) -> None:
-        """``chunks`` reads were issued (the rest of the batch is already a miss)."""
-        self._left = self._issued = chunks
-        self._started = time.perf_counter()
-        if not chunks:
-            self._finish()
-        elif self._gate is not None:
-            self._gate.begin_read()
-
-    def chunks_done(self, outcomes: Iterable[tuple[int, bool, int]]) -> None:
-        """Chunks were judged: (index in the call, served, payload bytes) each."""
-        with self._lock:
-            for index, ok, nbytes in outcomes:
-                self.served[index] = ok
-                self._bytes += nbytes if ok else 0
-                self._left -= 1
-            last = self._left == 0
-        if last:
-            if self._gate is not None:
-                self._gate.end_read()
-            self._finish()
-
-    def _finish(self) -> None:
-        served = self.served.count(True)
-        if self._issued:  # a batch of misses read nothing: no latency to record
-            elapsed = time.perf_counter() - self._started
-            self._stats.record_read(ReadPath.POSIX, served, self._bytes, elapsed,
-                                    failures=len(self.served) - served)
-        else:
-            self._stats.add(Counter.READ_FAILURES, len(self.served) - served)
-        self._on_done(self.served)
+def _never(header: ChunkHeader) -> bool:
+    """A failed read's payload: never checked (the failure decides)."""
+    return False

@@ -13,11 +13,11 @@ import os
 from typing import TYPE_CHECKING
 
 from ..disk.safe_fs import root_descriptor
-from ..io.native import NativeEngine
+from ..io.engine import ChunkEngine
 from .catalog import Catalog
 from .free_space import FreeSpaceGuard
 from .index import IndexEntry
-from .roots import Roots, RootState, note_full, unlink_quietly
+from .roots import Roots, RootState, note_full
 from .stats import Counter, StoreStats
 
 if TYPE_CHECKING:
@@ -30,11 +30,11 @@ class Room:
     """Capacity of one store's roots."""
 
     def __init__(self, catalog: Catalog, roots: Roots, stats: StoreStats,
-                 native_engine: NativeEngine | None) -> None:
+                 engine: ChunkEngine) -> None:
         self._catalog = catalog
         self._roots = roots
         self._stats = stats
-        self._native = native_engine
+        self._engine = engine
         #: One free-space floor per root (``nvme.min_free_gb``).
         self.guards = [FreeSpaceGuard(root.layout.root, root.min_free_bytes) for root in roots]
         #: Shared mode: the directory's budget is kept with the other members there.
@@ -102,11 +102,6 @@ class Room:
         if self.shared is not None:
             self.shared.delete(entries)
             return
-        if self._native is None:
-            for entry in entries:
-                unlink_quietly(self._roots[entry.root].layout.chunk_path(entry.ns_id,
-                                                                         entry.digest))
-            return
         if len(self._roots) == 1:
             layout = self._roots[0].layout
             fd, chunk_rel = root_descriptor(layout.root_str), layout.chunk_rel
@@ -117,7 +112,7 @@ class Room:
             fds = {index: root_descriptor(layout.root_str) for index, layout in layouts.items()}
             items = [(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
                      for e in entries]
-        errors = self._native.unlink(items)
+        errors = self._engine.unlink(items)
         if not any(errors):
             return
         for entry, err in zip(entries, errors, strict=True):

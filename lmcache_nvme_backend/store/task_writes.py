@@ -1,11 +1,11 @@
-"""A store task through the native engine in one admission step and one completion step.
+"""A store task in one admission step and one completion step.
 
 The general write path (``writer.py``) takes a chunk write object per chunk through
 admission, the queue, placement and reservation, and publishes each on completion: some
 2,000 Python opcodes for a one-chunk task, 1,000 per chunk of an eight-chunk one.  On a big
 server one process moves every chunk through one interpreter, so that is what bounds it
 (``docs/benchmarks.md``, "The GIL ceiling of one process").  This path takes the common
-case of a whole task: the native engine, every chunk in one layout and namespace with a
+case of a whole task: every chunk in one layout and namespace with a
 key that fits the header, room in the queue now, no shared directory, no GPU checksum.
 Python decides once per task and each lock is taken once per task (the queue's, the
 catalogue's at admission and at publication); what runs per chunk is its digest and its
@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..disk.safe_fs import root_descriptor
-from ..io import engine, native
+from ..io import engine
+from ..io.engine import ChunkEngine
 from .index import IndexEntry
 from .roots import RootState, note_space
 from .stats import Counter
@@ -67,10 +68,10 @@ _Task = tuple[OnTaskDone, _Layout, Sequence[str], Sequence[memoryview], list[str
               float]
 
 
-class NativeTaskWrites:
-    """The native engine's path for whole store tasks of one ``ChunkWriter``."""
+class TaskWrites:
+    """The path of whole store tasks of one ``ChunkWriter``."""
 
-    def __init__(self, writer: ChunkWriter, engine: native.NativeEngine) -> None:
+    def __init__(self, writer: ChunkWriter, engine: ChunkEngine) -> None:
         self._writer = writer
         self._engine = engine
         self._layout: _Layout | None = None  # the last one seen: replaced whole
@@ -180,8 +181,8 @@ class NativeTaskWrites:
         """The engine's shares of a task, one per root (it names each chunk's files from its
         digest: no Python per chunk when the task goes to one root whole)."""
         writer = self._writer
-        file_mode, dir_mode, fsync = writer.native_modes
-        temp_suffix = writer.native_temp_suffix
+        file_mode, dir_mode, fsync = writer.modes
+        temp_suffix = writer.temp_suffix
         shares: list[engine.WriteShare] = []
         for root, mine, victims in groups:
             tree = root.layout

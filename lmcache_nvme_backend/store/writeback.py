@@ -1,8 +1,8 @@
-"""Write-back plumbing: a queue bounded in bytes, and a gate that lets reads go first.
+"""Write-back plumbing: the chunk writes and tasks, and a queue bounded in bytes.
 
-A store call only enqueues; writer threads persist from host memory later.  The
-queue counts the payload bytes it holds (host memory the engine cannot reuse
-until the write finishes), so its bound is a memory bound.
+A store call only hands its chunks to the I/O engine; the engine's writers persist them
+from host memory later.  The queue counts the payload bytes handed over and not yet done
+(host memory LMCache cannot reuse until the write finishes), so its bound is a memory bound.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ..disk.format import TensorMeta, file_size_for, text_bytes
@@ -158,27 +156,23 @@ def end_writes(writes: Sequence[ChunkWrite]) -> None:
 
 
 class WriteBackQueue:
-    """FIFO of write jobs holding at most ``capacity`` payload bytes.
+    """The bytes of write jobs handed to the engine and not done yet: at most ``capacity``.
 
-    A job's bytes stay accounted until ``done`` is called for it (after the
-    write), because its host memory stays referenced until then.
+    A job's bytes stay accounted until ``done_many`` (or ``release``) is called for it
+    (after the write), because its host memory stays referenced until then.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._jobs: deque[ChunkWrite] = deque()
         self._bytes = 0
-        # jobs ever enqueued (the store's ``writes_enqueued``) and done: the difference is
+        # jobs ever accepted (the store's ``writes_enqueued``) and done: the difference is
         # the jobs not yet done (zero-byte ones included)
         self._accepted = 0
         self._done = 0
         self._closed = False
-        self._waiting = 0  # producers waiting for room, and flushes: done_many wakes them
-        lock = threading.Lock()
-        self._lock = lock
-        self._cond = threading.Condition(lock)
-        # Writers wait for jobs, producers (policy "wait") for room: separate wake-ups.
-        self._has_jobs = threading.Condition(lock)
+        self._waiting = 0  # producers waiting for room, and flushes: release wakes them
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
 
     @property
     def bytes_held(self) -> int:
@@ -186,25 +180,15 @@ class WriteBackQueue:
             return self._bytes
 
     @property
-    def depth(self) -> int:
-        with self._lock:
-            return len(self._jobs)
-
-    @property
     def accepted(self) -> int:
-        """Jobs ever enqueued."""
+        """Jobs ever accepted."""
         with self._lock:
             return self._accepted
 
-    def offer_many(self, jobs: list[ChunkWrite], wait_s: float,
-                   hand_over: bool = False) -> list[bool]:
-        """Enqueue each job if there is room, waiting up to ``wait_s`` in all for it.
-
-        Returns, per job, whether it was enqueued.  Writers are woken once for
-        the whole batch.  With ``hand_over`` the accepted jobs are only accounted for (their
-        bytes held until ``done_many``): the caller hands them to a writer itself.
-        """
-        if hand_over and self.hold(sum([job.nbytes for job in jobs]), len(jobs)):
+    def offer_many(self, jobs: list[ChunkWrite], wait_s: float) -> list[bool]:
+        """Account each job if there is room, waiting up to ``wait_s`` in all for it; per job,
+        whether it was accepted (the caller hands the accepted ones to the engine)."""
+        if self.hold(sum([job.nbytes for job in jobs]), len(jobs)):
             return [True] * len(jobs)  # the common case: the whole batch fits now
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
@@ -217,33 +201,20 @@ class WriteBackQueue:
                     self._wait(remaining)
                 fits = not self._closed and self._bytes + job.nbytes <= self.capacity
                 if fits:
-                    if not hand_over:
-                        self._jobs.append(job)
                     self._bytes += job.nbytes
                     self._accepted += 1
                 accepted.append(fits)
-            if not hand_over:
-                self._has_jobs.notify(accepted.count(True))
         return accepted
 
     def hold(self, nbytes: int, count: int) -> bool:
-        """Account ``count`` jobs of ``nbytes`` in all, handed to a writer by the caller, if
-        they fit now (no wait); ``release`` gives them back."""
+        """Account ``count`` jobs of ``nbytes`` in all if they fit now (no wait); ``release``
+        gives them back."""
         with self._lock:
             if self._closed or self._bytes + nbytes > self.capacity:
                 return False
             self._bytes += nbytes
             self._accepted += count
             return True
-
-    def take_share(self, takers: int, most: int) -> list[ChunkWrite]:
-        """This taker's share of the queued jobs (1 / ``takers`` of them, at least one, at
-        most ``most``), blocking; empty once the queue is closed and empty."""
-        with self._lock:
-            while not self._jobs and not self._closed:
-                self._has_jobs.wait()
-            count = min(most, max(1, -(-len(self._jobs) // takers)), len(self._jobs))
-            return [self._jobs.popleft() for _ in range(count)]
 
     def done_many(self, jobs: list[ChunkWrite]) -> None:
         """The jobs were written (or dropped): their bytes and count leave the queue."""
@@ -258,7 +229,7 @@ class WriteBackQueue:
                 self._cond.notify_all()
 
     def _wait(self, timeout_s: float) -> None:
-        """Wait (holding the lock) for ``done_many`` or ``close``."""
+        """Wait (holding the lock) for ``release`` or ``close``."""
         self._waiting += 1
         try:
             self._cond.wait(timeout_s)
@@ -266,7 +237,7 @@ class WriteBackQueue:
             self._waiting -= 1
 
     def wait_empty(self, timeout_s: float) -> bool:
-        """Wait until every enqueued job is done (a zero-byte one too); False on timeout."""
+        """Wait until every accepted job is done (a zero-byte one too); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while self._bytes > 0 or self._accepted > self._done:
@@ -276,48 +247,8 @@ class WriteBackQueue:
                 self._wait(remaining)
             return True
 
-    def close(self) -> list[ChunkWrite]:
-        """Stop accepting jobs; return the ones never taken (the caller ends them)."""
+    def close(self) -> None:
+        """Stop accepting jobs (producers waiting for room give up)."""
         with self._lock:
             self._closed = True
-            left = list(self._jobs)
-            self._jobs.clear()
             self._cond.notify_all()
-            self._has_jobs.notify_all()
-            return left
-
-
-class ReadPriorityGate:
-    """Writers yield to reads in flight, for at most ``max_wait_s`` so writes never starve."""
-
-    def __init__(self, max_wait_s: float = 0.05) -> None:
-        self.max_wait_s = max_wait_s
-        self._readers = 0
-        self._cond = threading.Condition()
-
-    def begin_read(self) -> None:
-        """A read starts (pair with ``end_read``; an asynchronous read ends on another thread)."""
-        with self._cond:
-            self._readers += 1
-
-    def end_read(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        self.begin_read()
-        try:
-            yield
-        finally:
-            self.end_read()
-
-    def wait_for_readers(self) -> bool:
-        """Block while reads are in flight; True if the writer had to wait."""
-        with self._cond:
-            if self._readers == 0:
-                return False
-            self._cond.wait_for(lambda: self._readers == 0, timeout=self.max_wait_s)
-            return True

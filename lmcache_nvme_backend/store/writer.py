@@ -1,14 +1,14 @@
-"""Writing chunks: admission, the write-back threads, placement, publishing.
+"""Writing chunks: admission, placement, hand-over to the I/O engine, publishing.
 
-A store call only registers and enqueues (``submit_many``); writer threads take
-their share of the byte-bounded queue as a batch, yield to reads in flight, pick
-each chunk's root (rendezvous hashing over healthy roots), reserve the file's bytes
-against that root's budget (evicting least recently used, unpinned chunks, and more
-while the filesystem is below ``nvme.min_free_gb``), write
-``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place: the whole batch in
-one call of the native engine (``io/native.py``) when it is built, chunk by chunk
-through the Python engine otherwise (``chunk_files.py``).  Only then is a chunk
-indexed, and only then is its host memory released.  Room and eviction: ``room.py``.
+A store call registers its chunks, accounts their bytes in the byte-bounded queue, picks
+each chunk's root (rendezvous hashing over healthy roots), reserves the file's bytes
+against that root's budget (evicting least recently used, unpinned chunks, and more while
+the filesystem is below ``nvme.min_free_gb``) and hands the batch to the engine as write
+shares (``io/engine.py``), on the submitting thread.  The engine's writers, at a low CPU
+priority, write ``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place; the batch's
+completion indexes each chunk, and only then is its host memory released.  A whole store
+task in the common case takes a shorter path (``task_writes.py``).  Room and eviction:
+``room.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import functools
 import logging
 import operator
 import os
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,20 +26,18 @@ from ..config import NVMeSettings
 from ..disk.format import TensorMeta, max_key_bytes, namespace_bytes
 from ..disk.gpusum import host_checksum
 from ..disk.layout import temp_name
-from ..disk.safe_fs import root_descriptor
+from ..disk.safe_fs import refresh_root_descriptor, root_descriptor
 from ..io import engine
-from ..io.native import NativeEngine
-from ..io.posix import NotAChunkFile, PosixIOEngine
+from ..io.engine import ChunkEngine
+from ..io.posix import NotAChunkFile
 from .catalog import Catalog
-from .chunk_files import write_chunk_file
 from .index import IndexEntry
 from .room import Room
 from .roots import Roots, RootState, note_full, note_space, write_namespace_file
 from .stats import Counter, StoreStats
-from .task_writes import NativeTaskWrites, OnTaskDone
+from .task_writes import OnTaskDone, TaskWrites
 from .writeback import (
     ChunkWrite,
-    ReadPriorityGate,
     SubmitResult,
     WriteBackQueue,
     WriteTask,
@@ -50,9 +47,6 @@ from .writeback import (
 
 logger = logging.getLogger(__name__)
 
-WRITER_NICE = 10
-#: Most chunks one writer takes from the queue at a time (its share of the queue otherwise).
-MAX_WRITE_BATCH = 16
 #: How long a closing store waits for cancelled native writes to hand their buffers back.
 CANCEL_WAIT_S = 5.0
 _FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
@@ -63,45 +57,31 @@ class ChunkWriter:
     """Admission and write-back of one store."""
 
     def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots, room: Room,
-                 engine: PosixIOEngine, gate: ReadPriorityGate, stats: StoreStats,
-                 native_engine: NativeEngine | None = None) -> None:
+                 engine: ChunkEngine, stats: StoreStats) -> None:
         self.settings = settings
         self.room = room
         self.catalog = catalog
         self.roots = roots
         self.engine = engine
-        self.native = native_engine
-        self._gate = gate
         self.stats = stats
         self.queue = WriteBackQueue(settings.write_queue_bytes)
         self.closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
-        # The native engine's writers share one temp-name suffix (see ``temp_name``); its
-        # write items carry the file mode, directory mode and fsync level.
-        self.native_temp_suffix = temp_name("", writer=0)
-        self.native_modes = (settings.file_mode, settings.dir_mode,
-                              _FSYNC_LEVEL[settings.fsync])
+        # The engine's writers share one temp-name suffix (see ``temp_name``); its write
+        # shares carry the file mode, directory mode and fsync level.
+        self.temp_suffix = temp_name("", writer=0)
+        self.modes = (settings.file_mode, settings.dir_mode, _FSYNC_LEVEL[settings.fsync])
         # (metadata, namespace, key bytes that fit the header beside them) of the last task
         # admitted: a server's tasks share a handful of layouts (one tuple: replaced whole).
         self._key_room: tuple[TensorMeta | None, str, int] = (None, "", 0)
-        # Whole store tasks in the common case (``task_writes.py``), with the native engine.
-        self._tasks = NativeTaskWrites(self, native_engine) if native_engine is not None \
-            else None
-        # The native engine writes on threads of its own; the Python engine on these.
-        self.threads = [] if native_engine is not None else [
-            threading.Thread(target=self._writer_loop, name=f"nvme-writer-{i}", daemon=True)
-            for i in range(self.writer_count(settings, len(roots)))
-        ]
+        # Whole store tasks in the common case (``task_writes.py``).
+        self._tasks = TaskWrites(self, engine)
 
     @staticmethod
     def writer_count(settings: NVMeSettings, roots: int) -> int:
         """Writer threads (``nvme.write_threads``; 0: one per path)."""
         return settings.write_threads or roots
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
 
     @property
     def queue_bytes(self) -> int:
@@ -141,9 +121,7 @@ class ChunkWriter:
             admitted = [i for i, is_new in zip(admitted, fresh, strict=True) if is_new]
             chosen = [w for w, is_new in zip(chosen, fresh, strict=True) if is_new]
         if admitted:
-            accepted = self._enqueue(chosen, admitted, results)
-            if self.native is not None:
-                self._dispatch(accepted)
+            self._dispatch(self._enqueue(chosen, admitted, results))
         if results.count(SubmitResult.QUEUED) < len(writes):
             end_writes([w for w, result in zip(writes, results, strict=True)
                         if result is not SubmitResult.QUEUED])
@@ -155,8 +133,7 @@ class ChunkWriter:
         """Queue a task's chunks; ``on_done(outcome)`` runs once, after every one of them
         ended (see ``ChunkStore.submit_task``).  The common case runs as one admission and
         one completion (``task_writes.py``); the rest chunk by chunk."""
-        if self._tasks is not None and self._tasks.submit(keys, namespaces, metas, payloads,
-                                                          on_done):
+        if self._tasks.submit(keys, namespaces, metas, payloads, on_done):
             return
         task = WriteTask([ChunkWrite(key, namespace, meta, payload) for key, namespace, meta,
                           payload in zip(keys, namespaces, metas, payloads, strict=True)],
@@ -212,8 +189,7 @@ class ChunkWriter:
         if wait and self.queue.bytes_held + sum(j.nbytes for j in offered) > \
                 self.queue.capacity:
             self.stats.add(Counter.QUEUE_FULL_WAITS)
-        ok = self.queue.offer_many(offered, wait_s=1e9 if wait else 0.0,
-                                    hand_over=self.native is not None)
+        ok = self.queue.offer_many(offered, wait_s=1e9 if wait else 0.0)
         if False not in ok:
             return offered
         refused = [(i, job) for i, job, fits in zip(positions, offered, ok, strict=True)
@@ -230,28 +206,6 @@ class ChunkWriter:
         return self.queue.wait_empty(timeout_s)
 
     # -- write-back ------------------------------------------------------------
-
-    def _writer_loop(self) -> None:
-        _lower_thread_cpu_priority()
-        self.engine.prepare_thread()
-        while jobs := self.queue.take_share(len(self.threads), MAX_WRITE_BATCH):
-            try:
-                self._gate.wait_for_readers()
-                self._persist(jobs)
-            except Exception:  # a writer thread must survive anything one batch does
-                logger.exception("NVMe tier: unexpected error persisting %d chunk(s)",
-                                 len(jobs))
-                self.stats.add(Counter.WRITE_FAILURES, len(jobs))
-            finally:
-                self._finish(jobs)
-
-    def _persist(self, jobs: list[ChunkWrite]) -> None:
-        """Place, reserve, write and publish a batch through the Python engine."""
-        placed, _ = self._place(jobs, None)
-        for job, root, size in placed:
-            started = time.perf_counter()
-            error = self._write_python(job, root)
-            self._settle(job, root, size, error, time.perf_counter() - started)
 
     def _place(self, jobs: list[ChunkWrite], deferred: list[list[IndexEntry]] | None
                ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[ChunkWrite]]:
@@ -305,9 +259,9 @@ class ChunkWriter:
             self.stats.add(Counter.CAPACITY_DROPS)
             self.room.guards[root.index].refresh()
             note_full(root, error)
-        elif isinstance(error, NotAChunkFile):
-            # A link or file planted where the tree needs a directory: never followed,
-            # this write is dropped, the drive is fine.
+        elif isinstance(error, (NotAChunkFile, FileNotFoundError)):
+            # A link or file planted where the tree needs a directory (never followed), or
+            # the cache directory removed: this write is dropped, the drive is fine.
             self.stats.add(Counter.WRITE_FAILURES)
             logger.warning("NVMe tier: not writing %s: %s",
                            root.layout.chunk_path(job.ns_id, job.digest), error)
@@ -315,20 +269,9 @@ class ChunkWriter:
             self.stats.add(Counter.WRITE_FAILURES)
             self.roots.record_error(root, error)
 
-    def _write_python(self, job: ChunkWrite, root: RootState) -> OSError | None:
-        try:
-            write_chunk_file(root, job, self.engine, self.settings,
-                             self._gpu_checksum if self.record_gpu_checksums else None)
-        except OSError as exc:
-            return exc
-        return None
-
-    # -- the native engine -------------------------------------------------------------
-
     def _dispatch(self, jobs: list[ChunkWrite]) -> None:
-        """Hand queued jobs to the native engine's writers (on the submitting thread: no
-        hand-off); ``_written`` settles them when the batch is done."""
-        assert self.native is not None
+        """Hand queued jobs to the engine's writers (on the submitting thread: no hand-off);
+        ``settle_batch`` settles them when the batch is done."""
         if not jobs:
             return
         victims: list[list[IndexEntry]] = []
@@ -338,7 +281,7 @@ class ChunkWriter:
             return
         placed, victims, shares = self._shares(placed, victims)
         try:
-            self.native.submit_write(shares, functools.partial(
+            self.engine.submit_write(shares, functools.partial(
                 self.settle_batch, placed, victims, time.perf_counter()))
         except BaseException:
             for _, root, size in placed:
@@ -358,7 +301,7 @@ class ChunkWriter:
         if len(groups) > 1:
             order = [i for mine in groups.values() for i in mine]
             placed, victims = [placed[i] for i in order], [victims[i] for i in order]
-        file_mode, dir_mode, fsync = self.native_modes
+        file_mode, dir_mode, fsync = self.modes
         shares: list[engine.WriteShare] = []
         at = 0
         for mine in groups.values():
@@ -369,7 +312,7 @@ class ChunkWriter:
             layout = root.layout
             jobs = [job for job, _, _ in share]
             shares.append((root_descriptor(layout.root_str),
-                           layout.write_naming(first.ns_id, self.native_temp_suffix),
+                           layout.write_naming(first.ns_id, self.temp_suffix),
                            namespace_bytes(first.namespace), first.meta.to_json(), root.direct,
                            file_mode, dir_mode, fsync, layout.chunk_rels(gone),
                            [job.digest for job in jobs], [job.payload for job in jobs],
@@ -435,15 +378,11 @@ class ChunkWriter:
                 write_namespace_file(root.layout, job.ns_id, job.namespace,
                                      self.settings.file_mode)
                 continue
-            error: OSError | None = _os_error(err, root.layout.chunk_path(job.ns_id,
-                                                                          job.digest))
             if err == errno.ENOENT:
-                # The cache directory itself was removed (and maybe made again): the
-                # Python engine opens it afresh by name, and the native engine's next
-                # writes go through the new descriptor.
-                error = self._write_python(job, root)
-            if error is not None:
-                errors[index] = error
+                # The cache directory itself was removed (and maybe made again): this write
+                # is lost, the next ones go through a new descriptor of it.
+                refresh_root_descriptor(root.layout.root_str)
+            errors[index] = _os_error(err, root.layout.chunk_path(job.ns_id, job.digest))
         return errors
 
     def _finish(self, jobs: list[ChunkWrite], all_published: bool = False) -> None:
@@ -467,12 +406,9 @@ class ChunkWriter:
         if not self.flush(timeout_s):
             logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
                            "rest.", timeout_s)
-            if self.native is not None:  # writes not started end as cancelled
-                self.native.cancel_writes()
-                self.flush(CANCEL_WAIT_S)
-        self._finish(self.queue.close())
-        for t in self.threads:
-            t.join()
+            self.engine.cancel_writes()  # writes not started end as cancelled
+            self.flush(CANCEL_WAIT_S)
+        self.queue.close()
 
 
 def _os_error(err: int, path: Path) -> OSError:
@@ -481,16 +417,6 @@ def _os_error(err: int, path: Path) -> OSError:
     if err in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
         return NotAChunkFile(err, "a link or a non-directory in the cache tree (never "
                                   "followed)", str(path))
+    if err == errno.ENOENT:
+        return FileNotFoundError(err, "the cache directory was removed", str(path))
     return OSError(err, os.strerror(err), str(path))
-
-
-def _lower_thread_cpu_priority() -> None:
-    """Make the calling writer thread yield the CPU to the inference engine's threads.
-
-    On Linux a thread is a task with its own nice value; write-back is background
-    work and should never take a core from the engine when the host is busy.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (AttributeError, OSError) as exc:
-        logger.debug("could not lower the writer thread's priority: %s", exc)

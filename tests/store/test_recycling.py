@@ -130,7 +130,7 @@ def test_a_chunk_removed_while_it_is_read_is_a_miss_not_a_bad_file(
     for key in ("a", "b"):
         put(store, key)
     assert store.flush(10)
-    engine = store.native_engine
+    engine = store.engine
     assert engine is not None
     read_batch = engine.read  # a call of one chunk is one share
 

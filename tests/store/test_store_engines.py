@@ -21,10 +21,10 @@ from lmcache_nvme_backend.store.stats import ReadPath, path_counter, read_latenc
 def test_the_store_names_its_engine(open_store: StoreFactory, native_io: str) -> None:
     store = open_store()
     if native_io == "on":
-        assert store.native_engine is not None
+        assert store.engine.name == "native"
         assert store.io_engine_name == f"native ({native.simd()} checksums)"
     else:
-        assert store.native_engine is None
+        assert store.engine.name == "python"
         assert store.io_engine_name == "python (nvme.native_io: off)"
 
 
@@ -35,7 +35,7 @@ def test_native_io_on_refuses_to_start_without_the_extension(
                                               "extension is not built"):
         open_store(native_io="on")
     store = open_store(native_io="auto")  # auto: the Python engine, and the reason why
-    assert store.native_engine is None
+    assert store.engine.name == "python"
     assert store.io_engine_name.startswith("python, slower: the native I/O extension is not "
                                            "built")
     put(store, "a")
@@ -103,7 +103,7 @@ def test_a_batch_of_mixed_outcomes_is_judged_chunk_by_chunk(open_store: StoreFac
 def test_a_call_of_one_layout_is_one_share_and_each_chunk_judged_at_its_place(
         open_store: StoreFactory, native_io: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The common call (every chunk indexed in one namespace and layout on one root) goes to
-    the native engine as one share: a vanished, a damaged and a planted file among served
+    the engine as one share: a vanished, a damaged and a planted file among served
     chunks are each judged at their own place in the call."""
     store = open_store(task_size_mb=0.25)
     size = 600_000
@@ -117,17 +117,14 @@ def test_a_call_of_one_layout_is_one_share_and_each_chunk_judged_at_its_place(
         f.seek(4096 + 300_000)
         f.write(b"\xff")
     shutil.copyfile(store.chunk_path("ok0", NS), store.chunk_path("other", NS))
-    shares = []
-    if native_io == "on":
-        engine = store.native_engine
-        assert engine is not None
-        real = engine.read
-        monkeypatch.setattr(engine, "read",
-                            lambda batch: (shares.extend(len(s[5]) for s in batch), real(batch))[1])
+    shares: list[int] = []
+    real = store.engine.read
+    monkeypatch.setattr(store.engine, "read",
+                        lambda batch: (shares.extend(len(s[5]) for s in batch), real(batch))[1])
     dests = [memoryview(bytearray(size)) for _ in keys]
     assert store.read_into([ChunkRead(k, d) for k, d in zip(keys, dests, strict=True)]) == \
         [True, False, False, True, False]
-    assert shares == ([5] if native_io == "on" else [])
+    assert shares == [5]
     assert bytes(dests[0]) == payload_for("ok0", size)
     assert bytes(dests[3]) == payload_for("ok1", size)
     assert store.counter("checksum_failures") == 1 and store.counter("quarantined_files") == 2

@@ -95,7 +95,7 @@ def test_a_tree_from_a_newer_layout_is_refused_by_name_at_start(open_store: Stor
     root = tmp_path / "newer"
     root.mkdir()
     (root / MARKER_NAME).write_bytes(MARKER_0_2 + b"shard_levels 3\n")
-    with pytest.raises(NVMeConfigError, match=rf"^nvme\.path: {root / MARKER_NAME} says "
+    with pytest.raises(NVMeConfigError, match=rf"^path: {root / MARKER_NAME} says "
                                               r"shard_levels 3, .* Upgrade lmcache-nvme"):
         open_store(root)
     assert sorted(p.name for p in root.iterdir()) == [MARKER_NAME]  # nothing created

@@ -17,31 +17,31 @@ from lmcache_nvme_backend.disk.format import file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.store import ChunkStore, ChunkWrite, TaskOutcome
-from lmcache_nvme_backend.store.task_writes import NativeTaskWrites
+from lmcache_nvme_backend.store.task_writes import TaskWrites
 
 SIZE = file_size_for(CHUNK)
 StoreOpener = Callable[..., ChunkStore]
 
 
-@pytest.fixture
-def native_store(open_store: StoreFactory) -> StoreOpener:
-    """Stores on the native engine (the only one with this path)."""
-    if not native.available():
+@pytest.fixture(params=["on", "off"], ids=["native", "python"])
+def task_store(request: pytest.FixtureRequest, open_store: StoreFactory) -> StoreOpener:
+    """Stores on each engine in turn."""
+    if request.param == "on" and not native.available():
         prerequisites.missing_prerequisite(native.unavailable_reason())
-    return functools.partial(open_store, native_io="on")
+    return functools.partial(open_store, native_io=request.param)
 
 
 @pytest.fixture
 def took_the_task_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """What each ``NativeTaskWrites.submit`` returned (True: the task went this way)."""
+    """What each ``TaskWrites.submit`` returned (True: the task went this way)."""
     returned: list[bool] = []
-    real = NativeTaskWrites.submit
+    real = TaskWrites.submit
 
-    def spy(self: NativeTaskWrites, *args: Any) -> bool:
+    def spy(self: TaskWrites, *args: Any) -> bool:
         returned.append(real(self, *args))
         return returned[-1]
 
-    monkeypatch.setattr(NativeTaskWrites, "submit", spy)
+    monkeypatch.setattr(TaskWrites, "submit", spy)
     return returned
 
 
@@ -61,8 +61,8 @@ def assert_settled(store: ChunkStore) -> None:
 
 
 def test_a_task_of_one_layout_is_admitted_and_published_in_one_step(
-        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
-    store = native_store(max_size_gb=0.05)
+        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    store = task_store(max_size_gb=0.05)
     # the first chunk of a namespace comes back for Python to write its name file
     assert submit(store, ["first"]) == [TaskOutcome(True, CHUNK, [0], [key_digest("first")],
                                                     [SIZE])]
@@ -83,8 +83,8 @@ def test_a_task_of_one_layout_is_admitted_and_published_in_one_step(
 
 
 def test_chunks_stored_or_repeated_are_duplicates_and_the_task_still_succeeds(
-        native_store: StoreOpener, took_the_task_path: list[bool]) -> None:
-    store = native_store(max_size_gb=0.05)
+        task_store: StoreOpener, took_the_task_path: list[bool]) -> None:
+    store = task_store(max_size_gb=0.05)
     put(store, "old")
     assert store.flush(10)
     done = submit(store, ["old", "a", "a", "b"])
@@ -99,9 +99,9 @@ def test_chunks_stored_or_repeated_are_duplicates_and_the_task_still_succeeds(
 
 
 def test_chunks_spread_over_several_paths_are_reported_root_by_root(
-        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
     paths = [tmp_path / "d0", tmp_path / "d1"]
-    store = native_store(*paths, max_size_gb=0.1)
+    store = task_store(*paths, max_size_gb=0.1)
     keys = [f"spread-{i}" for i in range(16)]
     (outcome,) = submit(store, keys)
     assert took_the_task_path == [True] and outcome.ok
@@ -113,8 +113,8 @@ def test_chunks_spread_over_several_paths_are_reported_root_by_root(
 
 
 def test_a_full_budget_evicts_the_least_recently_used_and_their_files_go(
-        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
-    store = native_store(max_size_gb=4.5 * SIZE / (1 << 30))  # room for four chunks
+        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    store = task_store(max_size_gb=4.5 * SIZE / (1 << 30))  # room for four chunks
     assert submit(store, ["old0", "old1", "old2", "old3"])[0].ok
     assert store.contains("old0")  # a use: old1 is now the least recently used
     (outcome,) = submit(store, ["new0", "new1"])
@@ -128,8 +128,8 @@ def test_a_full_budget_evicts_the_least_recently_used_and_their_files_go(
 
 
 def test_no_room_even_after_eviction_goes_chunk_by_chunk(
-        native_store: StoreOpener, took_the_task_path: list[bool]) -> None:
-    store = native_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
+        task_store: StoreOpener, took_the_task_path: list[bool]) -> None:
+    store = task_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
     assert submit(store, ["p0", "p1"])[0].ok
     assert store.pin("p0")
     (outcome,) = submit(store, ["n0", "n1"])  # one fits once p1 is evicted, not both
@@ -141,8 +141,8 @@ def test_no_room_even_after_eviction_goes_chunk_by_chunk(
 
 
 def test_a_write_that_fails_in_the_batch_is_settled_and_the_others_published(
-        native_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
-    store = native_store(max_size_gb=0.05)
+        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+    store = task_store(max_size_gb=0.05)
     keys = ["good0", "bad", "good1"]
     digest = key_digest("bad")
     shard = tmp_path / "cache" / "ns" / namespace_id(NS) / digest[:2]
@@ -159,9 +159,9 @@ def test_a_write_that_fails_in_the_batch_is_settled_and_the_others_published(
 
 
 def test_a_dispatch_that_raises_completes_the_task_and_gives_everything_back(
-        native_store: StoreOpener, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = native_store(max_size_gb=0.05)
-    engine = store.native_engine
+        task_store: StoreOpener, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = task_store(max_size_gb=0.05)
+    engine = store.engine
     assert engine is not None
 
     def broken(shares: Any, on_done: Any) -> None:
@@ -179,9 +179,9 @@ def test_a_dispatch_that_raises_completes_the_task_and_gives_everything_back(
 
 @pytest.mark.parametrize("way", ["task", "chunk writes"])
 def test_chunks_evicted_for_a_share_that_then_does_not_fit_leave_no_file(
-        native_store: StoreOpener, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        task_store: StoreOpener, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         way: str) -> None:
-    store = native_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
+    store = task_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
     assert submit(store, ["old0", "old1"])[0].ok
     guard = store._room.guards[0]
     monkeypatch.setattr(guard, "room_for", lambda size: False)  # the filesystem is full
@@ -197,9 +197,9 @@ def test_chunks_evicted_for_a_share_that_then_does_not_fit_leave_no_file(
 
 
 def test_a_completion_that_fails_still_ends_the_task(
-        native_store: StoreOpener, took_the_task_path: list[bool],
+        task_store: StoreOpener, took_the_task_path: list[bool],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    store = native_store(max_size_gb=0.05)
+    store = task_store(max_size_gb=0.05)
     assert submit(store, ["first"])[0].ok  # the namespace exists: the next task is common
 
     def broken(*args: Any) -> None:

@@ -1,4 +1,5 @@
-"""WriteBackQueue (byte-bounded FIFO) and ReadPriorityGate (writers yield to readers)."""
+"""WriteBackQueue (the bytes handed to the engine, bounded), WriteTask, and ReadPriorityGate
+(the Python engine's writers yield to readers)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 import pytest
 
 from lmcache_nvme_backend.disk.format import TensorMeta
+from lmcache_nvme_backend.io.priority import ReadPriorityGate
 from lmcache_nvme_backend.store.writeback import (
     ChunkWrite,
-    ReadPriorityGate,
     WriteBackQueue,
     WriteTask,
     end_writes,
@@ -77,7 +78,6 @@ def queue() -> Iterator[WriteBackQueue]:
     q = WriteBackQueue(CAPACITY)
     cond = SignallingCondition(q._lock)
     q._cond = cond  # type: ignore[assignment]
-    q._has_jobs = SignallingCondition(q._lock, cond.waiting)  # type: ignore[assignment]
     yield q
     q.close()
 
@@ -98,13 +98,13 @@ def test_job_nbytes_is_payload_length(job: MakeJob) -> None:
 def test_offer_within_capacity(queue: WriteBackQueue, job: MakeJob) -> None:
     assert queue.offer_many([job("a", 400)], wait_s=0)[0]
     assert queue.offer_many([job("b", 600)], wait_s=0)[0]  # exactly at capacity
-    assert (queue.bytes_held, queue.depth) == (1000, 2)
+    assert (queue.bytes_held, queue.accepted) == (1000, 2)
 
 
 def test_offer_beyond_capacity_fails_at_once(queue: WriteBackQueue, job: MakeJob) -> None:
     assert queue.offer_many([job("a", 600)], wait_s=0)[0]
     assert not queue.offer_many([job("b", 401)], wait_s=0)[0]
-    assert (queue.bytes_held, queue.depth) == (600, 1)
+    assert (queue.bytes_held, queue.accepted) == (600, 1)
     assert not cond_of(queue).waiting.is_set()  # it did not block to find out
     assert queue.offer_many([job("c", 400)], wait_s=0)[0]  # a smaller one still fits
 
@@ -112,51 +112,22 @@ def test_offer_beyond_capacity_fails_at_once(queue: WriteBackQueue, job: MakeJob
 def test_job_larger_than_capacity_is_never_accepted(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
     assert not queue.offer_many([job("huge", CAPACITY + 1)], wait_s=0)[0]
-    assert (queue.bytes_held, queue.depth) == (0, 0)
+    assert (queue.bytes_held, queue.accepted) == (0, 0)
 
 
 def test_waiting_offer_succeeds_when_space_is_freed(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
     first = job("a", 800)
     assert queue.offer_many([first], wait_s=0)[0]
-    assert queue.take_share(1, 1) == [first]  # taken; its bytes stay held until done
-    assert queue.bytes_held == 800
+    assert queue.bytes_held == 800  # handed to the engine; its bytes held until done
     second = job("b", 500)
     offerer = Worker(lambda: queue.offer_many([second], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
-    assert queue.depth == 0  # still blocked: nothing enqueued yet
+    assert queue.accepted == 1  # still blocked: nothing accepted yet
     queue.done_many([first])
     assert offerer.finish() is True
-    assert (queue.bytes_held, queue.depth) == (500, 1)
-    assert queue.take_share(1, 1) == [second]
-
-
-def test_take_is_fifo(queue: WriteBackQueue, job: MakeJob) -> None:
-    jobs = [job(str(i), 10 * (i + 1)) for i in range(5)]
-    for j in jobs:
-        assert queue.offer_many([j], wait_s=0)[0]
-    assert [queue.take_share(1, 1)[0] for _ in jobs] == jobs
-    assert queue.depth == 0 and queue.bytes_held == sum(j.nbytes for j in jobs)
-
-
-def test_each_taker_takes_its_share_of_the_queue(queue: WriteBackQueue, job: MakeJob) -> None:
-    jobs = [job(str(i), 1) for i in range(10)]
-    assert all(queue.offer_many(jobs, wait_s=0))
-    assert queue.take_share(4, 16) == jobs[:3]  # a quarter of 10, rounded up
-    assert queue.take_share(4, 2) == jobs[3:5]  # at most 2
-    assert queue.take_share(1, 16) == jobs[5:]  # all the rest
-    queue.done_many(jobs)
-    assert queue.bytes_held == 0 and queue.wait_empty(0)
-
-
-def test_take_blocks_until_a_job_arrives(queue: WriteBackQueue, job: MakeJob) -> None:
-    taker = Worker(lambda: queue.take_share(1, 1))
-    taker.start()
-    assert cond_of(queue).waiting.wait(JOIN_S)
-    j = job("a", 1)
-    assert queue.offer_many([j], wait_s=0)[0]
-    assert taker.finish() == [j]
+    assert (queue.bytes_held, queue.accepted) == (500, 2)
 
 
 def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
@@ -164,9 +135,7 @@ def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
     a, b = job("a", 100), job("b", 200)
     queue.offer_many([a], wait_s=0)
     queue.offer_many([b], wait_s=0)
-    assert queue.wait_empty(0) is False
-    queue.take_share(1, 2)
-    assert queue.wait_empty(0) is False  # taken is not done
+    assert queue.wait_empty(0) is False  # handed over is not done
     queue.done_many([a])
     assert queue.bytes_held == 200 and queue.wait_empty(0) is False
     queue.done_many([b])
@@ -176,7 +145,6 @@ def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
 def test_wait_empty_wakes_on_done(queue: WriteBackQueue, job: MakeJob) -> None:
     a = job("a", 100)
     queue.offer_many([a], wait_s=0)
-    queue.take_share(1, 1)
     waiter = Worker(lambda: queue.wait_empty(60))
     waiter.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
@@ -184,31 +152,11 @@ def test_wait_empty_wakes_on_done(queue: WriteBackQueue, job: MakeJob) -> None:
     assert waiter.finish() is True
 
 
-def test_close_returns_untaken_jobs(queue: WriteBackQueue, job: MakeJob) -> None:
-    a, b, c = job("a", 1), job("b", 2), job("c", 3)
-    for j in (a, b, c):
-        queue.offer_many([j], wait_s=0)
-    assert queue.take_share(1, 1) == [a]
-    assert queue.close() == [b, c]
-    assert queue.depth == 0
-    assert queue.take_share(1, 1) == []
-    assert queue.take_share(3, 5) == []
-    assert queue.close() == []
-
-
 def test_offer_after_close_is_refused(queue: WriteBackQueue, job: MakeJob) -> None:
     queue.close()
     assert queue.offer_many([job("a", 1)], wait_s=0)[0] is False
     assert queue.offer_many([job("b", 1)], wait_s=60)[0] is False
-    assert queue.depth == 0
-
-
-def test_close_wakes_blocked_take(queue: WriteBackQueue) -> None:
-    taker = Worker(lambda: queue.take_share(1, 1))
-    taker.start()
-    assert cond_of(queue).waiting.wait(JOIN_S)
-    queue.close()
-    assert taker.finish() == []
+    assert queue.accepted == 0
 
 
 def test_close_wakes_blocked_offer(queue: WriteBackQueue, job: MakeJob) -> None:
@@ -216,7 +164,7 @@ def test_close_wakes_blocked_offer(queue: WriteBackQueue, job: MakeJob) -> None:
     offerer = Worker(lambda: queue.offer_many([job("b", 1)], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
-    assert [j.key for j in queue.close()] == ["a"]
+    queue.close()
     assert offerer.finish() is False
 
 
@@ -224,7 +172,7 @@ def test_offer_wait_expires(queue: WriteBackQueue, job: MakeJob) -> None:
     queue.offer_many([job("a", CAPACITY)], wait_s=0)
     # returns although nothing freed
     assert queue.offer_many([job("b", 1)], wait_s=0.01)[0] is False
-    assert queue.depth == 1
+    assert queue.accepted == 1
 
 
 # -- ReadPriorityGate -------------------------------------------------------------------------
@@ -303,17 +251,6 @@ def test_gate_wait_is_bounded() -> None:
     assert gate.wait_for_readers() is False
 
 
-def test_handed_over_jobs_hold_their_bytes_until_done_but_are_not_queued(
-        queue: WriteBackQueue, job: MakeJob) -> None:
-    jobs = [job(str(i), 400) for i in range(3)]
-    assert queue.offer_many(jobs, wait_s=0, hand_over=True) == [True, True, False]
-    assert queue.depth == 0 and queue.bytes_held == 800  # the caller writes them itself
-    assert not queue.wait_empty(0.01)
-    queue.done_many(jobs[:2])
-    assert queue.bytes_held == 0 and queue.wait_empty(0.01)
-    assert queue.close() == []
-
-
 # -- WriteTask and end_writes -------------------------------------------------------------
 
 
@@ -371,10 +308,10 @@ def test_a_failing_task_callback_is_logged_not_raised(
 def test_handed_over_batch_that_fits_is_held_at_once(queue: WriteBackQueue,
                                                      job: MakeJob) -> None:
     jobs = [job(str(i), 300) for i in range(3)]
-    assert queue.offer_many(jobs, wait_s=0, hand_over=True) == [True] * 3
-    assert queue.bytes_held == 900 and queue.depth == 0
-    assert queue.offer_many([job("x", 200)], wait_s=0, hand_over=True) == [False]
+    assert queue.offer_many(jobs, wait_s=0) == [True] * 3
+    assert queue.bytes_held == 900
+    assert queue.offer_many([job("x", 200)], wait_s=0) == [False]
     queue.done_many(jobs)
     assert queue.bytes_held == 0 and queue.wait_empty(0.01)
     queue.close()
-    assert queue.offer_many([job("y", 1)], wait_s=0, hand_over=True) == [False]  # closed
+    assert queue.offer_many([job("y", 1)], wait_s=0) == [False]  # closed
