@@ -10,7 +10,7 @@ host buffers.  The parts, each in its own module:
   reservation and LRU eviction, atomic publish;
 * ``reads.py``    reads into host buffers and the judgement of every read;
 * ``shared/``     shared mode: one budget and one index for every process using the
-  directory (``ledger.py``, ``share.py``, ``journal.py``, ``leases.py``, ``janitor.py``);
+  directory (modules ``ledger``, ``account``, ``share``, ``journal``, ``leases``, ``janitor``);
 * ``recovery.py`` the index rebuilt at start, the manifest kept while running;
 * ``stats.py``    counters and histograms.
 

@@ -32,8 +32,8 @@ from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkWrite
 from lmcache_nvme_backend.store.index import IndexEntry
 from lmcache_nvme_backend.store.shared import share
+from lmcache_nvme_backend.store.shared.account import ACCESS_RESOLUTION_S
 from lmcache_nvme_backend.store.shared.ledger import Account, LedgerChain, LedgerDoc
-from lmcache_nvme_backend.store.shared.share import ACCESS_RESOLUTION_S
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,8 @@
 A ``RootMember`` joins the root's ledger (or serves reads only, saying why), renews its
 lease, follows the other members' journals into the index, follows the ledger (its
 account, acknowledgements, spare headroom), keeps headroom ready for writes, and leaves
-cleanly.  Its janitor duties are in ``janitor.py``, its account in ``share.py``.
+cleanly.  Its janitor duties are in ``janitor.py``, its account in ``share.py`` (making
+room) and ``account.py`` (the books).
 """
 
 

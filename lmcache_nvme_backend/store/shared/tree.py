@@ -2,12 +2,13 @@
 
 With ``nvme.shared: true`` this process is a *member* of each of its roots
 (``RootMember``, ``member.py``): it holds an account of the root's one byte budget in the
-root's ledger (``ledger.py``, ``share.py``), says what it publishes, deletes and reads in
-its journal and follows the others' (``journal.py``: its index holds the whole directory,
-so a lookup is a dictionary lookup), renews a lease (``leases.py``), and, when it is the
-janitor, cleans up after members that died (``janitor.py``).  No server, no lock: the
-directory is the only thing the members share, so it works on a local disk and on a
-network filesystem alike.  ``docs/deployment.md`` says what is promised and how fast.
+root's ledger (``ledger.py``; its books ``account.py``, making room ``share.py``), says
+what it publishes, deletes and reads in its journal and follows the others'
+(``journal.py``: its index holds the whole directory, so a lookup is a dictionary
+lookup), renews a lease (``leases.py``), and, when it is the janitor, cleans up after
+members that died (``janitor.py``).  No server, no lock: the directory is the only thing
+the members share, so it works on a local disk and on a network filesystem alike.
+``docs/deployment.md`` says what is promised and how fast.
 
 Three background threads per store: ``nvme-shared`` (journals every ``INGEST_S``, the
 ledger every ``LEDGER_S``, the lease every ``HEARTBEAT_S``), ``nvme-janitor``, and

@@ -1,0 +1,227 @@
+"""The books of this member's account of one shared root's budget, in step with the ledger.
+
+The account (``store/shared/ledger.py``) holds ``cap`` bytes; this member owns ``usage`` bytes of
+chunk files and has ``reserved`` bytes of writes in flight, and writes only while
+``usage + reserved <= cap``.  ``AccountBooks`` keeps those numbers and the chunks behind
+``usage``: it adopts each ledger version (the cap, and the ``freed`` entries of owned chunks
+other members evicted), updates the ledger one change at a time, claims unheld budget from
+the pool, counts what this member publishes, shares its reads, and reports.  Making room by
+evicting, and tidying the ledger, are ``share.py``'s (its ``Account`` is these books too).
+
+An owner can hear that its file is gone (the evicter's journal, a read that misses) before
+it reads the ledger version with the ``freed`` entry, and store the chunk again meanwhile:
+that entry is the earlier file's, so the earlier file is counted apart (*superseded*) until
+its entry comes, or until no eviction of it is pending (it was removed otherwise: ``gc``,
+quarantine), and the new file stays counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from ..catalog import Catalog
+from ..index import IndexEntry
+from ..roots import RootState
+from .journal import JournalWriter, accessed_lines, published_line
+from .ledger import DEPARTED, LIVE, LedgerChain, LedgerDoc, LedgerError
+from .ledger import Account as LedgerAccount
+
+logger = logging.getLogger(__name__)
+
+ACCESS_RESOLUTION_S = 0.05  # a chunk's reads are shared at most this often
+
+
+class Fenced(Exception):
+    """This member's account is gone from the ledger (taken over as dead)."""
+
+
+class AccountBooks:
+    """The bytes this member owns, holds in flight, and may hold, on one root."""
+
+    def __init__(self, root: RootState, member: str, catalog: Catalog, chain: LedgerChain,
+                 refill: int) -> None:
+        self.root = root
+        self.path = root.layout.root
+        self.member = member
+        self._catalog = catalog
+        self.chain = chain
+        self.refill = refill
+        self.journal: JournalWriter | None = None
+        self.fenced = False
+        self.leaving = False
+        self._lock = threading.Lock()  # the fields below, and those ``Account`` adds
+        self._ledger_lock = threading.Lock()  # this process's ledger updates, one at a time
+        self.owned: dict[str, int] = {}
+        # earlier files of chunks stored again before their ``freed`` entry came: sizes
+        self._superseded: dict[str, list[int]] = {}
+        self.usage = 0
+        self.reserved = 0
+        self.cap = 0
+        self._doc_n = 0
+        self._processed = 0  # the last ``freed`` entry applied
+        self._shared_at: dict[str, float] = {}
+        self.doubles: list[tuple[str, str]] = []  # (digest, other owner): for the janitor
+
+    # -- state -----------------------------------------------------------------------
+
+    def headroom(self) -> int:
+        with self._lock:
+            return self.cap - self.usage - self.reserved
+
+    def adopt(self, doc: LedgerDoc) -> None:
+        """Take a ledger version as this member's view: apply the ``freed`` entries (the
+        owned chunks others evicted) and the cap, both from the same version."""
+        with self._lock:
+            if doc.n <= self._doc_n:
+                return
+            self._doc_n = doc.n
+            account = doc.accounts.get(self.member)
+            if account is None or account.state != LIVE:
+                if not self.fenced and not self.leaving:
+                    logger.error("NVMe tier: %s: this member (%s) is no longer in the "
+                                 "directory's ledger (its lease was not renewed in time and "
+                                 "its share was taken over); it stops writing there.",
+                                 self.path, self.member)
+                self.fenced = True
+                return
+            for seq, digest, _size in account.freed:
+                if seq > self._processed:
+                    self.usage -= self._forget(digest)
+                    self._processed = seq
+            self.cap = account.cap
+
+    def update(self, change: Callable[[LedgerDoc], bool]) -> LedgerDoc | None:
+        """One ledger update from this process, adopted; None when the ledger refused."""
+        try:
+            with self._ledger_lock:
+                doc = self.chain.update(change)
+        except Fenced:
+            self.fenced = True
+            return None
+        except (LedgerError, OSError) as exc:
+            logger.warning("NVMe tier: %s: cannot update the directory's ledger: %s",
+                           self.path, exc)
+            return None
+        self.adopt(doc)
+        return doc
+
+    def _mine(self, doc: LedgerDoc) -> LedgerAccount:
+        account = doc.accounts.get(self.member)
+        if account is None or account.state != LIVE:
+            raise Fenced()
+        return account
+
+    # -- writes ----------------------------------------------------------------------
+
+    def _claim(self, want: int) -> bool:
+        """Move up to ``want`` bytes from the pool into this account."""
+        got = 0
+
+        def change(doc: LedgerDoc) -> bool:
+            nonlocal got
+            account = self._mine(doc)
+            got = max(0, min(want, doc.pool()))
+            account.cap += got
+            return got > 0
+
+        return self.update(change) is not None and got > 0
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            self.reserved -= size
+
+    def published(self, entry: IndexEntry, replaced: IndexEntry | None, reserved: int) -> None:
+        """A chunk file this member wrote is in place: it owns it now, and says so."""
+        with self._lock:
+            old = self.owned.get(entry.digest, 0)
+            if old and (replaced is None or replaced.owner != self.member):
+                # the earlier file is gone from the index: a ``freed`` entry may be on its way
+                self._superseded.setdefault(entry.digest, []).append(old)
+                old = 0
+            self.owned[entry.digest] = entry.size
+            self.usage += entry.size - old
+            self.reserved -= reserved
+            if replaced is not None and replaced.owner and replaced.owner != self.member:
+                self.doubles.append((entry.digest, replaced.owner))
+        if self.journal is not None:
+            self.journal.append([published_line(entry.digest, entry.ns_id, entry.size,
+                                                entry.meta)])
+
+    def note_reads(self, digests: Sequence[str], now: float) -> None:
+        """Share this member's reads (recency) with the others, each chunk at most every
+        ``ACCESS_RESOLUTION_S``."""
+        fresh = [d for d in dict.fromkeys(digests)
+                 if now - self._shared_at.get(d, -1e9) >= ACCESS_RESOLUTION_S]
+        if not fresh or self.journal is None:
+            return
+        for d in fresh:
+            self._shared_at[d] = now
+        if len(self._shared_at) > 4 * max(len(fresh), 65536):
+            cutoff = now - ACCESS_RESOLUTION_S
+            self._shared_at = {d: t for d, t in self._shared_at.items() if t >= cutoff}
+        self.journal.append(accessed_lines(fresh))
+
+    # -- superseded files and reports ------------------------------------------------
+
+    def _forget(self, digest: str) -> int:
+        """A ``freed`` entry for ``digest``: the bytes this account stops counting (an
+        earlier file stored over first, see the module doc).  Called with the lock held."""
+        return self._unsupersede(digest) or self.owned.pop(digest, 0)
+
+    def _unsupersede(self, digest: str, size: int | None = None) -> int:
+        """Take one earlier file of ``digest`` (of ``size``, when given) off the superseded
+        ones; its bytes, 0 when there is none.  Called with the lock held."""
+        sizes = self._superseded.get(digest)
+        if not sizes or (size is not None and size not in sizes):
+            return 0
+        taken = sizes[-1] if size is None else size
+        sizes.remove(taken)
+        if not sizes:
+            del self._superseded[digest]
+        return taken
+
+    def owned_lines(self) -> list[bytes]:
+        """``P`` records of every chunk this member owns (a new journal generation's
+        snapshot)."""
+        with self._lock:
+            owned = dict(self.owned)
+        entries = self._catalog.entries(list(owned))
+        return [published_line(d, e.ns_id, size, e.meta)
+                for (d, size), e in zip(owned.items(), entries, strict=True) if e is not None]
+
+    def read_ages(self, now_ns: int) -> tuple[float | None, float | None]:
+        """Seconds since the most and least recent use of the chunks this member owns
+        (skipped for very large accounts: a heartbeat must stay cheap)."""
+        with self._lock:
+            if len(self.owned) > 50_000:
+                return None, None
+            digests = list(self.owned)
+        times = [e.last_access_ns for e in self._catalog.entries(digests) if e is not None]
+        if not times:
+            return None, None
+        return max(0.0, (now_ns - max(times)) / 1e9), max(0.0, (now_ns - min(times)) / 1e9)
+
+    def stats(self) -> dict[str, int]:
+        """The account's counts; a superseded file is still on disk, so it is one of the
+        chunks owned (as its size is in ``owned_bytes``) until it is settled."""
+        with self._lock:
+            files = len(self.owned) + sum(map(len, self._superseded.values()))
+            return {"owned_bytes": self.usage, "owned_chunks": files,
+                    "cap": self.cap, "reserved": self.reserved}
+
+    def departing_cap(self) -> Callable[[LedgerDoc], bool]:
+        """The ledger change of a clean exit: the account keeps exactly what it owns."""
+        with self._lock:
+            headroom = self.cap - self.usage - self.reserved
+
+        def change(doc: LedgerDoc) -> bool:
+            account = doc.accounts.get(self.member)
+            if account is None or account.state != LIVE:
+                return False
+            account.cap -= max(0, headroom)
+            account.state = DEPARTED
+            return True
+
+        return change
