@@ -1,6 +1,6 @@
 /* gilmeter: exact GIL-held time and GIL acquisitions of one CPython process.
  *
- * Loaded with LD_PRELOAD into a CPython 3.11 process (bench/bench_ceiling.py builds and
+ * Loaded with LD_PRELOAD into a CPython 3.11 process (bench/instruments/bench_ceiling.py builds and
  * loads it).  CPython takes and drops the GIL under the GIL's own pthread mutex: take_gil
  * sets gil->locked = 1 and drop_gil sets it to 0, each before unlocking that mutex.  This
  * library wraps pthread_mutex_unlock; once told where the GIL's mutex is

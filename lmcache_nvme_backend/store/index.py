@@ -44,8 +44,8 @@ class ChunkIndex:
     ``None`` and cycle-free entries all the way down), so the cycle collector does not track
     them (``native.gc_untrack``): otherwise every full collection visits each entry twice
     with the GIL held, about 0.17 s per million entries here, and the engine stalls that
-    long (``bench/bench_gc_pause.py``).  A dict is tracked again when an entry is put in it,
-    hence the call in ``add``.
+    long (``bench/instruments/bench_gc_pause.py``).  A dict is tracked again when an entry
+    is put in it, hence the call in ``add``.
     """
 
     def __init__(self, budgets: list[int]) -> None:

@@ -5,8 +5,8 @@ The page cache is never dropped here (``--no-drop-caches``, or the script's defa
 smoke run must not disturb whatever else the machine is measuring.  A script that needs a
 tool the project does not install (fio, valgrind, perf, a C compiler) skips, saying which.
 Also here: the rules ``bench/`` keeps (no script imports another or ``tests/``; every
-script has a smoke test) and the docs' references to it (every ``bench/`` path they name
-exists, every link into the benchmark pages lands on a heading).
+script has a smoke test) and the references to it (every ``bench/`` path the docs and the
+code name exists, every link into the benchmark pages lands on a heading).
 """
 
 from __future__ import annotations
@@ -317,6 +317,20 @@ def test_docs_name_bench_scripts_that_exist(doc: Path) -> None:
     named = set(re.findall(r"bench/[\w/]+\.(?:py|c)\b", doc.read_text()))
     missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
     assert not missing, f"{doc.name} names {missing}"
+
+
+def test_code_names_bench_scripts_that_exist() -> None:
+    """The package's, the tests', the examples' and bench/'s own files name only bench/
+    paths that exist (docstrings and comments go stale when a script moves)."""
+    stale = []
+    for top in ("lmcache_nvme_backend", "tests", "examples", "bench"):
+        for path in sorted((REPO_ROOT / top).rglob("*")):
+            if path.suffix not in (".py", ".c", ".sh", ".md", ".yaml") or not path.is_file():
+                continue
+            named = set(re.findall(r"(?<![\w/])bench/[\w/]+\.(?:py|c)\b", path.read_text()))
+            stale += [f"{path.relative_to(REPO_ROOT)}: {name}" for name in sorted(named)
+                      if not (REPO_ROOT / name).exists()]
+    assert not stale, stale
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

@@ -6,7 +6,8 @@ each other's chunks and compare every byte, while the bytes on disk are sampled 
 on one directory; ``gluster``: two members on each of two FUSE mounts of one GlusterFS
 volume (two "nodes"; the samples are taken on the brick, where the files really are).
 The 60 s acceptance runs, with the per-process budgets of earlier versions beside them,
-are ``bench/bench_shared.py``.
+are recorded in docs/benchmarks.md and docs/development-log.md (shared mode); the script
+that ran them was removed once they were (that log says where it is).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Cold reads of a shared directory (bench/bench_shared.py cold).
+"""Cold reads of a shared directory.
 
 ``python -m support.cold_reads write CACHE N`` stores N chunks of 1 MiB in shared mode;
 ``python -m support.cold_reads read CACHE N`` (a new process, after the page cache was
 dropped) looks each up and reads it in batches of 16, compares every byte outside the
-timed reads, and prints one JSON line with the GB/s of the reads.
+timed reads, and prints one JSON line with the GB/s of the reads.  Run by hand: no test
+runs it; the cold reads in docs/development-log.md (shared mode, local against GlusterFS)
+were taken with it, by a script removed once they were recorded (that page says where it
+is).
 """
 
 from __future__ import annotations

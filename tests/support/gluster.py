@@ -1,5 +1,5 @@
 """A GlusterFS volume on this machine, mounted twice: two "nodes" on one distributed
-filesystem, for the shared-mode tests and bench/bench_shared.py.
+filesystem, for the shared-mode tests (tests/robustness/test_robustness_shared_budget.py).
 
 Debian's ``glusterfs-server`` and ``glusterfs-client`` are installed on first use (root +
 apt-get, ``support.system_packages``).  ``glusterd`` is started with a private working

@@ -1,5 +1,5 @@
 """A shared-mode lookup loop between two marker system calls, for ``strace``
-(tests/robustness/test_robustness_shared_budget.py, bench/bench_shared.py).
+(tests/robustness/test_robustness_shared_budget.py).
 
 ``python -m support.lookup_loop CACHE N``: two members on CACHE, one publishes 200
 chunks, the other looks up N keys (hits and misses alternating) between opening the

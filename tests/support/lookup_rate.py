@@ -1,8 +1,10 @@
-"""Shared-mode lookups per second, hits and misses (bench/bench_shared.py lookups).
+"""Shared-mode lookups per second, hits and misses.
 
 ``python -m support.lookup_rate CACHE N``: one member publishes 200 chunks, another looks
 up N keys it has and N it has not, and prints one JSON line.  Runs with earlier versions
-of the store too (no ``refresh_shared``: a lookup looked on disk then).
+of the store too (no ``refresh_shared``: a lookup looked on disk then).  Run by hand: no
+test runs it; the lookup rates in docs/benchmarks.md (shared mode) were taken with it, by
+a script removed once they were recorded (docs/development-log.md says where it is).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """One member of a shared cache directory, for the shared-budget tests
-(tests/robustness/test_robustness_shared_budget.py) and bench/bench_shared.py.
+(tests/robustness/test_robustness_shared_budget.py).
 
 Run as ``python -m support.shared_member ROLE CACHE --budget-bytes N ...``:
 

@@ -1,5 +1,6 @@
 """Running several ``support.shared_member`` processes on one cache directory while the
-bytes on disk are sampled (the shared-budget tests and bench/bench_shared.py)."""
+bytes on disk are sampled (the shared-budget tests,
+tests/robustness/test_robustness_shared_budget.py)."""
 
 from __future__ import annotations
 
