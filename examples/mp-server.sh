@@ -3,8 +3,9 @@
 # vLLM connects with LMCacheMPConnector (see examples/vllm-recipes.md); SGLang with
 # --enable-lmcache --lmcache-config-file examples/sglang-lmcache.yaml (examples/sglang-recipe.md).
 # adapter_params take the nvme.<name> settings without the prefix (docs/configuration.md).
-# The variables below are checked, and the adapter's settings validated, before the server
-# starts: a mistake is the first thing printed, naming the variable (exit status 2).
+# The variables below are checked, the adapter's settings validated and its directories
+# checked before the server starts: a mistake is the first thing printed, naming the variable
+# (exit status 2).
 #
 #   CACHE_DIR=/mnt/nvme0/lmcache MAX_SIZE_GB=500 examples/mp-server.sh
 set -euo pipefail
@@ -34,7 +35,8 @@ if [[ -z $LMCACHE_BIN ]]; then
 fi
 
 # Check the variables and build the --l2-adapter JSON (validated by the adapter's own config
-# class, as the server will), so that a bad value stops here with its variable named.
+# class, as the server will; the cache directories checked with check_paths, as the store will
+# when it opens them), so that a bad value stops here with its variable named.
 L2_ADAPTER=$(CACHE_DIR=$CACHE_DIR MAX_SIZE_GB=$MAX_SIZE_GB MIN_FREE_GB=$MIN_FREE_GB \
              PORT=$PORT HTTP_PORT=$HTTP_PORT L1_GB=$L1_GB \
              LMCACHE_LOG_LEVEL=${LMCACHE_LOG_LEVEL:-WARNING} "$PYTHON" - <<'PY'
@@ -72,12 +74,12 @@ number("L1_GB", 20, 0, above=True)
 number("PORT", 5555, 1, integer=True, maximum=65535)
 number("HTTP_PORT", 8080, 1, integer=True, maximum=65535)
 try:
-    from lmcache_nvme_backend import NVMeConfigError, NVMeL2AdapterConfig
+    from lmcache_nvme_backend import NVMeConfigError, NVMeL2AdapterConfig, check_paths
 except ImportError as exc:
     fail(f"{sys.executable} cannot import lmcache_nvme_backend ({exc}); install this package "
          "(pip install -e .) where lmcache is installed, or set PYTHON to that interpreter")
 try:
-    NVMeL2AdapterConfig.from_dict(params)
+    check_paths(NVMeL2AdapterConfig.from_dict(params).settings)
 except NVMeConfigError as exc:
     fail(f"the NVMe tier would not start (CACHE_DIR={cache_dir!r}, "
          f"MAX_SIZE_GB={os.environ['MAX_SIZE_GB']!r}, "

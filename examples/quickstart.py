@@ -32,7 +32,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # its warnings: explained i
 
 import torch  # noqa: E402
 
-from lmcache_nvme_backend import NVMeConfigError, NVMeSettings  # noqa: E402
+from lmcache_nvme_backend import NVMeConfigError, NVMeSettings, check_paths  # noqa: E402
 from lmcache_nvme_backend.adapters.hashing import token_hashing  # noqa: E402
 from lmcache_nvme_backend.testing.engine import (  # noqa: E402
     CPU_TIER,
@@ -79,7 +79,7 @@ def main() -> None:
                          "nvme.min_free_gb": 0.5},
     })
     try:  # the checks the tier runs at start, before LMCache swallows them into a log line
-        NVMeSettings.from_extra_config(config.extra_config)
+        check_paths(NVMeSettings.from_extra_config(config.extra_config))
     except NVMeConfigError as exc:
         raise SystemExit(f"quickstart: {exc}") from None
     hashing = token_hashing(config.pre_caching_hash_algorithm)

@@ -9,8 +9,9 @@ and likewise ``NVMeConnector`` (``remote_storage_plugins``) and ``NVMeL2Adapter`
 (``lmcache server --l2-adapter``, type ``plugin``).
 
 The names in ``__all__`` are the public Python API (``docs/api.md``), stable
-from 0.2 on: the settings, the chunk store for tools that read or fill a cache
-directory, and the three adapters.  The storage core (``disk``, ``io``,
+from 0.2 on: the settings and ``check_paths`` (the start-up check of their
+directories), the chunk store for tools that read or fill a cache directory, and
+the three adapters.  The storage core (``disk``, ``io``,
 ``store``) imports neither LMCache nor torch; the adapters are imported only
 when first used.
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .config import NVMeConfigError, NVMeSettings
 from .disk.format import TensorMeta
 from .store import ChunkRead, ChunkStore, ChunkWrite, SubmitResult
+from .store.access import check_paths
 
 __version__ = "0.2.0"
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "SubmitResult",
     "TensorMeta",
     "__version__",
+    "check_paths",
 ]
 
 if TYPE_CHECKING:

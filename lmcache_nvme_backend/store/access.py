@@ -17,6 +17,10 @@ it.  Only directories are checked (a few per namespace, up to 256 shard director
 stays a miss when it is asked for.  A process running as root skips the walk (it may use
 every directory), and so does one on a read-only filesystem (a shared-mode member that
 only reads there).
+
+``check_paths`` runs the same check on every configured path without opening a store: the
+pre-start check of a launcher (``examples/quickstart.py``, ``examples/mp-server.sh``), which
+would otherwise learn of an unusable directory only from LMCache's log.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pwd
 import stat
 from pathlib import Path
 
-from ..config import EXTRA_CONFIG_PREFIX, NVMeConfigError
+from ..config import EXTRA_CONFIG_PREFIX, NVMeConfigError, NVMeSettings
 from ..disk.probe import PathProbe, path_problem, probe_path
 
 
@@ -68,6 +72,23 @@ def require_usable_root(path: Path, shared: bool = False,
     if probe.unusable:
         raise path_error(key_prefix, *_tree_problem(probe.path, list(probe.unusable)))
     return probe
+
+
+def check_paths(settings: NVMeSettings) -> None:
+    """Check every directory of ``settings.paths`` as the store does when it opens it, and
+    raise ``NVMeConfigError`` for the first one it would refuse, naming the setting
+    (``<key_prefix>path``), the directory and the fix: a path that is not a directory or
+    cannot be created, a directory in which no file can be created (in ``shared`` mode a
+    cache directory this process may only read is fine), a marker written by a newer
+    version, a tree whose directories this process cannot use.
+
+    Creates nothing (one probe file per path, removed at once): a missing directory passes
+    when it can be created where its nearest existing parent is.  Parsing the settings
+    (``NVMeSettings.from_*``) only validates them; this is the check that touches the
+    filesystem, for a launcher to run before it starts the server.
+    """
+    for path in settings.paths:
+        require_usable_root(path, settings.shared, settings.key_prefix)
 
 
 def _tree_problem(root: Path, problems: list[Path]) -> tuple[str, str]:

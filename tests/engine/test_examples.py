@@ -29,6 +29,7 @@ from support.paths import EXAMPLES_DIR, MP_SERVER_SCRIPT, REPO_ROOT
 import lmcache_nvme_backend
 from lmcache_nvme_backend.adapters.l2_adapter import NVMeL2AdapterConfig
 from lmcache_nvme_backend.config import NVMeSettings
+from lmcache_nvme_backend.disk.layout import MARKER_NAME, marker_text
 from lmcache_nvme_backend.testing.engine import (
     build_engine,
     chunk_keys,
@@ -188,6 +189,20 @@ def test_mp_server_script_shows_the_adapters_own_error_first(tmp_path: Path) -> 
     first = proc.stderr.splitlines()[0]
     assert first.startswith("mp-server.sh: the NVMe tier would not start (CACHE_DIR=")
     assert f"adapter_params.path: '{not_a_dir}' exists and is not a directory" in first
+
+
+def test_mp_server_script_checks_the_cache_directory_before_starting(tmp_path: Path) -> None:
+    """What only the directory tells (here a cache tree from a newer layout) stops the
+    script too, not only the server's log: the adapter's config class parses it fine."""
+    newer = tmp_path / "cache"
+    newer.mkdir()
+    (newer / MARKER_NAME).write_bytes(marker_text(3))
+    proc, argv = run_mp_server(tmp_path, CACHE_DIR=str(newer), MAX_SIZE_GB="7")
+    assert proc.returncode == 2 and argv is None, proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("mp-server.sh: the NVMe tier would not start (CACHE_DIR=")
+    assert f"adapter_params.path: {newer / MARKER_NAME} says shard_levels 3" in first
+    assert sorted(p.name for p in newer.iterdir()) == [MARKER_NAME]  # nothing created
 
 
 def bash_blocks(markdown: str) -> list[str]:

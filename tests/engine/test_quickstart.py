@@ -12,6 +12,7 @@ from support.paths import EXAMPLES_DIR
 from support.process import child_env
 
 from lmcache_nvme_backend.adapters.hashing import vllm_installed
+from lmcache_nvme_backend.disk.layout import MARKER_NAME, marker_text
 
 QUICKSTART = EXAMPLES_DIR / "quickstart.py"
 
@@ -52,3 +53,18 @@ def test_a_file_as_cache_dir_exits_with_the_message(tmp_path: Path) -> None:
         f"quickstart: nvme.path: '{a_file}' exists and is not a directory. Point it at a "
         "directory (it is created if missing).")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_cache_dir_from_a_newer_layout_exits_before_the_engine_starts(tmp_path: Path) -> None:
+    """The settings parse; the directory check (check_paths) refuses the tree, before
+    LMCache would turn the same error into a log line."""
+    newer = tmp_path / "cache"
+    newer.mkdir()
+    (newer / MARKER_NAME).write_bytes(marker_text(3))
+    proc = quickstart("--cache-dir", newer)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"quickstart: nvme.path: {newer / MARKER_NAME} says shard_levels 3, ")
+    assert "Upgrade lmcache-nvme-backend" in last
+    assert "token hashing" not in proc.stdout  # stopped before anything else
+    assert sorted(p.name for p in newer.iterdir()) == [MARKER_NAME]

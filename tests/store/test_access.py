@@ -1,5 +1,6 @@
 """store/access.py: a cache tree whose directories another user created is refused at start
-with the directory, its owner and the fix, never with a bare ``Permission denied``.
+with the directory, its owner and the fix, never with a bare ``Permission denied``; and
+``check_paths``, the same check of every configured path before any store opens.
 
 The store runs as ``nobody`` in a child process (``support.other_user``) on a tree that
 root created, as when a server was once started as root.
@@ -7,6 +8,7 @@ root created, as when a server was once started as root.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import shutil
@@ -21,7 +23,16 @@ from support.prerequisites import missing_prerequisite
 from support.process import child_env, module_command
 from support.stores import StoreFactory
 
-from lmcache_nvme_backend.disk.layout import RootLayout, key_digest, namespace_id
+from lmcache_nvme_backend import NVMeSettings, check_paths
+from lmcache_nvme_backend.config import ADAPTER_PARAMS_PREFIX, NVMeConfigError
+from lmcache_nvme_backend.disk import probe as probe_mod
+from lmcache_nvme_backend.disk.layout import (
+    MARKER_NAME,
+    RootLayout,
+    key_digest,
+    marker_text,
+    namespace_id,
+)
 
 USER = "nobody"
 
@@ -107,3 +118,76 @@ def test_the_tree_given_to_the_service_user_opens_with_its_chunks(
     chown_tree(root_made_tree, other_user)
     proc = run_as(other_user, "open-store", root_made_tree)
     assert proc.stdout.strip() == "OPENED 1", proc.stdout + proc.stderr[-3000:]
+
+
+def test_check_paths_refuses_what_the_tree_walk_refuses_and_changes_nothing(
+        other_user: str, root_made_tree: Path) -> None:
+    os.chown(root_made_tree, pwd.getpwnam(other_user).pw_uid, -1)
+    before = tree_state(root_made_tree)
+    checked = run_as(other_user, "check-paths", root_made_tree)
+    opened = run_as(other_user, "open-store", root_made_tree)
+    assert checked.stdout.startswith("REFUSED path: "), checked.stdout + checked.stderr[-3000:]
+    assert checked.stdout == opened.stdout  # the store's own words
+    assert tree_state(root_made_tree) == before
+    chown_tree(root_made_tree, other_user)
+    assert run_as(other_user, "check-paths", root_made_tree).stdout.strip() == "USABLE"
+
+
+# check_paths: what parsing the settings cannot tell, named with the settings' own key
+
+NEWER_MARKER = marker_text(3)  # a layout this version does not know
+
+
+def entries(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def extra_config_settings(*paths: Path, **more: object) -> NVMeSettings:
+    return NVMeSettings.from_extra_config({"nvme.path": [str(p) for p in paths],
+                                           "nvme.max_size_gb": 1, "nvme.min_free_gb": 0,
+                                           **{f"nvme.{k}": v for k, v in more.items()}})
+
+
+def test_check_paths_passes_usable_paths_and_creates_nothing(tmp_path: Path) -> None:
+    existing = tmp_path / "nvme0"
+    existing.mkdir()
+    missing = tmp_path / "nvme1" / "cache"  # created by the store, not by the check
+    check_paths(extra_config_settings(existing, missing))
+    assert entries(tmp_path) == {"nvme0"}
+
+
+def test_check_paths_names_the_key_of_a_path_below_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "mnt" / "cache"
+    settings = extra_config_settings(tmp_path / "ok", target)  # fine when parsed ...
+    (tmp_path / "mnt").write_text("x")  # ... then its parent became a file
+    with pytest.raises(NVMeConfigError) as refused:
+        check_paths(settings)
+    assert str(refused.value) == (f"nvme.path: cannot create '{target}': Not a directory. "
+                                  "Create it yourself or choose a writable location.")
+    assert entries(tmp_path) == {"mnt"}
+
+
+def test_check_paths_refuses_a_tree_from_a_newer_layout(tmp_path: Path) -> None:
+    fine, newer = tmp_path / "nvme0", tmp_path / "nvme1"
+    newer.mkdir()
+    (newer / MARKER_NAME).write_bytes(NEWER_MARKER)
+    settings = NVMeSettings.from_params({"path": [str(fine), str(newer)], "max_size_gb": 1},
+                                        key_prefix=ADAPTER_PARAMS_PREFIX)  # parsing passes
+    with pytest.raises(NVMeConfigError,
+                       match=rf"^adapter_params\.path: {newer / MARKER_NAME} says shard_levels "
+                             r"3, .* Upgrade lmcache-nvme-backend"):
+        check_paths(settings)
+    assert entries(tmp_path) == {"nvme1", f"nvme1/{MARKER_NAME}"}
+
+
+def test_check_paths_passes_shared_on_a_cache_directory_it_may_only_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / MARKER_NAME).write_bytes(marker_text(1))
+    monkeypatch.setattr(probe_mod, "_probe_file",  # what a non-root user meets: EACCES
+                        lambda directory: OSError(errno.EACCES, os.strerror(errno.EACCES)))
+    with pytest.raises(NVMeConfigError, match=rf"^nvme\.path: '{cache}' is not writable "
+                                              r"\(Permission denied\)\. Grant this process"):
+        check_paths(extra_config_settings(cache))
+    check_paths(extra_config_settings(cache, shared=True))  # a member that only reads there

@@ -3,6 +3,9 @@
 ``python -m support.other_user USER open-store CACHE_DIR``
     opens a ``ChunkStore`` on CACHE_DIR and prints ``OPENED <entries>``, or
     ``REFUSED <message>`` when the settings or the tree are refused.
+``python -m support.other_user USER check-paths CACHE_DIR``
+    runs ``check_paths`` on CACHE_DIR's settings and prints ``USABLE``, or
+    ``REFUSED <message>``.
 ``python -m support.other_user USER cli ARGS...``
     runs ``lmcache-nvme ARGS`` and exits with its status.
 
@@ -21,8 +24,9 @@ import yaml  # noqa: F401  (check-config reads YAML after the switch)
 
 from lmcache_nvme_backend.cli import main as cli_main
 from lmcache_nvme_backend.config import NVMeConfigError
+from lmcache_nvme_backend.store.access import check_paths
 
-from .stores import open_store
+from .stores import open_store, store_settings
 
 
 def become(user: str) -> None:
@@ -39,6 +43,14 @@ def main() -> int:
     become(user)
     if command == "cli":
         return cli_main(args)
+    if command == "check-paths":
+        try:
+            check_paths(store_settings(args[0]))
+        except NVMeConfigError as exc:
+            print(f"REFUSED {exc}", flush=True)
+            return 0
+        print("USABLE", flush=True)
+        return 0
     try:
         store = open_store(args[0])
     except NVMeConfigError as exc:

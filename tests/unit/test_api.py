@@ -15,7 +15,7 @@ import lmcache_nvme_backend
 
 PUBLIC = {"ChunkRead", "ChunkStore", "ChunkWrite", "NVMeBackend", "NVMeConfigError",
           "NVMeConnector", "NVMeL2Adapter", "NVMeL2AdapterConfig", "NVMeSettings",
-          "SubmitResult", "TensorMeta", "__version__"}
+          "SubmitResult", "TensorMeta", "__version__", "check_paths"}
 
 
 def test_all_lists_the_documented_names_and_each_resolves() -> None:
