@@ -9,7 +9,7 @@ from .index import IndexEntry
 from .reads import ChunkRead, ReadPlan
 from .roots import RootInfo
 from .stats import Counter, ReadPath
-from .writeback import ChunkWrite, SubmitResult, TaskOutcome, WriteTask
+from .writeback import ChunkWrite, SubmitResult, TaskOutcome
 
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "Counter", "IndexEntry", "ReadPath",
-           "ReadPlan", "RootInfo", "SubmitResult", "TaskOutcome", "WriteTask"]
+           "ReadPlan", "RootInfo", "SubmitResult", "TaskOutcome"]

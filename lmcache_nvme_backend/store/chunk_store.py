@@ -52,11 +52,11 @@ from .room import Room
 from .roots import RootInfo, Roots
 from .shared.tree import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
-from .writeback import ChunkWrite, SubmitResult, TaskOutcome, WriteTask
+from .writeback import ChunkWrite, SubmitResult, TaskOutcome
 from .writer import ChunkWriter
 
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult",
-           "TaskOutcome", "WriteTask"]
+           "TaskOutcome"]
 
 #: The ``stats()`` key of the chunks accepted into the write-back queue: the queue counts
 #: them under the lock it holds anyway, not ``StoreStats``.

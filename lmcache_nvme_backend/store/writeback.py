@@ -55,14 +55,13 @@ class ChunkWrite:
 
     ``payload`` stays valid until the store calls ``release``, which it does
     exactly once whatever happens to the write; ``persisted`` is set and then
-    ``on_persisted`` runs once the chunk file is published (before ``release``).  A write
-    of a :class:`WriteTask` has no ``release`` of its own: its task ends once for all of
-    its writes.  What the store derives from the key (its UTF-8, the digest that names the
-    file, the namespace's directory id) is computed once here.
+    ``on_persisted`` runs once the chunk file is published (before ``release``).  What the
+    store derives from the key (its UTF-8, the digest that names the file, the namespace's
+    directory id) is computed once here.
     """
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "nbytes",
-                 "file_size", "key_bytes", "digest", "ns_id", "persisted", "task")
+                 "file_size", "key_bytes", "digest", "ns_id", "persisted")
 
     def __init__(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
                  release: Callable[[], None] | None = None,
@@ -73,86 +72,12 @@ class ChunkWrite:
         self.payload = payload
         self.release = release
         self.on_persisted = on_persisted
-        self.task: WriteTask | None = None
         self.nbytes = nbytes = len(payload)
         self.file_size = file_size_for(nbytes)  # bytes on disk, header and padding too
         self.key_bytes = key_bytes = text_bytes(key)
         self.digest = digest_of_key_bytes(key_bytes)  # names the chunk file
         self.ns_id = namespace_id(namespace)  # names the namespace directory
         self.persisted = False
-
-
-class WriteTask:
-    """Writes submitted together that end together (an L2 store task): ``on_done(task)``
-    runs once, after every write ended (published, duplicate or dropped; each write's
-    ``persisted`` is final then), on the thread that ended the last of them.
-
-    It counts one share per write and one for the submitter, which ends it after
-    ``results`` is set: ``on_done`` never sees a task still being submitted.  The writes
-    end in as many calls as the store makes (one per written batch, usually), not one per
-    write.
-    """
-
-    __slots__ = ("writes", "on_done", "results", "_left", "_lock")
-
-    def __init__(self, writes: Sequence[ChunkWrite],
-                 on_done: Callable[[WriteTask], None]) -> None:
-        self.writes = writes
-        self.on_done = on_done
-        self.results: list[SubmitResult] | None = None  # None: the submission failed
-        self._left = len(writes) + 1
-        self._lock = threading.Lock()
-        for write in writes:
-            write.task = self
-
-    def ended(self, count: int) -> None:
-        """``count`` shares ended; the last one calls ``on_done``."""
-        with self._lock:
-            self._left -= count
-            if self._left:
-                return
-        try:
-            self.on_done(self)
-        except Exception:  # a caller's callback must not break the store's thread
-            logger.exception("NVMe tier: completing a store task failed")
-
-
-def outcome_of(task: WriteTask) -> TaskOutcome:
-    """A finished task's outcome (its writes' ``persisted`` are final)."""
-    results = task.results
-    ok, nbytes = results is not None, 0
-    stored: list[int] = []
-    digests: list[str] = []
-    sizes: list[int] = []
-    for i, write in enumerate(task.writes):
-        if write.persisted:
-            nbytes += write.nbytes
-            if write.nbytes:
-                stored.append(i)
-                digests.append(write.digest)
-                sizes.append(write.file_size)
-        elif results is None or results[i] is not SubmitResult.DUPLICATE:
-            ok = False
-    return TaskOutcome(ok, nbytes, stored, digests, sizes)
-
-
-def end_writes(writes: Sequence[ChunkWrite]) -> None:
-    """Hand ended writes back: each task once for its writes among them, each other write
-    to its own ``release``."""
-    if not writes:
-        return
-    first = writes[0].task
-    if first is not None and (len(writes) == 1 or all(w.task is first for w in writes)):
-        first.ended(len(writes))  # a task's batch: its writes end in one call
-        return
-    for write in writes:
-        try:
-            if write.task is not None:
-                write.task.ended(1)
-            elif write.release is not None:
-                write.release()
-        except Exception:  # one caller's callback must not keep the rest
-            logger.exception("NVMe tier: releasing the buffer of %s failed", write.key)
 
 
 class WriteBackQueue:
@@ -185,23 +110,23 @@ class WriteBackQueue:
         with self._lock:
             return self._accepted
 
-    def offer_many(self, jobs: list[ChunkWrite], wait_s: float) -> list[bool]:
-        """Account each job if there is room, waiting up to ``wait_s`` in all for it; per job,
-        whether it was accepted (the caller hands the accepted ones to the engine)."""
-        if self.hold(sum([job.nbytes for job in jobs]), len(jobs)):
-            return [True] * len(jobs)  # the common case: the whole batch fits now
+    def offer(self, sizes: Sequence[int], wait_s: float) -> list[bool]:
+        """Account each job of ``sizes`` bytes if there is room, waiting up to ``wait_s`` in
+        all for it; per job, whether it was accepted (the caller hands those to the engine)."""
+        if self.hold(sum(sizes), len(sizes)):
+            return [True] * len(sizes)  # the common case: the whole batch fits now
         deadline = time.monotonic() + wait_s
         accepted: list[bool] = []
         with self._lock:
-            for job in jobs:
-                while not self._closed and self._bytes + job.nbytes > self.capacity:
+            for nbytes in sizes:
+                while not self._closed and self._bytes + nbytes > self.capacity:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
                     self._wait(remaining)
-                fits = not self._closed and self._bytes + job.nbytes <= self.capacity
+                fits = not self._closed and self._bytes + nbytes <= self.capacity
                 if fits:
-                    self._bytes += job.nbytes
+                    self._bytes += nbytes
                     self._accepted += 1
                 accepted.append(fits)
         return accepted
@@ -215,10 +140,6 @@ class WriteBackQueue:
             self._bytes += nbytes
             self._accepted += count
             return True
-
-    def done_many(self, jobs: list[ChunkWrite]) -> None:
-        """The jobs were written (or dropped): their bytes and count leave the queue."""
-        self.release(sum([job.nbytes for job in jobs]), len(jobs))
 
     def release(self, nbytes: int, count: int) -> None:
         """``count`` jobs of ``nbytes`` in all were written (or dropped)."""

@@ -1,56 +1,67 @@
-"""Writing chunks: admission, placement, hand-over to the I/O engine, publishing.
+"""Writing chunks: one admission, one placement, one settlement, for every store call.
 
-A store call registers its chunks, accounts their bytes in the byte-bounded queue, picks
-each chunk's root (rendezvous hashing over healthy roots), reserves the file's bytes
-against that root's budget (evicting least recently used, unpinned chunks, and more while
-the filesystem is below ``nvme.min_free_gb``) and hands the batch to the engine as write
-shares (``io/engine.py``), on the submitting thread.  The engine's writers, at a low CPU
-priority, write ``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place; the batch's
-completion indexes each chunk, and only then is its host memory released.  A whole store
-task in the common case takes a shorter path (``task_writes.py``).  Room and eviction:
-``room.py``.
+A store call (a task: keys, namespaces, metadata and payloads as columns) is taken per
+layout (one metadata object and namespace: a task's chunks nearly always share one) in one
+admission step: payload sizes checked, chunks too big for the queue, the budget or the
+header dropped, duplicates of chunks stored or being stored dropped, the payload bytes
+accounted in the byte-bounded queue (``nvme.queue_full_policy``: wait for room or drop).
+Placement (``placement.py``) picks each chunk's root (rendezvous hashing over healthy
+roots) and reserves its bytes against that root's budget (evicting least recently used,
+unpinned chunks, and more while the filesystem is below ``nvme.min_free_gb``), a root's
+share as one amount when it fits.  The batch goes to the engine as one write share per
+root (``io/engine.py``), on the submitting thread; the engine's writers, at a low CPU
+priority, write ``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place.  The
+batch's completion settles it in one step: the chunks written are indexed together, each
+one that was not is counted by its reason, and only then is the call told (and its host
+memory released).
+
+Python decides once per layout and takes each lock once per call (the queue's, the
+catalogue's at admission and at publication); what runs per chunk is its digest and its
+index entry: on a big server one process moves every chunk through one interpreter
+(``docs/benchmarks.md``, "GIL ceiling").
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
-import operator
-import os
+import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from ..config import NVMeSettings
-from ..disk.format import TensorMeta, max_key_bytes, namespace_bytes
-from ..disk.gpusum import host_checksum
-from ..disk.layout import temp_name
-from ..disk.safe_fs import refresh_root_descriptor, root_descriptor
-from ..io import engine
-from ..io.engine import ChunkEngine
-from ..io.posix import NotAChunkFile
+from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
+from ..disk.layout import digest_of_key_bytes, namespace_id, temp_name
+from ..io.engine import Batch, ChunkEngine
 from .catalog import Catalog
-from .index import IndexEntry
+from .placement import Placed, Placement
 from .room import Room
-from .roots import Roots, RootState, note_full, note_space, write_namespace_file
+from .roots import Roots
 from .stats import Counter, StoreStats
-from .task_writes import OnTaskDone, TaskWrites
-from .writeback import (
-    ChunkWrite,
-    SubmitResult,
-    WriteBackQueue,
-    WriteTask,
-    end_writes,
-    outcome_of,
-)
+from .writeback import ChunkWrite, SubmitResult, TaskOutcome, WriteBackQueue
 
 logger = logging.getLogger(__name__)
 
-#: How long a closing store waits for cancelled native writes to hand their buffers back.
+#: How long a closing store waits for cancelled writes to hand their buffers back.
 CANCEL_WAIT_S = 5.0
 _FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
-_digest_of = operator.attrgetter("digest")  # a write's chunk digest (placement hashes it)
+
+OnTaskDone = Callable[[TaskOutcome], None]
+
+
+class Layout(NamedTuple):
+    """What the chunks of one layout and namespace share, derived once for each."""
+
+    meta: TensorMeta
+    namespace: str
+    nbytes: int
+    file_size: int
+    key_room: int  # UTF-8 bytes of key that fit the header beside the rest
+    fits: bool  # a chunk fits the queue and a root's budget at all
+    meta_json: bytes
+    namespace_raw: bytes
+    ns_id: str
 
 
 class ChunkWriter:
@@ -70,13 +81,11 @@ class ChunkWriter:
         self.record_gpu_checksums = False
         # The engine's writers share one temp-name suffix (see ``temp_name``); its write
         # shares carry the file mode, directory mode and fsync level.
-        self.temp_suffix = temp_name("", writer=0)
-        self.modes = (settings.file_mode, settings.dir_mode, _FSYNC_LEVEL[settings.fsync])
-        # (metadata, namespace, key bytes that fit the header beside them) of the last task
-        # admitted: a server's tasks share a handful of layouts (one tuple: replaced whole).
-        self._key_room: tuple[TensorMeta | None, str, int] = (None, "", 0)
-        # Whole store tasks in the common case (``task_writes.py``).
-        self._tasks = TaskWrites(self, engine)
+        self.placement = Placement(settings, catalog, roots, room, stats,
+                                   temp_name("", writer=0),
+                                   (settings.file_mode, settings.dir_mode,
+                                    _FSYNC_LEVEL[settings.fsync]))
+        self._layout: Layout | None = None  # the last one seen: replaced whole
 
     @staticmethod
     def writer_count(settings: NVMeSettings, roots: int) -> int:
@@ -92,316 +101,192 @@ class ChunkWriter:
         """Chunks ever accepted into the write-back queue."""
         return self.queue.accepted
 
-    # -- admission -------------------------------------------------------------
-
-    def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
-        """Queue chunks for persistence without waiting for the drive.
-
-        Each ``payload`` must stay valid until its ``release`` is called (or its task ends);
-        the store calls every ``release`` exactly once, whatever the result (immediately for
-        a chunk that is not queued).  One lock round and one writer wake-up serve
-        the whole batch, which keeps the engine's store path short.
-        """
-        if self.closed:
-            end_writes(writes)
-            return [SubmitResult.CLOSED] * len(writes)
-        try:
-            results, admitted = self._admit(writes)
-        except ValueError:
-            end_writes(writes)
-            raise
-        chosen = list(writes) if len(admitted) == len(writes) else \
-            [writes[i] for i in admitted]
-        fresh = self.catalog.register(list(map(_digest_of, chosen)), time.time_ns())
-        if False in fresh:
-            for i, is_new in zip(admitted, fresh, strict=True):
-                if not is_new:
-                    results[i] = SubmitResult.DUPLICATE
-            self.stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
-            admitted = [i for i, is_new in zip(admitted, fresh, strict=True) if is_new]
-            chosen = [w for w, is_new in zip(chosen, fresh, strict=True) if is_new]
-        if admitted:
-            self._dispatch(self._enqueue(chosen, admitted, results))
-        if results.count(SubmitResult.QUEUED) < len(writes):
-            end_writes([w for w, result in zip(writes, results, strict=True)
-                        if result is not SubmitResult.QUEUED])
-        return results
+    # -- store calls -----------------------------------------------------------
 
     def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
                     metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
                     on_done: OnTaskDone) -> None:
         """Queue a task's chunks; ``on_done(outcome)`` runs once, after every one of them
-        ended (see ``ChunkStore.submit_task``).  The common case runs as one admission and
-        one completion (``task_writes.py``); the rest chunk by chunk."""
-        if self._tasks.submit(keys, namespaces, metas, payloads, on_done):
-            return
-        task = WriteTask([ChunkWrite(key, namespace, meta, payload) for key, namespace, meta,
-                          payload in zip(keys, namespaces, metas, payloads, strict=True)],
-                         lambda whole: on_done(outcome_of(whole)))
+        ended (see ``ChunkStore.submit_task``)."""
+        self._submit(keys, namespaces, metas, payloads, on_done)
+
+    def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
+        """Queue chunks for persistence without waiting for the drive, as one task: each
+        write's ``on_persisted`` runs once its file is published, and every ``release``
+        exactly once when the call has ended, whatever the result."""
+        lock = threading.Lock()
+        seen: list[list[SubmitResult] | TaskOutcome] = []  # the results, the outcome
+
+        def ended(outcome: TaskOutcome) -> None:
+            with lock:
+                seen.append(outcome)
+                results = seen[0] if len(seen) == 2 else None
+            if isinstance(results, list):
+                _end_queued(writes, results, outcome)
+
         try:
-            task.results = self.submit_many(task.writes)
+            results = self._submit([w.key for w in writes], [w.namespace for w in writes],
+                                   [w.meta for w in writes], [w.payload for w in writes], ended)
+        except BaseException:
+            results = [SubmitResult.CLOSED] * len(writes)
+            raise
         finally:
-            task.ended(1)  # the submitter's share
+            for write, result in zip(writes, results, strict=True):
+                if result is not SubmitResult.QUEUED:  # at once: its memory is not needed
+                    _run(write.release, write.key)
+            with lock:
+                seen.insert(0, results)
+                outcome = seen[1] if len(seen) == 2 else None
+            if isinstance(outcome, TaskOutcome):
+                _end_queued(writes, results, outcome)
+        return results
 
-    def _admit(self, writes: Sequence[ChunkWrite]) -> tuple[list[SubmitResult], list[int]]:
-        """QUEUED for each write that fits the queue, the budget and the header (the others
-        dropped as oversize), and the indices of those that do.  ValueError, before anything
-        is counted, for a write whose payload is not the size its metadata says."""
-        budget, capacity = self.catalog.budgets[0], self.queue.capacity
-        results = [SubmitResult.QUEUED] * len(writes)
-        admitted: list[int] = []
-        oversize: list[int] = []
-        meta, namespace, key_room = self._key_room
-        for i, w in enumerate(writes):
-            if w.meta is not meta or w.namespace != namespace:  # a task's chunks share them
-                meta, namespace = w.meta, w.namespace
-                key_room = max_key_bytes(namespace, meta)
-                self._key_room = (meta, namespace, key_room)
-            if w.nbytes != meta.nbytes:
-                raise ValueError(f"tensor metadata says {meta.nbytes} bytes, payload has "
-                                 f"{w.nbytes}")
-            if w.file_size <= budget and w.nbytes <= capacity and len(w.key_bytes) <= key_room:
-                admitted.append(i)
-            else:
-                oversize.append(i)
-        for i in oversize:
-            results[i] = self._oversize(writes[i], budget)
-        return results, admitted
+    def _submit(self, keys: Sequence[str], namespaces: Sequence[str],
+                metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
+                on_done: OnTaskDone) -> list[SubmitResult]:
+        """A call's chunks, layout by layout, through ``_write``; what admission did with each."""
+        n = len(keys)
+        if n and metas.count(metas[0]) == n and namespaces.count(namespaces[0]) == n and \
+                list(map(len, payloads)).count(metas[0].nbytes) == n:  # the common call
+            return self._write(self._layout_of(metas[0], namespaces[0]), keys, payloads,
+                               functools.partial(_call, on_done))
+        wrong = [i for i in range(n) if len(payloads[i]) != metas[i].nbytes]
+        if wrong:
+            _call(on_done, TaskOutcome.failed())
+            raise ValueError(f"tensor metadata says {metas[wrong[0]].nbytes} bytes, payload "
+                             f"has {len(payloads[wrong[0]])}")
+        parts: dict[tuple[int, str], list[int]] = {}
+        for i in range(n):
+            parts.setdefault((id(metas[i]), namespaces[i]), []).append(i)
+        gather = _Gather(list(parts.values()), on_done)
+        results = [SubmitResult.CLOSED] * n
+        for k, mine in enumerate(parts.values()):
+            layout = self._layout_of(metas[mine[0]], namespaces[mine[0]])
+            try:
+                part = self._write(layout, [keys[i] for i in mine],
+                                   [payloads[i] for i in mine],
+                                   functools.partial(gather.part_done, k))
+            except BaseException:  # the engine refused: the parts not handed over end too
+                for rest in range(k + 1, len(parts)):
+                    gather.part_done(rest, TaskOutcome.failed())
+                raise
+            for i, result in zip(mine, part, strict=True):
+                results[i] = result
+        if not parts:
+            _call(on_done, TaskOutcome.stored_before())
+        return results
 
-    def _oversize(self, write: ChunkWrite, budget: int) -> SubmitResult:
-        """A chunk too big for the queue or the budget, or with a key too long for the header:
-        dropped, counted, and said once."""
+    def _layout_of(self, meta: TensorMeta, namespace: str) -> Layout:
+        layout = self._layout
+        if layout is None or layout.meta is not meta or layout.namespace != namespace:
+            file_size = file_size_for(meta.nbytes)
+            layout = self._layout = Layout(
+                meta, namespace, meta.nbytes, file_size, max_key_bytes(namespace, meta),
+                meta.nbytes <= self.queue.capacity and file_size <= self.catalog.budgets[0],
+                meta.to_json(), namespace_bytes(namespace), namespace_id(namespace))
+        return layout
+
+    # -- admission -------------------------------------------------------------
+
+    def _write(self, layout: Layout, keys: Sequence[str], payloads: Sequence[memoryview],
+               on_done: OnTaskDone) -> list[SubmitResult]:
+        """Admit, place and hand to the engine the chunks of one layout; ``on_done`` once
+        every one ended.  ValueError (after ``on_done``, nothing stored) for a payload that
+        is not the size its metadata says."""
+        n = len(keys)
+        if self.closed:
+            on_done(TaskOutcome.failed())
+            return [SubmitResult.CLOSED] * n
+        nbytes = layout.nbytes
+        key_bytes = texts_bytes(keys)
+        results = [SubmitResult.QUEUED] * n
+        if not layout.fits or (n and max(map(len, key_bytes)) > layout.key_room):
+            self._oversize(layout, key_bytes, results)
+        digests = list(map(digest_of_key_bytes, key_bytes))
+        offered = range(n) if SubmitResult.OVERSIZE not in results else \
+            [i for i in range(n) if results[i] is SubmitResult.QUEUED]
+        fresh = self.catalog.register([digests[i] for i in offered], time.time_ns()) \
+            if offered else []
+        if False in fresh:
+            self.stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
+            for i, new in zip(offered, fresh, strict=True):
+                if not new:
+                    results[i] = SubmitResult.DUPLICATE
+            offered = [i for i, new in zip(offered, fresh, strict=True) if new]
+        positions = self._hold(offered, nbytes, digests, results)
+        admitted = results.count(SubmitResult.QUEUED) + results.count(
+            SubmitResult.DUPLICATE) == n
+        if not positions:
+            on_done(TaskOutcome(admitted, 0, [], [], []))
+            return results
+        placed = self.placement.place(layout, positions, digests, payloads, key_bytes)
+        done = functools.partial(self._settle, placed, len(positions), admitted, on_done)
+        if not placed[4]:  # no chunk has a root with room
+            done(None)
+            return results
+        try:
+            self.engine.submit_write(self.placement.shares(placed, self.record_gpu_checksums),
+                                     done)
+        except BaseException:
+            self.placement.undo(placed)
+            self.queue.release(len(positions) * nbytes, len(positions))
+            on_done(TaskOutcome.failed())
+            raise
+        return results
+
+    def _oversize(self, layout: Layout, key_bytes: list[bytes],
+                  results: list[SubmitResult]) -> None:
+        """Mark the chunks too big for the queue or the budget, or with a key too long for
+        the header: dropped, counted, and said once."""
+        budget = self.catalog.budgets[0]
+        for i, key in enumerate(key_bytes):
+            if not layout.fits or len(key) > layout.key_room:
+                results[i] = SubmitResult.OVERSIZE
         if not self.stats.get(Counter.OVERSIZE_DROPS):
             logger.warning(
                 "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
                 "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
-                "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", write.nbytes,
+                "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", layout.nbytes,
                 self.queue.capacity, budget)
-        self.stats.add(Counter.OVERSIZE_DROPS)
-        return SubmitResult.OVERSIZE
+        self.stats.add(Counter.OVERSIZE_DROPS, results.count(SubmitResult.OVERSIZE))
 
-    def _enqueue(self, offered: list[ChunkWrite], positions: list[int],
-                 results: list[SubmitResult]) -> list[ChunkWrite]:
-        """Offer the writes to the queue (with the native engine, the queue only holds their
-        bytes: the caller dispatches them); mark the ones it refuses in ``results`` (at their
-        ``positions``); the accepted ones."""
-        wait = self.settings.queue_full_policy == "wait"
-        if wait and self.queue.bytes_held + sum(j.nbytes for j in offered) > \
-                self.queue.capacity:
-            self.stats.add(Counter.QUEUE_FULL_WAITS)
-        ok = self.queue.offer_many(offered, wait_s=1e9 if wait else 0.0)
-        if False not in ok:
+    def _hold(self, offered: Sequence[int], nbytes: int, digests: list[str],
+              results: list[SubmitResult]) -> Sequence[int]:
+        """Account the offered chunks' bytes in the queue (``nvme.queue_full_policy``: wait
+        for room, or drop what does not fit now); mark the refused ones; the accepted ones."""
+        if not offered or self.queue.hold(len(offered) * nbytes, len(offered)):
             return offered
-        refused = [(i, job) for i, job, fits in zip(positions, offered, ok, strict=True)
-                   if not fits]
-        self.catalog.end_pending(job.digest for _, job in refused)
-        for i, _ in refused:
+        wait = self.settings.queue_full_policy == "wait"
+        if wait:
+            self.stats.add(Counter.QUEUE_FULL_WAITS)
+        ok = self.queue.offer([nbytes] * len(offered), wait_s=1e9 if wait else 0.0)
+        refused = [i for i, fits in zip(offered, ok, strict=True) if not fits]
+        self.catalog.end_pending(digests[i] for i in refused)
+        for i in refused:
             results[i] = SubmitResult.CLOSED if self.closed else SubmitResult.QUEUE_FULL
         if not self.closed:
             self.stats.add(Counter.QUEUE_FULL_DROPS, len(refused))
-        return [job for job, fits in zip(offered, ok, strict=True) if fits]
+        return [i for i, fits in zip(offered, ok, strict=True) if fits]
+
+    def _settle(self, placed: Placed, accepted: int, admitted: bool, on_done: OnTaskDone,
+                result: Batch | None) -> None:
+        """The engine finished a batch (``result``; None: none of it was placed): settle it,
+        give the queue its bytes back, tell the call (whatever happened)."""
+        outcome = TaskOutcome.failed()
+        try:
+            outcome = self.placement.settle(placed, result)
+            if not admitted:
+                outcome = outcome._replace(ok=False)
+        finally:
+            self.queue.release(accepted * placed[0].nbytes, accepted)
+            on_done(outcome)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""
         return self.queue.wait_empty(timeout_s)
 
-    # -- write-back ------------------------------------------------------------
-
-    def _place(self, jobs: list[ChunkWrite], deferred: list[list[IndexEntry]] | None
-               ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[ChunkWrite]]:
-        """Each job's root and reserved bytes; and the jobs with no root or no room (counted).
-
-        With ``deferred`` (the native engine), each placed job's eviction victims are
-        appended to it (see ``_reserve``), and the jobs of one root are reserved together
-        (one reservation, its victims removed by the first of them) when they all fit."""
-        placed: list[tuple[ChunkWrite, RootState, int]] = []
-        by_root, dropped = self.roots.group(jobs, _digest_of)
-        if dropped:
-            self.stats.add(Counter.WRITE_FAILURES, len(dropped))
-        for root, mine in by_root:
-            victims: list[IndexEntry] = []
-            if deferred is not None and len(mine) > 1:
-                if self.room.reserve(root, sum(job.file_size for job in mine), victims):
-                    placed += [(job, root, job.file_size) for job in mine]
-                    deferred += [victims] + [[] for _ in mine[1:]]
-                    continue
-                # no room for the whole share: what was evicted for it goes now
-                self.room.evict_deferred(root, victims)
-            for job in mine:
-                victims = []
-                if self.room.reserve(root, job.file_size, None if deferred is None else victims):
-                    placed.append((job, root, job.file_size))
-                    if deferred is not None:
-                        deferred.append(victims)
-                else:
-                    self.room.evict_deferred(root, victims)
-                    self.stats.add(Counter.CAPACITY_DROPS)
-                    dropped.append(job)
-        return placed, dropped
-
-    def _settle(self, job: ChunkWrite, root: RootState, size: int, error: OSError | None,
-                seconds: float) -> None:
-        """Index a published chunk in place of its reservation, or give the bytes back and
-        count why it was not published."""
-        if error is None:
-            self.catalog.publish(IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
-                                             time.time_ns()), reserved=size)
-            root.consecutive_errors = 0
-            note_space(root)
-            self.stats.record_write(job.nbytes, seconds)
-            job.persisted = True
-            if job.on_persisted is not None:
-                job.on_persisted()
-            return
-        self.catalog.release(root.index, size)
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            # A full filesystem is not a failing drive: drop this write, keep serving.
-            self.stats.add(Counter.CAPACITY_DROPS)
-            self.room.guards[root.index].refresh()
-            note_full(root, error)
-        elif isinstance(error, (NotAChunkFile, FileNotFoundError)):
-            # A link or file planted where the tree needs a directory (never followed), or
-            # the cache directory removed: this write is dropped, the drive is fine.
-            self.stats.add(Counter.WRITE_FAILURES)
-            logger.warning("NVMe tier: not writing %s: %s",
-                           root.layout.chunk_path(job.ns_id, job.digest), error)
-        else:
-            self.stats.add(Counter.WRITE_FAILURES)
-            self.roots.record_error(root, error)
-
-    def _dispatch(self, jobs: list[ChunkWrite]) -> None:
-        """Hand queued jobs to the engine's writers (on the submitting thread: no hand-off);
-        ``settle_batch`` settles them when the batch is done."""
-        if not jobs:
-            return
-        victims: list[list[IndexEntry]] = []
-        placed, dropped = self._place(jobs, victims)
-        self._finish(dropped)
-        if not placed:
-            return
-        placed, victims, shares = self._shares(placed, victims)
-        try:
-            self.engine.submit_write(shares, functools.partial(
-                self.settle_batch, placed, victims, time.perf_counter()))
-        except BaseException:
-            for _, root, size in placed:
-                self.catalog.release(root.index, size)
-            self._finish([job for job, _, _ in placed])
-            raise
-
-    def _shares(self, placed: list[tuple[ChunkWrite, RootState, int]],
-                victims: list[list[IndexEntry]]
-                ) -> tuple[list[tuple[ChunkWrite, RootState, int]], list[list[IndexEntry]],
-                           list[engine.WriteShare]]:
-        """The placed jobs as write shares, one per root, namespace and layout, and the jobs
-        and their victims in the batch's order (share by share)."""
-        groups: dict[tuple[int, str, int], list[int]] = {}
-        for i, (job, root, _) in enumerate(placed):
-            groups.setdefault((root.index, job.namespace, id(job.meta)), []).append(i)
-        if len(groups) > 1:
-            order = [i for mine in groups.values() for i in mine]
-            placed, victims = [placed[i] for i in order], [victims[i] for i in order]
-        file_mode, dir_mode, fsync = self.modes
-        shares: list[engine.WriteShare] = []
-        at = 0
-        for mine in groups.values():
-            share = placed[at : at + len(mine)]
-            gone = [v for vs in victims[at : at + len(mine)] for v in vs]
-            at += len(mine)
-            first, root, _ = share[0]
-            layout = root.layout
-            jobs = [job for job, _, _ in share]
-            shares.append((root_descriptor(layout.root_str),
-                           layout.write_naming(first.ns_id, self.temp_suffix),
-                           namespace_bytes(first.namespace), first.meta.to_json(), root.direct,
-                           file_mode, dir_mode, fsync, layout.chunk_rels(gone),
-                           [job.digest for job in jobs], [job.payload for job in jobs],
-                           [job.key_bytes for job in jobs],
-                           list(map(self._gpu_checksum, jobs)) if self.record_gpu_checksums
-                           else None))
-        return placed, victims, shares
-
-    def _gpu_checksum(self, job: ChunkWrite) -> tuple[int, int]:
-        self.stats.add(Counter.GPU_CHECKSUMS_RECORDED)
-        return host_checksum(job.payload)
-
-    def settle_batch(self, placed: list[tuple[ChunkWrite, RootState, int]],
-                 victims: list[list[IndexEntry]], started: float, result: engine.Batch
-                 ) -> None:
-        """A batch of native writes finished (on the engine's completion thread)."""
-        seconds = (time.perf_counter() - started) / len(placed)
-        all_published = False
-        try:
-            errors = self._write_errors(placed, result) if result.details else {}
-            if any(victims):
-                for (_, root, _), gone in zip(placed, victims, strict=True):
-                    if gone:  # the first job of a root's reservation removed them
-                        self.room.guards[root.index].freed(sum(v.size for v in gone))
-            written = [p for i, p in enumerate(placed) if i not in errors] if errors else placed
-            now = time.time_ns()
-            nbytes = 0
-            last_root = None
-            entries: list[tuple[IndexEntry, int]] = []
-            for job, root, size in written:
-                entries.append((IndexEntry(job.digest, job.ns_id, root.index, size, job.meta,
-                                           now), size))
-                nbytes += job.nbytes
-                if root is not last_root:
-                    last_root = root
-                    root.consecutive_errors = 0
-                    note_space(root)
-            if written:
-                self.catalog.publish_many(entries)
-                self.stats.record_write(nbytes, seconds, len(written))
-                for job, _, _ in written:
-                    job.persisted = True
-                    if job.on_persisted is not None:
-                        job.on_persisted()
-            all_published = not errors
-            for i, error in errors.items():
-                job, root, size = placed[i]
-                if error.errno == errno.ECANCELED:  # closing: not a failure
-                    self.catalog.release(root.index, size)
-                else:
-                    self._settle(job, root, size, error, seconds)
-        finally:
-            self._finish([job for job, _, _ in placed], all_published)
-
-    def _write_errors(self, placed: list[tuple[ChunkWrite, RootState, int]],
-                      result: engine.Batch) -> dict[int, OSError]:
-        """The chunks of a batch that were not published, with the reason; a chunk that made
-        its namespace's directory gets the name file (and is published)."""
-        errors: dict[int, OSError] = {}
-        for index, status, err in result.details:
-            job, root, _ = placed[index]
-            if status == engine.NEW_NAMESPACE:
-                write_namespace_file(root.layout, job.ns_id, job.namespace,
-                                     self.settings.file_mode)
-                continue
-            if err == errno.ENOENT:
-                # The cache directory itself was removed (and maybe made again): this write
-                # is lost, the next ones go through a new descriptor of it.
-                refresh_root_descriptor(root.layout.root_str)
-            errors[index] = _os_error(err, root.layout.chunk_path(job.ns_id, job.digest))
-        return errors
-
-    def _finish(self, jobs: list[ChunkWrite], all_published: bool = False) -> None:
-        """The jobs ended (written or not; ``all_published``: each of them published): no
-        longer pending, buffers released."""
-        if not jobs:
-            return
-        if not all_published and (unpublished := [job.digest for job in jobs
-                                                   if not job.persisted]):
-            self.catalog.end_pending(unpublished)  # publishing ended the others'
-        try:
-            end_writes(jobs)
-        finally:
-            self.queue.done_many(jobs)
-
-    # -- shutdown --------------------------------------------------------------
-
     def close(self, timeout_s: float) -> None:
-        """Finish queued writes (up to ``timeout_s``), drop the rest, stop the threads."""
+        """Finish queued writes (up to ``timeout_s``), drop the rest."""
         self.closed = True
         if not self.flush(timeout_s):
             logger.warning("NVMe tier: write-back did not finish within %.0f s; dropping the "
@@ -411,12 +296,54 @@ class ChunkWriter:
         self.queue.close()
 
 
-def _os_error(err: int, path: Path) -> OSError:
-    """The exception the Python engine raises for ``err`` writing ``path``: a link, or a
-    file where the tree needs a directory, is ``NotAChunkFile`` (as ``safe_fs`` says)."""
-    if err in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
-        return NotAChunkFile(err, "a link or a non-directory in the cache tree (never "
-                                  "followed)", str(path))
-    if err == errno.ENOENT:
-        return FileNotFoundError(err, "the cache directory was removed", str(path))
-    return OSError(err, os.strerror(err), str(path))
+class _Gather:
+    """A call of several layouts: one outcome once every part ended (positions in the call)."""
+
+    def __init__(self, parts: list[list[int]], on_done: OnTaskDone) -> None:
+        self._parts = parts
+        self._on_done = on_done
+        self._left = len(parts)
+        self._outcome = TaskOutcome(True, 0, [], [], [])
+        self._lock = threading.Lock()
+
+    def part_done(self, k: int, part: TaskOutcome) -> None:
+        mine = self._parts[k]
+        stored = mine if part.stored is None else [mine[i] for i in part.stored]
+        with self._lock:
+            ok, nbytes, so_far, digests, sizes = self._outcome
+            self._outcome = TaskOutcome(ok and part.ok, nbytes + part.nbytes,
+                                        [*(so_far or []), *stored], digests + part.digests,
+                                        sizes + part.file_sizes)
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            _call(self._on_done, self._outcome)
+
+
+def _end_queued(writes: Sequence[ChunkWrite], results: list[SubmitResult],
+                outcome: TaskOutcome) -> None:
+    """The queued writes of a ``submit_many`` call ended: each persisted one marked and its
+    ``on_persisted`` run, then each one's ``release``."""
+    persisted = range(len(writes)) if outcome.stored is None else outcome.stored
+    for i in persisted:
+        writes[i].persisted = True
+        _run(writes[i].on_persisted, writes[i].key)
+    for write, result in zip(writes, results, strict=True):
+        if result is SubmitResult.QUEUED:
+            _run(write.release, write.key)
+
+
+def _call(on_done: OnTaskDone, outcome: TaskOutcome) -> None:
+    try:
+        on_done(outcome)
+    except Exception:  # a caller's callback must not break the store's thread
+        logger.exception("NVMe tier: completing a store task failed")
+
+
+def _run(callback: Callable[[], None] | None, key: str) -> None:
+    if callback is None:
+        return
+    try:
+        callback()
+    except Exception:  # one caller's callback must not keep the rest
+        logger.exception("NVMe tier: a callback of the write of %s failed", key)

@@ -1,5 +1,5 @@
-"""WriteBackQueue (the bytes handed to the engine, bounded), WriteTask, and ReadPriorityGate
-(the Python engine's writers yield to readers)."""
+"""WriteBackQueue (the bytes handed to the engine, bounded) and ReadPriorityGate (the Python
+engine's writers yield to readers)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from lmcache_nvme_backend.io.priority import ReadPriorityGate
 from lmcache_nvme_backend.store.writeback import (
     ChunkWrite,
     WriteBackQueue,
-    WriteTask,
-    end_writes,
 )
 
 CAPACITY = 1000
@@ -96,36 +94,36 @@ def test_job_nbytes_is_payload_length(job: MakeJob) -> None:
 
 
 def test_offer_within_capacity(queue: WriteBackQueue, job: MakeJob) -> None:
-    assert queue.offer_many([job("a", 400)], wait_s=0)[0]
-    assert queue.offer_many([job("b", 600)], wait_s=0)[0]  # exactly at capacity
+    assert queue.offer([400], wait_s=0)[0]
+    assert queue.offer([600], wait_s=0)[0]  # exactly at capacity
     assert (queue.bytes_held, queue.accepted) == (1000, 2)
 
 
 def test_offer_beyond_capacity_fails_at_once(queue: WriteBackQueue, job: MakeJob) -> None:
-    assert queue.offer_many([job("a", 600)], wait_s=0)[0]
-    assert not queue.offer_many([job("b", 401)], wait_s=0)[0]
+    assert queue.offer([600], wait_s=0)[0]
+    assert not queue.offer([401], wait_s=0)[0]
     assert (queue.bytes_held, queue.accepted) == (600, 1)
     assert not cond_of(queue).waiting.is_set()  # it did not block to find out
-    assert queue.offer_many([job("c", 400)], wait_s=0)[0]  # a smaller one still fits
+    assert queue.offer([400], wait_s=0)[0]  # a smaller one still fits
 
 
 def test_job_larger_than_capacity_is_never_accepted(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
-    assert not queue.offer_many([job("huge", CAPACITY + 1)], wait_s=0)[0]
+    assert not queue.offer([CAPACITY + 1], wait_s=0)[0]
     assert (queue.bytes_held, queue.accepted) == (0, 0)
 
 
 def test_waiting_offer_succeeds_when_space_is_freed(queue: WriteBackQueue,
                                                     job: MakeJob) -> None:
     first = job("a", 800)
-    assert queue.offer_many([first], wait_s=0)[0]
+    assert queue.offer([first.nbytes], wait_s=0)[0]
     assert queue.bytes_held == 800  # handed to the engine; its bytes held until done
     second = job("b", 500)
-    offerer = Worker(lambda: queue.offer_many([second], wait_s=60)[0])
+    offerer = Worker(lambda: queue.offer([second.nbytes], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     assert queue.accepted == 1  # still blocked: nothing accepted yet
-    queue.done_many([first])
+    queue.release(first.nbytes, 1)
     assert offerer.finish() is True
     assert (queue.bytes_held, queue.accepted) == (500, 2)
 
@@ -133,35 +131,35 @@ def test_waiting_offer_succeeds_when_space_is_freed(queue: WriteBackQueue,
 def test_done_and_wait_empty(queue: WriteBackQueue, job: MakeJob) -> None:
     assert queue.wait_empty(0)  # empty from the start
     a, b = job("a", 100), job("b", 200)
-    queue.offer_many([a], wait_s=0)
-    queue.offer_many([b], wait_s=0)
+    queue.offer([a.nbytes], wait_s=0)
+    queue.offer([b.nbytes], wait_s=0)
     assert queue.wait_empty(0) is False  # handed over is not done
-    queue.done_many([a])
+    queue.release(a.nbytes, 1)
     assert queue.bytes_held == 200 and queue.wait_empty(0) is False
-    queue.done_many([b])
+    queue.release(b.nbytes, 1)
     assert queue.bytes_held == 0 and queue.wait_empty(0) is True
 
 
 def test_wait_empty_wakes_on_done(queue: WriteBackQueue, job: MakeJob) -> None:
     a = job("a", 100)
-    queue.offer_many([a], wait_s=0)
+    queue.offer([a.nbytes], wait_s=0)
     waiter = Worker(lambda: queue.wait_empty(60))
     waiter.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
-    queue.done_many([a])
+    queue.release(a.nbytes, 1)
     assert waiter.finish() is True
 
 
 def test_offer_after_close_is_refused(queue: WriteBackQueue, job: MakeJob) -> None:
     queue.close()
-    assert queue.offer_many([job("a", 1)], wait_s=0)[0] is False
-    assert queue.offer_many([job("b", 1)], wait_s=60)[0] is False
+    assert queue.offer([1], wait_s=0)[0] is False
+    assert queue.offer([1], wait_s=60)[0] is False
     assert queue.accepted == 0
 
 
 def test_close_wakes_blocked_offer(queue: WriteBackQueue, job: MakeJob) -> None:
-    queue.offer_many([job("a", CAPACITY)], wait_s=0)
-    offerer = Worker(lambda: queue.offer_many([job("b", 1)], wait_s=60)[0])
+    queue.offer([CAPACITY], wait_s=0)
+    offerer = Worker(lambda: queue.offer([1], wait_s=60)[0])
     offerer.start()
     assert cond_of(queue).waiting.wait(JOIN_S)
     queue.close()
@@ -169,9 +167,9 @@ def test_close_wakes_blocked_offer(queue: WriteBackQueue, job: MakeJob) -> None:
 
 
 def test_offer_wait_expires(queue: WriteBackQueue, job: MakeJob) -> None:
-    queue.offer_many([job("a", CAPACITY)], wait_s=0)
+    queue.offer([CAPACITY], wait_s=0)
     # returns although nothing freed
-    assert queue.offer_many([job("b", 1)], wait_s=0.01)[0] is False
+    assert queue.offer([1], wait_s=0.01)[0] is False
     assert queue.accepted == 1
 
 
@@ -251,67 +249,13 @@ def test_gate_wait_is_bounded() -> None:
     assert gate.wait_for_readers() is False
 
 
-# -- WriteTask and end_writes -------------------------------------------------------------
-
-
-def test_a_task_completes_once_after_its_writes_and_its_submitter(job: MakeJob) -> None:
-    writes = [job(str(i), 10) for i in range(3)]
-    done: list[WriteTask] = []
-    task = WriteTask(writes, done.append)
-    assert all(w.task is task for w in writes)
-    end_writes(writes[:2])  # one batch
-    end_writes(writes[2:])
-    assert done == []  # the submitter still holds its share
-    task.ended(1)
-    assert done == [task]
-
-
-def test_a_task_ended_from_many_threads_completes_exactly_once(job: MakeJob) -> None:
-    writes = [job(str(i), 1) for i in range(64)]
-    done: list[WriteTask] = []
-    task = WriteTask(writes, done.append)
-    workers = [Worker(lambda part=writes[i::8]: [end_writes([w]) for w in part])
-               for i in range(8)]
-    for w in workers:
-        w.start()
-    task.ended(1)
-    for w in workers:
-        w.finish()
-    assert done == [task]
-
-
-def test_end_writes_hands_each_write_to_its_owner(
-        job: MakeJob, package_log: pytest.LogCaptureFixture) -> None:
-    end_writes([])  # nothing ended: nothing to hand back
-    released: list[str] = []
-    plain = job("plain", 1)
-    plain.release = lambda: released.append("plain")
-    failing = job("failing", 1)
-    failing.release = lambda: 1 / 0  # type: ignore[assignment,return-value]
-    mine = [job("t0", 1), job("t1", 1)]
-    done: list[WriteTask] = []
-    task = WriteTask(mine, done.append)
-    task.ended(1)
-    end_writes([mine[0], failing, plain, mine[1]])  # mixed: each one, in any order
-    assert released == ["plain"] and done == [task]
-    assert "failing" in package_log.text  # a failing release is logged, the rest still ran
-
-
-def test_a_failing_task_callback_is_logged_not_raised(
-        job: MakeJob, package_log: pytest.LogCaptureFixture) -> None:
-    task = WriteTask([job("a", 1)], lambda _task: 1 / 0)  # type: ignore[arg-type,return-value]
-    end_writes(task.writes)
-    task.ended(1)
-    assert "completing a store task failed" in package_log.text
-
-
 def test_handed_over_batch_that_fits_is_held_at_once(queue: WriteBackQueue,
                                                      job: MakeJob) -> None:
     jobs = [job(str(i), 300) for i in range(3)]
-    assert queue.offer_many(jobs, wait_s=0) == [True] * 3
+    assert queue.offer([j.nbytes for j in jobs], wait_s=0) == [True] * 3
     assert queue.bytes_held == 900
-    assert queue.offer_many([job("x", 200)], wait_s=0) == [False]
-    queue.done_many(jobs)
+    assert queue.offer([200], wait_s=0) == [False]
+    queue.release(sum(j.nbytes for j in jobs), len(jobs))
     assert queue.bytes_held == 0 and queue.wait_empty(0.01)
     queue.close()
-    assert queue.offer_many([job("y", 1)], wait_s=0) == [False]  # closed
+    assert queue.offer([1], wait_s=0) == [False]  # closed

@@ -1,5 +1,6 @@
-"""Whole store tasks through the native engine (``store/task_writes.py``) on a real
-filesystem: one admission and one completion, and each way out of the common case."""
+"""Store calls through the writer (``store/writer.py``, ``store/placement.py``) on a real
+filesystem, on each engine: one admission, one placement and one settlement per layout,
+and every way a chunk does not make it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from lmcache_nvme_backend.disk.format import file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest, namespace_id
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.store import ChunkStore, ChunkWrite, TaskOutcome
-from lmcache_nvme_backend.store.task_writes import TaskWrites
 
 SIZE = file_size_for(CHUNK)
 StoreOpener = Callable[..., ChunkStore]
@@ -29,20 +29,6 @@ def task_store(request: pytest.FixtureRequest, open_store: StoreFactory) -> Stor
     if request.param == "on" and not native.available():
         prerequisites.missing_prerequisite(native.unavailable_reason())
     return functools.partial(open_store, native_io=request.param)
-
-
-@pytest.fixture
-def took_the_task_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """What each ``TaskWrites.submit`` returned (True: the task went this way)."""
-    returned: list[bool] = []
-    real = TaskWrites.submit
-
-    def spy(self: TaskWrites, *args: Any) -> bool:
-        returned.append(real(self, *args))
-        return returned[-1]
-
-    monkeypatch.setattr(TaskWrites, "submit", spy)
-    return returned
 
 
 def submit(store: ChunkStore, keys: list[str]) -> list[TaskOutcome]:
@@ -61,15 +47,14 @@ def assert_settled(store: ChunkStore) -> None:
 
 
 def test_a_task_of_one_layout_is_admitted_and_published_in_one_step(
-        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+        task_store: StoreOpener, tmp_path: Path) -> None:
     store = task_store(max_size_gb=0.05)
     # the first chunk of a namespace comes back for Python to write its name file
-    assert submit(store, ["first"]) == [TaskOutcome(True, CHUNK, [0], [key_digest("first")],
+    assert submit(store, ["first"]) == [TaskOutcome(True, CHUNK, None, [key_digest("first")],
                                                     [SIZE])]
     assert (tmp_path / "cache" / "ns" / namespace_id(NS) / "NAMESPACE").read_text().strip() == NS
     keys = [f"k{i}" for i in range(8)]
     done = submit(store, keys)
-    assert took_the_task_path == [True, True]
     assert done == [TaskOutcome(True, 8 * CHUNK, None, [key_digest(k) for k in keys],
                                 [SIZE] * 8)]
     assert all(read(store, key) == payload_for(key) for key in keys)
@@ -83,12 +68,11 @@ def test_a_task_of_one_layout_is_admitted_and_published_in_one_step(
 
 
 def test_chunks_stored_or_repeated_are_duplicates_and_the_task_still_succeeds(
-        task_store: StoreOpener, took_the_task_path: list[bool]) -> None:
+        task_store: StoreOpener) -> None:
     store = task_store(max_size_gb=0.05)
     put(store, "old")
     assert store.flush(10)
     done = submit(store, ["old", "a", "a", "b"])
-    assert took_the_task_path == [True]
     assert done == [TaskOutcome(True, 2 * CHUNK, [1, 3], [key_digest("a"), key_digest("b")],
                                 [SIZE] * 2)]
     assert store.counter("duplicate_puts") == 2
@@ -99,12 +83,12 @@ def test_chunks_stored_or_repeated_are_duplicates_and_the_task_still_succeeds(
 
 
 def test_chunks_spread_over_several_paths_are_reported_root_by_root(
-        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+        task_store: StoreOpener, tmp_path: Path) -> None:
     paths = [tmp_path / "d0", tmp_path / "d1"]
     store = task_store(*paths, max_size_gb=0.1)
     keys = [f"spread-{i}" for i in range(16)]
     (outcome,) = submit(store, keys)
-    assert took_the_task_path == [True] and outcome.ok
+    assert outcome.ok
     assert outcome.stored is not None and sorted(outcome.stored) == list(range(16))
     assert outcome.digests == [key_digest(keys[i]) for i in outcome.stored]
     assert all(read(store, key) == payload_for(key) for key in keys)
@@ -113,12 +97,12 @@ def test_chunks_spread_over_several_paths_are_reported_root_by_root(
 
 
 def test_a_full_budget_evicts_the_least_recently_used_and_their_files_go(
-        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+        task_store: StoreOpener, tmp_path: Path) -> None:
     store = task_store(max_size_gb=4.5 * SIZE / (1 << 30))  # room for four chunks
     assert submit(store, ["old0", "old1", "old2", "old3"])[0].ok
     assert store.contains("old0")  # a use: old1 is now the least recently used
     (outcome,) = submit(store, ["new0", "new1"])
-    assert took_the_task_path == [True, True] and outcome.ok
+    assert outcome.ok
     assert [store.contains(k) for k in ("old0", "old1", "old2", "old3")] == \
         [True, False, False, True]
     assert len(files_on_disk(tmp_path / "cache")) == 4
@@ -127,13 +111,12 @@ def test_a_full_budget_evicts_the_least_recently_used_and_their_files_go(
     assert_settled(store)
 
 
-def test_no_room_even_after_eviction_goes_chunk_by_chunk(
-        task_store: StoreOpener, took_the_task_path: list[bool]) -> None:
+def test_no_room_for_a_whole_share_reserves_chunk_by_chunk(
+        task_store: StoreOpener) -> None:
     store = task_store(max_size_gb=2.5 * SIZE / (1 << 30))  # room for two chunks
     assert submit(store, ["p0", "p1"])[0].ok
     assert store.pin("p0")
     (outcome,) = submit(store, ["n0", "n1"])  # one fits once p1 is evicted, not both
-    assert took_the_task_path == [True, False]
     assert not outcome.ok and outcome.stored == [0]
     assert store.counter("capacity_drops") == 1
     assert store.contains("p0") and not store.contains("p1") and store.contains("n0")
@@ -141,7 +124,7 @@ def test_no_room_even_after_eviction_goes_chunk_by_chunk(
 
 
 def test_a_write_that_fails_in_the_batch_is_settled_and_the_others_published(
-        task_store: StoreOpener, took_the_task_path: list[bool], tmp_path: Path) -> None:
+        task_store: StoreOpener, tmp_path: Path) -> None:
     store = task_store(max_size_gb=0.05)
     keys = ["good0", "bad", "good1"]
     digest = key_digest("bad")
@@ -149,7 +132,6 @@ def test_a_write_that_fails_in_the_batch_is_settled_and_the_others_published(
     shard.parent.mkdir(parents=True, exist_ok=True)
     shard.write_bytes(b"a file where the tree needs a directory")
     (outcome,) = submit(store, keys)
-    assert took_the_task_path == [True]
     assert not outcome.ok and sorted(outcome.stored or []) == [0, 2]
     assert outcome.digests == [key_digest(keys[i]) for i in outcome.stored or []]
     assert outcome.nbytes == 2 * CHUNK
@@ -197,7 +179,7 @@ def test_chunks_evicted_for_a_share_that_then_does_not_fit_leave_no_file(
 
 
 def test_a_completion_that_fails_still_ends_the_task(
-        task_store: StoreOpener, took_the_task_path: list[bool],
+        task_store: StoreOpener,
         monkeypatch: pytest.MonkeyPatch) -> None:
     store = task_store(max_size_gb=0.05)
     assert submit(store, ["first"])[0].ok  # the namespace exists: the next task is common
@@ -207,5 +189,4 @@ def test_a_completion_that_fails_still_ends_the_task(
 
     monkeypatch.setattr(store._catalog, "publish_layout", broken)
     assert submit(store, ["a", "b"]) == [TaskOutcome(False, 0, [], [], [])]
-    assert took_the_task_path == [True, True]
     assert store.usage()["queue_bytes"] == 0  # LMCache's objects are not held forever
