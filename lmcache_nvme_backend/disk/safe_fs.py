@@ -12,6 +12,8 @@ following any symbolic link in any component:
   component by component with ``O_NOFOLLOW | O_DIRECTORY`` relative to each parent's
   descriptor.
 
+Both are ``resolve.py``'s, which the Python I/O engine uses on the same descriptors.
+
 The root itself is the configured ``nvme.path`` and is trusted (links in it are the
 operator's).  A link, or a non-directory where the tree needs a directory, is
 :class:`NotAChunkFile`, never followed; callers treat it as "not ours": a miss for a
@@ -21,7 +23,6 @@ read, a dropped write, never a drive error.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import stat
@@ -29,15 +30,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from .resolve import make_dirs_at, open_at
+from .resolve import use_openat2 as use_openat2  # tests of the walk switch it here
+
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_PATH = getattr(os, "O_PATH", 0)
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_NO_SYMLINKS = 0x04
-_RESOLVE_BENEATH = 0x08
 
 
 def dir_mode_for(file_mode: int) -> int:
@@ -50,53 +50,6 @@ class NotAChunkFile(OSError):
     """A path in the cache tree holds something the store never uses: a symbolic link, a
     directory or a special file (FIFO, socket, device) where a regular file belongs, or a
     link or file where a directory of the tree belongs.  Never followed, never read."""
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
-
-
-class _Openat2:
-    """``openat2`` through libc's ``syscall``; disabled after the first ENOSYS / EPERM."""
-
-    def __init__(self) -> None:
-        self.available = False
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            self._syscall = libc.syscall
-            self._syscall.restype = ctypes.c_long
-            self.available = os.uname().sysname == "Linux"
-        except (OSError, AttributeError):
-            pass
-
-    def __call__(self, dir_fd: int, rel: str, flags: int, mode: int) -> int:
-        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0,
-                       _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-        fd = self._syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd),
-                           ctypes.c_char_p(os.fsencode(rel)), ctypes.byref(how),
-                           ctypes.c_size_t(ctypes.sizeof(how)))
-        if fd >= 0:
-            return int(fd)
-        err = ctypes.get_errno()
-        if err in (errno.ENOSYS, errno.EPERM):
-            self.available = False
-            raise _Unavailable()
-        raise OSError(err, os.strerror(err), rel)
-
-
-class _Unavailable(Exception):
-    pass
-
-
-_openat2 = _Openat2()
-
-
-def use_openat2(enabled: bool) -> bool:
-    """Switch ``openat2`` off (tests of the portable walk) or back on; returns the old state."""
-    old = _openat2.available
-    _openat2.available = enabled and _Openat2().available
-    return old
 
 
 def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
@@ -167,22 +120,6 @@ def _root_deleted(fd: int) -> bool:
         return True
 
 
-def _walk_open(root_fd: int, parts: list[str], flags: int, mode: int) -> int:
-    """The portable walk: each directory opened ``O_NOFOLLOW`` relative to its parent."""
-    fd = root_fd
-    try:
-        for name in parts[:-1]:
-            nxt = os.open(name, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_NOFOLLOW
-                          | _O_CLOEXEC, dir_fd=fd)
-            if fd != root_fd:
-                os.close(fd)
-            fd = nxt
-        return os.open(parts[-1], flags | _O_NOFOLLOW, mode, dir_fd=fd)
-    finally:
-        if fd != root_fd:
-            os.close(fd)
-
-
 def _check_rel(rel: str) -> list[str]:
     parts = [p for p in rel.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts) or rel.startswith("/"):
@@ -196,27 +133,15 @@ def open_beneath(root: Path | str, rel: str, flags: int, mode: int = 0o600) -> i
     A link (or a file where a directory belongs) raises :class:`NotAChunkFile`; other
     errors (ENOENT, EACCES, EEXIST, ENOSPC, ...) are raised as they come.
     """
-    parts = _check_rel(rel)
+    rel = "/".join(_check_rel(rel))
     root_fd = _root_fd(root)
     try:
-        return _open_at(root_fd, root, parts, flags, mode)
-    except FileNotFoundError:
-        if not _root_deleted(root_fd):
-            raise
-    return _open_at(_root_fd(root, fresh=True), root, parts, flags, mode)
-
-
-def _open_at(root_fd: int, root: Path | str, parts: list[str], flags: int, mode: int) -> int:
-    rel = "/".join(parts)
-    if _openat2.available:
         try:
-            return _openat2(root_fd, rel, flags | _O_CLOEXEC, mode)
-        except _Unavailable:
-            pass
-        except OSError as exc:
-            raise _unsafe(exc, root, rel) from None
-    try:
-        return _walk_open(root_fd, parts, flags | _O_CLOEXEC, mode)
+            return open_at(root_fd, rel, flags, mode)
+        except FileNotFoundError:
+            if not _root_deleted(root_fd):
+                raise
+        return open_at(_root_fd(root, fresh=True), rel, flags, mode)
     except OSError as exc:
         raise _unsafe(exc, root, rel) from None
 
@@ -269,42 +194,21 @@ def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
 
 
 def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
-    """``makedirs_beneath``, returning a descriptor of the deepest directory.
+    """``makedirs_beneath``, returning a descriptor (``O_RDONLY``) of the deepest directory.
 
-    Only what is missing is created, from the deepest directory that exists: a new shard
-    directory under an existing one costs one ``mkdir``, not one per component.
+    One open when it exists; otherwise ``resolve.make_dirs_at`` (the Python engine's, and
+    ``chunkio.c``'s, rule): a new shard directory under an existing one costs one ``mkdir``,
+    not one per component.
     """
-    parts = _check_rel(rel)
-    have = len(parts)  # how many leading components exist as real directories
-    while have > 0:
-        try:
-            fd = open_dir_beneath(root, "/".join(parts[:have]))
-            break
-        except FileNotFoundError:
-            have -= 1
-    else:
-        fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    rel = "/".join(_check_rel(rel))
     try:
-        for name in parts[have:]:
-            created = False
-            try:
-                os.mkdir(name, mode, dir_fd=fd)
-                created = True
-            except FileExistsError:
-                pass
-            try:
-                nxt = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
-                              dir_fd=fd)
-            except OSError as exc:
-                raise _unsafe(exc, root, rel) from None
-            os.close(fd)
-            fd = nxt
-            if created:
-                os.fchmod(fd, mode)  # mkdir applied the umask
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return open_dir_beneath(root, rel)  # (a deleted root's descriptor is renewed here)
+    except FileNotFoundError:
+        pass
+    try:
+        return make_dirs_at(_root_fd(root), rel, mode)[0]
+    except OSError as exc:
+        raise _unsafe(exc, root, rel) from None
 
 
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:

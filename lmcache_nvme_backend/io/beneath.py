@@ -1,158 +1,26 @@
-"""Opening, making and removing entries beneath a cache root's descriptor, never through a link.
+"""The Python engine's opens, directories and unlinks beneath a cache root's descriptor.
 
-The Python engine (``python_engine.py``) is handed a root as a descriptor, as the compiled
-one is, and resolves each chunk's path beneath it by the rules of ``disk/safe_fs.py`` and
-``csrc/chunkio.c`` (``chunk_open_beneath``, ``make_dirs_beneath``, ``chunk_unlink``):
-``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` where the kernel has it, else a
-walk that opens every directory ``O_NOFOLLOW`` relative to its parent.  A link anywhere is
-``ELOOP`` or ``ENOTDIR``, never followed; a path that leaves the root is ``EXDEV``.  Every
-failure is an ``OSError`` carrying the errno the compiled engine reports for it.
+The engine (``python_engine.py``) is handed a root as a descriptor, as the compiled one is,
+and resolves each chunk's path beneath it with ``disk/resolve.py``, the resolver
+``disk/safe_fs.py`` uses too (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``
+where the kernel has it, else the ``O_NOFOLLOW`` walk), by the rules of ``csrc/chunkio.c``
+(``chunk_open_beneath``, ``make_dirs_beneath``, ``chunk_unlink``).  Unlike ``safe_fs``'s
+path functions it keeps the errnos as they come (a link is ``ELOOP`` or ``ENOTDIR``, a path
+out of the root ``EXDEV``, never ``NotAChunkFile``): the engine reports them as the compiled
+one does.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 
+from ..disk.resolve import make_dirs_at, open_at, use_openat2
+
+__all__ = ["make_dirs_at", "open_at", "unlink_at", "use_openat2"]
+
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture
-_RESOLVE = 0x02 | 0x04 | 0x08  # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
-
-
-class _Openat2:
-    """``openat2`` through libc's ``syscall`` (ctypes lets go of the GIL for the call);
-    switched off for good after ENOSYS or EPERM (an old kernel, a seccomp filter)."""
-
-    def __init__(self) -> None:
-        self.available = False
-        try:
-            self._syscall = ctypes.CDLL(None, use_errno=True).syscall
-            self._syscall.restype = ctypes.c_long
-            self.available = os.uname().sysname == "Linux"
-        except (OSError, AttributeError):
-            pass
-
-    def __call__(self, dir_fd: int, rel: bytes, flags: int, mode: int) -> int | None:
-        """The descriptor; None when ``openat2`` is not there (use the walk)."""
-        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE)
-        fd = self._syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd),
-                           ctypes.c_char_p(rel), ctypes.byref(how),
-                           ctypes.c_size_t(ctypes.sizeof(how)))
-        if fd >= 0:
-            return int(fd)
-        err = ctypes.get_errno()
-        if err in (errno.ENOSYS, errno.EPERM):
-            self.available = False
-            return None
-        raise OSError(err, os.strerror(err), os.fsdecode(rel))
-
-
-_openat2 = _Openat2()
-
-
-def use_openat2(enabled: bool) -> bool:
-    """Switch ``openat2`` off (tests of the walk) or back on; returns the old state."""
-    old = _openat2.available
-    _openat2.available = enabled and _Openat2().available
-    return old
-
-
-def open_at(root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
-    """``openat(root_fd, rel, flags, mode)`` without following a link in any component and
-    without leaving the root; raises ``OSError`` (ELOOP / ENOTDIR: a link or a file where a
-    directory belongs; EXDEV: a path out of the root; anything else as it comes)."""
-    flags |= _O_CLOEXEC
-    if _openat2.available:
-        fd = _openat2(root_fd, os.fsencode(rel), flags, mode)
-        if fd is not None:
-            return fd
-    return _walk_open(root_fd, rel, flags, mode)
-
-
-def _walk_open(root_fd: int, rel: str, flags: int, mode: int) -> int:
-    """The portable walk: each directory opened ``O_NOFOLLOW`` relative to its parent."""
-    parts = rel.split("/")
-    if rel.startswith("/") or any(part in ("..", ".") for part in parts):
-        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), rel)
-    fd = root_fd
-    try:
-        for part in parts[:-1]:
-            if not part:
-                continue
-            nxt = os.open(part, _O_PATH | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
-            if fd != root_fd:
-                os.close(fd)
-            fd = nxt
-        return os.open(parts[-1], flags | _O_NOFOLLOW, mode, dir_fd=fd)
-    finally:
-        if fd != root_fd:
-            os.close(fd)
-
-
-def exact_mode(fd: int, mode: int) -> None:
-    """Give a file or directory just created exactly ``mode`` whatever the umask: a chmod
-    only where the creation left another mode (as the compiled engine does)."""
-    if os.fstat(fd).st_mode & 0o7777 != mode:
-        os.fchmod(fd, mode)
-
-
-def _make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
-    """Directory ``name`` in ``dir_fd`` made with exactly ``mode`` (or found there) and opened
-    ``O_NOFOLLOW`` (a link there is ELOOP or ENOTDIR); and whether this call made it."""
-    try:
-        os.mkdir(name, mode, dir_fd=dir_fd)
-        created = True
-    except FileExistsError:
-        created = False
-    fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
-    if created:
-        try:
-            exact_mode(fd, mode)  # mkdir applied the umask
-        except OSError:
-            os.close(fd)
-            raise
-    return fd, created
-
-
-def make_dirs_at(root_fd: int, rel: str, mode: int) -> tuple[int, int]:
-    """Open the directory ``rel`` beneath the root, making its missing components with exactly
-    ``mode``; returns its descriptor (``O_RDONLY``) and the index of the first component this
-    call made (-1: none).  As ``chunkio.c``: a new shard's parent nearly always exists, so it
-    is opened beneath the root and only the leaf made; otherwise every component is made or
-    opened in turn from the root."""
-    parent, _, leaf = rel.rpartition("/")
-    if parent:
-        try:
-            parent_fd = open_at(root_fd, parent, os.O_RDONLY | _O_DIRECTORY)
-        except FileNotFoundError:
-            pass
-        else:
-            try:
-                fd, created = _make_dir_at(parent_fd, leaf, mode)
-            finally:
-                os.close(parent_fd)
-            return fd, parent.count("/") + 1 if created else -1
-    created_at = -1
-    fd = root_fd
-    for depth, part in enumerate(rel.split("/")):
-        try:
-            nxt, created = _make_dir_at(fd, part, mode)
-        finally:
-            if fd != root_fd:
-                os.close(fd)
-        if created and created_at < 0:
-            created_at = depth
-        fd = nxt
-    return fd, created_at
 
 
 def unlink_at(root_fd: int, rel: str) -> int:

@@ -105,6 +105,20 @@ def test_makes_missing_directories_with_exactly_their_mode(tmp_path: Path, resol
         assert stat.S_IMODE(tmp_path.joinpath(*parts[: depth + 1]).stat().st_mode) == 0o751
 
 
+@pytest.mark.parametrize("rel", ["x/../..", "..", "x/./y", "/abs"])
+def test_make_dirs_at_never_walks_out_of_the_root(tmp_path: Path, resolver: str,
+                                                  rel: str) -> None:
+    (tmp_path / "root").mkdir()
+    root = os.open(tmp_path / "root", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(OSError) as raised:
+            beneath.make_dirs_at(root, rel, 0o700)
+    finally:
+        os.close(root)
+    assert raised.value.errno == errno.EXDEV
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["root"]
+
+
 def test_unlink_at_removes_a_link_never_its_target(tmp_path: Path, resolver: str) -> None:
     (tmp_path / "d").mkdir()
     (tmp_path / "target").write_bytes(b"kept")

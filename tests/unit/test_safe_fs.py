@@ -151,6 +151,10 @@ def test_a_root_deleted_and_recreated_is_opened_again(tree: Path, resolver: str)
     fd = open_beneath(tree, "a/f", os.O_RDONLY)
     assert os.read(fd, 10) == b"again"
     os.close(fd)
+    shutil.rmtree(tree)
+    tree.mkdir()  # and the directories made in the new root, not in the deleted one
+    os.close(open_dirs_beneath(tree, "x/y", 0o700))
+    assert (tree / "x" / "y").is_dir()
 
 
 def test_dir_mode_adds_search_where_read_is_granted() -> None:
