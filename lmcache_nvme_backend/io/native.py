@@ -132,25 +132,17 @@ class NativeEngine:
 
     def read(self, shares: Sequence[ReadShare]) -> Batch:
         """Read and verify a batch; the calling thread helps and returns when all are done."""
-        if len(shares) == 1:
-            return Batch(*self._engine.read_share(shares[0]))
-        return Batch(*self._engine.read(_read_items(shares)))
+        return Batch(*self._engine.read_shares(shares))
 
     def submit_read(self, shares: Sequence[ReadShare], on_done: OnDone) -> None:
         """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
-        if len(shares) == 1:
-            self._engine.submit_read_share(shares[0], on_done)
-        else:
-            self._engine.submit_read(_read_items(shares), on_done)
+        self._engine.submit_read_shares(shares, on_done)
 
     def submit_write(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
         """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
         first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it; the
         batch's chunks come back share by share, in order."""
-        if all(share[12] is None for share in shares):
-            self._engine.submit_shares([share[:12] for share in shares], on_done)
-        else:
-            self._engine.submit_write(_write_items(shares), on_done)
+        self._engine.submit_shares(shares, on_done)
 
     def read_items(self, items: Sequence[ReadItem]) -> Batch:  # transitional
         return Batch(*self._engine.read(items))
@@ -216,28 +208,3 @@ class NativeEngine:
                 except Exception:
                     logger.exception("NVMe tier: completing an I/O batch failed")
 
-
-# -- transitional: batches as the compiled module's item forms, until it takes them whole --
-
-def _shard(prefix: str, levels: int, digest: str) -> str:
-    return prefix + digest[0:2] + ("/" + digest[2:4] if levels == 2 else "")
-
-
-def _read_items(shares: Sequence[ReadShare]) -> list[ReadItem]:
-    items: list[ReadItem] = []
-    for fd, (prefix, levels, suffix), direct, payload_len, meta, digests, dests, keys in shares:
-        items += [(fd, f"{_shard(prefix, levels, d)}/{d}{suffix}", dest, payload_len, direct,
-                   key, meta) for d, dest, key in zip(digests, dests, keys, strict=True)]
-    return items
-
-
-def _write_items(shares: Sequence[WriteShare]) -> list[WriteItem]:
-    items: list[WriteItem] = []
-    for (fd, (prefix, levels, suffix, temp), namespace, meta, direct, mode, dir_mode, fsync,
-         victims, digests, payloads, keys, sums) in shares:
-        for i, digest in enumerate(digests):
-            final = digest + suffix
-            items.append((fd, _shard(prefix, levels, digest), final + temp, final, payloads[i],
-                          keys[i], namespace, meta, None if sums is None else sums[i], direct,
-                          mode, dir_mode, fsync, victims if i == 0 else ()))
-    return items

@@ -14,15 +14,17 @@
  *   by later writes of their size (pool.h); close() removes the rest
  *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
  *   submit_read(items, token)                 asynchronous; the batch comes back from wait
- *   read_share(share), submit_read_share(share, token)
- *                                             the same for a read call's chunks of one root,
- *                                             namespace and layout as columns (their paths
- *                                             made here, see read_share_batch_new)
+ *   read_shares(shares), submit_read_shares(shares, token)
+ *                                             the same for a batch of read shares, each a
+ *                                             call's chunks of one root, namespace and layout
+ *                                             as columns (their paths made here, see
+ *                                             read_batch_new), numbered share by share
+ *   read_share(share), submit_read_share(share, token)   a batch of one read share
  *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
  *                                             each waits up to 50 ms while reads are in flight)
- *   submit_shares(shares, token)              the same for a store task given as one share
- *                                             per root (its chunks named here, see
- *                                             share_batch_new)
+ *   submit_shares(shares, token)              the same for a store task given as one write
+ *                                             share per root (its chunks named here, see
+ *                                             write_batch_new), numbered share by share
  *   wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and
  *                                             drained; first adds 1 to each eventfd in
  *                                             signals (at most MAX_WAIT_SIGNALS), in the
@@ -267,8 +269,10 @@ static int read_batch_alloc(batch *b) {
     return 0;
 }
 
-/* Request i reads into the buffer b->bufs[i] (acquired); 0, or -1 with an exception. */
-static int read_request_set(Engine *self, batch *b, Py_ssize_t i, unsigned long long payload_len) {
+/* Request i (chunk j of share s) reads into the buffer b->bufs[i] (acquired); 0, or -1
+ * with an exception. */
+static int read_request_set(Engine *self, batch *b, Py_ssize_t i, Py_ssize_t s, Py_ssize_t j,
+                            unsigned long long payload_len) {
     chunk_read *r = &b->reqs[i];
     r->dest = b->bufs[i].buf;
     r->dest_len = (size_t)b->bufs[i].len;
@@ -276,8 +280,8 @@ static int read_request_set(Engine *self, batch *b, Py_ssize_t i, unsigned long 
     r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
     r->owner = b;
     if (r->dest_len < payload_len) {
-        PyErr_Format(PyExc_ValueError, "destination %zd holds %zu bytes, need %llu", i,
-                     r->dest_len, payload_len);
+        PyErr_Format(PyExc_ValueError, "share %zd: destination %zd holds %zu bytes, need %llu",
+                     s, j, r->dest_len, payload_len);
         return -1;
     }
     b->npieces += chunk_read_piece_count(r, self->task_size);
@@ -307,7 +311,7 @@ static batch *read_batch_plan(batch *b, size_t task_size) {
     return b;
 }
 
-static batch *read_batch_new(Engine *self, PyObject *items) {
+static batch *read_items_batch_new(Engine *self, PyObject *items) {
     batch *b = batch_alloc(items, BATCH_READ, -1);
     if (b == NULL) return NULL;
     if (read_batch_alloc(b) != 0) goto fail;
@@ -321,7 +325,7 @@ static batch *read_batch_new(Engine *self, PyObject *items) {
             field_u64(item, 3, &payload_len) != 0 || field_flag(item, 4, &r->direct) != 0 ||
             field_bytes(item, 5, &r->key, &r->key_len) != 0 ||
             field_bytes(item, 6, &r->meta, &r->meta_len) != 0 ||
-            read_request_set(self, b, i, payload_len) != 0)
+            read_request_set(self, b, i, 0, i, payload_len) != 0)
             goto fail;
     }
     return read_batch_plan(b, self->task_size);
@@ -330,7 +334,7 @@ fail:
     return NULL;
 }
 
-static batch *write_batch_new(PyObject *items) {
+static batch *write_items_batch_new(PyObject *items) {
     batch *b = batch_alloc(items, BATCH_WRITE, -1);
     if (b == NULL) return NULL;
     b->jobs = calloc(b->n ? b->n : 1, sizeof(write_job));
@@ -395,45 +399,164 @@ fail:
     return NULL;
 }
 
-/* The chunks of a share: its digests, payloads and keys, lists of one length. */
-static Py_ssize_t share_size(PyObject *share, Py_ssize_t s) {
-    PyObject *digests = PyTuple_GET_ITEM(share, 9), *payloads = PyTuple_GET_ITEM(share, 10),
-             *keys = PyTuple_GET_ITEM(share, 11);
-    if (!PyList_Check(digests) || !PyList_Check(payloads) || !PyList_Check(keys) ||
-        PyList_GET_SIZE(payloads) != PyList_GET_SIZE(digests) ||
-        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
-        PyErr_Format(PyExc_TypeError, "share %zd: digests, payloads and keys must be lists of "
-                                      "one length", s);
-        return -1;
-    }
-    return PyList_GET_SIZE(digests);
+/* -- shares ------------------------------------------------------------------------------ */
+
+/* The two shapes of a share (io/engine.py): a read share (root_fd, naming, direct,
+ * payload_len, meta, digests, dests, keys) and a write share (root_fd, naming, namespace,
+ * meta, direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys,
+ * gpu_checksums); the columns are lists of one length, from `digests` on. */
+typedef struct {
+    const char *what;
+    Py_ssize_t fields;
+    Py_ssize_t naming_fields; /* (shard_prefix, shard_levels, final_suffix[, temp_suffix]) */
+    Py_ssize_t digests;       /* the digests' column; the buffers' and the keys' follow it */
+    const char *columns;
+} share_shape;
+
+static const share_shape READ_SHARE = {"read share", 8, 3, 5, "digests, dests and keys"};
+static const share_shape WRITE_SHARE = {"write share", 13, 4, 9, "digests, payloads and keys"};
+
+/* A share's naming, RootLayout.chunk_naming or write_naming: a chunk's shard directory is
+ * shard_prefix + d[0:2] (+ "/" + d[2:4] with two levels), its file d + final_suffix, its
+ * temp name that + temp_suffix (writes), d its digest (docs/format.md). */
+typedef struct {
+    const char *prefix, *suffix, *temp;
+    Py_ssize_t prefix_len, suffix_len, temp_len;
+    int levels;
+} naming;
+
+static const char *naming_text(PyObject *o, Py_ssize_t *len) {
+    return PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, len) : NULL;
 }
 
-/* A digest (a str) as a file name takes it: lowercase hex, two characters or more per shard
- * level. */
-static const char *digest_text(PyObject *o, int levels, Py_ssize_t *len) {
-    const char *text = PyUnicode_AsUTF8AndSize(o, len); /* a str: share_batch_new checked */
+/* Share `s`'s naming; 0, or -1 with an exception. */
+static int naming_parse(PyObject *share, const share_shape *shape, Py_ssize_t s, naming *nm) {
+    PyObject *o = PyTuple_GET_ITEM(share, 1);
+    nm->temp = "";
+    nm->temp_len = 0;
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != shape->naming_fields ||
+        (nm->prefix = naming_text(PyTuple_GET_ITEM(o, 0), &nm->prefix_len)) == NULL ||
+        !PyLong_Check(PyTuple_GET_ITEM(o, 1)) ||
+        (nm->suffix = naming_text(PyTuple_GET_ITEM(o, 2), &nm->suffix_len)) == NULL ||
+        (shape->naming_fields == 4 &&
+         (nm->temp = naming_text(PyTuple_GET_ITEM(o, 3), &nm->temp_len)) == NULL)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "share %zd: naming is (shard_prefix, shard_levels, "
+                         "final_suffix%s)", s, shape->naming_fields == 4 ? ", temp_suffix" : "");
+        return -1;
+    }
+    long levels = PyLong_AsLong(PyTuple_GET_ITEM(o, 1));
+    if (levels == -1 && PyErr_Occurred()) return -1;
+    if (levels != 1 && levels != 2) {
+        PyErr_Format(PyExc_ValueError, "share %zd: shard_levels must be 1 or 2, not %ld", s,
+                     levels);
+        return -1;
+    }
+    if (holds_nul(nm->prefix, nm->prefix_len) || holds_nul(nm->suffix, nm->suffix_len) ||
+        holds_nul(nm->temp, nm->temp_len)) {
+        PyErr_Format(PyExc_ValueError, "share %zd: naming holds a NUL character", s);
+        return -1;
+    }
+    nm->levels = (int)levels;
+    return 0;
+}
+
+/* Chunk j's digest in share `s`, as its file names take it: lowercase hex (a str), two
+ * characters or more per shard level; NULL with an exception if it is not. */
+static const char *digest_text(PyObject *share, const share_shape *shape, Py_ssize_t s,
+                               Py_ssize_t j, int levels, Py_ssize_t *len) {
+    PyObject *o = PyList_GET_ITEM(PyTuple_GET_ITEM(share, shape->digests), j);
+    if (!PyUnicode_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: digest %zd must be str, not %.100s", s, j,
+                     Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    const char *text = PyUnicode_AsUTF8AndSize(o, len);
     if (text == NULL) return NULL;
     int hex = *len >= 2 * levels;
     for (Py_ssize_t i = 0; hex && i < *len; i++)
         hex = (text[i] >= '0' && text[i] <= '9') || (text[i] >= 'a' && text[i] <= 'f');
     if (!hex) {
-        PyErr_Format(PyExc_ValueError, "digest %R is not lowercase hex of %d characters or "
-                                       "more", o, 2 * levels);
+        PyErr_Format(PyExc_ValueError, "share %zd: digest %R is not lowercase hex of %d "
+                     "characters or more", s, o, 2 * levels);
         return NULL;
     }
     return text;
 }
 
-/* Writes a chunk's shard directory as RootLayout names it, shard_prefix + d[0:2] (+ "/" +
- * d[2:4] with two levels), at `at` (no NUL); returns where it ends. */
-static char *put_shard_dir(char *at, const char *prefix, Py_ssize_t prefix_len, const char *d,
-                           int levels) {
-    memcpy(at, prefix, (size_t)prefix_len);
-    at += prefix_len;
+/* Chunk j's digest in share `s`, checked by shares_measure. */
+static const char *digest_at(PyObject *share, const share_shape *shape, Py_ssize_t j,
+                             Py_ssize_t *len) {
+    return PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(PyTuple_GET_ITEM(share, shape->digests), j),
+                                   len);
+}
+
+/* Chunk j's key in share `s` (bytes: a key may hold lone surrogates, format.text_bytes). */
+static int key_at(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ssize_t j,
+                  const uint8_t **key, size_t *len) {
+    PyObject *o = PyList_GET_ITEM(PyTuple_GET_ITEM(share, shape->digests + 2), j);
+    if (!PyBytes_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: key %zd must be bytes, not %.100s", s, j,
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *key = (const uint8_t *)PyBytes_AS_STRING(o);
+    *len = (size_t)PyBytes_GET_SIZE(o);
+    return 0;
+}
+
+/* Checks the shape, naming and columns of every share of `shares` (a tuple) and each
+ * chunk's digest; counts the chunks (*n) and the bytes of their names (*arena); 0, or -1
+ * with an exception naming the share. */
+static int shares_measure(PyObject *shares, const share_shape *shape, Py_ssize_t *n,
+                          size_t *arena) {
+    *n = 0;
+    *arena = 0;
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(shares); s++) {
+        PyObject *share = PyTuple_GET_ITEM(shares, s);
+        naming nm;
+        if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != shape->fields) {
+            PyErr_Format(PyExc_TypeError, "share %zd is not a tuple of %zd (a %s)", s,
+                         shape->fields, shape->what);
+            return -1;
+        }
+        if (naming_parse(share, shape, s, &nm) != 0) return -1;
+        PyObject *digests = PyTuple_GET_ITEM(share, shape->digests),
+                 *buffers = PyTuple_GET_ITEM(share, shape->digests + 1),
+                 *keys = PyTuple_GET_ITEM(share, shape->digests + 2);
+        if (!PyList_Check(digests) || !PyList_Check(buffers) || !PyList_Check(keys) ||
+            PyList_GET_SIZE(buffers) != PyList_GET_SIZE(digests) ||
+            PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
+            PyErr_Format(PyExc_TypeError, "share %zd: %s must be lists of one length", s,
+                         shape->columns);
+            return -1;
+        }
+        Py_ssize_t size = PyList_GET_SIZE(digests);
+        if (size == 0 && shape == &WRITE_SHARE) { /* its victims would be left behind */
+            PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
+            return -1;
+        }
+        /* the shard directory (prefix + 3 * levels - 1), then a read's "/" + file name,
+         * a write's NUL, file name, NUL, temp name; each NUL-terminated */
+        size_t dir = (size_t)nm.prefix_len + 3 * (size_t)nm.levels;
+        for (Py_ssize_t j = 0; j < size; j++) {
+            Py_ssize_t len;
+            if (digest_text(share, shape, s, j, nm.levels, &len) == NULL) return -1;
+            size_t file = (size_t)len + (size_t)nm.suffix_len + 1;
+            *arena += dir + file + (shape == &WRITE_SHARE ? file + (size_t)nm.temp_len : 0);
+        }
+        *n += size;
+    }
+    return 0;
+}
+
+/* Writes a chunk's shard directory at `at` (no NUL); returns where it ends. */
+static char *put_shard_dir(char *at, const naming *nm, const char *d) {
+    memcpy(at, nm->prefix, (size_t)nm->prefix_len);
+    at += nm->prefix_len;
     *at++ = d[0];
     *at++ = d[1];
-    if (levels == 2) {
+    if (nm->levels == 2) {
         *at++ = '/';
         *at++ = d[2];
         *at++ = d[3];
@@ -441,141 +564,199 @@ static char *put_shard_dir(char *at, const char *prefix, Py_ssize_t prefix_len, 
     return at;
 }
 
-/* A store task's writes as shares, one per root, the names of each chunk made here from its
- * digest as RootLayout.write_names makes them (docs/format.md): the directory shard_prefix
- * + d[0:2] (+ "/" + d[2:4] with two shard levels), the final name d + final_suffix, the temp
- * name that + temp_suffix.  A share is (root_fd, (shard_prefix, shard_levels, final_suffix,
- * temp_suffix), namespace, meta, direct, mode, dir_mode, fsync_level, victims, digests,
- * payloads, keys); its victims are removed before its first write.  The chunks come back
- * share by share, in order. */
-#define SHARE_FIELDS 12
-static batch *share_batch_new(PyObject *shares) {
-    PyObject *tuple = PySequence_Tuple(shares);
-    if (tuple == NULL) return NULL;
-    Py_ssize_t nshares = PyTuple_GET_SIZE(tuple), n = 0;
-    size_t arena = 0;
-    for (Py_ssize_t s = 0; s < nshares; s++) {
-        PyObject *share = PyTuple_GET_ITEM(tuple, s), *naming;
-        Py_ssize_t size, prefix_len, final_len, temp_len;
-        const char *prefix, *final_suffix, *temp_suffix;
-        if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != SHARE_FIELDS) {
-            PyErr_Format(PyExc_TypeError, "share %zd is not a tuple of %d", s, SHARE_FIELDS);
-            goto fail_tuple;
-        }
-        naming = PyTuple_GET_ITEM(share, 1);
-        if ((size = share_size(share, s)) < 0) goto fail_tuple;
-        if (size == 0) { /* its victims would be left: the first write removes them */
-            PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
-            goto fail_tuple;
-        }
-        if (!PyTuple_Check(naming) || PyTuple_GET_SIZE(naming) != 4 ||
-            (prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len)) == NULL ||
-            (final_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &final_len)) ==
-                NULL ||
-            (temp_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3), &temp_len)) ==
-                NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "share %zd: naming is (shard_prefix, "
-                                              "shard_levels, final_suffix, temp_suffix)", s);
-            goto fail_tuple;
-        }
-        if (holds_nul(prefix, prefix_len) || holds_nul(final_suffix, final_len) ||
-            holds_nul(temp_suffix, temp_len)) {
-            PyErr_Format(PyExc_ValueError, "share %zd: naming holds a NUL character", s);
-            goto fail_tuple;
-        }
-        for (Py_ssize_t j = 0; j < size; j++) {
-            PyObject *digest = PyList_GET_ITEM(PyTuple_GET_ITEM(share, 9), j);
-            Py_ssize_t len;
-            if (!PyUnicode_Check(digest)) {
-                PyErr_Format(PyExc_TypeError, "share %zd: a digest must be str, not %.100s", s,
-                             Py_TYPE(digest)->tp_name);
-                goto fail_tuple;
-            }
-            if (PyUnicode_AsUTF8AndSize(digest, &len) == NULL) goto fail_tuple;
-            /* directory (prefix + 5), final, temp; each NUL-terminated */
-            arena += (size_t)prefix_len + 6 + 2 * ((size_t)len + (size_t)final_len + 1) +
-                     (size_t)temp_len;
-        }
-        n += size;
+/* Writes d + final_suffix (+ temp_suffix) and a NUL at `at`; returns where it ends. */
+static char *put_file_name(char *at, const naming *nm, const char *d, Py_ssize_t len, int temp) {
+    memcpy(at, d, (size_t)len);
+    at += len;
+    memcpy(at, nm->suffix, (size_t)nm->suffix_len);
+    at += nm->suffix_len;
+    if (temp) {
+        memcpy(at, nm->temp, (size_t)nm->temp_len);
+        at += nm->temp_len;
     }
-    batch *b = batch_alloc(tuple, BATCH_WRITE, n);
+    *at++ = '\0';
+    return at;
+}
+
+/* A batch of the chunks of `shares` (a sequence of `shape`), its names' arena allocated;
+ * NULL with an exception. */
+static batch *shares_batch(PyObject *shares, const share_shape *shape, int kind) {
+    PyObject *tuple = PySequence_Tuple(shares);
+    Py_ssize_t n;
+    size_t arena;
+    if (tuple == NULL) return NULL;
+    batch *b = NULL;
+    if (shares_measure(tuple, shape, &n, &arena) == 0) b = batch_alloc(tuple, kind, n);
     Py_DECREF(tuple);
+    if (b && (b->names = malloc(arena ? arena : 1)) == NULL) {
+        batch_free(b);
+        return (batch *)PyErr_NoMemory();
+    }
+    return b;
+}
+
+/* A read call's chunks as shares, one per root, namespace and layout: each chunk's path
+ * made here from its digest as RootLayout.chunk_rel makes it, the directory, "/" and the
+ * file name; the chunks numbered share by share, in order. */
+static batch *read_batch_new(Engine *self, PyObject *shares) {
+    batch *b = shares_batch(shares, &READ_SHARE, BATCH_READ);
+    if (b == NULL || read_batch_alloc(b) != 0) goto fail;
+    char *at = b->names;
+    Py_ssize_t i = 0;
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(b->items); s++) {
+        PyObject *share = PyTuple_GET_ITEM(b->items, s);
+        PyObject *dests = PyTuple_GET_ITEM(share, 6);
+        int root_fd, direct;
+        unsigned long long payload_len;
+        const uint8_t *meta;
+        size_t meta_len;
+        naming nm;
+        if (naming_parse(share, &READ_SHARE, s, &nm) != 0 || field_int(share, 0, &root_fd) != 0 ||
+            field_flag(share, 2, &direct) != 0 || field_u64(share, 3, &payload_len) != 0 ||
+            field_bytes(share, 4, &meta, &meta_len) != 0)
+            goto fail;
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(dests); j++, i++) {
+            chunk_read *r = &b->reqs[i];
+            Py_ssize_t len;
+            const char *d = digest_at(share, &READ_SHARE, j, &len);
+            if (d == NULL || key_at(share, &READ_SHARE, s, j, &r->key, &r->key_len) != 0 ||
+                PyObject_GetBuffer(PyList_GET_ITEM(dests, j), &b->bufs[i], PyBUF_WRITABLE) != 0)
+                goto fail;
+            b->nbufs = i + 1;
+            r->rel = at;
+            at = put_shard_dir(at, &nm, d);
+            *at++ = '/';
+            at = put_file_name(at, &nm, d, len, 0);
+            r->root_fd = root_fd;
+            r->direct = direct;
+            r->meta = meta;
+            r->meta_len = meta_len;
+            if (read_request_set(self, b, i, s, j, payload_len) != 0) goto fail;
+        }
+    }
+    return read_batch_plan(b, self->task_size);
+fail:
+    if (b) batch_free(b);
+    return NULL;
+}
+
+/* Share `s`'s GPU checksums: None, or one (a, b) of unsigned 64-bit ints per chunk, which
+ * the header records (disk/gpusum.py); a list of `size`, or NULL (None, or an exception). */
+static PyObject *gpu_checksums_of(PyObject *share, Py_ssize_t s, Py_ssize_t size) {
+    PyObject *sums = PyTuple_GET_ITEM(share, 12);
+    if (sums == Py_None) return NULL;
+    if (!PyList_Check(sums)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums must be None or a list, not "
+                     "%.100s", s, Py_TYPE(sums)->tp_name);
+        return NULL;
+    }
+    if (PyList_GET_SIZE(sums) != size) {
+        PyErr_Format(PyExc_ValueError, "share %zd: gpu_checksums holds %zd pairs for %zd "
+                     "chunks", s, PyList_GET_SIZE(sums), size);
+        return NULL;
+    }
+    return sums;
+}
+
+/* Chunk j's GPU checksum, sums[j], into `w`; 0, or -1 with an exception. */
+static int gpu_checksum_set(chunk_write *w, PyObject *sums, Py_ssize_t s, Py_ssize_t j) {
+    PyObject *pair = PyList_GET_ITEM(sums, j);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+        !PyLong_Check(PyTuple_GET_ITEM(pair, 0)) || !PyLong_Check(PyTuple_GET_ITEM(pair, 1))) {
+        PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums[%zd] must be an (a, b) tuple "
+                     "of ints", s, j);
+        return -1;
+    }
+    for (int k = 0; k < 2; k++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, k));
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "share %zd: gpu_checksums[%zd] must hold unsigned "
+                         "64-bit ints", s, j);
+            return -1;
+        }
+        w->gpu_checksum[k] = v;
+    }
+    w->has_gpu_checksum = 1;
+    return 0;
+}
+
+/* Share `s`'s victims (a tuple of paths beneath its root, str) into the job of its first
+ * chunk, which removes them before it writes; 0, or -1 with an exception. */
+static int victims_set(write_job *job, PyObject *share, Py_ssize_t s) {
+    PyObject *victims = PyTuple_GET_ITEM(share, 8);
+    if (!PyTuple_Check(victims)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: victims must be a tuple, not %.100s", s,
+                     Py_TYPE(victims)->tp_name);
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(victims) == 0) return 0;
+    job->victims = calloc((size_t)PyTuple_GET_SIZE(victims), sizeof(char *));
+    if (job->victims == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t v = 0; v < PyTuple_GET_SIZE(victims); v++, job->nvictims++) {
+        PyObject *o = PyTuple_GET_ITEM(victims, v);
+        Py_ssize_t len;
+        if (!PyUnicode_Check(o) || (job->victims[v] = PyUnicode_AsUTF8AndSize(o, &len)) == NULL ||
+            holds_nul(job->victims[v], len)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "share %zd: victim %zd is not a path (a str "
+                             "with no NUL)", s, v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A store task's writes as shares, one per root: each chunk's shard directory, final and
+ * temp names made here from its digest as RootLayout.write_names makes them; a share's
+ * victims removed before its first write; the chunks numbered share by share, in order. */
+static batch *write_batch_new(PyObject *shares) {
+    batch *b = shares_batch(shares, &WRITE_SHARE, BATCH_WRITE);
     if (b == NULL) return NULL;
-    b->jobs = calloc(n ? (size_t)n : 1, sizeof(write_job));
-    b->names = malloc(arena ? arena : 1);
-    if (b->jobs == NULL || b->names == NULL) {
+    b->jobs = calloc(b->n ? (size_t)b->n : 1, sizeof(write_job));
+    if (b->jobs == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     char *at = b->names;
     Py_ssize_t i = 0;
-    for (Py_ssize_t s = 0; s < nshares; s++) {
-        PyObject *share = PyTuple_GET_ITEM(b->items, s);
-        PyObject *naming = PyTuple_GET_ITEM(share, 1), *victims = PyTuple_GET_ITEM(share, 8);
-        PyObject *digests = PyTuple_GET_ITEM(share, 9), *payloads = PyTuple_GET_ITEM(share, 10);
-        PyObject *keys = PyTuple_GET_ITEM(share, 11);
-        Py_ssize_t prefix_len, final_len, temp_len;
-        const char *prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len);
-        const char *final_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2),
-                                                           &final_len);
-        const char *temp_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3),
-                                                          &temp_len);
-        int levels, root_fd, direct, mode, dir_mode, fsync_level;
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(b->items); s++) {
+        PyObject *share = PyTuple_GET_ITEM(b->items, s), *sums;
+        PyObject *payloads = PyTuple_GET_ITEM(share, 10);
+        Py_ssize_t size = PyList_GET_SIZE(payloads);
+        int root_fd, direct, mode, dir_mode, fsync_level;
         const uint8_t *ns, *meta;
         size_t ns_len, meta_len;
-        if (field_int(naming, 1, &levels) != 0 || field_int(share, 0, &root_fd) != 0 ||
+        naming nm;
+        if (naming_parse(share, &WRITE_SHARE, s, &nm) != 0 || field_int(share, 0, &root_fd) != 0 ||
             field_bytes(share, 2, &ns, &ns_len) != 0 ||
             field_bytes(share, 3, &meta, &meta_len) != 0 || field_flag(share, 4, &direct) != 0 ||
             field_int(share, 5, &mode) != 0 || field_int(share, 6, &dir_mode) != 0 ||
-            field_int(share, 7, &fsync_level) != 0)
+            field_int(share, 7, &fsync_level) != 0 || victims_set(&b->jobs[i], share, s) != 0 ||
+            ((sums = gpu_checksums_of(share, s, size)) == NULL && PyErr_Occurred()))
             goto fail;
-        if (levels != 1 && levels != 2) {
-            PyErr_Format(PyExc_ValueError, "share %zd: shard_levels must be 1 or 2", s);
-            goto fail;
-        }
-        if (!PyTuple_Check(victims)) {
-            PyErr_Format(PyExc_TypeError, "share %zd: victims must be a tuple, not %.100s", s,
-                         Py_TYPE(victims)->tp_name);
-            goto fail;
-        }
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(digests); j++, i++) {
+        for (Py_ssize_t j = 0; j < size; j++, i++) {
             write_job *job = &b->jobs[i];
             chunk_write *w = &job->w;
-            Py_ssize_t dlen;
-            const char *d = digest_text(PyList_GET_ITEM(digests, j), levels, &dlen);
-            PyObject *key = PyList_GET_ITEM(keys, j);
-            if (d == NULL) goto fail;
-            if (!PyBytes_Check(key)) {
-                PyErr_Format(PyExc_TypeError, "share %zd: key %zd must be bytes", s, j);
-                goto fail;
-            }
-            if (PyObject_GetBuffer(PyList_GET_ITEM(payloads, j), &b->bufs[i], PyBUF_SIMPLE) != 0)
+            Py_ssize_t len;
+            const char *d = digest_at(share, &WRITE_SHARE, j, &len);
+            if (d == NULL || key_at(share, &WRITE_SHARE, s, j, &w->key, &w->key_len) != 0 ||
+                (sums && gpu_checksum_set(w, sums, s, j) != 0) ||
+                PyObject_GetBuffer(PyList_GET_ITEM(payloads, j), &b->bufs[i], PyBUF_SIMPLE) != 0)
                 goto fail;
             b->nbufs = i + 1;
-            char *dir = at;
-            at = put_shard_dir(at, prefix, prefix_len, d, levels);
+            w->dir_rel = at;
+            at = put_shard_dir(at, &nm, d);
             *at++ = '\0';
-            w->dir_rel = dir;
-            char *final = at;
-            memcpy(at, d, (size_t)dlen);
-            at += dlen;
-            memcpy(at, final_suffix, (size_t)final_len);
-            at += final_len;
-            *at++ = '\0';
-            w->final_name = final;
-            char *tmp = at;
-            memcpy(at, final, (size_t)(dlen + final_len));
-            at += dlen + final_len;
-            memcpy(at, temp_suffix, (size_t)temp_len);
-            at += temp_len;
-            *at++ = '\0';
-            w->tmp_name = tmp;
+            w->final_name = at;
+            at = put_file_name(at, &nm, d, len, 0);
+            w->tmp_name = at;
+            at = put_file_name(at, &nm, d, len, 1);
             w->root_fd = root_fd;
             w->payload = b->bufs[i].buf;
             w->payload_len = (size_t)b->bufs[i].len;
-            w->key = (const uint8_t *)PyBytes_AS_STRING(key);
-            w->key_len = (size_t)PyBytes_GET_SIZE(key);
             w->ns = ns;
             w->ns_len = ns_len;
             w->meta = meta;
@@ -586,125 +767,10 @@ static batch *share_batch_new(PyObject *shares) {
             w->fsync_level = fsync_level;
             w->status = CHUNK_FAILED;
             job->b = b;
-            if (j == 0 && PyTuple_GET_SIZE(victims)) {
-                job->nvictims = PyTuple_GET_SIZE(victims);
-                job->victims = calloc((size_t)job->nvictims, sizeof(char *));
-                if (job->victims == NULL) {
-                    PyErr_NoMemory();
-                    goto fail;
-                }
-                for (Py_ssize_t v = 0; v < job->nvictims; v++)
-                    if ((job->victims[v] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(victims, v))) ==
-                        NULL)
-                        goto fail;
-            }
         }
     }
     atomic_store(&b->left, (long)b->n);
     return b;
-fail_tuple:
-    Py_DECREF(tuple);
-    return NULL;
-fail:
-    batch_free(b);
-    return NULL;
-}
-
-/* A read call's chunks of one root, namespace and layout as columns: (root_fd,
- * (shard_prefix, shard_levels, suffix), direct, payload_len, meta, digests, dests, keys),
- * three lists of one length; each chunk's path is made here from its digest as
- * RootLayout.chunk_rel makes it: shard_prefix + d[0:2] (+ "/" + d[2:4] with two levels) +
- * "/" + d + suffix. */
-#define READ_SHARE_FIELDS 8
-static batch *read_share_batch_new(Engine *self, PyObject *share) {
-    if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != READ_SHARE_FIELDS) {
-        PyErr_Format(PyExc_TypeError, "a read share is a tuple of %d", READ_SHARE_FIELDS);
-        return NULL;
-    }
-    PyObject *naming = PyTuple_GET_ITEM(share, 1), *digests = PyTuple_GET_ITEM(share, 5),
-             *dests = PyTuple_GET_ITEM(share, 6), *keys = PyTuple_GET_ITEM(share, 7);
-    const char *prefix = NULL, *suffix = NULL;
-    Py_ssize_t prefix_len, suffix_len;
-    int levels;
-    if (PyTuple_Check(naming) && PyTuple_GET_SIZE(naming) == 3) {
-        prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len);
-        suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &suffix_len);
-    }
-    if (prefix == NULL || suffix == NULL || field_int(naming, 1, &levels) != 0) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "a read share's naming is (shard_prefix, "
-                                         "shard_levels, suffix)");
-        return NULL;
-    }
-    if (levels != 1 && levels != 2) {
-        PyErr_Format(PyExc_ValueError, "shard_levels must be 1 or 2, not %d", levels);
-        return NULL;
-    }
-    if (holds_nul(prefix, prefix_len) || holds_nul(suffix, suffix_len)) {
-        PyErr_SetString(PyExc_ValueError, "a read share's naming holds a NUL character");
-        return NULL;
-    }
-    if (!PyList_Check(digests) || !PyList_Check(dests) || !PyList_Check(keys) ||
-        PyList_GET_SIZE(dests) != PyList_GET_SIZE(digests) ||
-        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
-        PyErr_SetString(PyExc_TypeError, "a read share's digests, dests and keys must be lists "
-                                         "of one length");
-        return NULL;
-    }
-    batch *b = batch_alloc(share, BATCH_READ, PyList_GET_SIZE(digests));
-    if (b == NULL) return NULL;
-    int root_fd, direct;
-    unsigned long long payload_len;
-    const uint8_t *meta;
-    size_t meta_len, arena = 0;
-    if (field_int(share, 0, &root_fd) != 0 || field_flag(share, 2, &direct) != 0 ||
-        field_u64(share, 3, &payload_len) != 0 || field_bytes(share, 4, &meta, &meta_len) != 0 ||
-        read_batch_alloc(b) != 0)
-        goto fail;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        PyObject *digest = PyList_GET_ITEM(digests, i);
-        if (!PyUnicode_Check(digest)) {
-            PyErr_Format(PyExc_TypeError, "digest %zd must be str", i);
-            goto fail;
-        }
-        Py_ssize_t len;
-        if (digest_text(digest, levels, &len) == NULL) goto fail;
-        arena += (size_t)(prefix_len + 3 * levels + len + suffix_len + 1);
-    }
-    b->names = malloc(arena ? arena : 1);
-    if (b->names == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    char *at = b->names;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        chunk_read *r = &b->reqs[i];
-        Py_ssize_t len;
-        const char *d = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(digests, i), &len);
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_Check(key)) {
-            PyErr_Format(PyExc_TypeError, "key %zd must be bytes", i);
-            goto fail;
-        }
-        r->rel = at;
-        at = put_shard_dir(at, prefix, prefix_len, d, levels);
-        *at++ = '/';
-        memcpy(at, d, (size_t)len);
-        at += len;
-        memcpy(at, suffix, (size_t)suffix_len + 1); /* with its NUL */
-        at += suffix_len + 1;
-        r->root_fd = root_fd;
-        r->direct = direct;
-        r->key = (const uint8_t *)PyBytes_AS_STRING(key);
-        r->key_len = (size_t)PyBytes_GET_SIZE(key);
-        r->meta = meta;
-        r->meta_len = meta_len;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, i), &b->bufs[i], PyBUF_WRITABLE) != 0)
-            goto fail;
-        b->nbufs = i + 1;
-        if (read_request_set(self, b, i, payload_len) != 0) goto fail;
-    }
-    return read_batch_plan(b, self->task_size);
 fail:
     batch_free(b);
     return NULL;
@@ -1113,12 +1179,19 @@ static PyObject *run_read(Engine *self, batch *b) {
 
 static PyObject *Engine_read(Engine *self, PyObject *items) {
     if (!engine_open(self)) return NULL;
-    return run_read(self, read_batch_new(self, items));
+    return run_read(self, read_items_batch_new(self, items));
+}
+
+static PyObject *Engine_read_shares(Engine *self, PyObject *shares) {
+    if (!engine_open(self)) return NULL;
+    return run_read(self, read_batch_new(self, shares));
 }
 
 static PyObject *Engine_read_share(Engine *self, PyObject *share) {
-    if (!engine_open(self)) return NULL;
-    return run_read(self, read_share_batch_new(self, share));
+    PyObject *shares = PyTuple_Pack(1, share), *result = NULL;
+    if (shares) result = Engine_read_shares(self, shares);
+    Py_XDECREF(shares);
+    return result;
 }
 
 /* Hands an asynchronous batch to the threads; it comes back from wait().  It counts as
@@ -1148,28 +1221,37 @@ static PyObject *submit(Engine *self, batch *b, PyObject *token) {
 static PyObject *Engine_submit_read(Engine *self, PyObject *args) {
     PyObject *items, *token;
     if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
-    batch *b = read_batch_new(self, items);
+    batch *b = read_items_batch_new(self, items);
+    return b == NULL ? NULL : submit(self, b, token);
+}
+
+static PyObject *Engine_submit_read_shares(Engine *self, PyObject *args) {
+    PyObject *shares, *token;
+    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_open(self)) return NULL;
+    batch *b = read_batch_new(self, shares);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
 static PyObject *Engine_submit_read_share(Engine *self, PyObject *args) {
-    PyObject *share, *token;
-    if (!PyArg_ParseTuple(args, "OO", &share, &token) || !engine_open(self)) return NULL;
-    batch *b = read_share_batch_new(self, share);
-    return b == NULL ? NULL : submit(self, b, token);
+    PyObject *share, *token, *shares, *result = NULL;
+    if (!PyArg_ParseTuple(args, "OO", &share, &token)) return NULL;
+    if ((shares = Py_BuildValue("((O)O)", share, token)) != NULL)
+        result = Engine_submit_read_shares(self, shares);
+    Py_XDECREF(shares);
+    return result;
 }
 
 static PyObject *Engine_submit_write(Engine *self, PyObject *args) {
     PyObject *items, *token;
     if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
-    batch *b = write_batch_new(items);
+    batch *b = write_items_batch_new(items);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
 static PyObject *Engine_submit_shares(Engine *self, PyObject *args) {
     PyObject *shares, *token;
     if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_open(self)) return NULL;
-    batch *b = share_batch_new(shares);
+    batch *b = write_batch_new(shares);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
@@ -1381,6 +1463,13 @@ static PyMethodDef Engine_methods[] = {
      "read(items) -> (statuses, details): read and verify a batch, waiting for it."},
     {"submit_read", (PyCFunction)Engine_submit_read, METH_VARARGS,
      "submit_read(items, token): start a read batch; wait() returns it with its token."},
+    {"read_shares", (PyCFunction)Engine_read_shares, METH_O,
+     "read_shares(shares) -> (statuses, details): read and verify a batch given as read "
+     "shares (each a call's chunks of one root, namespace and layout as columns; their paths "
+     "made here from their digests), waiting for it; the chunks numbered share by share."},
+    {"submit_read_shares", (PyCFunction)Engine_submit_read_shares, METH_VARARGS,
+     "submit_read_shares(shares, token): start reading a batch of read shares; wait() "
+     "returns it with its token."},
     {"read_share", (PyCFunction)Engine_read_share, METH_O,
      "read_share(share) -> (statuses, details): read() of a call's chunks of one root, "
      "namespace and layout given as columns (their paths made here from their digests)."},
@@ -1389,8 +1478,9 @@ static PyMethodDef Engine_methods[] = {
     {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
      "submit_write(items, token): start a write batch; wait() returns it with its token."},
     {"submit_shares", (PyCFunction)Engine_submit_shares, METH_VARARGS,
-     "submit_shares(shares, token): start a store task's write batch, given as one share "
-     "per root; wait() returns it with its token."},
+     "submit_shares(shares, token): start a store task's write batch, given as one write "
+     "share per root (its chunks named here from their digests, their GPU checksums None or "
+     "an (a, b) each); wait() returns it with its token."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and "
      "drained; first adds 1 to each eventfd of the tuple signals, without the GIL."},
