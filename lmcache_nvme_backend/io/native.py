@@ -97,17 +97,6 @@ def simd() -> str:
     return str(_native.simd()) if _native is not None else ""
 
 
-#: One chunk to read, ``(root_fd, rel, dest, payload_len, direct, key, meta)`` (the item form,
-#: going: ``engine.ReadShare`` says the same per share).
-ReadItem = tuple[int, str, memoryview, int, bool, bytes, bytes]
-
-#: One chunk file to write, ``(root_fd, dir_rel, tmp_name, final_name, payload, key,
-#: namespace, meta, gpu_checksum, direct, mode, dir_mode, fsync_level, victims)`` (the item
-#: form, going: ``engine.WriteShare`` says the same per share).
-WriteItem = tuple[int, str, str, str, memoryview, bytes, bytes, bytes, "tuple[int, int] | None",
-                  bool, int, int, int, tuple[str, ...]]
-
-
 class NativeEngine:
     """The compiled engine's threads, and one Python thread that hands finished batches
     back (``nvme-io-done``); one instance per chunk store."""
@@ -143,15 +132,6 @@ class NativeEngine:
         first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it; the
         batch's chunks come back share by share, in order."""
         self._engine.submit_shares(shares, on_done)
-
-    def read_items(self, items: Sequence[ReadItem]) -> Batch:  # transitional
-        return Batch(*self._engine.read(items))
-
-    def submit_read_items(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
-        self._engine.submit_read(items, on_done)  # transitional
-
-    def submit_write_items(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
-        self._engine.submit_write(items, on_done)  # transitional
 
     def writer_thread_ids(self) -> list[int]:
         """Kernel ids of the engine's write threads (each runs at nice 10)."""

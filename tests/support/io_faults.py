@@ -108,10 +108,9 @@ class FlakyReads:
         engine._transfer = transfer  # type: ignore[method-assign]
         native_engine = store.native_engine
         if native_engine is not None:
-            for name in ("read", "read_items"):
-                setattr(native_engine, name, self._failing(getattr(native_engine, name)))
-            for name in ("submit_read", "submit_read_items"):
-                setattr(native_engine, name, self._failing_async(getattr(native_engine, name)))
+            native_engine.read = self._failing(native_engine.read)  # type: ignore[method-assign]
+            native_engine.submit_read = self._failing_async(  # type: ignore[method-assign]
+                native_engine.submit_read)
 
     def _failing(self, real: Callable[[Any], seam.Batch]) -> Callable[[Any], seam.Batch]:
         return lambda batch: self.failed(real(batch))

@@ -2,44 +2,45 @@
  *
  * Python decides per batch (which files, which buffers, what to expect); this module runs
  * the per-chunk loop (chunkio.c) on its own threads and gives each batch back whole.  A
- * batch costs the interpreter at most one release and re-acquire of the GIL: `read`
- * releases it once for the whole batch; `submit_read` and `submit_write` release it only to
- * wake sleeping workers, and one `wait` (which releases it only when nothing has finished
- * yet, or to signal the eventfds the previous batches' callbacks left to it) hands back
- * every batch finished by then.
+ * batch costs the interpreter at most one release and re-acquire of the GIL: `read_shares`
+ * releases it once for the whole batch; `submit_read_shares` and `submit_shares` release
+ * it only to wake sleeping workers, and one `wait` (which releases it only when nothing has
+ * finished yet, or to signal the eventfds the previous batches' callbacks left to it) hands
+ * back every batch finished by then.
+ *
+ * A batch is a sequence of shares, the two shapes of io/engine.py (ReadShare, WriteShare):
+ * the chunks of one root in one namespace and layout, what is common said once, then
+ * columns; each chunk's file names are made here from its digest and the share's naming.
+ * Its chunks are numbered share by share, in order.
  *
  * Engine(threads, write_threads, task_size, recycle_bytes=0, recycle_suffix=None):
  *   recycle_bytes: up to this many bytes of removed chunk files (unlink, a write's victims)
  *   are kept, renamed <name><recycle_suffix> in their directory, and overwritten in place
  *   by later writes of their size (pool.h); close() removes the rest
- *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
- *   submit_read(items, token)                 asynchronous; the batch comes back from wait
- *   read_shares(shares), submit_read_shares(shares, token)
- *                                             the same for a batch of read shares, each a
- *                                             call's chunks of one root, namespace and layout
- *                                             as columns (their paths made here, see
- *                                             read_batch_new), numbered share by share
- *   read_share(share), submit_read_share(share, token)   a batch of one read share
- *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
+ *   read_shares(shares) -> (statuses, details)
+ *                                             blocking; the caller helps the read workers
+ *   submit_read_shares(shares, token)         asynchronous; the batch comes back from wait
+ *   submit_shares(shares, token)              asynchronous, on the write workers (nice 10,
  *                                             each waits up to 50 ms while reads are in flight)
- *   submit_shares(shares, token)              the same for a store task given as one write
- *                                             share per root (its chunks named here, see
- *                                             write_batch_new), numbered share by share
- *   wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and
+ *   wait(timeout_s, signals=()) -> [(token, (statuses, details))], or None once closed and
  *                                             drained; first adds 1 to each eventfd in
  *                                             signals (at most MAX_WAIT_SIGNALS), in the
  *                                             same release of the GIL
  *   cancel_writes() -> int                    queued writes not started end as ECANCELED
  *   unlink(items) -> [errno]                  blocking, on the calling thread; with
- *                                             recycle_bytes, files kept for reuse (below)
+ *                                             recycle_bytes, files kept for reuse (above)
  *   retired_bytes() -> int                    bytes in the files kept for reuse now
+ *   thread_ids() -> [int]                     kernel ids, readers then writers
  *   close()                                   queued work finishes first
- * read item:  (root_fd, rel, dest, payload_len, direct, key, meta); paths are str, keys and
- *             metadata bytes (a key may hold lone surrogates, see format.text_bytes)
- * write item: (root_fd, dir_rel, tmp_name, final_name, payload, key, namespace, meta,
- *              gpu_checksum or None, direct, mode, dir_mode, fsync_level, victims)
- *   victims: a tuple of files (rel, str) beneath the same root removed before the write
- * statuses: bytes, one chunk_status per item; details: for every item not CHUNK_OK,
+ * read share:  (root_fd, (shard_prefix, shard_levels, final_suffix), direct, payload_len,
+ *               meta, digests, dests, keys); digests str (lowercase hex), keys and meta
+ *               bytes (a key may hold lone surrogates, see format.text_bytes)
+ * write share: (root_fd, (shard_prefix, shard_levels, final_suffix, temp_suffix), namespace,
+ *               meta, direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys,
+ *               gpu_checksums); victims a tuple of files (rel, str) beneath the same root
+ *               removed before the share's first write; gpu_checksums None or an (a, b) per
+ *               chunk, recorded in its header
+ * statuses: bytes, one chunk_status per chunk; details: for every chunk not CHUNK_OK,
  *   reads (index, errno, header or None, computed checksum), writes (index, status, errno).
  */
 #define _GNU_SOURCE
@@ -86,7 +87,7 @@ typedef struct write_job {
 } write_job;
 
 typedef struct batch {
-    PyObject *items; /* a tuple of tuples: keeps every string the jobs point into */
+    PyObject *shares; /* a tuple of shares: keeps every string the requests point into */
     PyObject *token;
     Py_ssize_t n;
     int kind;
@@ -154,107 +155,26 @@ static void batch_free(batch *b) {
     free(b->bufs);
     free(b->headers);
     free(b->pieces);
-    Py_XDECREF(b->items);
+    Py_XDECREF(b->shares);
     Py_XDECREF(b->token);
     free(b);
 }
 
-/* A batch of `n` chunks (-1: one per item) holding `items` (which keeps alive every string
- * and buffer its requests point into). */
-static batch *batch_alloc(PyObject *items, int kind, Py_ssize_t n) {
+/* A batch of `n` chunks holding `shares` (a tuple, which keeps alive every string and
+ * object its requests point into). */
+static batch *batch_alloc(PyObject *shares, int kind, Py_ssize_t n) {
     batch *b = calloc(1, sizeof(batch));
     if (b == NULL) return (batch *)PyErr_NoMemory();
     b->kind = kind;
-    b->items = PySequence_Tuple(items);
-    if (b->items == NULL) {
-        free(b);
-        return NULL;
-    }
-    b->n = n < 0 ? PyTuple_GET_SIZE(b->items) : n;
+    Py_INCREF(shares);
+    b->shares = shares;
+    b->n = n;
     b->bufs = calloc(b->n ? b->n : 1, sizeof(Py_buffer));
     if (b->bufs == NULL) {
         batch_free(b);
         return (batch *)PyErr_NoMemory();
     }
     return b;
-}
-
-/* Batch items are read field by field straight from their tuples, with the checks of the
- * PyArg_ParseTuple formats they replace ("i", "p", "s", "y#", "y*", "w*", "K"): parsing
- * the format strings cost about 2 % of the interpreter's instructions per 2 MiB chunk. */
-static PyObject *item_at(batch *b, Py_ssize_t i, Py_ssize_t fields, const char *shape) {
-    PyObject *item = PyTuple_GET_ITEM(b->items, i);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != fields) {
-        PyErr_Format(PyExc_TypeError, "%s: item %zd is not a tuple of %zd", shape, i, fields);
-        return NULL;
-    }
-    return item;
-}
-
-static int field_int(PyObject *item, Py_ssize_t k, int *out) {
-    long v = PyLong_AsLong(PyTuple_GET_ITEM(item, k));
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v < INT_MIN || v > INT_MAX) {
-        PyErr_Format(PyExc_OverflowError, "item field %zd does not fit a C int", k);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
-static int field_flag(PyObject *item, Py_ssize_t k, int *out) {
-    int v = PyObject_IsTrue(PyTuple_GET_ITEM(item, k));
-    if (v < 0) return -1;
-    *out = v;
-    return 0;
-}
-
-static int field_u64(PyObject *item, Py_ssize_t k, unsigned long long *out) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, k));
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
-}
-
-/* Whether UTF-8 text of `len` bytes holds a NUL (a C path would end there). */
-static int holds_nul(const char *text, Py_ssize_t len) { return strlen(text) != (size_t)len; }
-
-/* A str with no NUL character, as UTF-8 owned by the item. */
-static const char *field_path(PyObject *item, Py_ssize_t k) {
-    PyObject *o = PyTuple_GET_ITEM(item, k);
-    Py_ssize_t len;
-    if (!PyUnicode_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "item field %zd must be str, not %.100s", k,
-                     Py_TYPE(o)->tp_name);
-        return NULL;
-    }
-    const char *text = PyUnicode_AsUTF8AndSize(o, &len);
-    if (text != NULL && holds_nul(text, len)) {
-        PyErr_Format(PyExc_ValueError, "item field %zd holds a NUL character", k);
-        return NULL;
-    }
-    return text;
-}
-
-static int field_bytes(PyObject *item, Py_ssize_t k, const uint8_t **out, size_t *len) {
-    PyObject *o = PyTuple_GET_ITEM(item, k);
-    if (!PyBytes_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "item field %zd must be bytes, not %.100s", k,
-                     Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = (const uint8_t *)PyBytes_AS_STRING(o);
-    *len = (size_t)PyBytes_GET_SIZE(o);
-    return 0;
-}
-
-/* A contiguous buffer (writable for a read's destination), held until the batch is freed. */
-static int field_buffer(batch *b, PyObject *item, Py_ssize_t k, Py_ssize_t i, int writable) {
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, k), &b->bufs[i],
-                           writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0)
-        return -1;
-    b->nbufs = i + 1;
-    return 0;
 }
 
 /* The requests and headers of a read batch of b->n chunks; 0, or -1 with an exception. */
@@ -311,94 +231,6 @@ static batch *read_batch_plan(batch *b, size_t task_size) {
     return b;
 }
 
-static batch *read_items_batch_new(Engine *self, PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_READ, -1);
-    if (b == NULL) return NULL;
-    if (read_batch_alloc(b) != 0) goto fail;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        chunk_read *r = &b->reqs[i];
-        unsigned long long payload_len;
-        PyObject *item = item_at(b, i, 7, "a read item is (root_fd, rel, dest, payload_len, "
-                                          "direct, key, meta)");
-        if (item == NULL || field_int(item, 0, &r->root_fd) != 0 ||
-            (r->rel = field_path(item, 1)) == NULL || field_buffer(b, item, 2, i, 1) != 0 ||
-            field_u64(item, 3, &payload_len) != 0 || field_flag(item, 4, &r->direct) != 0 ||
-            field_bytes(item, 5, &r->key, &r->key_len) != 0 ||
-            field_bytes(item, 6, &r->meta, &r->meta_len) != 0 ||
-            read_request_set(self, b, i, 0, i, payload_len) != 0)
-            goto fail;
-    }
-    return read_batch_plan(b, self->task_size);
-fail:
-    batch_free(b);
-    return NULL;
-}
-
-static batch *write_items_batch_new(PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_WRITE, -1);
-    if (b == NULL) return NULL;
-    b->jobs = calloc(b->n ? b->n : 1, sizeof(write_job));
-    if (b->jobs == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        write_job *job = &b->jobs[i];
-        chunk_write *j = &job->w;
-        PyObject *gpu, *victims;
-        int mode, dir_mode;
-        PyObject *item = item_at(b, i, 14, "a write item is (root_fd, dir_rel, tmp_name, "
-                                           "final_name, payload, key, namespace, meta, "
-                                           "gpu_checksum, direct, mode, dir_mode, "
-                                           "fsync_level, victims)");
-        if (item == NULL || field_int(item, 0, &j->root_fd) != 0 ||
-            (j->dir_rel = field_path(item, 1)) == NULL ||
-            (j->tmp_name = field_path(item, 2)) == NULL ||
-            (j->final_name = field_path(item, 3)) == NULL || field_buffer(b, item, 4, i, 0) != 0 ||
-            field_bytes(item, 5, &j->key, &j->key_len) != 0 ||
-            field_bytes(item, 6, &j->ns, &j->ns_len) != 0 ||
-            field_bytes(item, 7, &j->meta, &j->meta_len) != 0 ||
-            field_flag(item, 9, &j->direct) != 0 || field_int(item, 10, &mode) != 0 ||
-            field_int(item, 11, &dir_mode) != 0 || field_int(item, 12, &j->fsync_level) != 0)
-            goto fail;
-        gpu = PyTuple_GET_ITEM(item, 8);
-        victims = PyTuple_GET_ITEM(item, 13);
-        if (!PyTuple_Check(victims)) {
-            PyErr_Format(PyExc_TypeError, "item %zd: victims must be a tuple, not %.100s", i,
-                         Py_TYPE(victims)->tp_name);
-            goto fail;
-        }
-        j->payload = b->bufs[i].buf;
-        j->payload_len = (size_t)b->bufs[i].len;
-        j->mode = (mode_t)mode;
-        j->dir_mode = (mode_t)dir_mode;
-        j->status = CHUNK_FAILED;
-        if (gpu != Py_None) {
-            unsigned long long a, c;
-            if (!PyArg_ParseTuple(gpu, "KK;gpu_checksum is None or (a, b)", &a, &c)) goto fail;
-            j->has_gpu_checksum = 1;
-            j->gpu_checksum[0] = a;
-            j->gpu_checksum[1] = c;
-        }
-        job->nvictims = PyTuple_GET_SIZE(victims);
-        job->victims = calloc(job->nvictims ? (size_t)job->nvictims : 1, sizeof(char *));
-        if (job->victims == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        for (Py_ssize_t v = 0; v < job->nvictims; v++) {
-            job->victims[v] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(victims, v));
-            if (job->victims[v] == NULL) goto fail;
-        }
-        job->b = b;
-    }
-    atomic_store(&b->left, (long)b->n);
-    return b;
-fail:
-    batch_free(b);
-    return NULL;
-}
-
 /* -- shares ------------------------------------------------------------------------------ */
 
 /* The two shapes of a share (io/engine.py): a read share (root_fd, naming, direct,
@@ -407,14 +239,85 @@ fail:
  * gpu_checksums); the columns are lists of one length, from `digests` on. */
 typedef struct {
     const char *what;
+    const char *const *names; /* of the fields */
     Py_ssize_t fields;
     Py_ssize_t naming_fields; /* (shard_prefix, shard_levels, final_suffix[, temp_suffix]) */
     Py_ssize_t digests;       /* the digests' column; the buffers' and the keys' follow it */
     const char *columns;
 } share_shape;
 
-static const share_shape READ_SHARE = {"read share", 8, 3, 5, "digests, dests and keys"};
-static const share_shape WRITE_SHARE = {"write share", 13, 4, 9, "digests, payloads and keys"};
+static const char *const READ_FIELDS[] = {"root_fd", "naming", "direct", "payload_len", "meta",
+                                           "digests", "dests", "keys"};
+static const char *const WRITE_FIELDS[] = {"root_fd", "naming", "namespace", "meta", "direct",
+                                            "mode", "dir_mode", "fsync_level", "victims",
+                                            "digests", "payloads", "keys", "gpu_checksums"};
+static const share_shape READ_SHARE = {"read share", READ_FIELDS, 8, 3, 5,
+                                       "digests, dests and keys"};
+static const share_shape WRITE_SHARE = {"write share", WRITE_FIELDS, 13, 4, 9,
+                                        "digests, payloads and keys"};
+
+/* Shares are read field by field straight from their tuples, with the checks of the
+ * PyArg_ParseTuple formats they replace ("i", "p", "y#", "K"): parsing the format strings
+ * cost about 2 % of the interpreter's instructions per 2 MiB chunk.  A field that does not
+ * convert is refused with an error that names it (the conversion's own TypeError or
+ * OverflowError replaced; any other, say from an __index__, left as it is). */
+static void field_refused(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ssize_t k,
+                         const char *must) {
+    PyObject *type = PyExc_TypeError;
+    if (PyErr_ExceptionMatches(PyExc_OverflowError)) type = PyExc_OverflowError;
+    else if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) return;
+    PyErr_Clear();
+    if (type == PyExc_OverflowError)
+        PyErr_Format(type, "share %zd: %s is out of range (%s)", s, shape->names[k], must);
+    else
+        PyErr_Format(type, "share %zd: %s must be %s, not %.100s", s, shape->names[k], must,
+                     Py_TYPE(PyTuple_GET_ITEM(share, k))->tp_name);
+}
+
+static int field_int(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ssize_t k,
+                     int *out) {
+    long v = PyLong_AsLong(PyTuple_GET_ITEM(share, k));
+    if ((v == -1 && PyErr_Occurred()) || v < INT_MIN || v > INT_MAX) {
+        if (!PyErr_Occurred()) PyErr_SetNone(PyExc_OverflowError);
+        field_refused(share, shape, s, k, "an int that fits a C int");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int field_flag(PyObject *share, Py_ssize_t k, int *out) {
+    int v = PyObject_IsTrue(PyTuple_GET_ITEM(share, k));
+    if (v < 0) return -1;
+    *out = v;
+    return 0;
+}
+
+static int field_u64(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ssize_t k,
+                     unsigned long long *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(share, k));
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        field_refused(share, shape, s, k, "an int from 0 to 2**64 - 1");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int field_bytes(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ssize_t k,
+                       const uint8_t **out, size_t *len) {
+    PyObject *o = PyTuple_GET_ITEM(share, k);
+    if (!PyBytes_Check(o)) {
+        field_refused(share, shape, s, k, "bytes");
+        return -1;
+    }
+    *out = (const uint8_t *)PyBytes_AS_STRING(o);
+    *len = (size_t)PyBytes_GET_SIZE(o);
+    return 0;
+}
+
+/* Whether UTF-8 text of `len` bytes holds a NUL (a C path would end there). */
+static int holds_nul(const char *text, Py_ssize_t len) { return strlen(text) != (size_t)len; }
 
 /* A share's naming, RootLayout.chunk_naming or write_naming: a chunk's shard directory is
  * shard_prefix + d[0:2] (+ "/" + d[2:4] with two levels), its file d + final_suffix, its
@@ -603,17 +506,19 @@ static batch *read_batch_new(Engine *self, PyObject *shares) {
     if (b == NULL || read_batch_alloc(b) != 0) goto fail;
     char *at = b->names;
     Py_ssize_t i = 0;
-    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(b->items); s++) {
-        PyObject *share = PyTuple_GET_ITEM(b->items, s);
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(b->shares); s++) {
+        PyObject *share = PyTuple_GET_ITEM(b->shares, s);
         PyObject *dests = PyTuple_GET_ITEM(share, 6);
         int root_fd, direct;
         unsigned long long payload_len;
         const uint8_t *meta;
         size_t meta_len;
         naming nm;
-        if (naming_parse(share, &READ_SHARE, s, &nm) != 0 || field_int(share, 0, &root_fd) != 0 ||
-            field_flag(share, 2, &direct) != 0 || field_u64(share, 3, &payload_len) != 0 ||
-            field_bytes(share, 4, &meta, &meta_len) != 0)
+        const share_shape *shape = &READ_SHARE;
+        if (naming_parse(share, shape, s, &nm) != 0 ||
+            field_int(share, shape, s, 0, &root_fd) != 0 || field_flag(share, 2, &direct) != 0 ||
+            field_u64(share, shape, s, 3, &payload_len) != 0 ||
+            field_bytes(share, shape, s, 4, &meta, &meta_len) != 0)
             goto fail;
         for (Py_ssize_t j = 0; j < PyList_GET_SIZE(dests); j++, i++) {
             chunk_read *r = &b->reqs[i];
@@ -722,19 +627,23 @@ static batch *write_batch_new(PyObject *shares) {
     }
     char *at = b->names;
     Py_ssize_t i = 0;
-    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(b->items); s++) {
-        PyObject *share = PyTuple_GET_ITEM(b->items, s), *sums;
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(b->shares); s++) {
+        PyObject *share = PyTuple_GET_ITEM(b->shares, s), *sums;
         PyObject *payloads = PyTuple_GET_ITEM(share, 10);
         Py_ssize_t size = PyList_GET_SIZE(payloads);
         int root_fd, direct, mode, dir_mode, fsync_level;
         const uint8_t *ns, *meta;
         size_t ns_len, meta_len;
         naming nm;
-        if (naming_parse(share, &WRITE_SHARE, s, &nm) != 0 || field_int(share, 0, &root_fd) != 0 ||
-            field_bytes(share, 2, &ns, &ns_len) != 0 ||
-            field_bytes(share, 3, &meta, &meta_len) != 0 || field_flag(share, 4, &direct) != 0 ||
-            field_int(share, 5, &mode) != 0 || field_int(share, 6, &dir_mode) != 0 ||
-            field_int(share, 7, &fsync_level) != 0 || victims_set(&b->jobs[i], share, s) != 0 ||
+        const share_shape *shape = &WRITE_SHARE;
+        if (naming_parse(share, shape, s, &nm) != 0 ||
+            field_int(share, shape, s, 0, &root_fd) != 0 ||
+            field_bytes(share, shape, s, 2, &ns, &ns_len) != 0 ||
+            field_bytes(share, shape, s, 3, &meta, &meta_len) != 0 ||
+            field_flag(share, 4, &direct) != 0 || field_int(share, shape, s, 5, &mode) != 0 ||
+            field_int(share, shape, s, 6, &dir_mode) != 0 ||
+            field_int(share, shape, s, 7, &fsync_level) != 0 ||
+            victims_set(&b->jobs[i], share, s) != 0 ||
             ((sums = gpu_checksums_of(share, s, size)) == NULL && PyErr_Occurred()))
             goto fail;
         for (Py_ssize_t j = 0; j < size; j++, i++) {
@@ -1177,21 +1086,9 @@ static PyObject *run_read(Engine *self, batch *b) {
     return batch_results(b);
 }
 
-static PyObject *Engine_read(Engine *self, PyObject *items) {
-    if (!engine_open(self)) return NULL;
-    return run_read(self, read_items_batch_new(self, items));
-}
-
 static PyObject *Engine_read_shares(Engine *self, PyObject *shares) {
     if (!engine_open(self)) return NULL;
     return run_read(self, read_batch_new(self, shares));
-}
-
-static PyObject *Engine_read_share(Engine *self, PyObject *share) {
-    PyObject *shares = PyTuple_Pack(1, share), *result = NULL;
-    if (shares) result = Engine_read_shares(self, shares);
-    Py_XDECREF(shares);
-    return result;
 }
 
 /* Hands an asynchronous batch to the threads; it comes back from wait().  It counts as
@@ -1218,33 +1115,10 @@ static PyObject *submit(Engine *self, batch *b, PyObject *token) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_submit_read(Engine *self, PyObject *args) {
-    PyObject *items, *token;
-    if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
-    batch *b = read_items_batch_new(self, items);
-    return b == NULL ? NULL : submit(self, b, token);
-}
-
 static PyObject *Engine_submit_read_shares(Engine *self, PyObject *args) {
     PyObject *shares, *token;
     if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_open(self)) return NULL;
     batch *b = read_batch_new(self, shares);
-    return b == NULL ? NULL : submit(self, b, token);
-}
-
-static PyObject *Engine_submit_read_share(Engine *self, PyObject *args) {
-    PyObject *share, *token, *shares, *result = NULL;
-    if (!PyArg_ParseTuple(args, "OO", &share, &token)) return NULL;
-    if ((shares = Py_BuildValue("((O)O)", share, token)) != NULL)
-        result = Engine_submit_read_shares(self, shares);
-    Py_XDECREF(shares);
-    return result;
-}
-
-static PyObject *Engine_submit_write(Engine *self, PyObject *args) {
-    PyObject *items, *token;
-    if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
-    batch *b = write_items_batch_new(items);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
@@ -1459,10 +1333,6 @@ static PyObject *Engine_retired_bytes(Engine *self, PyObject *Py_UNUSED(ignored)
 static PyMethodDef Engine_methods[] = {
     {"retired_bytes", (PyCFunction)Engine_retired_bytes, METH_NOARGS,
      "retired_bytes() -> int: bytes in removed chunk files kept for reuse now."},
-    {"read", (PyCFunction)Engine_read, METH_O,
-     "read(items) -> (statuses, details): read and verify a batch, waiting for it."},
-    {"submit_read", (PyCFunction)Engine_submit_read, METH_VARARGS,
-     "submit_read(items, token): start a read batch; wait() returns it with its token."},
     {"read_shares", (PyCFunction)Engine_read_shares, METH_O,
      "read_shares(shares) -> (statuses, details): read and verify a batch given as read "
      "shares (each a call's chunks of one root, namespace and layout as columns; their paths "
@@ -1470,13 +1340,6 @@ static PyMethodDef Engine_methods[] = {
     {"submit_read_shares", (PyCFunction)Engine_submit_read_shares, METH_VARARGS,
      "submit_read_shares(shares, token): start reading a batch of read shares; wait() "
      "returns it with its token."},
-    {"read_share", (PyCFunction)Engine_read_share, METH_O,
-     "read_share(share) -> (statuses, details): read() of a call's chunks of one root, "
-     "namespace and layout given as columns (their paths made here from their digests)."},
-    {"submit_read_share", (PyCFunction)Engine_submit_read_share, METH_VARARGS,
-     "submit_read_share(share, token): submit_read() of a read share."},
-    {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
-     "submit_write(items, token): start a write batch; wait() returns it with its token."},
     {"submit_shares", (PyCFunction)Engine_submit_shares, METH_VARARGS,
      "submit_shares(shares, token): start a store task's write batch, given as one write "
      "share per root (its chunks named here from their digests, their GPU checksums None or "
