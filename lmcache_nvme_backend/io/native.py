@@ -1,8 +1,10 @@
 """The native I/O engine: batches of chunk reads and writes run without the GIL.
 
-The compiled module (``io/csrc``: ``module.c`` the batches and threads, ``chunkio.c`` one
-chunk's open, vectored I/O, block hashes and verdict, ``xxh3.c`` the checksum) is built at
-install time when a C compiler is there (``setup.py``; optional).  It runs the same steps
+The compiled module (``io/csrc``: ``module.c`` the Python binding, ``batches.c`` a list of
+shares made into one batch and its outcome handed back, ``workers.c`` the queues and
+threads, ``chunkio.c`` one chunk's open, vectored I/O, block hashes and verdict, ``pool.c``
+removed files kept for reuse, ``xxh3.c`` the checksum) is built at install time when a C
+compiler is there (``setup.py``; optional).  It runs the same steps
 as the Python engine (``posix.py``, ``files.py``, ``disk/safe_fs.py``) for a whole batch
 per GIL round trip: on a big server one process then moves many GiB/s before the
 interpreter becomes its limit (``docs/benchmarks.md``, "GIL ceiling").
