@@ -827,6 +827,56 @@ def test_a_malformed_write_share_is_refused_clearly_and_writes_nothing(
     assert not (tmp_path / "ns").exists()
 
 
+def test_a_write_batch_keeps_its_columns_as_they_were_submitted(engine_for, tmp_path: Path
+                                                                 ) -> None:
+    """A caller that reuses its lists once it submitted changes nothing of the batch: the
+    engine copied each share's columns, and the keys its writers put in the headers stay
+    alive until the batch is done."""
+    (tmp_path / "ns" / NS_ID).mkdir(parents=True)
+    keys = [f"key {i} " * 40 for i in range(8)]
+    payloads = [random.Random(i).randbytes(BLOCK_SIZE) for i in range(8)]
+    digests, views, encoded = ([key_digest(k) for k in keys], [memoryview(p) for p in payloads],
+                               [k.encode() for k in keys])
+    share = write_share(tmp_path, views, keys)
+    share = share[:9] + (digests, views, encoded) + share[12:]
+    done = Done()
+    engine_for().submit_write([share], done("write"))
+    for column in (digests, views, encoded):
+        column.clear()
+    del share
+    gc.collect()
+    assert done.wait_for(1)["write"].statuses == bytes([seam.OK] * 8)
+    for key, payload in zip(keys, payloads, strict=True):
+        data = chunk_path(tmp_path, key).read_bytes()
+        n = len(payload)
+        assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
+        assert judge_chunk(data[:HEADER_SIZE], Expected(key=key, payload_len=n, meta=meta_for(n),
+                                                        file_size=len(data))).ok
+
+
+def test_a_read_share_changed_while_its_batch_is_made_is_read_as_it_was(
+        engine_for, tmp_path: Path) -> None:
+    """Python code that runs while the engine reads a share's fields (here the fd's
+    ``__index__``) and empties its lists cannot reach the batch: its columns were copied."""
+    n = 8192
+    keys = [f"c{i}" for i in range(4)]
+    for key in keys:
+        write_python(tmp_path, payload_for(n), key=key)
+    dests = [dest_for(n, "aligned") for _ in keys]
+    share = read_share(tmp_path, list(dests), n, keys)
+    fd = share[0]
+
+    class EmptiesTheLists:
+        def __index__(self) -> int:
+            for column in share[5:]:
+                column.clear()
+            return fd
+
+    batch = engine_for().read([(EmptiesTheLists(), *share[1:])])
+    assert batch == (bytes([seam.OK] * 4), [])
+    assert all(bytes(dest[:n]) == payload_for(n) for dest in dests)
+
+
 @pytest.mark.parametrize("depth", [3, 2, 1], ids=["leaf", "first-level", "namespace"])
 def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path,
                                                          depth: int) -> None:

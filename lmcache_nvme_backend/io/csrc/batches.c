@@ -1,10 +1,10 @@
 /* Batches from and back to Python (batches.h): a list of shares parsed into one batch, and
  * a finished batch's outcome built as Python objects.
  *
- * A batch holds what its requests point into: the tuple of its shares (every string and
- * bytes object, and the name arena made from them) and the buffers of its destinations or
- * payloads, acquired while it is built and let go when it is freed; the threads see only
- * the batch inside (engine.h).  What a malformed share holds is let go at once: a refused
+ * A batch holds what its requests point into: the tuple of its shares and a copy of each
+ * share's columns (every string and bytes object; the name arena is made from them) and
+ * the buffers of its destinations or payloads, acquired while it is built and let go when
+ * it is freed; the threads see only the batch inside (engine.h).  What a malformed share holds is let go at once: a refused
  * batch leaves every buffer resizable again. */
 #include "batches.h"
 
@@ -15,7 +15,8 @@
 /* A batch and the Python objects it holds; a batch made here is the first member of one. */
 typedef struct {
     batch b;
-    PyObject *shares; /* a tuple of shares: keeps every string the requests point into */
+    PyObject *shares;  /* a tuple of shares: keeps every string the requests point into */
+    PyObject *columns; /* a tuple of each share's columns, copied (see columns_of) */
     PyObject *token;
     Py_buffer *bufs; /* a chunk's destination (reads) or payload (writes), in chunk order */
     Py_ssize_t nbufs;
@@ -35,6 +36,7 @@ void batch_free(batch *b) {
     free(b->headers);
     free(b->pieces);
     Py_XDECREF(p->shares);
+    Py_XDECREF(p->columns);
     Py_XDECREF(p->token);
     free(p);
 }
@@ -177,11 +179,80 @@ static int naming_parse(PyObject *share, const share_shape *shape, Py_ssize_t s,
     return 0;
 }
 
+/* A share's columns are copied when its batch is made (digests, buffers, keys and, for
+ * writes, GPU checksums; each a tuple): the threads read the keys long after, and Python
+ * code run meanwhile (an __index__ or __bool__ of a field while the batch is made, or a
+ * caller reusing its lists once it is submitted) can neither change what was measured nor
+ * free a key in use. */
+enum { COL_DIGESTS, COL_BUFFERS, COL_KEYS, COL_GPU };
+
+/* Share `s`'s GPU checksums: None, or a list of one (a, b) of unsigned 64-bit ints per
+ * chunk, which the header records (disk/gpusum.py); a copy (a tuple) or None, as a new
+ * reference, or NULL with an exception. */
+static PyObject *gpu_checksums_of(PyObject *share, Py_ssize_t s, Py_ssize_t size) {
+    PyObject *sums = PyTuple_GET_ITEM(share, 12);
+    if (sums == Py_None) {
+        Py_INCREF(sums);
+        return sums;
+    }
+    if (!PyList_Check(sums)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums must be None or a list, not "
+                     "%.100s", s, Py_TYPE(sums)->tp_name);
+        return NULL;
+    }
+    if (PyList_GET_SIZE(sums) != size) {
+        PyErr_Format(PyExc_ValueError, "share %zd: gpu_checksums holds %zd pairs for %zd "
+                     "chunks", s, PyList_GET_SIZE(sums), size);
+        return NULL;
+    }
+    return PyList_AsTuple(sums);
+}
+
+/* Share `s`'s columns (lists of one length, not empty for a write: its victims would be
+ * left behind), copied; a new tuple (COL_*), or NULL with an exception. */
+static PyObject *columns_of(PyObject *share, const share_shape *shape, Py_ssize_t s) {
+    PyObject *digests = PyTuple_GET_ITEM(share, shape->digests),
+             *buffers = PyTuple_GET_ITEM(share, shape->digests + 1),
+             *keys = PyTuple_GET_ITEM(share, shape->digests + 2), *gpu, *cols;
+    if (!PyList_Check(digests) || !PyList_Check(buffers) || !PyList_Check(keys) ||
+        PyList_GET_SIZE(buffers) != PyList_GET_SIZE(digests) ||
+        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
+        PyErr_Format(PyExc_TypeError, "share %zd: %s must be lists of one length", s,
+                     shape->columns);
+        return NULL;
+    }
+    Py_ssize_t size = PyList_GET_SIZE(digests);
+    if (shape == &WRITE_SHARE && size == 0) {
+        PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
+        return NULL;
+    }
+    if (shape == &WRITE_SHARE) {
+        gpu = gpu_checksums_of(share, s, size);
+    } else {
+        gpu = Py_None;
+        Py_INCREF(gpu);
+    }
+    if (gpu == NULL || (cols = PyTuple_New(4)) == NULL) {
+        Py_XDECREF(gpu);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(cols, COL_GPU, gpu);
+    for (int c = COL_DIGESTS; c <= COL_KEYS; c++) {
+        PyObject *copy = PyList_AsTuple(PyTuple_GET_ITEM(share, shape->digests + c));
+        if (copy == NULL) {
+            Py_DECREF(cols);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(cols, c, copy);
+    }
+    return cols;
+}
+
 /* Chunk j's digest in share `s`, as its file names take it: lowercase hex (a str), two
  * characters or more per shard level; NULL with an exception if it is not. */
-static const char *digest_text(PyObject *share, const share_shape *shape, Py_ssize_t s,
-                               Py_ssize_t j, int levels, Py_ssize_t *len) {
-    PyObject *o = PyList_GET_ITEM(PyTuple_GET_ITEM(share, shape->digests), j);
+static const char *digest_text(PyObject *cols, Py_ssize_t s, Py_ssize_t j, int levels,
+                               Py_ssize_t *len) {
+    PyObject *o = PyTuple_GET_ITEM(PyTuple_GET_ITEM(cols, COL_DIGESTS), j);
     if (!PyUnicode_Check(o)) {
         PyErr_Format(PyExc_TypeError, "share %zd: digest %zd must be str, not %.100s", s, j,
                      Py_TYPE(o)->tp_name);
@@ -200,17 +271,15 @@ static const char *digest_text(PyObject *share, const share_shape *shape, Py_ssi
     return text;
 }
 
-/* Chunk j's digest in share `s`, checked by shares_measure. */
-static const char *digest_at(PyObject *share, const share_shape *shape, Py_ssize_t j,
-                             Py_ssize_t *len) {
-    return PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(PyTuple_GET_ITEM(share, shape->digests), j),
-                                   len);
+/* Chunk j's digest, checked by shares_measure (its UTF-8 is kept with the str). */
+static const char *digest_at(PyObject *cols, Py_ssize_t j, Py_ssize_t *len) {
+    return PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(PyTuple_GET_ITEM(cols, COL_DIGESTS), j), len);
 }
 
 /* Chunk j's key in share `s` (bytes: a key may hold lone surrogates, format.text_bytes). */
-static int key_at(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ssize_t j,
-                  const uint8_t **key, size_t *len) {
-    PyObject *o = PyList_GET_ITEM(PyTuple_GET_ITEM(share, shape->digests + 2), j);
+static int key_at(PyObject *cols, Py_ssize_t s, Py_ssize_t j, const uint8_t **key,
+                  size_t *len) {
+    PyObject *o = PyTuple_GET_ITEM(PyTuple_GET_ITEM(cols, COL_KEYS), j);
     if (!PyBytes_Check(o)) {
         PyErr_Format(PyExc_TypeError, "share %zd: key %zd must be bytes, not %.100s", s, j,
                      Py_TYPE(o)->tp_name);
@@ -221,43 +290,32 @@ static int key_at(PyObject *share, const share_shape *shape, Py_ssize_t s, Py_ss
     return 0;
 }
 
-/* Checks the shape, naming and columns of every share of `shares` (a tuple) and each
- * chunk's digest; counts the chunks (*n) and the bytes of their names (*arena); 0, or -1
- * with an exception naming the share. */
-static int shares_measure(PyObject *shares, const share_shape *shape, Py_ssize_t *n,
-                          size_t *arena) {
+/* Checks the shape, naming and columns of every share of `shares` (a tuple), copying the
+ * columns into `columns` (a tuple as long), and each chunk's digest; counts the chunks (*n)
+ * and the bytes of their names (*arena); 0, or -1 with an exception naming the share. */
+static int shares_measure(PyObject *shares, const share_shape *shape, PyObject *columns,
+                          Py_ssize_t *n, size_t *arena) {
     *n = 0;
     *arena = 0;
     for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(shares); s++) {
-        PyObject *share = PyTuple_GET_ITEM(shares, s);
+        PyObject *share = PyTuple_GET_ITEM(shares, s), *cols;
         naming nm;
         if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != shape->fields) {
             PyErr_Format(PyExc_TypeError, "share %zd is not a tuple of %zd (a %s)", s,
                          shape->fields, shape->what);
             return -1;
         }
-        if (naming_parse(share, shape, s, &nm) != 0) return -1;
-        PyObject *digests = PyTuple_GET_ITEM(share, shape->digests),
-                 *buffers = PyTuple_GET_ITEM(share, shape->digests + 1),
-                 *keys = PyTuple_GET_ITEM(share, shape->digests + 2);
-        if (!PyList_Check(digests) || !PyList_Check(buffers) || !PyList_Check(keys) ||
-            PyList_GET_SIZE(buffers) != PyList_GET_SIZE(digests) ||
-            PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
-            PyErr_Format(PyExc_TypeError, "share %zd: %s must be lists of one length", s,
-                         shape->columns);
+        if (naming_parse(share, shape, s, &nm) != 0 ||
+            (cols = columns_of(share, shape, s)) == NULL)
             return -1;
-        }
-        Py_ssize_t size = PyList_GET_SIZE(digests);
-        if (size == 0 && shape == &WRITE_SHARE) { /* its victims would be left behind */
-            PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
-            return -1;
-        }
+        PyTuple_SET_ITEM(columns, s, cols);
+        Py_ssize_t size = PyTuple_GET_SIZE(PyTuple_GET_ITEM(cols, COL_DIGESTS));
         /* the shard directory (prefix + 3 * levels - 1), then a read's "/" + file name,
          * a write's NUL, file name, NUL, temp name; each NUL-terminated */
         size_t dir = (size_t)nm.prefix_len + 3 * (size_t)nm.levels;
         for (Py_ssize_t j = 0; j < size; j++) {
             Py_ssize_t len;
-            if (digest_text(share, shape, s, j, nm.levels, &len) == NULL) return -1;
+            if (digest_text(cols, s, j, nm.levels, &len) == NULL) return -1;
             size_t file = (size_t)len + (size_t)nm.suffix_len + 1;
             *arena += dir + file + (shape == &WRITE_SHARE ? file + (size_t)nm.temp_len : 0);
         }
@@ -294,13 +352,16 @@ static char *put_file_name(char *at, const naming *nm, const char *d, Py_ssize_t
     return at;
 }
 
-/* A batch of `n` chunks of `kind` holding `shares` (a tuple), with room for their buffers
- * and `arena` bytes of their file names; NULL with an exception. */
-static py_batch *batch_alloc(PyObject *shares, int kind, Py_ssize_t n, size_t arena) {
+/* A batch of `n` chunks of `kind` holding `shares` and their `columns`, with room for their
+ * buffers and `arena` bytes of their file names; NULL with an exception. */
+static py_batch *batch_alloc(PyObject *shares, PyObject *columns, int kind, Py_ssize_t n,
+                             size_t arena) {
     py_batch *p = calloc(1, sizeof(py_batch));
     if (p == NULL) return (py_batch *)PyErr_NoMemory();
     Py_INCREF(shares);
     p->shares = shares;
+    Py_INCREF(columns);
+    p->columns = columns;
     p->b.kind = kind;
     p->b.n = (size_t)n;
     p->bufs = calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
@@ -315,13 +376,15 @@ static py_batch *batch_alloc(PyObject *shares, int kind, Py_ssize_t n, size_t ar
 /* A batch of the chunks of `shares` (a sequence of `shape`), checked and measured; NULL
  * with an exception. */
 static py_batch *shares_batch(PyObject *shares, const share_shape *shape, int kind) {
-    PyObject *tuple = PySequence_Tuple(shares);
+    PyObject *tuple = PySequence_Tuple(shares), *columns = NULL;
+    py_batch *p = NULL;
     Py_ssize_t n;
     size_t arena;
-    if (tuple == NULL) return NULL;
-    py_batch *p = NULL;
-    if (shares_measure(tuple, shape, &n, &arena) == 0) p = batch_alloc(tuple, kind, n, arena);
-    Py_DECREF(tuple);
+    if (tuple && (columns = PyTuple_New(PyTuple_GET_SIZE(tuple))) != NULL &&
+        shares_measure(tuple, shape, columns, &n, &arena) == 0)
+        p = batch_alloc(tuple, columns, kind, n, arena);
+    Py_XDECREF(tuple);
+    Py_XDECREF(columns);
     return p;
 }
 
@@ -392,8 +455,8 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
     char *at = b->names;
     Py_ssize_t i = 0;
     for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(p->shares); s++) {
-        PyObject *share = PyTuple_GET_ITEM(p->shares, s);
-        PyObject *dests = PyTuple_GET_ITEM(share, 6);
+        PyObject *share = PyTuple_GET_ITEM(p->shares, s), *cols = PyTuple_GET_ITEM(p->columns, s);
+        PyObject *dests = PyTuple_GET_ITEM(cols, COL_BUFFERS);
         int root_fd, direct;
         unsigned long long payload_len;
         const uint8_t *meta;
@@ -405,12 +468,12 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
             field_u64(share, shape, s, 3, &payload_len) != 0 ||
             field_bytes(share, shape, s, 4, &meta, &meta_len) != 0)
             goto fail;
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(dests); j++, i++) {
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dests); j++, i++) {
             chunk_read *r = &b->reqs[i];
             Py_ssize_t len;
-            const char *d = digest_at(share, &READ_SHARE, j, &len);
-            if (d == NULL || key_at(share, &READ_SHARE, s, j, &r->key, &r->key_len) != 0 ||
-                PyObject_GetBuffer(PyList_GET_ITEM(dests, j), &p->bufs[i], PyBUF_WRITABLE) != 0)
+            const char *d = digest_at(cols, j, &len);
+            if (d == NULL || key_at(cols, s, j, &r->key, &r->key_len) != 0 ||
+                PyObject_GetBuffer(PyTuple_GET_ITEM(dests, j), &p->bufs[i], PyBUF_WRITABLE) != 0)
                 goto fail;
             p->nbufs = i + 1;
             r->rel = at;
@@ -432,27 +495,10 @@ fail:
 
 /* -- writes -------------------------------------------------------------------------------- */
 
-/* Share `s`'s GPU checksums: None, or one (a, b) of unsigned 64-bit ints per chunk, which
- * the header records (disk/gpusum.py); a list of `size`, or NULL (None, or an exception). */
-static PyObject *gpu_checksums_of(PyObject *share, Py_ssize_t s, Py_ssize_t size) {
-    PyObject *sums = PyTuple_GET_ITEM(share, 12);
-    if (sums == Py_None) return NULL;
-    if (!PyList_Check(sums)) {
-        PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums must be None or a list, not "
-                     "%.100s", s, Py_TYPE(sums)->tp_name);
-        return NULL;
-    }
-    if (PyList_GET_SIZE(sums) != size) {
-        PyErr_Format(PyExc_ValueError, "share %zd: gpu_checksums holds %zd pairs for %zd "
-                     "chunks", s, PyList_GET_SIZE(sums), size);
-        return NULL;
-    }
-    return sums;
-}
-
-/* Chunk j's GPU checksum, sums[j], into `w`; 0, or -1 with an exception. */
+/* Chunk j's GPU checksum, sums[j] (a tuple of them), into `w`; 0, or -1 with an
+ * exception. */
 static int gpu_checksum_set(chunk_write *w, PyObject *sums, Py_ssize_t s, Py_ssize_t j) {
-    PyObject *pair = PyList_GET_ITEM(sums, j);
+    PyObject *pair = PyTuple_GET_ITEM(sums, j);
     if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
         !PyLong_Check(PyTuple_GET_ITEM(pair, 0)) || !PyLong_Check(PyTuple_GET_ITEM(pair, 1))) {
         PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums[%zd] must be an (a, b) tuple "
@@ -516,9 +562,10 @@ batch *write_batch_new(PyObject *shares) {
     char *at = b->names;
     Py_ssize_t i = 0;
     for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(p->shares); s++) {
-        PyObject *share = PyTuple_GET_ITEM(p->shares, s), *sums;
-        PyObject *payloads = PyTuple_GET_ITEM(share, 10);
-        Py_ssize_t size = PyList_GET_SIZE(payloads);
+        PyObject *share = PyTuple_GET_ITEM(p->shares, s), *cols = PyTuple_GET_ITEM(p->columns, s);
+        PyObject *payloads = PyTuple_GET_ITEM(cols, COL_BUFFERS);
+        PyObject *sums = PyTuple_GET_ITEM(cols, COL_GPU);
+        Py_ssize_t size = PyTuple_GET_SIZE(payloads);
         int root_fd, direct, mode, dir_mode, fsync_level;
         const uint8_t *ns, *meta;
         size_t ns_len, meta_len;
@@ -531,17 +578,16 @@ batch *write_batch_new(PyObject *shares) {
             field_flag(share, 4, &direct) != 0 || field_int(share, shape, s, 5, &mode) != 0 ||
             field_int(share, shape, s, 6, &dir_mode) != 0 ||
             field_int(share, shape, s, 7, &fsync_level) != 0 ||
-            victims_set(&b->jobs[i], share, s) != 0 ||
-            ((sums = gpu_checksums_of(share, s, size)) == NULL && PyErr_Occurred()))
+            victims_set(&b->jobs[i], share, s) != 0)
             goto fail;
         for (Py_ssize_t j = 0; j < size; j++, i++) {
             write_job *job = &b->jobs[i];
             chunk_write *w = &job->w;
             Py_ssize_t len;
-            const char *d = digest_at(share, &WRITE_SHARE, j, &len);
-            if (d == NULL || key_at(share, &WRITE_SHARE, s, j, &w->key, &w->key_len) != 0 ||
-                (sums && gpu_checksum_set(w, sums, s, j) != 0) ||
-                PyObject_GetBuffer(PyList_GET_ITEM(payloads, j), &p->bufs[i], PyBUF_SIMPLE) != 0)
+            const char *d = digest_at(cols, j, &len);
+            if (d == NULL || key_at(cols, s, j, &w->key, &w->key_len) != 0 ||
+                (sums != Py_None && gpu_checksum_set(w, sums, s, j) != 0) ||
+                PyObject_GetBuffer(PyTuple_GET_ITEM(payloads, j), &p->bufs[i], PyBUF_SIMPLE) != 0)
                 goto fail;
             p->nbufs = i + 1;
             w->dir_rel = at;
