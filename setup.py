@@ -11,10 +11,11 @@ setup(
         Extension(
             "lmcache_nvme_backend.io._native",
             sources=[f"lmcache_nvme_backend/io/csrc/{name}.c"
-                     for name in ("module", "chunkio", "pool", "xxh3")],
+                     for name in ("module", "batches", "workers", "chunkio", "pool", "xxh3")],
             depends=[f"lmcache_nvme_backend/io/csrc/{name}.h"
-                     for name in ("chunkio", "pool", "xxh3")],
-            extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
+                     for name in ("batches", "engine", "chunkio", "pool", "xxh3")],
+            extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-Wall",
+                                "-Wextra"],
             optional=True,
         ),
         Extension(

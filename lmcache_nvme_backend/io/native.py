@@ -1,8 +1,10 @@
 """The native I/O engine: batches of chunk reads and writes run without the GIL.
 
-The compiled module (``io/csrc``: ``module.c`` the batches and threads, ``chunkio.c`` one
-chunk's open, vectored I/O, block hashes and verdict, ``xxh3.c`` the checksum) is built at
-install time when a C compiler is there (``setup.py``; optional).  It runs the same steps
+The compiled module (``io/csrc``: ``module.c`` the Python binding, ``batches.c`` a list of
+shares made into one batch and its outcome handed back, ``workers.c`` the queues and
+threads, ``chunkio.c`` one chunk's open, vectored I/O, block hashes and verdict, ``pool.c``
+removed files kept for reuse, ``xxh3.c`` the checksum) is built at install time when a C
+compiler is there (``setup.py``; optional).  It runs the same steps
 as the Python engine (``posix.py``, ``files.py``, ``disk/safe_fs.py``) for a whole batch
 per GIL round trip: on a big server one process then moves many GiB/s before the
 interpreter becomes its limit (``docs/benchmarks.md``, "GIL ceiling").
@@ -99,17 +101,6 @@ def simd() -> str:
     return str(_native.simd()) if _native is not None else ""
 
 
-#: One chunk to read, ``(root_fd, rel, dest, payload_len, direct, key, meta)`` (the item form,
-#: going: ``engine.ReadShare`` says the same per share).
-ReadItem = tuple[int, str, memoryview, int, bool, bytes, bytes]
-
-#: One chunk file to write, ``(root_fd, dir_rel, tmp_name, final_name, payload, key,
-#: namespace, meta, gpu_checksum, direct, mode, dir_mode, fsync_level, victims)`` (the item
-#: form, going: ``engine.WriteShare`` says the same per share).
-WriteItem = tuple[int, str, str, str, memoryview, bytes, bytes, bytes, "tuple[int, int] | None",
-                  bool, int, int, int, tuple[str, ...]]
-
-
 class NativeEngine:
     """The compiled engine's threads, and one Python thread that hands finished batches
     back (``nvme-io-done``); one instance per chunk store."""
@@ -134,34 +125,17 @@ class NativeEngine:
 
     def read(self, shares: Sequence[ReadShare]) -> Batch:
         """Read and verify a batch; the calling thread helps and returns when all are done."""
-        if len(shares) == 1:
-            return Batch(*self._engine.read_share(shares[0]))
-        return Batch(*self._engine.read(_read_items(shares)))
+        return Batch(*self._engine.read_shares(shares))
 
     def submit_read(self, shares: Sequence[ReadShare], on_done: OnDone) -> None:
         """Start reading a batch; ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
-        if len(shares) == 1:
-            self._engine.submit_read_share(shares[0], on_done)
-        else:
-            self._engine.submit_read(_read_items(shares), on_done)
+        self._engine.submit_read_shares(shares, on_done)
 
     def submit_write(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
         """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
         first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it; the
         batch's chunks come back share by share, in order."""
-        if all(share[12] is None for share in shares):
-            self._engine.submit_shares([share[:12] for share in shares], on_done)
-        else:
-            self._engine.submit_write(_write_items(shares), on_done)
-
-    def read_items(self, items: Sequence[ReadItem]) -> Batch:  # transitional
-        return Batch(*self._engine.read(items))
-
-    def submit_read_items(self, items: Sequence[ReadItem], on_done: OnDone) -> None:
-        self._engine.submit_read(items, on_done)  # transitional
-
-    def submit_write_items(self, items: Sequence[WriteItem], on_done: OnDone) -> None:
-        self._engine.submit_write(items, on_done)  # transitional
+        self._engine.submit_shares(shares, on_done)
 
     def writer_thread_ids(self) -> list[int]:
         """Kernel ids of the engine's write threads (each runs at nice 10)."""
@@ -223,28 +197,3 @@ class NativeEngine:
                 except Exception:
                     logger.exception("NVMe tier: completing an I/O batch failed")
 
-
-# -- transitional: batches as the compiled module's item forms, until it takes them whole --
-
-def _shard(prefix: str, levels: int, digest: str) -> str:
-    return prefix + digest[0:2] + ("/" + digest[2:4] if levels == 2 else "")
-
-
-def _read_items(shares: Sequence[ReadShare]) -> list[ReadItem]:
-    items: list[ReadItem] = []
-    for fd, (prefix, levels, suffix), direct, payload_len, meta, digests, dests, keys in shares:
-        items += [(fd, f"{_shard(prefix, levels, d)}/{d}{suffix}", dest, payload_len, direct,
-                   key, meta) for d, dest, key in zip(digests, dests, keys, strict=True)]
-    return items
-
-
-def _write_items(shares: Sequence[WriteShare]) -> list[WriteItem]:
-    items: list[WriteItem] = []
-    for (fd, (prefix, levels, suffix, temp), namespace, meta, direct, mode, dir_mode, fsync,
-         victims, digests, payloads, keys, sums) in shares:
-        for i, digest in enumerate(digests):
-            final = digest + suffix
-            items.append((fd, _shard(prefix, levels, digest), final + temp, final, payloads[i],
-                          keys[i], namespace, meta, None if sums is None else sums[i], direct,
-                          mode, dir_mode, fsync, victims if i == 0 else ()))
-    return items

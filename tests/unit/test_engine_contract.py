@@ -408,26 +408,10 @@ def test_writers_run_at_nice_10(engine: seam.ChunkEngine) -> None:
 
 # -- malformed batches ---------------------------------------------------------------------------
 
-#: Where NativeEngine goes through its transitional item forms (io/native.py: several read
-#: shares, or a write share with a GPU checksum column), which check nothing of the shares
-#: themselves: these cases come back as ENOENT reads, a zip() ValueError, or an empty batch.
-NATIVE_ITEM_FORMS = "NativeEngine's transitional item forms do not check shares (io/native.py)"
-NATIVE_GAPS = {("read", "upper-hex", True), ("read", "levels", True), ("read", "lengths", True),
-               ("write", "no-chunks-gpu", False)}
-
-
-def known_native_gap(request: pytest.FixtureRequest, engine: seam.ChunkEngine,
-                     gap: tuple[str, str, bool]) -> None:
-    if engine.name == "native" and gap in NATIVE_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=NATIVE_ITEM_FORMS))
-
-
 @pytest.mark.parametrize("after_a_good_share", [False, True], ids=["alone", "second"])
 @pytest.mark.parametrize("case", list(BAD_READS))
 def test_a_malformed_read_share_is_refused_before_anything_runs(
-        engine: seam.ChunkEngine, tmp_path: Path, case: str, after_a_good_share: bool,
-        request: pytest.FixtureRequest) -> None:
-    known_native_gap(request, engine, ("read", case, after_a_good_share))
+        engine: seam.ChunkEngine, tmp_path: Path, case: str, after_a_good_share: bool) -> None:
     change, error, message = BAD_READS[case]
     good = read_share(tmp_path, ["a"], [buffer_for(8192, "aligned")], 8192)
     bad = change(read_share(tmp_path, ["b"], [buffer_for(8192, "aligned")], 8192))
@@ -437,9 +421,7 @@ def test_a_malformed_read_share_is_refused_before_anything_runs(
 
 @pytest.mark.parametrize("case", list(BAD_WRITES))
 def test_a_malformed_write_share_is_refused_and_writes_nothing(
-        engine: seam.ChunkEngine, tmp_path: Path, case: str,
-        request: pytest.FixtureRequest) -> None:
-    known_native_gap(request, engine, ("write", case, False))
+        engine: seam.ChunkEngine, tmp_path: Path, case: str) -> None:
     change, error, message = BAD_WRITES[case]
     victim = tmp_path / "victim.kv"
     victim.write_bytes(b"kept")

@@ -1,6 +1,8 @@
 """io/native.py and its compiled engine (io/csrc): the same bytes, checks and file rules as
 the Python engine, a batch per GIL round trip.
 
+Every batch is a list of shares (``io/engine.py``): the engine makes each chunk's file
+names from its digest and the share's naming, and numbers the chunks share by share.
 Files are written by one engine and read by the other, in both directions: the two must
 agree byte for byte on the format.  Skipped (or failed under CI) where the extension was
 not built.
@@ -15,7 +17,7 @@ import random
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ from lmcache_nvme_backend.disk.format import (
     payload_checksum,
 )
 from lmcache_nvme_backend.disk.layout import (
+    CHUNK_SUFFIX,
     LEGACY_SHARD_LEVELS,
     SHARD_LEVELS,
     RootLayout,
@@ -44,7 +47,7 @@ from lmcache_nvme_backend.disk.validate import Defect, Expected, judge_chunk
 from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
-from lmcache_nvme_backend.io.native import NativeEngine, ReadItem, WriteItem
+from lmcache_nvme_backend.io.native import NativeEngine
 from lmcache_nvme_backend.io.posix import PosixIOEngine
 
 if not native.available():
@@ -55,7 +58,8 @@ from lmcache_nvme_backend.io import _native  # type: ignore[attr-defined]  # noq
 MIB = 1 << 20
 SIZES = [0, 1, 4095, 4096, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 4097]
 TASK_SIZES = [8192, BLOCK_SIZE + 4096, 64 * MIB]
-REL = "ns/0123456789abcdef/ab/cd/chunk.kv"
+NS_ID = "0123456789abcdef"
+TEMP_SUFFIX = ".tmp-test"
 
 
 def payload_for(n: int) -> bytes:
@@ -66,9 +70,14 @@ def meta_for(n: int) -> TensorMeta:
     return TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
 
 
+def chunk_path(root: Path, key: str = "k", levels: int = SHARD_LEVELS) -> Path:
+    """Where the layout puts ``key``'s chunk (as the engine names it from the digest)."""
+    return root / RootLayout(root, levels).chunk_rel(NS_ID, key_digest(key))
+
+
 def write_python(root: Path, payload: bytes, key: str = "k", version: int = 2,
                  direct: bool = True) -> Path:
-    path = root / REL
+    path = chunk_path(root, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = encode_header(key, "ns", meta_for(len(payload)), len(payload),
                            payload_checksum(payload, version), version=version)
@@ -83,9 +92,25 @@ def dest_for(n: int, kind: str) -> memoryview:
     return memoryview(bytearray(n + 1))[1:]  # not 4 KiB aligned: staged
 
 
-def item(root: Path, dest: memoryview, n: int, key: str = "k", direct: bool = True,
-         rel: str = REL) -> ReadItem:
-    return (root_descriptor(str(root)), rel, dest, n, direct, key.encode(), meta_for(n).to_json())
+def read_share(root: Path, dests: list[memoryview], n: int, keys: Sequence[str] = ("k",), *,
+               direct: bool = True, levels: int = SHARD_LEVELS) -> seam.ReadShare:
+    """The chunks of ``keys`` beneath ``root``, read into ``dests`` (``n`` bytes each)."""
+    return (root_descriptor(str(root)), RootLayout(root, levels).chunk_naming(NS_ID), direct, n,
+            meta_for(n).to_json(), [key_digest(k) for k in keys], dests,
+            [k.encode() for k in keys])
+
+
+def write_share(root: Path, payloads: list[memoryview], keys: Sequence[str] = ("k",), *,
+                digests: list[str] | None = None, direct: bool = True, mode: int = 0o640,
+                fsync_level: int = 0, victims: tuple[str, ...] = (),
+                gpu: list[tuple[int, int]] | None = None, levels: int = SHARD_LEVELS
+                ) -> seam.WriteShare:
+    """The chunks of ``keys`` (named from ``digests``, by default the keys' digests) beneath
+    ``root``, namespace ``ns``, each payload's layout ``meta_for`` its length."""
+    return (root_descriptor(str(root)), RootLayout(root, levels).write_naming(NS_ID, TEMP_SUFFIX),
+            b"ns", meta_for(len(payloads[0])).to_json(), direct, mode, 0o750, fsync_level,
+            victims, digests or [key_digest(k) for k in keys], payloads,
+            [k.encode() for k in keys], gpu)
 
 
 @pytest.fixture
@@ -99,7 +124,6 @@ def engine_for() -> Iterator[object]:
     yield make
     for engine in made:
         engine.close()
-
 
 # -- the checksum -------------------------------------------------------------------------
 
@@ -160,7 +184,8 @@ def test_reads_what_the_python_engine_wrote_and_verifies_it(
     payload = payload_for(n)
     write_python(tmp_path, payload, direct=direct)
     dest = dest_for(n, kind)
-    statuses, details = engine_for(task_size).read([item(tmp_path, dest, n, direct=direct)])
+    statuses, details = engine_for(task_size).read([read_share(tmp_path, [dest], n,
+                                                               direct=direct)])
     assert (statuses, details) == (bytes([seam.OK]), [])
     assert bytes(dest[:n]) == payload
 
@@ -170,7 +195,7 @@ def test_a_version_1_file_is_checked_over_the_whole_payload(engine_for, tmp_path
     payload = payload_for(3 * BLOCK_SIZE + 5)
     write_python(tmp_path, payload, version=1)
     dest = dest_for(len(payload), "aligned")
-    statuses, _ = engine_for(BLOCK_SIZE).read([item(tmp_path, dest, len(payload))])
+    statuses, _ = engine_for(BLOCK_SIZE).read([read_share(tmp_path, [dest], len(payload))])
     assert statuses == bytes([seam.OK]) and bytes(dest[: len(payload)]) == payload
 
 
@@ -188,12 +213,18 @@ def test_what_it_cannot_verify_comes_back_for_the_python_validator(
         engine_for, tmp_path: Path, what: str, defect: Defect) -> None:
     n = BLOCK_SIZE + 100
     path = write_python(tmp_path, payload_for(n))
+    key = "k"
     if what == "payload":
         damage(path, HEADER_SIZE + BLOCK_SIZE + 7)
     elif what == "header":
         damage(path, 60)
-    key = "another key" if what == "key" else "k"
-    statuses, details = engine_for().read([item(tmp_path, dest_for(n, "aligned"), n, key=key)])
+    else:  # another key's path holds k's chunk
+        key = "another key"
+        moved = chunk_path(tmp_path, key)
+        moved.parent.mkdir(parents=True, exist_ok=True)
+        path = path.rename(moved)
+    statuses, details = engine_for().read([read_share(tmp_path, [dest_for(n, "aligned")], n,
+                                                      [key])])
     assert statuses == bytes([seam.JUDGE])
     [(index, error, header, computed)] = details
     assert index == 0 and error == 0 and header == path.read_bytes()[:HEADER_SIZE]
@@ -203,89 +234,85 @@ def test_what_it_cannot_verify_comes_back_for_the_python_validator(
 
 
 def test_failures_come_back_with_their_errno(engine_for, tmp_path: Path) -> None:
+    """Each chunk of a batch of two shares fails at its place: missing, short, a link, a
+    fifo, and (the second share, whose naming leads out of the root) outside the root."""
     n = 8192
-    path = write_python(tmp_path, payload_for(n))
-    shard = path.parent
-    (shard / "short.kv").write_bytes(path.read_bytes()[: HEADER_SIZE + 4096])
-    os.symlink(path, shard / "link.kv")
-    os.mkfifo(shard / "fifo.kv")
-    (tmp_path / "outside.kv").write_bytes(path.read_bytes())
-    names = ["missing.kv", "short.kv", "link.kv", "fifo.kv", "../../../../../outside.kv"]
-    items = [item(tmp_path, dest_for(n, "aligned"), n, rel=str(Path(REL).parent / name))
-             for name in names]
-    statuses, details = engine_for().read(items)
+    root = tmp_path / "root"
+    good = write_python(root, payload_for(n))
+    keys = ["missing", "short", "link", "fifo"]
+    for key in keys:
+        chunk_path(root, key).parent.mkdir(parents=True, exist_ok=True)
+    chunk_path(root, "short").write_bytes(good.read_bytes()[: HEADER_SIZE + 4096])
+    os.symlink(good, chunk_path(root, "link"))
+    os.mkfifo(chunk_path(root, "fifo"))
+    inside = read_share(root, [dest_for(n, "aligned") for _ in keys], n, keys)
+    escaping = read_share(root, [dest_for(n, "aligned")], n, ["outside"])
+    escaping = escaping[:1] + (("../", SHARD_LEVELS, CHUNK_SUFFIX),) + escaping[2:]
+    digest = key_digest("outside")
+    (tmp_path / digest[:2]).mkdir()
+    (tmp_path / digest[:2] / f"{digest}{CHUNK_SUFFIX}").write_bytes(good.read_bytes())
+    statuses, details = engine_for().read([inside, escaping])
+    names = [*keys, "outside"]
     assert statuses == bytes([seam.FAILED] * len(names))
     errors = {names[i]: err for i, err, header, _ in details if header is None}
-    assert errors == {"missing.kv": errno.ENOENT, "short.kv": errno.ENODATA,
-                      "link.kv": errno.ELOOP, "fifo.kv": errno.EINVAL,
-                      "../../../../../outside.kv": errno.EXDEV}
+    assert errors == {"missing": errno.ENOENT, "short": errno.ENODATA, "link": errno.ELOOP,
+                      "fifo": errno.EINVAL, "outside": errno.EXDEV}
 
 
 def test_a_destination_shorter_than_the_payload_is_refused(engine_for, tmp_path: Path
                                                            ) -> None:
     write_python(tmp_path, payload_for(8192))
-    with pytest.raises(ValueError, match="holds 4096 bytes"):
-        engine_for().read([item(tmp_path, dest_for(4096, "aligned"), 8192)])
+    with pytest.raises(ValueError, match="share 0: destination 0 holds 4096 bytes"):
+        engine_for().read([read_share(tmp_path, [dest_for(4096, "aligned")], 8192)])
 
 
-@pytest.mark.parametrize(("field", "value", "error", "message"), [
-    (None, ("too", "short"), TypeError, r"a read item is \(root_fd, rel, dest.*item 1 is not"),
-    (0, "3", TypeError, "integer"),
-    (1, b"ns/rel", TypeError, "item field 1 must be str, not bytes"),
-    (1, "ns/\0rel", ValueError, "item field 1 holds a NUL character"),
-    (2, b"read-only", BufferError, "writable"),
-    (3, -1, OverflowError, "negative"),
-    (5, "k", TypeError, "item field 5 must be bytes, not str"),
-], ids=["shape", "fd", "rel-type", "rel-nul", "dest", "length", "key"])
-def test_a_malformed_read_item_is_refused_clearly_and_holds_no_buffer(
-        engine_for, tmp_path: Path, field: int | None, value: object,
-        error: type[Exception], message: str) -> None:
-    write_python(tmp_path, payload_for(4096))
-    good = bytearray(8192)
-    broken = list(item(tmp_path, memoryview(bytearray(8192)), 4096))
-    if field is not None:
-        broken[field] = value
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda s: (1, 2), TypeError, r"share 1 is not a tuple of 8 \(a read share\)"),
+    (lambda s: ("3",) + s[1:], TypeError, "share 1: root_fd must be an int .*, not str"),
+    (lambda s: (1 << 40,) + s[1:], OverflowError, "share 1: root_fd is out of range"),
+    (lambda s: s[:1] + (("ns/x/", 3, ".kv"),) + s[2:], ValueError,
+     "share 1: shard_levels must be 1 or 2, not 3"),
+    (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, r"share 1: naming is \(shard_prefix"),
+    (lambda s: s[:1] + ((b"ns/x/", 1, ".kv"),) + s[2:], TypeError, "share 1: naming is"),
+    (lambda s: s[:1] + (("ns/x\0/", 1, ".kv"),) + s[2:], ValueError,
+     "share 1: naming holds a NUL character"),
+    (lambda s: s[:3] + (-1,) + s[4:], OverflowError, "share 1: payload_len is out of range"),
+    (lambda s: s[:4] + ("{}",) + s[5:], TypeError, "share 1: meta must be bytes, not str"),
+    (lambda s: s[:5] + (["a" * 32, "xyz"],) + s[6:], ValueError, "not lowercase hex"),
+    (lambda s: s[:5] + ([7, "b" * 32],) + s[6:], TypeError, "share 1: digest 0 must be str"),
+    (lambda s: s[:7] + (s[7][:1],), TypeError,
+     "share 1: digests, dests and keys must be lists of one length"),
+    (lambda s: s[:5] + (tuple(s[5]),) + s[6:], TypeError, "lists of one length"),
+    (lambda s: s[:7] + ([b"k", "k"],), TypeError, "share 1: key 1 must be bytes, not str"),
+    (lambda s: s[:3] + (1 << 20,) + s[4:], ValueError, "share 1: destination 0 holds"),
+    (lambda s: s[:6] + ([memoryview(b"ro" * 5000)] * 2,) + s[7:], BufferError, "not writable"),
+], ids=["shape", "fd-type", "fd-range", "levels", "naming", "naming-bytes", "naming-nul",
+        "length", "meta", "digest", "digest-type", "lengths", "tuple-column", "key", "dest",
+        "read-only"])
+def test_a_malformed_read_share_is_refused_clearly_and_holds_no_buffer(
+        engine_for, tmp_path: Path, change: Callable[[tuple], object], error: type[Exception],
+        message: str) -> None:
+    good = bytearray(9000)
+    first = read_share(tmp_path, [memoryview(good)], 9000, ["a"])
+    share = read_share(tmp_path, [dest_for(9000, "aligned") for _ in range(2)], 9000, ["a", "b"])
     with pytest.raises(error, match=message):
-        engine_for().read([item(tmp_path, memoryview(good), 4096),
-                           tuple(broken) if field is not None else value])  # type: ignore[list-item]
+        engine_for().read([first, change(share)])  # type: ignore[list-item]
+    del first
     good.extend(b"x")  # resizable again: the batch let go of the buffer it had taken
 
 
-@pytest.mark.parametrize(("field", "value", "error", "message"), [
-    (None, (1, 2), TypeError, r"a write item is \(root_fd, dir_rel, .*item 0 is not"),
-    (3, None, TypeError, "item field 3 must be str, not NoneType"),
-    (4, 7, TypeError, "bytes-like"),
-    (7, "{}", TypeError, "item field 7 must be bytes, not str"),
-    (10, 1 << 40, OverflowError, "item field 10 does not fit a C int"),
-    (13, ["victim"], TypeError, "victims must be a tuple, not list"),
-    (8, (1,), TypeError, "gpu_checksum is None or"),
-], ids=["shape", "final-name", "payload", "meta", "mode", "victims", "gpu"])
-def test_a_malformed_write_item_is_refused_clearly_and_writes_nothing(
-        engine_for, tmp_path: Path, field: int | None, value: object,
-        error: type[Exception], message: str) -> None:
-    view = memoryview(bytearray(payload_for(4096)))
-    broken = list(write_item(tmp_path, view))
-    if field is not None:
-        broken[field] = value
-    with pytest.raises(error, match=message):
-        engine_for().submit_write([tuple(broken) if field is not None else value],  # type: ignore[list-item]
-                                  lambda batch: None)
-    del broken
-    view.release()  # BufferError if the batch still held the payload
-    assert not (tmp_path / "ns").exists()
-
-
 def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
-    items = []
-    for i in range(8):
-        rel = f"ns/0123456789abcdef/ab/cd/c{i}.kv"
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        write_python(tmp_path, payload_for(3 * BLOCK_SIZE)).rename(tmp_path / rel)
-        items.append(item(tmp_path, dest_for(3 * BLOCK_SIZE, "aligned"), 3 * BLOCK_SIZE,
-                          rel=rel))
+    """Eight chunks in two shares (two roots), three pieces each: one release for all."""
+    shares = []
+    for r in range(2):
+        root, keys = tmp_path / f"root{r}", [f"c{r}{i}" for i in range(4)]
+        for key in keys:
+            write_python(root, payload_for(3 * BLOCK_SIZE), key=key)
+        shares.append(read_share(root, [dest_for(3 * BLOCK_SIZE, "aligned") for _ in keys],
+                                 3 * BLOCK_SIZE, keys))
     engine = engine_for(BLOCK_SIZE)  # 3 pieces per chunk, 24 in the batch
     before = native.counters()
-    statuses, _ = engine.read(items)
+    statuses, _ = engine.read(shares)
     after = native.counters()
     assert statuses == bytes([seam.OK] * 8)
     assert after["gil_releases"] - before["gil_releases"] == 1
@@ -294,17 +321,16 @@ def test_a_batch_costs_one_gil_release(engine_for, tmp_path: Path) -> None:
 
 def test_the_checksum_time_is_sampled_and_scaled_to_every_byte_hashed(
         engine_for, tmp_path: Path) -> None:
-    items = []
-    for i in range(16):
-        rel = f"ns/0123456789abcdef/ab/cd/c{i}.kv"
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        write_python(tmp_path, payload_for(BLOCK_SIZE)).rename(tmp_path / rel)
-        items.append(item(tmp_path, dest_for(BLOCK_SIZE, "aligned"), BLOCK_SIZE, rel=rel))
+    keys = [f"c{i}" for i in range(16)]
+    for key in keys:
+        write_python(tmp_path, payload_for(BLOCK_SIZE), key=key)
+    share = read_share(tmp_path, [dest_for(BLOCK_SIZE, "aligned") for _ in keys], BLOCK_SIZE,
+                       keys)
     # 16 hash calls on at most two threads (the worker, and the caller, which may take
     # pieces of a blocking read), each timing one call in eight from where its count stands
     engine = engine_for(threads=1)
     before = native.counters()
-    statuses, _ = engine.read(items)
+    statuses, _ = engine.read([share])
     after = native.counters()
     assert statuses == bytes([seam.OK] * 16)
     hashed = after["hashed_bytes"] - before["hashed_bytes"]
@@ -338,9 +364,9 @@ class Done:
             return self.batches
 
 
-def write_now(engine: NativeEngine, items: list[WriteItem]) -> seam.Batch:
+def write_now(engine: NativeEngine, shares: list[seam.WriteShare]) -> seam.Batch:
     done = Done()
-    engine.submit_write(items, done("write"))
+    engine.submit_write(shares, done("write"))
     return done.wait_for(1)["write"]
 
 
@@ -353,10 +379,11 @@ def test_asynchronous_batches_come_back_on_the_completion_thread(engine_for, tmp
     dests = [dest_for(n, "aligned") for _ in range(5)]
     done = Done()
     for i, dest in enumerate(dests):
-        engine.submit_read([item(tmp_path, dest, n)], done(i))
+        engine.submit_read([read_share(tmp_path, [dest], n)], done(i))
     engine.submit_read([], done("empty"))
-    got = {name: batch.statuses for name, batch in done.wait_for(6).items()}
-    assert got == {**{i: bytes([seam.OK]) for i in range(5)}, "empty": b""}
+    engine.submit_read([read_share(tmp_path, [], n, [])], done("empty share"))
+    got = {name: batch.statuses for name, batch in done.wait_for(7).items()}
+    assert got == {**{i: bytes([seam.OK]) for i in range(5)}, "empty": b"", "empty share": b""}
     assert all(bytes(d[:n]) == payload for d in dests)
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -369,7 +396,7 @@ def test_close_finishes_queued_writes_and_cancel_ends_the_rest(engine_for, tmp_p
     done = Done()
     payload = memoryview(payload_for(BLOCK_SIZE))
     for i in range(20):
-        engine.submit_write([write_item(tmp_path, payload, name=f"c{i}.kv")], done(i))
+        engine.submit_write([write_share(tmp_path, [payload], [f"c{i}"])], done(i))
     cancelled = engine.cancel_writes()
     engine.close()  # what was not cancelled finishes first
     batches = done.wait_for(20)
@@ -378,10 +405,8 @@ def test_close_finishes_queued_writes_and_cancel_ends_the_rest(engine_for, tmp_p
     assert all(batches[i].details == [(0, seam.FAILED, errno.ECANCELED)]
                for i in range(20) if statuses[i] == bytes([seam.FAILED]))
     written = [i for i in range(20) if statuses[i] != bytes([seam.FAILED])]
-    shard = (tmp_path / REL).parent  # made by the first write, if any ran
-    on_disk = sorted(p.name for p in shard.iterdir()) if shard.exists() else []
-    assert on_disk == sorted(f"c{i}.kv" for i in written)
-
+    on_disk = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert on_disk == sorted(chunk_path(tmp_path, f"c{i}") for i in written)
 
 
 def test_waking_sleeping_workers_releases_the_gil_once(tmp_path: Path) -> None:
@@ -392,15 +417,15 @@ def test_waking_sleeping_workers_releases_the_gil_once(tmp_path: Path) -> None:
         engine.thread_ids()  # every worker started,
         time.sleep(0.5)  # and asleep: nothing was submitted
         payload = memoryview(payload_for(BLOCK_SIZE))
-        (tmp_path / REL).parent.mkdir(parents=True)  # (a new namespace is another status)
+        chunk_path(tmp_path).parent.mkdir(parents=True)  # (a new namespace is another status)
         before = native.counters()
-        engine.submit_write([write_item(tmp_path, payload)], "token")
+        engine.submit_shares([write_share(tmp_path, [payload])], "token")
         after = native.counters()
         assert after["gil_releases"] - before["gil_releases"] == 1
         done = engine.wait(30.0)
         assert [(token, statuses) for token, (statuses, _) in done] == \
             [("token", bytes([seam.OK]))]
-        assert (tmp_path / REL.rpartition("/")[0] / "chunk.kv").stat().st_size > BLOCK_SIZE
+        assert chunk_path(tmp_path).stat().st_size > BLOCK_SIZE
     finally:
         engine.close()
 
@@ -413,13 +438,13 @@ def test_a_worker_already_being_woken_is_not_woken_again_without_the_gil(
     try:
         engine.thread_ids()
         time.sleep(0.5)
-        (tmp_path / REL).parent.mkdir(parents=True)
+        (tmp_path / "ns" / NS_ID).mkdir(parents=True)
         big = memoryview(payload_for(32 * MIB))
         small = memoryview(payload_for(BLOCK_SIZE))
         before = native.counters()
-        engine.submit_write([write_item(tmp_path, big, name="big.kv")], "big")
+        engine.submit_shares([write_share(tmp_path, [big], ["big"])], "big")
         middle = native.counters()
-        engine.submit_write([write_item(tmp_path, small, name="small.kv")], "small")
+        engine.submit_shares([write_share(tmp_path, [small], ["small"])], "small")
         after = native.counters()
         assert middle["wake_releases"] - before["wake_releases"] == 1
         assert after["gil_releases"] - middle["gil_releases"] == 0
@@ -434,8 +459,9 @@ def test_a_worker_already_being_woken_is_not_woken_again_without_the_gil(
 def test_finished_batches_are_taken_without_letting_go_of_the_gil(tmp_path: Path) -> None:
     engine = _native.Engine(1, 1, 4 * MIB)
     try:
-        (tmp_path / REL).parent.mkdir(parents=True)
-        engine.submit_write([write_item(tmp_path, memoryview(payload_for(BLOCK_SIZE)))], "t")
+        chunk_path(tmp_path).parent.mkdir(parents=True)
+        engine.submit_shares([write_share(tmp_path, [memoryview(payload_for(BLOCK_SIZE))])],
+                             "t")
         time.sleep(0.5)  # long done
         before = native.counters()
         done = engine.wait(30.0)
@@ -471,8 +497,9 @@ def test_wait_signals_eventfds_in_the_release_it_makes(tmp_path: Path,
         assert engine.wait(0.01, (eventfds[0], eventfds[1])) == []  # nothing finished
         assert native.counters()["gil_releases"] - before["gil_releases"] == 1
         assert [eventfd_count(fd) for fd in eventfds] == [1, 1, 0]
-        (tmp_path / REL).parent.mkdir(parents=True)
-        engine.submit_write([write_item(tmp_path, memoryview(payload_for(BLOCK_SIZE)))], "t")
+        chunk_path(tmp_path).parent.mkdir(parents=True)
+        engine.submit_shares([write_share(tmp_path, [memoryview(payload_for(BLOCK_SIZE))])],
+                             "t")
         time.sleep(0.5)  # long done
         before = native.counters()
         assert [token for token, _ in engine.wait(30.0, (eventfds[2],))] == ["t"]
@@ -503,8 +530,8 @@ def test_a_callback_signals_its_eventfd_when_the_completer_waits_again(
                          eventfd_count(eventfds[0])))  # not yet written
         done.set()
 
-    (tmp_path / REL).parent.mkdir(parents=True)
-    engine.submit_write([write_item(tmp_path, memoryview(payload_for(BLOCK_SIZE)))], on_done)
+    chunk_path(tmp_path).parent.mkdir(parents=True)
+    engine.submit_write([write_share(tmp_path, [memoryview(payload_for(BLOCK_SIZE))])], on_done)
     assert done.wait(30)
     deadline = time.monotonic() + 30
     while (count := eventfd_count(eventfds[0])) == 0 and time.monotonic() < deadline:
@@ -513,15 +540,6 @@ def test_a_callback_signals_its_eventfd_when_the_completer_waits_again(
 
 
 # -- writes ----------------------------------------------------------------------------------
-
-
-def write_item(root: Path, payload: memoryview, *, key: str = "k", direct: bool = True,
-               mode: int = 0o640, gpu: tuple[int, int] | None = None, fsync_level: int = 0,
-               name: str = "chunk.kv", victims: tuple[str, ...] = ()) -> WriteItem:
-    shard = REL.rpartition("/")[0]
-    return (root_descriptor(str(root)), shard, f"{name}.tmp-test", name, payload, key.encode(),
-            b"ns", meta_for(len(payload)).to_json(), gpu, direct, mode, 0o750, fsync_level,
-            victims)
 
 
 def assert_whole_chunk_file(path: Path, payload: bytes) -> None:
@@ -546,13 +564,14 @@ def test_writes_files_the_python_engine_reads_and_validates(
     payload = payload_for(n)
     source = dest_for(n, kind)
     source[:n] = payload
-    (tmp_path / REL).parent.mkdir(parents=True)
+    path = chunk_path(tmp_path)
+    path.parent.mkdir(parents=True)
     statuses, details = write_now(engine_for(task_size),
-                                  [write_item(tmp_path, source[:n], direct=direct,
-                                              fsync_level=2)])
+                                  [write_share(tmp_path, [source[:n]], direct=direct,
+                                               fsync_level=2)])
     assert (statuses, details) == (bytes([seam.OK]), [])
-    assert_whole_chunk_file(tmp_path / REL, payload)
-    assert sorted(p.name for p in (tmp_path / REL).parent.iterdir()) == ["chunk.kv"]
+    assert_whole_chunk_file(path, payload)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 @pytest.mark.parametrize("n,task_size,direct,kind,overlapped", [
@@ -573,13 +592,18 @@ def test_a_chunk_of_several_blocks_is_written_while_it_is_hashed(
     payload = payload_for(n)
     source = dest_for(n, kind)
     source[:n] = payload
-    (tmp_path / REL).parent.mkdir(parents=True)
+    chunk_path(tmp_path).parent.mkdir(parents=True)
     before = native.counters()["overlapped_writes"]
     statuses, details = write_now(engine_for(task_size),
-                                  [write_item(tmp_path, source[:n], direct=direct)])
+                                  [write_share(tmp_path, [source[:n]], direct=direct)])
     assert (statuses, details) == (bytes([seam.OK]), [])
     assert native.counters()["overlapped_writes"] - before == int(overlapped)
-    assert_whole_chunk_file(tmp_path / REL, payload)
+    assert_whole_chunk_file(chunk_path(tmp_path), payload)
+
+
+def in_one_shard(count: int, prefix: str = "ab") -> list[str]:
+    """Digests of ``count`` chunks whose files share one shard directory (``prefix``)."""
+    return [f"{prefix}{i:030x}" for i in range(count)]
 
 
 def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
@@ -591,56 +615,68 @@ def test_an_overlapped_write_with_no_room_fails_whole_and_leaves_nothing(
         n = 2 * BLOCK_SIZE
         source = dest_for(n, "aligned")
         source[:n] = payload_for(n)
-        (fs / REL).parent.mkdir(parents=True)
+        digests = in_one_shard(12)
+        shard = fs / "ns" / NS_ID / "ab"
+        shard.mkdir(parents=True)
         engine = engine_for()
         before = native.counters()["overlapped_writes"]
-        results = [write_now(engine, [write_item(fs, source[:n], name=f"c{i}.kv")])
-                   for i in range(12)]  # 24 MiB into 16 MiB
+        results = [write_now(engine, [write_share(fs, [source[:n]], digests=[digest])])
+                   for digest in digests]  # 24 MiB into 16 MiB
         written = [i for i, r in enumerate(results) if r.statuses == bytes([seam.OK])]
         assert written and len(written) < len(results)
         assert all(r.details == [(0, seam.FAILED, errno.ENOSPC)]
                    for i, r in enumerate(results) if i not in written)
         assert native.counters()["overlapped_writes"] - before >= len(written)
-        shard = (fs / REL).parent
-        assert sorted(p.name for p in shard.iterdir()) == sorted(f"c{i}.kv" for i in written)
+        assert sorted(p.name for p in shard.iterdir()) == \
+            sorted(f"{digests[i]}{CHUNK_SUFFIX}" for i in written)
         for i in written:
-            assert_whole_chunk_file(shard / f"c{i}.kv", payload_for(n))
+            assert_whole_chunk_file(shard / f"{digests[i]}{CHUNK_SUFFIX}", payload_for(n))
 
 
 @pytest.mark.parametrize("umask", [0o077, 0o022, 0o000],
                          ids=["chmod-needed", "umask-leaves-it", "no-umask"])
-def test_mode_is_exact_and_gpu_checksum_recorded(engine_for, tmp_path: Path, umask: int) -> None:
-    (tmp_path / REL).parent.mkdir(parents=True)
+def test_mode_is_exact_and_gpu_checksums_recorded(engine_for, tmp_path: Path,
+                                                  umask: int) -> None:
+    """Each chunk's GPU checksum (a share's last column) goes into its header; a share
+    without them (None) in the same batch writes headers without one."""
+    (tmp_path / "ns" / NS_ID).mkdir(parents=True)
     old = os.umask(umask)
     try:
-        write_now(engine_for(), [write_item(tmp_path, memoryview(b"x" * 10), mode=0o640,
-                                            gpu=(1, 2))])
+        payload = memoryview(b"x" * 10)
+        batch = write_now(engine_for(), [
+            write_share(tmp_path, [payload] * 2, ["k", "k2"], mode=0o640,
+                        gpu=[(1, 2), (2**64 - 1, 0)]),
+            write_share(tmp_path, [payload], ["k3"])])
     finally:
         os.umask(old)
-    path = tmp_path / REL
+    assert batch.statuses == bytes([seam.OK] * 3)
+    path = chunk_path(tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
-    assert decode_header(path.read_bytes()[:HEADER_SIZE]).gpu_checksum == (1, 2)
+    assert [decode_header(chunk_path(tmp_path, key).read_bytes()[:HEADER_SIZE]).gpu_checksum
+            for key in ("k", "k2", "k3")] == [(1, 2), (2**64 - 1, 0), None]
 
 
 @pytest.mark.parametrize("existing,status", [
-    ("", seam.NEW_NAMESPACE), ("ns", seam.NEW_NAMESPACE),
-    ("ns/0123456789abcdef", seam.OK), ("ns/0123456789abcdef/ab", seam.OK)])
+    (0, seam.NEW_NAMESPACE), (1, seam.NEW_NAMESPACE), (2, seam.OK), (3, seam.OK)],
+    ids=["nothing", "ns", "namespace", "first-level"])
 def test_missing_shard_directories_are_made_with_exactly_their_mode(
-        engine_for, tmp_path: Path, existing: str, status: int) -> None:
+        engine_for, tmp_path: Path, existing: int, status: int) -> None:
+    made = Path(RootLayout(tmp_path, LEGACY_SHARD_LEVELS).shard_rel(NS_ID, key_digest("k")))
     if existing:
-        (tmp_path / existing).mkdir(parents=True)
+        tmp_path.joinpath(*made.parts[:existing]).mkdir(parents=True)
     old = os.umask(0o077)
     try:
-        statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
+        statuses, details = write_now(engine_for(), [
+            write_share(tmp_path, [memoryview(b"abc")], levels=LEGACY_SHARD_LEVELS)])
     finally:
         os.umask(old)
     assert statuses == bytes([status])
     assert details == ([] if status == seam.OK else [(0, status, 0)])
-    made = Path(REL).parent
-    for depth in range(len(Path(existing).parts) if existing else 0, len(made.parts)):
+    for depth in range(existing, len(made.parts)):
         directory = tmp_path.joinpath(*made.parts[: depth + 1])
         assert stat.S_IMODE(directory.stat().st_mode) == 0o750, directory
-    assert (tmp_path / REL).read_bytes()[HEADER_SIZE:HEADER_SIZE + 3] == b"abc"
+    path = chunk_path(tmp_path, levels=LEGACY_SHARD_LEVELS)
+    assert path.read_bytes()[HEADER_SIZE:HEADER_SIZE + 3] == b"abc"
 
 
 def test_writers_racing_to_make_one_new_shard_all_publish(engine_for, tmp_path: Path) -> None:
@@ -648,57 +684,44 @@ def test_writers_racing_to_make_one_new_shard_all_publish(engine_for, tmp_path: 
     opens what it made): every chunk is published and the leaf has exactly its mode."""
     engine = engine_for()
     payload = memoryview(payload_for(BLOCK_SIZE))
+    digests = in_one_shard(8, "abcd")
     for round_ in range(20):
         root = tmp_path / f"root{round_}"
-        (root / REL).parent.parent.mkdir(parents=True)  # the namespace's ``ab``, not ``cd``
-        items = [write_item(root, payload, key=f"k{i}", name=f"c{i}.kv") for i in range(8)]
+        (root / "ns" / NS_ID / "ab").mkdir(parents=True)  # the first level, not ``cd``
+        share = write_share(root, [payload] * 8, [f"k{i}" for i in range(8)], digests=digests,
+                            levels=LEGACY_SHARD_LEVELS)
         old = os.umask(0o077)
         try:
-            batch = write_now(engine, items)
+            batch = write_now(engine, [share])
         finally:
             os.umask(old)
         assert batch.statuses == bytes([seam.OK] * 8), batch.details
-        leaf = (root / REL).parent
+        leaf = root / "ns" / NS_ID / "ab" / "cd"
         assert stat.S_IMODE(leaf.stat().st_mode) == 0o750
-        assert sorted(p.name for p in leaf.iterdir()) == sorted(f"c{i}.kv" for i in range(8))
+        assert sorted(p.name for p in leaf.iterdir()) == sorted(d + CHUNK_SUFFIX for d in digests)
 
 
 def test_a_stale_temp_file_is_replaced(engine_for, tmp_path: Path) -> None:
-    shard = (tmp_path / REL).parent
-    shard.mkdir(parents=True)
-    (shard / "chunk.kv.tmp-test").write_bytes(b"left by a dead writer")
-    assert write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))]).statuses == \
+    path = chunk_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.with_name(path.name + TEMP_SUFFIX).write_bytes(b"left by a dead writer")
+    assert write_now(engine_for(), [write_share(tmp_path, [memoryview(b"abc")])]).statuses == \
         bytes([seam.OK])
-    assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 def test_a_write_removes_its_victims_first(engine_for, tmp_path: Path) -> None:
-    shard = (tmp_path / REL).parent
+    path = chunk_path(tmp_path)
+    shard = path.parent
     shard.mkdir(parents=True)
     for name in ("old1.kv", "old2.kv"):
         (shard / name).write_bytes(b"evicted")
-    victims = (f"{shard.relative_to(tmp_path)}/old1.kv", f"{shard.relative_to(tmp_path)}/old2.kv",
-               f"{shard.relative_to(tmp_path)}/already-gone.kv")
-    batch = write_now(engine_for(), [write_item(tmp_path, memoryview(b"new"), victims=victims)])
+    rel = shard.relative_to(tmp_path)
+    victims = (f"{rel}/old1.kv", f"{rel}/old2.kv", f"{rel}/already-gone.kv")
+    batch = write_now(engine_for(), [write_share(tmp_path, [memoryview(b"new")],
+                                                 victims=victims)])
     assert batch.statuses == bytes([seam.OK])
-    assert sorted(p.name for p in shard.iterdir()) == ["chunk.kv"]
-
-
-# -- a store task's writes as shares ---------------------------------------------------------
-
-
-def share_for(root: Path, layout: RootLayout, keys: list[str], payloads: list[memoryview], *,
-              victims: tuple[str, ...] = (), ns_id: str = "0123456789abcdef"
-              ) -> seam.WriteShare:
-    return (root_descriptor(str(root)), layout.write_naming(ns_id, ".tmp-test"), b"ns",
-            meta_for(len(payloads[0])).to_json(), True, 0o640, 0o750, 0,
-            victims, [key_digest(k) for k in keys], payloads, [k.encode() for k in keys])
-
-
-def write_shares_now(engine: NativeEngine, shares: list[seam.WriteShare]) -> seam.Batch:
-    done = Done()
-    engine.submit_shares(shares, done("shares"))
-    return done.wait_for(1)["shares"]
+    assert [p.name for p in shard.iterdir()] == [path.name]
 
 
 @pytest.mark.parametrize("levels", [SHARD_LEVELS, LEGACY_SHARD_LEVELS])
@@ -711,22 +734,22 @@ def test_shares_put_each_chunk_where_the_layout_names_it(engine_for, tmp_path: P
     layouts = [RootLayout(root, levels) for root in roots]
     keys = [[f"a{i}" for i in range(5)], [f"b{i}" for i in range(3)]]
     payloads = {k: random.Random(k).randbytes(5000) for k in keys[0] + keys[1]}
-    victim = layouts[1].chunk_rel("0123456789abcdef", key_digest("old"))
+    victim = layouts[1].chunk_rel(NS_ID, key_digest("old"))
     (roots[1] / victim).parent.mkdir(parents=True)
     (roots[1] / victim).write_bytes(b"evicted")
     for root in roots:
         root.mkdir(exist_ok=True)
-    shares = [share_for(root, layout, mine, [memoryview(payloads[k]) for k in mine],
-                        victims=(victim,) if root == roots[1] else ())
-              for root, layout, mine in zip(roots, layouts, keys, strict=True)]
-    batch = write_shares_now(engine_for(), shares)
+    shares = [write_share(root, [memoryview(payloads[k]) for k in mine], mine, levels=levels,
+                          victims=(victim,) if root == roots[1] else ())
+              for root, mine in zip(roots, keys, strict=True)]
+    batch = write_now(engine_for(), shares)
     assert len(batch.statuses) == 8  # published, and the namespace made on root a
     assert set(batch.statuses) <= {seam.OK, seam.NEW_NAMESPACE}
     assert seam.NEW_NAMESPACE in batch.statuses[:5]
     assert not (roots[1] / victim).exists()
     for root, layout, mine in zip(roots, layouts, keys, strict=True):
         for k in mine:
-            path = root / layout.chunk_rel("0123456789abcdef", key_digest(k))
+            path = root / layout.chunk_rel(NS_ID, key_digest(k))
             data = path.read_bytes()
             n = len(payloads[k])
             assert data[HEADER_SIZE:HEADER_SIZE + n] == payloads[k]
@@ -738,147 +761,221 @@ def test_shares_put_each_chunk_where_the_layout_names_it(engine_for, tmp_path: P
 
 def test_a_failed_chunk_of_a_share_is_reported_at_its_place_in_the_batch(
         engine_for, tmp_path: Path) -> None:
+    """The chunks of a batch are numbered share by share: the third chunk of the second
+    share is chunk 4."""
     layout = RootLayout(tmp_path)
-    keys = ["k0", "k1", "k2"]
-    blocked = tmp_path / layout.shard_rel("0123456789abcdef", key_digest("k2"))
+    blocked = tmp_path / layout.shard_rel(NS_ID, key_digest("k2"))
     blocked.parent.mkdir(parents=True)
     blocked.write_bytes(b"a file where the shard directory goes")
-    share = share_for(tmp_path, layout, keys, [memoryview(b"abc")] * 3)
-    batch = write_shares_now(engine_for(), [share])
-    assert batch.statuses[2] == seam.FAILED and batch.details[-1][:2] == (2, seam.FAILED)
-    assert all((tmp_path / layout.chunk_rel("0123456789abcdef", key_digest(k))).exists()
-               for k in keys[:2])
+    first = write_share(tmp_path, [memoryview(b"abc")] * 2, ["j0", "j1"])
+    second = write_share(tmp_path, [memoryview(b"abc")] * 3, ["k0", "k1", "k2"])
+    batch = write_now(engine_for(), [first, second])
+    assert batch.statuses[4] == seam.FAILED and batch.details[-1][:2] == (4, seam.FAILED)
+    assert set(batch.statuses[:4]) <= {seam.OK, seam.NEW_NAMESPACE}
+    assert all(chunk_path(tmp_path, k).exists() for k in ["j0", "j1", "k0", "k1"])
 
 
 @pytest.mark.parametrize(("change", "error", "message"), [
-    (lambda s: (1, 2), TypeError, "share 0 is not a tuple of 12"),
+    (lambda s: (1, 2), TypeError, r"share 1 is not a tuple of 13 \(a write share\)"),
+    (lambda s: s[:12], TypeError, "share 1 is not a tuple of 13"),
     (lambda s: s[:9] + (["a" * 32, "xyz"],) + s[10:], ValueError, "not lowercase hex"),
     (lambda s: s[:9] + (["A" * 32, "b" * 32],) + s[10:], ValueError, "not lowercase hex"),
-    (lambda s: s[:9] + ([7, "b" * 32],) + s[10:], TypeError, "a digest must be str"),
-    (lambda s: s[:11] + (s[11][:1],), TypeError, "lists of one length"),
-    (lambda s: s[:11] + ([b"k", "k"],), TypeError, "key 1 must be bytes"),
+    (lambda s: s[:9] + ([7, "b" * 32],) + s[10:], TypeError, "share 1: digest 0 must be str"),
+    (lambda s: s[:11] + (s[11][:1],) + s[12:], TypeError,
+     "share 1: digests, payloads and keys must be lists of one length"),
+    (lambda s: s[:11] + ([b"k", "k"],) + s[12:], TypeError, "share 1: key 1 must be bytes"),
+    (lambda s: s[:10] + ([s[10][0], 7],) + s[11:], TypeError, "bytes-like"),
+    (lambda s: s[:2] + ("ns",) + s[3:], TypeError, "share 1: namespace must be bytes, not str"),
+    (lambda s: s[:3] + ("{}",) + s[4:], TypeError, "share 1: meta must be bytes, not str"),
+    (lambda s: s[:5] + (1 << 40,) + s[6:], OverflowError, "share 1: mode is out of range"),
+    (lambda s: s[:7] + ("0",) + s[8:], TypeError, "share 1: fsync_level must be an int"),
     (lambda s: s[:1] + (("ns/x/", 3, ".kv", ".tmp"),) + s[2:], ValueError, "shard_levels"),
-    (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, "naming is"),
+    (lambda s: s[:1] + (("ns/x/", 1, ".kv"),) + s[2:], TypeError,
+     r"share 1: naming is \(shard_prefix, shard_levels, final_suffix, temp_suffix\)"),
     (lambda s: s[:1] + (("ns/x\0/", 1, ".kv", ".tmp"),) + s[2:], ValueError, "NUL"),
     (lambda s: s[:1] + (("ns/x/", 1, ".kv", ".tmp\0"),) + s[2:], ValueError, "NUL"),
-    (lambda s: s[:8] + (["v"],) + s[9:], TypeError, "victims must be a tuple, not list"),
-    (lambda s: s[:9] + ([], [], []), ValueError, "share 0 has no chunks"),
-], ids=["shape", "short-digest", "upper-digest", "digest-type", "lengths", "key-type",
-        "levels", "naming", "nul-prefix", "nul-suffix", "victims", "empty"])
-def test_a_malformed_share_is_refused_clearly_and_writes_nothing(
+    (lambda s: s[:8] + (["v"],) + s[9:], TypeError, "share 1: victims must be a tuple, not list"),
+    (lambda s: s[:8] + (("ns/v\0",),) + s[9:], ValueError, "share 1: victim 0 is not a path"),
+    (lambda s: s[:8] + ((b"ns/v",),) + s[9:], ValueError, "share 1: victim 0 is not a path"),
+    (lambda s: s[:9] + ([], [], []) + s[12:], ValueError, "share 1 has no chunks"),
+    (lambda s: s[:12] + ((1, 2),), TypeError,
+     "share 1: gpu_checksums must be None or a list, not tuple"),
+    (lambda s: s[:12] + ([(1, 2)],), ValueError,
+     "share 1: gpu_checksums holds 1 pairs for 2 chunks"),
+    (lambda s: s[:12] + ([(1, 2), (3,)],), TypeError,
+     r"share 1: gpu_checksums\[1\] must be an \(a, b\) tuple of ints"),
+    (lambda s: s[:12] + ([(1, 2), [3, 4]],), TypeError, r"gpu_checksums\[1\] must be an \(a, b\)"),
+    (lambda s: s[:12] + ([(1, 2), (-1, 0)],), ValueError,
+     r"share 1: gpu_checksums\[1\] must hold unsigned 64-bit ints"),
+    (lambda s: s[:12] + ([(1, 2), (0, 2**64)],), ValueError, r"gpu_checksums\[1\] must hold"),
+], ids=["shape", "twelve", "short-digest", "upper-digest", "digest-type", "lengths", "key-type",
+        "payload", "namespace", "meta", "mode", "fsync", "levels", "naming", "nul-prefix",
+        "nul-suffix", "victims", "victim-nul", "victim-type", "empty", "gpu-type", "gpu-count",
+        "gpu-pair", "gpu-list", "gpu-negative", "gpu-range"])
+def test_a_malformed_write_share_is_refused_clearly_and_writes_nothing(
         engine_for, tmp_path: Path, change: Callable[[tuple], object], error: type[Exception],
         message: str) -> None:
-    views = [memoryview(bytearray(b"abc")) for _ in range(2)]
-    share = share_for(tmp_path, RootLayout(tmp_path), ["k0", "k1"], views)
+    views = [memoryview(bytearray(b"abc")) for _ in range(3)]
+    first = write_share(tmp_path, views[:1], ["first"], gpu=[(1, 2)])
+    share = write_share(tmp_path, views[1:], ["k0", "k1"])
     with pytest.raises(error, match=message):
-        engine_for().submit_shares([change(share)], lambda batch: None)  # type: ignore[list-item]
-    del share
+        engine_for().submit_write([first, change(share)],  # type: ignore[list-item]
+                                  lambda batch: None)
+    del first, share
     for view in views:
         view.release()  # BufferError if the batch still held a payload
     assert not (tmp_path / "ns").exists()
 
 
-@pytest.mark.parametrize("planted_at", ["ns/0123456789abcdef/ab/cd", "ns/0123456789abcdef/ab",
-                                        "ns/0123456789abcdef"])
+def test_a_write_batch_keeps_its_columns_as_they_were_submitted(engine_for, tmp_path: Path
+                                                                 ) -> None:
+    """A caller that reuses its lists once it submitted changes nothing of the batch: the
+    engine copied each share's columns, and the keys its writers put in the headers stay
+    alive until the batch is done."""
+    (tmp_path / "ns" / NS_ID).mkdir(parents=True)
+    keys = [f"key {i} " * 40 for i in range(8)]
+    payloads = [random.Random(i).randbytes(BLOCK_SIZE) for i in range(8)]
+    digests, views, encoded = ([key_digest(k) for k in keys], [memoryview(p) for p in payloads],
+                               [k.encode() for k in keys])
+    share = write_share(tmp_path, views, keys)
+    share = share[:9] + (digests, views, encoded) + share[12:]
+    done = Done()
+    engine_for().submit_write([share], done("write"))
+    for column in (digests, views, encoded):
+        column.clear()
+    del share
+    gc.collect()
+    assert done.wait_for(1)["write"].statuses == bytes([seam.OK] * 8)
+    for key, payload in zip(keys, payloads, strict=True):
+        data = chunk_path(tmp_path, key).read_bytes()
+        n = len(payload)
+        assert data[HEADER_SIZE:HEADER_SIZE + n] == payload
+        assert judge_chunk(data[:HEADER_SIZE], Expected(key=key, payload_len=n, meta=meta_for(n),
+                                                        file_size=len(data))).ok
+
+
+def test_a_read_share_changed_while_its_batch_is_made_is_read_as_it_was(
+        engine_for, tmp_path: Path) -> None:
+    """Python code that runs while the engine reads a share's fields (here the fd's
+    ``__index__``) and empties its lists cannot reach the batch: its columns were copied."""
+    n = 8192
+    keys = [f"c{i}" for i in range(4)]
+    for key in keys:
+        write_python(tmp_path, payload_for(n), key=key)
+    dests = [dest_for(n, "aligned") for _ in keys]
+    share = read_share(tmp_path, list(dests), n, keys)
+    fd = share[0]
+
+    class EmptiesTheLists:
+        def __index__(self) -> int:
+            for column in share[5:]:
+                column.clear()
+            return fd
+
+    batch = engine_for().read([(EmptiesTheLists(), *share[1:])])
+    assert batch == (bytes([seam.OK] * 4), [])
+    assert all(bytes(dest[:n]) == payload_for(n) for dest in dests)
+
+
+@pytest.mark.parametrize("depth", [3, 2, 1], ids=["leaf", "first-level", "namespace"])
 def test_a_link_in_the_tree_is_never_followed_by_a_write(engine_for, tmp_path: Path,
-                                                         planted_at: str) -> None:
+                                                         depth: int) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (tmp_path / planted_at).parent.mkdir(parents=True)
-    os.symlink(elsewhere, tmp_path / planted_at)
-    statuses, details = write_now(engine_for(), [write_item(tmp_path, memoryview(b"abc"))])
-    assert statuses == bytes([seam.FAILED]) and details[0][2] in (errno.ELOOP,
-                                                                    errno.ENOTDIR)
+    made = Path(RootLayout(tmp_path, LEGACY_SHARD_LEVELS).shard_rel(NS_ID, key_digest("k")))
+    planted = tmp_path.joinpath(*made.parts[:depth])
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(elsewhere, planted)
+    statuses, details = write_now(engine_for(), [
+        write_share(tmp_path, [memoryview(b"abc")], levels=LEGACY_SHARD_LEVELS)])
+    assert statuses == bytes([seam.FAILED]) and details[0][2] in (errno.ELOOP, errno.ENOTDIR)
     assert list(elsewhere.iterdir()) == []
 
 
-# -- a read call's chunks as one share --------------------------------------------------------
-
-
-def read_share_for(root: Path, layout: RootLayout, keys: list[str], dests: list[memoryview],
-                   payload_len: int, ns_id: str = "0123456789abcdef") -> seam.ReadShare:
-    return (root_descriptor(str(root)), layout.chunk_naming(ns_id), True, payload_len,
-            meta_for(payload_len).to_json(), [key_digest(k) for k in keys], dests,
-            [k.encode() for k in keys])
+# -- a read call's chunks as shares ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("levels", [SHARD_LEVELS, LEGACY_SHARD_LEVELS])
-@pytest.mark.parametrize("wait", [True, False], ids=["read_share", "submit_read_share"])
+@pytest.mark.parametrize("wait", [True, False], ids=["read", "submit_read"])
 def test_a_read_share_finds_each_chunk_where_the_layout_names_it(
         engine_for, tmp_path: Path, levels: int, wait: bool) -> None:
     """Chunks written where ``chunk_rel`` names them come back whole through one share (the
     engine made each path from the digest and the root's naming), one missing file failed
     at its place with ENOENT, a buffer that is not 4 KiB aligned filled all the same."""
-    layout = RootLayout(tmp_path, levels)
     keys = [f"r{i}" for i in range(5)]
     payloads = [random.Random(k).randbytes(BLOCK_SIZE + 4097) for k in keys]
     engine = engine_for(task_size=BLOCK_SIZE)  # several pieces per chunk
-    written = write_shares_now(engine, [share_for(tmp_path, layout, keys,
-                                                  [memoryview(p) for p in payloads])])
+    written = write_now(engine, [write_share(tmp_path, [memoryview(p) for p in payloads], keys,
+                                             levels=levels)])
     assert set(written.statuses) <= {seam.OK, seam.NEW_NAMESPACE}
     n = len(payloads[0])
     dests = [dest_for(n, "aligned" if i % 2 else "staged") for i in range(6)]
-    share = read_share_for(tmp_path, layout, [*keys, "never-written"], dests, n)
+    share = read_share(tmp_path, dests, n, [*keys, "never-written"], levels=levels)
     if wait:
-        batch = engine.read_share(share)
+        batch = engine.read([share])
     else:
         done = Done()
-        engine.submit_read_share(share, done("read"))
+        engine.submit_read([share], done("read"))
         batch = done.wait_for(1)["read"]
     assert bytes(batch.statuses) == bytes([seam.OK] * 5 + [seam.FAILED])
     assert [d[:2] for d in batch.details] == [(5, errno.ENOENT)]
     assert [bytes(dest[:n]) for dest in dests[:5]] == payloads
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["read", "submit_read"])
+def test_the_chunks_of_several_read_shares_are_numbered_across_the_batch(
+        engine_for, tmp_path: Path, wait: bool) -> None:
+    """Three shares (two roots, one layout each, and an empty share between): their chunks
+    come back share by share, each failure or verdict at its place in the batch."""
+    roots = [tmp_path / "a", tmp_path / "b"]
+    levels = [SHARD_LEVELS, LEGACY_SHARD_LEVELS]
+    keys = [["a0", "a1"], ["b0", "b1"]]
+    engine = engine_for()
+    for root, level, mine in zip(roots, levels, keys, strict=True):
+        root.mkdir()
+        payloads = [memoryview(random.Random(k).randbytes(9000)) for k in mine]
+        write_now(engine, [write_share(root, payloads, mine, levels=level)])
+    b1 = chunk_path(roots[1], "b1", LEGACY_SHARD_LEVELS)
+    b1.write_bytes(chunk_path(roots[1], "b0", LEGACY_SHARD_LEVELS).read_bytes())  # b0's chunk
+    dests = [dest_for(9000, "aligned") for _ in range(5)]
+    shares = [read_share(roots[0], dests[:3], 9000, ["a0", "missing", "a1"]),
+              read_share(roots[1], [], 9000, []),
+              read_share(roots[1], dests[3:], 9000, ["b0", "b1"], levels=LEGACY_SHARD_LEVELS)]
+    if wait:
+        batch = engine.read(shares)
+    else:
+        done = Done()
+        engine.submit_read(shares, done("read"))
+        batch = done.wait_for(1)["read"]
+    assert batch.statuses == bytes([seam.OK, seam.FAILED, seam.OK, seam.OK, seam.JUDGE])
+    assert [d[:2] for d in batch.details] == [(1, errno.ENOENT), (4, 0)]
+    assert [bytes(dests[i][:9000]) for i in (0, 2, 3)] == \
+        [random.Random(k).randbytes(9000) for k in ("a0", "a1", "b0")]
+
+
 def test_a_read_share_checks_each_key_and_its_metadata(engine_for, tmp_path: Path) -> None:
     """A file at a chunk's path that holds another key (or was written with other
     metadata) is not served: the engine hands it back to be judged."""
-    layout = RootLayout(tmp_path)
     engine = engine_for()
     payload = memoryview(b"x" * 9000)
-    write_shares_now(engine, [share_for(tmp_path, layout, ["a", "b"], [payload, payload])])
-    a_path = tmp_path / layout.chunk_rel("0123456789abcdef", key_digest("a"))
-    b_path = tmp_path / layout.chunk_rel("0123456789abcdef", key_digest("b"))
-    b_path.write_bytes(a_path.read_bytes())  # b's path now holds a's chunk
+    write_now(engine, [write_share(tmp_path, [payload, payload], ["a", "b"])])
+    chunk_path(tmp_path, "b").write_bytes(chunk_path(tmp_path, "a").read_bytes())
     dests = [dest_for(9000, "aligned") for _ in range(2)]
-    batch = engine.read_share(read_share_for(tmp_path, layout, ["a", "b"], dests, 9000))
+    batch = engine.read([read_share(tmp_path, dests, 9000, ["a", "b"])])
     assert batch.statuses[0] == seam.OK and batch.statuses[1] == seam.JUDGE
-    other = read_share_for(tmp_path, layout, ["a"], dests[:1], 9000)
+    other = read_share(tmp_path, dests[:1], 9000, ["a"])
     other = other[:4] + (meta_for(4500).to_json(),) + other[5:]  # the right key, other layout
-    assert engine.read_share(other).statuses[0] == seam.JUDGE
-
-
-@pytest.mark.parametrize(("change", "error", "message"), [
-    (lambda s: (1, 2), TypeError, "a read share is a tuple of 8"),
-    (lambda s: s[:1] + (("ns/x/", 3, ".kv"),) + s[2:], ValueError, "shard_levels"),
-    (lambda s: s[:1] + (("ns/x/", 1),) + s[2:], TypeError, "naming is"),
-    (lambda s: s[:1] + (("ns/x\0/", 1, ".kv"),) + s[2:], ValueError, "NUL"),
-    (lambda s: s[:5] + (["a" * 32, "xyz"],) + s[6:], ValueError, "not lowercase hex"),
-    (lambda s: s[:5] + ([7, "b" * 32],) + s[6:], TypeError, "digest 0 must be str"),
-    (lambda s: s[:7] + (s[7][:1],), TypeError, "lists of one length"),
-    (lambda s: s[:7] + ([b"k", "k"],), TypeError, "key 1 must be bytes"),
-    (lambda s: s[:3] + (1 << 20,) + s[4:], ValueError, "destination 0 holds"),
-    (lambda s: s[:6] + ([memoryview(b"ro" * 5000)] * 2,) + s[7:], BufferError, "not writable"),
-])
-def test_a_malformed_read_share_is_refused_clearly(engine_for, tmp_path: Path,
-                                                   change: Callable[[tuple], tuple],
-                                                   error: type[Exception],
-                                                   message: str) -> None:
-    share = read_share_for(tmp_path, RootLayout(tmp_path), ["a", "b"],
-                           [dest_for(9000, "aligned") for _ in range(2)], 9000)
-    engine = engine_for()
-    with pytest.raises(error, match=message):
-        engine.read_share(change(share))
+    assert engine.read([other]).statuses[0] == seam.JUDGE
 
 
 def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Path) -> None:
     engine = engine_for()
-    (tmp_path / REL).parent.mkdir(parents=True)
+    (tmp_path / "ns" / NS_ID).mkdir(parents=True)
     payloads = {f"k{i}": payload_for(BLOCK_SIZE + i) for i in range(8)}
 
     def write(key: str) -> None:
-        item = write_item(tmp_path, memoryview(payloads[key]), key=key, name=f"{key}.kv")
-        assert write_now(engine, [item]).statuses == bytes([seam.OK])
+        share = write_share(tmp_path, [memoryview(payloads[key])], [key])
+        assert write_now(engine, [share]).statuses == bytes([seam.OK])
 
     threads = [threading.Thread(target=write, args=(k,)) for k in payloads]
     for t in threads:
@@ -886,7 +983,7 @@ def test_writes_submitted_from_several_threads_at_once(engine_for, tmp_path: Pat
     for t in threads:
         t.join()
     for key, payload in payloads.items():
-        data = (tmp_path / REL).parent.joinpath(f"{key}.kv").read_bytes()
+        data = chunk_path(tmp_path, key).read_bytes()
         assert data[HEADER_SIZE:HEADER_SIZE + len(payload)] == payload
 
 
@@ -904,13 +1001,12 @@ def test_a_finished_read_never_hands_back_a_batch_allocated_after_it(
     done = Done()
     rounds = 3000
     for i in range(rounds):
-        assert engine.read([item(tmp_path, d, n) for d in dests]).statuses == \
+        assert engine.read([read_share(tmp_path, dests, n, ["k"] * 3)]).statuses == \
             bytes([seam.OK]) * 3
-        engine.submit_write([write_item(tmp_path, payload, name=f"w{i}.kv")], done(i))
+        engine.submit_write([write_share(tmp_path, [payload], [f"w{i}"])], done(i))
     batches = done.wait_for(rounds)
     assert {i: b.details for i, b in batches.items() if b.statuses != bytes([seam.OK])} == {}
-    written = (tmp_path / REL).parent
-    assert all(written.joinpath(f"w{i}.kv").stat().st_size == HEADER_SIZE + 4096
+    assert all(chunk_path(tmp_path, f"w{i}").stat().st_size == HEADER_SIZE + 4096
                for i in range(rounds))
 
 
@@ -918,7 +1014,7 @@ def test_a_finished_read_never_hands_back_a_batch_allocated_after_it(
 def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
         tmp_path: Path, kind: str) -> None:
     """A submitter that found the engine open may push its batch only after ``close()`` let
-    every worker go, if it lets go of the GIL in between (here: an item whose fd is read
+    every worker go, if it lets go of the GIL in between (here: a share whose fd is read
     through Python code that closes the engine).  Such a batch ran on no thread and never came
     back: ``wait()`` never said the engine was drained, so closing a store hung.  It is now
     refused (the engine is closed) or run and handed back."""
@@ -933,15 +1029,15 @@ def test_a_batch_submitted_while_the_engine_closes_is_refused_or_handed_back(
             return fd
 
     closing = ClosesTheEngine()
-    dest = dest_for(n, "aligned")
     if kind == "read":
-        items: list[tuple[object, ...]] = [(closing, *item(tmp_path, dest, n)[1:])]
-        submit = engine.submit_read
+        shares: list[tuple[object, ...]] = [
+            (closing, *read_share(tmp_path, [dest_for(n, "aligned")], n)[1:])]
+        submit = engine.submit_read_shares
     else:
-        items = [(closing, *write_item(tmp_path, memoryview(payload_for(n)), name="late.kv")[1:])]
-        submit = engine.submit_write
+        shares = [(closing, *write_share(tmp_path, [memoryview(payload_for(n))], ["late"])[1:])]
+        submit = engine.submit_shares
     try:
-        submit(items, "late")
+        submit(shares, "late")
         submitted = True
     except RuntimeError as exc:
         assert "closed" in str(exc)

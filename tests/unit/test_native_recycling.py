@@ -23,19 +23,21 @@ from lmcache_nvme_backend.disk.format import (
     padded_length,
     payload_checksum,
 )
+from lmcache_nvme_backend.disk.layout import RootLayout
 from lmcache_nvme_backend.disk.safe_fs import root_descriptor
 from lmcache_nvme_backend.disk.validate import Expected, judge_chunk
 from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
-from lmcache_nvme_backend.io.native import NativeEngine, WriteItem
+from lmcache_nvme_backend.io.native import NativeEngine
 
 if not native.available():
     missing_prerequisite(native.unavailable_reason())
 
 SUFFIX = ".tmp-test-retired"
 MODE = 0o640
-SHARDS = ("ns/0123456789abcdef/aa", "ns/0123456789abcdef/bb")
+NS_ID = "0123456789abcdef"
+SHARDS = ("aa", "bb")  # the first hex digits of a digest: its shard directory
 
 
 def payload_for(n: int, seed: int) -> bytes:
@@ -57,24 +59,40 @@ def file_size(n: int) -> int:
     return HEADER_SIZE + padded_length(n)
 
 
+def digest(shard: str, name: str) -> str:
+    """The digest of chunk ``name`` in shard directory ``shard`` (a lowercase hex name)."""
+    return shard + name.encode().hex()
+
+
 class Writes:
-    """Synchronous writes and removals through one engine, over a root at ``root``."""
+    """Synchronous writes and removals through one engine, over a root at ``root``: each
+    chunk named by its shard and a name (``digest``), its key ``k``."""
 
     def __init__(self, engine: NativeEngine, root: Path) -> None:
         self.engine, self.root = engine, root
         self.fd = root_descriptor(str(root))
+        self.layout = RootLayout(root)
         for shard in SHARDS:
-            (root / shard).mkdir(parents=True, exist_ok=True)
+            (root / self.layout.shard_rel(NS_ID, shard)).mkdir(parents=True, exist_ok=True)
 
-    def item(self, shard: str, name: str, payload: memoryview, *, direct: bool = True,
-             mode: int = MODE, victims: tuple[str, ...] = ()) -> WriteItem:
-        return (self.fd, shard, f"{name}.tmp-test-w", name, payload, b"k", b"ns",
-                meta_for(len(payload)).to_json(), None, direct, mode, 0o750, 0, victims)
+    def rel(self, shard: str, name: str) -> str:
+        """The chunk's file beneath the root."""
+        return self.layout.chunk_rel(NS_ID, digest(shard, name))
 
-    def write(self, *items: WriteItem) -> seam.Batch:
+    def path(self, shard: str, name: str) -> Path:
+        return self.root / self.rel(shard, name)
+
+    def share(self, shard: str, name: str, payload: memoryview, *, direct: bool = True,
+              mode: int = MODE, victims: tuple[str, ...] = ()) -> seam.WriteShare:
+        """A share of one chunk (a batch of them has a mode and a direct flag each)."""
+        return (self.fd, self.layout.write_naming(NS_ID, ".tmp-test-w"), b"ns",
+                meta_for(len(payload)).to_json(), direct, mode, 0o750, 0, victims,
+                [digest(shard, name)], [payload], [b"k"], None)
+
+    def write(self, *shares: seam.WriteShare) -> seam.Batch:
         done = threading.Event()
         got: list[seam.Batch] = []
-        self.engine.submit_write(list(items), lambda batch: (got.append(batch), done.set()))
+        self.engine.submit_write(list(shares), lambda batch: (got.append(batch), done.set()))
         assert done.wait(30)
         return got[0]
 
@@ -127,53 +145,55 @@ def test_a_removed_file_is_overwritten_whole_by_the_next_write_of_its_size(
         writes_for, tmp_path: Path, n: int, direct: bool, aligned: bool) -> None:
     writes = writes_for()
     old, new = payload_for(n, 1), payload_for(n, 2)
-    assert writes.write(writes.item(SHARDS[0], "old.kv", source_for(old, aligned),
-                                    direct=direct)).statuses == bytes([seam.OK])
-    inode = os.stat(tmp_path / SHARDS[0] / "old.kv").st_ino
+    assert writes.write(writes.share(SHARDS[0], "old", source_for(old, aligned),
+                                     direct=direct)).statuses == bytes([seam.OK])
+    inode = os.stat(writes.path(SHARDS[0], "old")).st_ino
 
-    assert writes.remove(f"{SHARDS[0]}/old.kv") == [0]
-    assert names_in(tmp_path) == [f"{SHARDS[0]}/old.kv{SUFFIX}"]  # gone from its name, kept
+    assert writes.remove(writes.rel(SHARDS[0], "old")) == [0]
+    assert names_in(tmp_path) == [writes.rel(SHARDS[0], "old") + SUFFIX]  # not removed: kept
     assert writes.engine.retired_bytes() == file_size(n)
 
     before = recycled()
-    assert writes.write(writes.item(SHARDS[1], "new.kv", source_for(new, aligned),
-                                    direct=direct)).statuses == bytes([seam.OK])
+    assert writes.write(writes.share(SHARDS[1], "new", source_for(new, aligned),
+                                     direct=direct)).statuses == bytes([seam.OK])
     assert recycled() - before == 1
-    assert names_in(tmp_path) == [f"{SHARDS[1]}/new.kv"]
-    assert os.stat(tmp_path / SHARDS[1] / "new.kv").st_ino == inode  # the same file, reused
+    assert names_in(tmp_path) == [writes.rel(SHARDS[1], "new")]
+    assert os.stat(writes.path(SHARDS[1], "new")).st_ino == inode  # the same file, reused
     assert writes.engine.retired_bytes() == 0
-    assert_chunk(tmp_path / SHARDS[1] / "new.kv", new)
+    assert_chunk(writes.path(SHARDS[1], "new"), new)
 
 
 def test_a_write_of_another_size_or_mode_makes_a_new_file(writes_for, tmp_path: Path) -> None:
     writes = writes_for()
     n = 2 * BLOCK_SIZE
-    writes.write(writes.item(SHARDS[0], "old.kv", source_for(payload_for(n, 1))))
-    writes.remove(f"{SHARDS[0]}/old.kv")
+    writes.write(writes.share(SHARDS[0], "old", source_for(payload_for(n, 1))))
+    writes.remove(writes.rel(SHARDS[0], "old"))
     before = recycled()
     other = payload_for(n + 4096, 2)
-    assert writes.write(writes.item(SHARDS[1], "bigger.kv", source_for(other))).statuses == \
+    assert writes.write(writes.share(SHARDS[1], "bigger", source_for(other))).statuses == \
         bytes([seam.OK])
     assert recycled() == before
-    assert_chunk(tmp_path / SHARDS[1] / "bigger.kv", other)
+    assert_chunk(writes.path(SHARDS[1], "bigger"), other)
     assert writes.engine.retired_bytes() == file_size(n)  # still kept for its size
 
     same = payload_for(n, 3)
-    batch = writes.write(writes.item(SHARDS[1], "mode.kv", source_for(same), mode=0o600))
+    batch = writes.write(writes.share(SHARDS[1], "mode", source_for(same), mode=0o600))
     assert batch.statuses == bytes([seam.OK]) and recycled() == before
     # the kept file was taken, found with another mode, and removed: never half-used
-    assert names_in(tmp_path) == [f"{SHARDS[1]}/bigger.kv", f"{SHARDS[1]}/mode.kv"]
-    assert os.stat(tmp_path / SHARDS[1] / "mode.kv").st_mode & 0o7777 == 0o600
+    assert names_in(tmp_path) == sorted([writes.rel(SHARDS[1], "bigger"),
+                                         writes.rel(SHARDS[1], "mode")])
+    assert os.stat(writes.path(SHARDS[1], "mode")).st_mode & 0o7777 == 0o600
 
 
 def test_it_keeps_at_most_its_bytes_and_removes_the_rest(writes_for, tmp_path: Path) -> None:
     n = BLOCK_SIZE
     writes = writes_for(recycle_bytes=2 * file_size(n) + file_size(n) // 2)
-    names = [f"c{i}.kv" for i in range(4)]
-    writes.write(*(writes.item(SHARDS[0], name, source_for(payload_for(n, i)))
+    names = [f"c{i}" for i in range(4)]
+    writes.write(*(writes.share(SHARDS[0], name, source_for(payload_for(n, i)))
                    for i, name in enumerate(names)))
-    assert writes.remove(*(f"{SHARDS[0]}/{name}" for name in names), f"{SHARDS[0]}/gone.kv") \
-        == [0, 0, 0, 0, errno.ENOENT]
+    gone = writes.rel(SHARDS[0], "gone")
+    assert writes.remove(*(writes.rel(SHARDS[0], name) for name in names), gone) == \
+        [0, 0, 0, 0, errno.ENOENT]
     assert writes.engine.retired_bytes() == 2 * file_size(n)
     assert len(names_in(tmp_path)) == 2
     assert all(name.endswith(SUFFIX) for name in names_in(tmp_path))
@@ -184,16 +204,16 @@ def test_a_write_takes_its_own_victim(writes_for, tmp_path: Path) -> None:
     made room for itself overwrites one of them."""
     writes = writes_for()
     n = 2 * BLOCK_SIZE
-    writes.write(writes.item(SHARDS[0], "victim.kv", source_for(payload_for(n, 1))))
-    inode = os.stat(tmp_path / SHARDS[0] / "victim.kv").st_ino
+    writes.write(writes.share(SHARDS[0], "victim", source_for(payload_for(n, 1))))
+    inode = os.stat(writes.path(SHARDS[0], "victim")).st_ino
     before = recycled()
     new = payload_for(n, 2)
-    batch = writes.write(writes.item(SHARDS[1], "new.kv", source_for(new),
-                                     victims=(f"{SHARDS[0]}/victim.kv",)))
+    batch = writes.write(writes.share(SHARDS[1], "new", source_for(new),
+                                      victims=(writes.rel(SHARDS[0], "victim"),)))
     assert batch.statuses == bytes([seam.OK]) and recycled() - before == 1
-    assert names_in(tmp_path) == [f"{SHARDS[1]}/new.kv"]
-    assert os.stat(tmp_path / SHARDS[1] / "new.kv").st_ino == inode
-    assert_chunk(tmp_path / SHARDS[1] / "new.kv", new)
+    assert names_in(tmp_path) == [writes.rel(SHARDS[1], "new")]
+    assert os.stat(writes.path(SHARDS[1], "new")).st_ino == inode
+    assert_chunk(writes.path(SHARDS[1], "new"), new)
 
 
 @pytest.mark.parametrize("tamper", ["link", "grown", "hard-linked", "vanished"])
@@ -203,9 +223,9 @@ def test_a_kept_file_changed_meanwhile_is_never_written_into(
     size and mode it was put with): anything else is removed and a new file is made."""
     writes = writes_for()
     n = BLOCK_SIZE
-    writes.write(writes.item(SHARDS[0], "old.kv", source_for(payload_for(n, 1))))
-    writes.remove(f"{SHARDS[0]}/old.kv")
-    kept = tmp_path / SHARDS[0] / f"old.kv{SUFFIX}"
+    writes.write(writes.share(SHARDS[0], "old", source_for(payload_for(n, 1))))
+    writes.remove(writes.rel(SHARDS[0], "old"))
+    kept = tmp_path / (writes.rel(SHARDS[0], "old") + SUFFIX)
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     outside.write_bytes(b"x" * file_size(n))
     if tamper == "link":
@@ -220,33 +240,33 @@ def test_a_kept_file_changed_meanwhile_is_never_written_into(
         kept.unlink()
     before = recycled()
     new = payload_for(n, 2)
-    assert writes.write(writes.item(SHARDS[1], "new.kv", source_for(new))).statuses == \
+    assert writes.write(writes.share(SHARDS[1], "new", source_for(new))).statuses == \
         bytes([seam.OK])
     assert recycled() == before
     assert not kept.exists() and not kept.is_symlink()
     assert outside.read_bytes() == b"x" * file_size(n)
-    assert_chunk(tmp_path / SHARDS[1] / "new.kv", new)
+    assert_chunk(writes.path(SHARDS[1], "new"), new)
 
 
 def test_close_removes_what_is_kept(writes_for, tmp_path: Path) -> None:
     writes = writes_for()
     n = BLOCK_SIZE
-    writes.write(*(writes.item(SHARDS[i % 2], f"c{i}.kv", source_for(payload_for(n, i)))
+    writes.write(*(writes.share(SHARDS[i % 2], f"c{i}", source_for(payload_for(n, i)))
                    for i in range(3)))
-    writes.remove(*(f"{SHARDS[i % 2]}/c{i}.kv" for i in range(3)))
+    writes.remove(*(writes.rel(SHARDS[i % 2], f"c{i}") for i in range(3)))
     assert len(names_in(tmp_path)) == 3
     writes.engine.close()
     assert names_in(tmp_path) == []
     assert writes.engine.retired_bytes() == 0
-    assert writes.remove(f"{SHARDS[0]}/c0.kv") == [errno.ENOENT]  # gone, none kept
+    assert writes.remove(writes.rel(SHARDS[0], "c0")) == [errno.ENOENT]  # gone, none kept
 
 
 def test_without_recycle_bytes_a_removal_removes(tmp_path: Path) -> None:
     engine = NativeEngine(2, 2, 64 << 20)
     try:
         writes = Writes(engine, tmp_path)
-        writes.write(writes.item(SHARDS[0], "c.kv", source_for(payload_for(BLOCK_SIZE, 1))))
-        assert writes.remove(f"{SHARDS[0]}/c.kv") == [0]
+        writes.write(writes.share(SHARDS[0], "c", source_for(payload_for(BLOCK_SIZE, 1))))
+        assert writes.remove(writes.rel(SHARDS[0], "c")) == [0]
         assert names_in(tmp_path) == [] and engine.retired_bytes() == 0
     finally:
         engine.close()

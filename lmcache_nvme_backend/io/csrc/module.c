@@ -1,67 +1,60 @@
 /* lmcache_nvme_backend.io._native: batches of chunk reads and writes, run without the GIL.
  *
  * Python decides per batch (which files, which buffers, what to expect); this module runs
- * the per-chunk loop (chunkio.c) on its own threads and gives each batch back whole.  A
- * batch costs the interpreter at most one release and re-acquire of the GIL: `read`
- * releases it once for the whole batch; `submit_read` and `submit_write` release it only to
- * wake sleeping workers, and one `wait` (which releases it only when nothing has finished
- * yet, or to signal the eventfds the previous batches' callbacks left to it) hands back
- * every batch finished by then.
+ * the per-chunk loop (chunkio.c) on its own threads (workers.c) and gives each batch back
+ * whole (batches.c makes a batch of shares and its outcome; this file is the binding).  A
+ * batch costs the interpreter at most one release and re-acquire of the GIL: `read_shares`
+ * releases it once for the whole batch; `submit_read_shares` and `submit_shares` release
+ * it only to wake sleeping workers, and one `wait` (which releases it only when nothing has
+ * finished yet, or to signal the eventfds the previous batches' callbacks left to it) hands
+ * back every batch finished by then.
+ *
+ * A batch is a sequence of shares, the two shapes of io/engine.py (ReadShare, WriteShare):
+ * the chunks of one root in one namespace and layout, what is common said once, then
+ * columns; each chunk's file names are made here from its digest and the share's naming.
+ * Its chunks are numbered share by share, in order.
  *
  * Engine(threads, write_threads, task_size, recycle_bytes=0, recycle_suffix=None):
  *   recycle_bytes: up to this many bytes of removed chunk files (unlink, a write's victims)
  *   are kept, renamed <name><recycle_suffix> in their directory, and overwritten in place
  *   by later writes of their size (pool.h); close() removes the rest
- *   read(items) -> (statuses, details)        blocking; the caller helps the read workers
- *   submit_read(items, token)                 asynchronous; the batch comes back from wait
- *   read_share(share), submit_read_share(share, token)
- *                                             the same for a read call's chunks of one root,
- *                                             namespace and layout as columns (their paths
- *                                             made here, see read_share_batch_new)
- *   submit_write(items, token)                asynchronous, on the write workers (nice 10,
+ *   read_shares(shares) -> (statuses, details)
+ *                                             blocking; the caller helps the read workers
+ *   submit_read_shares(shares, token)         asynchronous; the batch comes back from wait
+ *   submit_shares(shares, token)              asynchronous, on the write workers (nice 10,
  *                                             each waits up to 50 ms while reads are in flight)
- *   submit_shares(shares, token)              the same for a store task given as one share
- *                                             per root (its chunks named here, see
- *                                             share_batch_new)
- *   wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and
+ *   wait(timeout_s, signals=()) -> [(token, (statuses, details))], or None once closed and
  *                                             drained; first adds 1 to each eventfd in
  *                                             signals (at most MAX_WAIT_SIGNALS), in the
  *                                             same release of the GIL
  *   cancel_writes() -> int                    queued writes not started end as ECANCELED
  *   unlink(items) -> [errno]                  blocking, on the calling thread; with
- *                                             recycle_bytes, files kept for reuse (below)
+ *                                             recycle_bytes, files kept for reuse (above)
  *   retired_bytes() -> int                    bytes in the files kept for reuse now
+ *   thread_ids() -> [int]                     kernel ids, readers then writers
  *   close()                                   queued work finishes first
- * read item:  (root_fd, rel, dest, payload_len, direct, key, meta); paths are str, keys and
- *             metadata bytes (a key may hold lone surrogates, see format.text_bytes)
- * write item: (root_fd, dir_rel, tmp_name, final_name, payload, key, namespace, meta,
- *              gpu_checksum or None, direct, mode, dir_mode, fsync_level, victims)
- *   victims: a tuple of files (rel, str) beneath the same root removed before the write
- * statuses: bytes, one chunk_status per item; details: for every item not CHUNK_OK,
+ * read share:  (root_fd, (shard_prefix, shard_levels, final_suffix), direct, payload_len,
+ *               meta, digests, dests, keys); digests str (lowercase hex), keys and meta
+ *               bytes (a key may hold lone surrogates, see format.text_bytes)
+ * write share: (root_fd, (shard_prefix, shard_levels, final_suffix, temp_suffix), namespace,
+ *               meta, direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys,
+ *               gpu_checksums); victims a tuple of files (rel, str) beneath the same root
+ *               removed before the share's first write; gpu_checksums None or an (a, b) per
+ *               chunk, recorded in its header
+ * statuses: bytes, one chunk_status per chunk; details: for every chunk not CHUNK_OK,
  *   reads (index, errno, header or None, computed checksum), writes (index, status, errno).
  */
-#define _GNU_SOURCE
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "batches.h"
+
 #include <errno.h>
 #include <limits.h>
-#include <pthread.h>
-#include <sched.h>
-#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "chunkio.h"
+#include "engine.h"
 #include "xxh3.h"
-
-#define WRITER_NICE 10
-#define WRITERS_YIELD_NS 50000000L /* a write waits at most this long for reads in flight */
-#define MAX_WAIT_SIGNALS 16          /* eventfds one wait() may signal */
 
 static _Atomic uint64_t gil_releases;
 static _Atomic uint64_t wake_releases; /* of which: to wake sleeping workers */
@@ -71,945 +64,14 @@ static _Atomic uint64_t wake_releases; /* of which: to wake sleeping workers */
     Py_BEGIN_ALLOW_THREADS
 #define RELEASE_GIL_END Py_END_ALLOW_THREADS
 
-enum batch_kind { BATCH_READ, BATCH_WRITE };
-
-struct batch;
-
-typedef struct write_job {
-    chunk_write w;
-    const char **victims;
-    Py_ssize_t nvictims;
-    struct batch *b;
-    struct write_job *next;
-} write_job;
-
-typedef struct batch {
-    PyObject *items; /* a tuple of tuples: keeps every string the jobs point into */
-    PyObject *token;
-    Py_ssize_t n;
-    int kind;
-    chunk_read *reqs; /* reads */
-    uint8_t *headers;
-    chunk_piece *pieces;
-    size_t npieces;
-    write_job *jobs; /* writes */
-    char *names;     /* a share batch's file names (share_batch_new) */
-    Py_buffer *bufs;
-    Py_ssize_t nbufs;
-    atomic_long left;
-    int async;
-    struct batch *next;     /* in the list of finished batches */
-    struct batch *incoming; /* in the stack of submitted batches */
-} batch;
-
-/* Submitting never waits for a worker: a submitter may hold the GIL, and on a machine
- * with few cores a worker holding the queues' mutex can be descheduled for a whole time
- * slice.  Batches are pushed onto a lock-free stack (`incoming`) and the workers woken by
- * semaphores (posts never wait); a worker moves the stack into the FIFO queues under `mu`.
- * Workers recheck the queues before they sleep, so a post is only a wake-up.
- *
- * Closing seals the stack (`incoming` becomes SEALED, which refuses every later push): a
- * submitter that found the engine open can push after close() let the workers go, and a
- * batch pushed then would run on no thread and never come back.  A worker seals only once
- * stopped, with its queue and the stack empty under `mu`, and leaves only once it is sealed,
- * so every batch pushed before runs. */
 typedef struct {
     PyObject_HEAD
-    pthread_mutex_t mu;
-    pthread_cond_t done_cv; /* a batch finished */
-    sem_t read_sem, write_sem;
-    _Atomic(batch *) incoming;
-    chunk_piece *head, *tail;
-    write_job *whead, *wtail;
-    batch *done_head, *done_tail;
-    atomic_long async_pending;
-    atomic_long reads_in_flight;
-    atomic_int read_sleepers, write_sleepers; /* workers in (or entering) sem_wait */
-    atomic_int read_waking, write_waking;     /* of them, woken and not yet running */
-    atomic_int stop;
-    int nthreads, nwthreads;
-    pthread_t *threads;
-    pid_t *tids; /* kernel thread ids: readers first, then writers (recorded at start) */
-    int readers_started, writers_started, readers_wanted;
-    size_t task_size;
-    chunk_pool *pool; /* removed chunk files kept for writes of their size (or NULL) */
+    engine e;
 } Engine;
-
-static batch sealed_marker;
-#define SEALED (&sealed_marker)
-
-/* -- batches ----------------------------------------------------------------------------- */
-
-static void batch_free(batch *b) {
-    for (Py_ssize_t i = 0; i < b->nbufs; i++) PyBuffer_Release(&b->bufs[i]);
-    if (b->reqs)
-        for (Py_ssize_t i = 0; i < b->n; i++) chunk_read_free(&b->reqs[i]);
-    if (b->jobs)
-        for (Py_ssize_t i = 0; i < b->n; i++) free(b->jobs[i].victims);
-    free(b->reqs);
-    free(b->jobs);
-    free(b->names);
-    free(b->bufs);
-    free(b->headers);
-    free(b->pieces);
-    Py_XDECREF(b->items);
-    Py_XDECREF(b->token);
-    free(b);
-}
-
-/* A batch of `n` chunks (-1: one per item) holding `items` (which keeps alive every string
- * and buffer its requests point into). */
-static batch *batch_alloc(PyObject *items, int kind, Py_ssize_t n) {
-    batch *b = calloc(1, sizeof(batch));
-    if (b == NULL) return (batch *)PyErr_NoMemory();
-    b->kind = kind;
-    b->items = PySequence_Tuple(items);
-    if (b->items == NULL) {
-        free(b);
-        return NULL;
-    }
-    b->n = n < 0 ? PyTuple_GET_SIZE(b->items) : n;
-    b->bufs = calloc(b->n ? b->n : 1, sizeof(Py_buffer));
-    if (b->bufs == NULL) {
-        batch_free(b);
-        return (batch *)PyErr_NoMemory();
-    }
-    return b;
-}
-
-/* Batch items are read field by field straight from their tuples, with the checks of the
- * PyArg_ParseTuple formats they replace ("i", "p", "s", "y#", "y*", "w*", "K"): parsing
- * the format strings cost about 2 % of the interpreter's instructions per 2 MiB chunk. */
-static PyObject *item_at(batch *b, Py_ssize_t i, Py_ssize_t fields, const char *shape) {
-    PyObject *item = PyTuple_GET_ITEM(b->items, i);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != fields) {
-        PyErr_Format(PyExc_TypeError, "%s: item %zd is not a tuple of %zd", shape, i, fields);
-        return NULL;
-    }
-    return item;
-}
-
-static int field_int(PyObject *item, Py_ssize_t k, int *out) {
-    long v = PyLong_AsLong(PyTuple_GET_ITEM(item, k));
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v < INT_MIN || v > INT_MAX) {
-        PyErr_Format(PyExc_OverflowError, "item field %zd does not fit a C int", k);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
-static int field_flag(PyObject *item, Py_ssize_t k, int *out) {
-    int v = PyObject_IsTrue(PyTuple_GET_ITEM(item, k));
-    if (v < 0) return -1;
-    *out = v;
-    return 0;
-}
-
-static int field_u64(PyObject *item, Py_ssize_t k, unsigned long long *out) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, k));
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
-}
-
-/* Whether UTF-8 text of `len` bytes holds a NUL (a C path would end there). */
-static int holds_nul(const char *text, Py_ssize_t len) { return strlen(text) != (size_t)len; }
-
-/* A str with no NUL character, as UTF-8 owned by the item. */
-static const char *field_path(PyObject *item, Py_ssize_t k) {
-    PyObject *o = PyTuple_GET_ITEM(item, k);
-    Py_ssize_t len;
-    if (!PyUnicode_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "item field %zd must be str, not %.100s", k,
-                     Py_TYPE(o)->tp_name);
-        return NULL;
-    }
-    const char *text = PyUnicode_AsUTF8AndSize(o, &len);
-    if (text != NULL && holds_nul(text, len)) {
-        PyErr_Format(PyExc_ValueError, "item field %zd holds a NUL character", k);
-        return NULL;
-    }
-    return text;
-}
-
-static int field_bytes(PyObject *item, Py_ssize_t k, const uint8_t **out, size_t *len) {
-    PyObject *o = PyTuple_GET_ITEM(item, k);
-    if (!PyBytes_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "item field %zd must be bytes, not %.100s", k,
-                     Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = (const uint8_t *)PyBytes_AS_STRING(o);
-    *len = (size_t)PyBytes_GET_SIZE(o);
-    return 0;
-}
-
-/* A contiguous buffer (writable for a read's destination), held until the batch is freed. */
-static int field_buffer(batch *b, PyObject *item, Py_ssize_t k, Py_ssize_t i, int writable) {
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, k), &b->bufs[i],
-                           writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0)
-        return -1;
-    b->nbufs = i + 1;
-    return 0;
-}
-
-/* The requests and headers of a read batch of b->n chunks; 0, or -1 with an exception. */
-static int read_batch_alloc(batch *b) {
-    b->reqs = calloc(b->n ? b->n : 1, sizeof(chunk_read));
-    if (b->reqs == NULL ||
-        posix_memalign((void **)&b->headers, CHUNK_ALIGNMENT,
-                       (size_t)(b->n ? b->n : 1) * CHUNK_HEADER_SIZE) != 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
-}
-
-/* Request i reads into the buffer b->bufs[i] (acquired); 0, or -1 with an exception. */
-static int read_request_set(Engine *self, batch *b, Py_ssize_t i, unsigned long long payload_len) {
-    chunk_read *r = &b->reqs[i];
-    r->dest = b->bufs[i].buf;
-    r->dest_len = (size_t)b->bufs[i].len;
-    r->payload_len = payload_len;
-    r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
-    r->owner = b;
-    if (r->dest_len < payload_len) {
-        PyErr_Format(PyExc_ValueError, "destination %zd holds %zu bytes, need %llu", i,
-                     r->dest_len, payload_len);
-        return -1;
-    }
-    b->npieces += chunk_read_piece_count(r, self->task_size);
-    return 0;
-}
-
-/* Splits every request of a filled read batch into pieces; the batch, or NULL with an
- * exception (and the batch freed). */
-static batch *read_batch_plan(batch *b, size_t task_size) {
-    b->pieces = calloc(b->npieces ? b->npieces : 1, sizeof(chunk_piece));
-    if (b->pieces == NULL) {
-        PyErr_NoMemory();
-        batch_free(b);
-        return NULL;
-    }
-    size_t at = 0;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        int planned = chunk_read_plan(&b->reqs[i], task_size, b->pieces + at);
-        if (planned < 0) {
-            PyErr_NoMemory();
-            batch_free(b);
-            return NULL;
-        }
-        at += (size_t)planned;
-    }
-    atomic_store(&b->left, (long)b->n);
-    return b;
-}
-
-static batch *read_batch_new(Engine *self, PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_READ, -1);
-    if (b == NULL) return NULL;
-    if (read_batch_alloc(b) != 0) goto fail;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        chunk_read *r = &b->reqs[i];
-        unsigned long long payload_len;
-        PyObject *item = item_at(b, i, 7, "a read item is (root_fd, rel, dest, payload_len, "
-                                          "direct, key, meta)");
-        if (item == NULL || field_int(item, 0, &r->root_fd) != 0 ||
-            (r->rel = field_path(item, 1)) == NULL || field_buffer(b, item, 2, i, 1) != 0 ||
-            field_u64(item, 3, &payload_len) != 0 || field_flag(item, 4, &r->direct) != 0 ||
-            field_bytes(item, 5, &r->key, &r->key_len) != 0 ||
-            field_bytes(item, 6, &r->meta, &r->meta_len) != 0 ||
-            read_request_set(self, b, i, payload_len) != 0)
-            goto fail;
-    }
-    return read_batch_plan(b, self->task_size);
-fail:
-    batch_free(b);
-    return NULL;
-}
-
-static batch *write_batch_new(PyObject *items) {
-    batch *b = batch_alloc(items, BATCH_WRITE, -1);
-    if (b == NULL) return NULL;
-    b->jobs = calloc(b->n ? b->n : 1, sizeof(write_job));
-    if (b->jobs == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        write_job *job = &b->jobs[i];
-        chunk_write *j = &job->w;
-        PyObject *gpu, *victims;
-        int mode, dir_mode;
-        PyObject *item = item_at(b, i, 14, "a write item is (root_fd, dir_rel, tmp_name, "
-                                           "final_name, payload, key, namespace, meta, "
-                                           "gpu_checksum, direct, mode, dir_mode, "
-                                           "fsync_level, victims)");
-        if (item == NULL || field_int(item, 0, &j->root_fd) != 0 ||
-            (j->dir_rel = field_path(item, 1)) == NULL ||
-            (j->tmp_name = field_path(item, 2)) == NULL ||
-            (j->final_name = field_path(item, 3)) == NULL || field_buffer(b, item, 4, i, 0) != 0 ||
-            field_bytes(item, 5, &j->key, &j->key_len) != 0 ||
-            field_bytes(item, 6, &j->ns, &j->ns_len) != 0 ||
-            field_bytes(item, 7, &j->meta, &j->meta_len) != 0 ||
-            field_flag(item, 9, &j->direct) != 0 || field_int(item, 10, &mode) != 0 ||
-            field_int(item, 11, &dir_mode) != 0 || field_int(item, 12, &j->fsync_level) != 0)
-            goto fail;
-        gpu = PyTuple_GET_ITEM(item, 8);
-        victims = PyTuple_GET_ITEM(item, 13);
-        if (!PyTuple_Check(victims)) {
-            PyErr_Format(PyExc_TypeError, "item %zd: victims must be a tuple, not %.100s", i,
-                         Py_TYPE(victims)->tp_name);
-            goto fail;
-        }
-        j->payload = b->bufs[i].buf;
-        j->payload_len = (size_t)b->bufs[i].len;
-        j->mode = (mode_t)mode;
-        j->dir_mode = (mode_t)dir_mode;
-        j->status = CHUNK_FAILED;
-        if (gpu != Py_None) {
-            unsigned long long a, c;
-            if (!PyArg_ParseTuple(gpu, "KK;gpu_checksum is None or (a, b)", &a, &c)) goto fail;
-            j->has_gpu_checksum = 1;
-            j->gpu_checksum[0] = a;
-            j->gpu_checksum[1] = c;
-        }
-        job->nvictims = PyTuple_GET_SIZE(victims);
-        job->victims = calloc(job->nvictims ? (size_t)job->nvictims : 1, sizeof(char *));
-        if (job->victims == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        for (Py_ssize_t v = 0; v < job->nvictims; v++) {
-            job->victims[v] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(victims, v));
-            if (job->victims[v] == NULL) goto fail;
-        }
-        job->b = b;
-    }
-    atomic_store(&b->left, (long)b->n);
-    return b;
-fail:
-    batch_free(b);
-    return NULL;
-}
-
-/* The chunks of a share: its digests, payloads and keys, lists of one length. */
-static Py_ssize_t share_size(PyObject *share, Py_ssize_t s) {
-    PyObject *digests = PyTuple_GET_ITEM(share, 9), *payloads = PyTuple_GET_ITEM(share, 10),
-             *keys = PyTuple_GET_ITEM(share, 11);
-    if (!PyList_Check(digests) || !PyList_Check(payloads) || !PyList_Check(keys) ||
-        PyList_GET_SIZE(payloads) != PyList_GET_SIZE(digests) ||
-        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
-        PyErr_Format(PyExc_TypeError, "share %zd: digests, payloads and keys must be lists of "
-                                      "one length", s);
-        return -1;
-    }
-    return PyList_GET_SIZE(digests);
-}
-
-/* A digest (a str) as a file name takes it: lowercase hex, two characters or more per shard
- * level. */
-static const char *digest_text(PyObject *o, int levels, Py_ssize_t *len) {
-    const char *text = PyUnicode_AsUTF8AndSize(o, len); /* a str: share_batch_new checked */
-    if (text == NULL) return NULL;
-    int hex = *len >= 2 * levels;
-    for (Py_ssize_t i = 0; hex && i < *len; i++)
-        hex = (text[i] >= '0' && text[i] <= '9') || (text[i] >= 'a' && text[i] <= 'f');
-    if (!hex) {
-        PyErr_Format(PyExc_ValueError, "digest %R is not lowercase hex of %d characters or "
-                                       "more", o, 2 * levels);
-        return NULL;
-    }
-    return text;
-}
-
-/* Writes a chunk's shard directory as RootLayout names it, shard_prefix + d[0:2] (+ "/" +
- * d[2:4] with two levels), at `at` (no NUL); returns where it ends. */
-static char *put_shard_dir(char *at, const char *prefix, Py_ssize_t prefix_len, const char *d,
-                           int levels) {
-    memcpy(at, prefix, (size_t)prefix_len);
-    at += prefix_len;
-    *at++ = d[0];
-    *at++ = d[1];
-    if (levels == 2) {
-        *at++ = '/';
-        *at++ = d[2];
-        *at++ = d[3];
-    }
-    return at;
-}
-
-/* A store task's writes as shares, one per root, the names of each chunk made here from its
- * digest as RootLayout.write_names makes them (docs/format.md): the directory shard_prefix
- * + d[0:2] (+ "/" + d[2:4] with two shard levels), the final name d + final_suffix, the temp
- * name that + temp_suffix.  A share is (root_fd, (shard_prefix, shard_levels, final_suffix,
- * temp_suffix), namespace, meta, direct, mode, dir_mode, fsync_level, victims, digests,
- * payloads, keys); its victims are removed before its first write.  The chunks come back
- * share by share, in order. */
-#define SHARE_FIELDS 12
-static batch *share_batch_new(PyObject *shares) {
-    PyObject *tuple = PySequence_Tuple(shares);
-    if (tuple == NULL) return NULL;
-    Py_ssize_t nshares = PyTuple_GET_SIZE(tuple), n = 0;
-    size_t arena = 0;
-    for (Py_ssize_t s = 0; s < nshares; s++) {
-        PyObject *share = PyTuple_GET_ITEM(tuple, s), *naming;
-        Py_ssize_t size, prefix_len, final_len, temp_len;
-        const char *prefix, *final_suffix, *temp_suffix;
-        if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != SHARE_FIELDS) {
-            PyErr_Format(PyExc_TypeError, "share %zd is not a tuple of %d", s, SHARE_FIELDS);
-            goto fail_tuple;
-        }
-        naming = PyTuple_GET_ITEM(share, 1);
-        if ((size = share_size(share, s)) < 0) goto fail_tuple;
-        if (size == 0) { /* its victims would be left: the first write removes them */
-            PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
-            goto fail_tuple;
-        }
-        if (!PyTuple_Check(naming) || PyTuple_GET_SIZE(naming) != 4 ||
-            (prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len)) == NULL ||
-            (final_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &final_len)) ==
-                NULL ||
-            (temp_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3), &temp_len)) ==
-                NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "share %zd: naming is (shard_prefix, "
-                                              "shard_levels, final_suffix, temp_suffix)", s);
-            goto fail_tuple;
-        }
-        if (holds_nul(prefix, prefix_len) || holds_nul(final_suffix, final_len) ||
-            holds_nul(temp_suffix, temp_len)) {
-            PyErr_Format(PyExc_ValueError, "share %zd: naming holds a NUL character", s);
-            goto fail_tuple;
-        }
-        for (Py_ssize_t j = 0; j < size; j++) {
-            PyObject *digest = PyList_GET_ITEM(PyTuple_GET_ITEM(share, 9), j);
-            Py_ssize_t len;
-            if (!PyUnicode_Check(digest)) {
-                PyErr_Format(PyExc_TypeError, "share %zd: a digest must be str, not %.100s", s,
-                             Py_TYPE(digest)->tp_name);
-                goto fail_tuple;
-            }
-            if (PyUnicode_AsUTF8AndSize(digest, &len) == NULL) goto fail_tuple;
-            /* directory (prefix + 5), final, temp; each NUL-terminated */
-            arena += (size_t)prefix_len + 6 + 2 * ((size_t)len + (size_t)final_len + 1) +
-                     (size_t)temp_len;
-        }
-        n += size;
-    }
-    batch *b = batch_alloc(tuple, BATCH_WRITE, n);
-    Py_DECREF(tuple);
-    if (b == NULL) return NULL;
-    b->jobs = calloc(n ? (size_t)n : 1, sizeof(write_job));
-    b->names = malloc(arena ? arena : 1);
-    if (b->jobs == NULL || b->names == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    char *at = b->names;
-    Py_ssize_t i = 0;
-    for (Py_ssize_t s = 0; s < nshares; s++) {
-        PyObject *share = PyTuple_GET_ITEM(b->items, s);
-        PyObject *naming = PyTuple_GET_ITEM(share, 1), *victims = PyTuple_GET_ITEM(share, 8);
-        PyObject *digests = PyTuple_GET_ITEM(share, 9), *payloads = PyTuple_GET_ITEM(share, 10);
-        PyObject *keys = PyTuple_GET_ITEM(share, 11);
-        Py_ssize_t prefix_len, final_len, temp_len;
-        const char *prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len);
-        const char *final_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2),
-                                                           &final_len);
-        const char *temp_suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 3),
-                                                          &temp_len);
-        int levels, root_fd, direct, mode, dir_mode, fsync_level;
-        const uint8_t *ns, *meta;
-        size_t ns_len, meta_len;
-        if (field_int(naming, 1, &levels) != 0 || field_int(share, 0, &root_fd) != 0 ||
-            field_bytes(share, 2, &ns, &ns_len) != 0 ||
-            field_bytes(share, 3, &meta, &meta_len) != 0 || field_flag(share, 4, &direct) != 0 ||
-            field_int(share, 5, &mode) != 0 || field_int(share, 6, &dir_mode) != 0 ||
-            field_int(share, 7, &fsync_level) != 0)
-            goto fail;
-        if (levels != 1 && levels != 2) {
-            PyErr_Format(PyExc_ValueError, "share %zd: shard_levels must be 1 or 2", s);
-            goto fail;
-        }
-        if (!PyTuple_Check(victims)) {
-            PyErr_Format(PyExc_TypeError, "share %zd: victims must be a tuple, not %.100s", s,
-                         Py_TYPE(victims)->tp_name);
-            goto fail;
-        }
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(digests); j++, i++) {
-            write_job *job = &b->jobs[i];
-            chunk_write *w = &job->w;
-            Py_ssize_t dlen;
-            const char *d = digest_text(PyList_GET_ITEM(digests, j), levels, &dlen);
-            PyObject *key = PyList_GET_ITEM(keys, j);
-            if (d == NULL) goto fail;
-            if (!PyBytes_Check(key)) {
-                PyErr_Format(PyExc_TypeError, "share %zd: key %zd must be bytes", s, j);
-                goto fail;
-            }
-            if (PyObject_GetBuffer(PyList_GET_ITEM(payloads, j), &b->bufs[i], PyBUF_SIMPLE) != 0)
-                goto fail;
-            b->nbufs = i + 1;
-            char *dir = at;
-            at = put_shard_dir(at, prefix, prefix_len, d, levels);
-            *at++ = '\0';
-            w->dir_rel = dir;
-            char *final = at;
-            memcpy(at, d, (size_t)dlen);
-            at += dlen;
-            memcpy(at, final_suffix, (size_t)final_len);
-            at += final_len;
-            *at++ = '\0';
-            w->final_name = final;
-            char *tmp = at;
-            memcpy(at, final, (size_t)(dlen + final_len));
-            at += dlen + final_len;
-            memcpy(at, temp_suffix, (size_t)temp_len);
-            at += temp_len;
-            *at++ = '\0';
-            w->tmp_name = tmp;
-            w->root_fd = root_fd;
-            w->payload = b->bufs[i].buf;
-            w->payload_len = (size_t)b->bufs[i].len;
-            w->key = (const uint8_t *)PyBytes_AS_STRING(key);
-            w->key_len = (size_t)PyBytes_GET_SIZE(key);
-            w->ns = ns;
-            w->ns_len = ns_len;
-            w->meta = meta;
-            w->meta_len = meta_len;
-            w->direct = direct;
-            w->mode = (mode_t)mode;
-            w->dir_mode = (mode_t)dir_mode;
-            w->fsync_level = fsync_level;
-            w->status = CHUNK_FAILED;
-            job->b = b;
-            if (j == 0 && PyTuple_GET_SIZE(victims)) {
-                job->nvictims = PyTuple_GET_SIZE(victims);
-                job->victims = calloc((size_t)job->nvictims, sizeof(char *));
-                if (job->victims == NULL) {
-                    PyErr_NoMemory();
-                    goto fail;
-                }
-                for (Py_ssize_t v = 0; v < job->nvictims; v++)
-                    if ((job->victims[v] = PyUnicode_AsUTF8(PyTuple_GET_ITEM(victims, v))) ==
-                        NULL)
-                        goto fail;
-            }
-        }
-    }
-    atomic_store(&b->left, (long)b->n);
-    return b;
-fail_tuple:
-    Py_DECREF(tuple);
-    return NULL;
-fail:
-    batch_free(b);
-    return NULL;
-}
-
-/* A read call's chunks of one root, namespace and layout as columns: (root_fd,
- * (shard_prefix, shard_levels, suffix), direct, payload_len, meta, digests, dests, keys),
- * three lists of one length; each chunk's path is made here from its digest as
- * RootLayout.chunk_rel makes it: shard_prefix + d[0:2] (+ "/" + d[2:4] with two levels) +
- * "/" + d + suffix. */
-#define READ_SHARE_FIELDS 8
-static batch *read_share_batch_new(Engine *self, PyObject *share) {
-    if (!PyTuple_Check(share) || PyTuple_GET_SIZE(share) != READ_SHARE_FIELDS) {
-        PyErr_Format(PyExc_TypeError, "a read share is a tuple of %d", READ_SHARE_FIELDS);
-        return NULL;
-    }
-    PyObject *naming = PyTuple_GET_ITEM(share, 1), *digests = PyTuple_GET_ITEM(share, 5),
-             *dests = PyTuple_GET_ITEM(share, 6), *keys = PyTuple_GET_ITEM(share, 7);
-    const char *prefix = NULL, *suffix = NULL;
-    Py_ssize_t prefix_len, suffix_len;
-    int levels;
-    if (PyTuple_Check(naming) && PyTuple_GET_SIZE(naming) == 3) {
-        prefix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 0), &prefix_len);
-        suffix = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(naming, 2), &suffix_len);
-    }
-    if (prefix == NULL || suffix == NULL || field_int(naming, 1, &levels) != 0) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "a read share's naming is (shard_prefix, "
-                                         "shard_levels, suffix)");
-        return NULL;
-    }
-    if (levels != 1 && levels != 2) {
-        PyErr_Format(PyExc_ValueError, "shard_levels must be 1 or 2, not %d", levels);
-        return NULL;
-    }
-    if (holds_nul(prefix, prefix_len) || holds_nul(suffix, suffix_len)) {
-        PyErr_SetString(PyExc_ValueError, "a read share's naming holds a NUL character");
-        return NULL;
-    }
-    if (!PyList_Check(digests) || !PyList_Check(dests) || !PyList_Check(keys) ||
-        PyList_GET_SIZE(dests) != PyList_GET_SIZE(digests) ||
-        PyList_GET_SIZE(keys) != PyList_GET_SIZE(digests)) {
-        PyErr_SetString(PyExc_TypeError, "a read share's digests, dests and keys must be lists "
-                                         "of one length");
-        return NULL;
-    }
-    batch *b = batch_alloc(share, BATCH_READ, PyList_GET_SIZE(digests));
-    if (b == NULL) return NULL;
-    int root_fd, direct;
-    unsigned long long payload_len;
-    const uint8_t *meta;
-    size_t meta_len, arena = 0;
-    if (field_int(share, 0, &root_fd) != 0 || field_flag(share, 2, &direct) != 0 ||
-        field_u64(share, 3, &payload_len) != 0 || field_bytes(share, 4, &meta, &meta_len) != 0 ||
-        read_batch_alloc(b) != 0)
-        goto fail;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        PyObject *digest = PyList_GET_ITEM(digests, i);
-        if (!PyUnicode_Check(digest)) {
-            PyErr_Format(PyExc_TypeError, "digest %zd must be str", i);
-            goto fail;
-        }
-        Py_ssize_t len;
-        if (digest_text(digest, levels, &len) == NULL) goto fail;
-        arena += (size_t)(prefix_len + 3 * levels + len + suffix_len + 1);
-    }
-    b->names = malloc(arena ? arena : 1);
-    if (b->names == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    char *at = b->names;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        chunk_read *r = &b->reqs[i];
-        Py_ssize_t len;
-        const char *d = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(digests, i), &len);
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_Check(key)) {
-            PyErr_Format(PyExc_TypeError, "key %zd must be bytes", i);
-            goto fail;
-        }
-        r->rel = at;
-        at = put_shard_dir(at, prefix, prefix_len, d, levels);
-        *at++ = '/';
-        memcpy(at, d, (size_t)len);
-        at += len;
-        memcpy(at, suffix, (size_t)suffix_len + 1); /* with its NUL */
-        at += suffix_len + 1;
-        r->root_fd = root_fd;
-        r->direct = direct;
-        r->key = (const uint8_t *)PyBytes_AS_STRING(key);
-        r->key_len = (size_t)PyBytes_GET_SIZE(key);
-        r->meta = meta;
-        r->meta_len = meta_len;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, i), &b->bufs[i], PyBUF_WRITABLE) != 0)
-            goto fail;
-        b->nbufs = i + 1;
-        if (read_request_set(self, b, i, payload_len) != 0) goto fail;
-    }
-    return read_batch_plan(b, self->task_size);
-fail:
-    batch_free(b);
-    return NULL;
-}
-
-static PyObject *read_details(batch *b, PyObject *details) {
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        chunk_read *r = &b->reqs[i];
-        if (r->status == CHUNK_OK) continue;
-        PyObject *item;
-        if (r->status == CHUNK_JUDGE)
-            item = Py_BuildValue("(niy#K)", i, 0, (const char *)r->header,
-                                 (Py_ssize_t)CHUNK_HEADER_SIZE,
-                                 (unsigned long long)r->computed);
-        else
-            item = Py_BuildValue("(niOK)", i, atomic_load(&r->error), Py_None, 0ULL);
-        if (item == NULL || PyList_Append(details, item) != 0) {
-            Py_XDECREF(item);
-            return NULL;
-        }
-        Py_DECREF(item);
-    }
-    return details;
-}
-
-static PyObject *write_details(batch *b, PyObject *details) {
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        chunk_write *w = &b->jobs[i].w;
-        if (w->status == CHUNK_OK) continue;
-        PyObject *item = Py_BuildValue("(nii)", i, w->status, w->error);
-        if (item == NULL || PyList_Append(details, item) != 0) {
-            Py_XDECREF(item);
-            return NULL;
-        }
-        Py_DECREF(item);
-    }
-    return details;
-}
-
-/* (statuses, details) of a finished batch; frees it. */
-static PyObject *batch_results(batch *b) {
-    PyObject *statuses = PyBytes_FromStringAndSize(NULL, b->n);
-    PyObject *details = PyList_New(0);
-    PyObject *result = NULL;
-    if (statuses && details) {
-        char *out = PyBytes_AS_STRING(statuses);
-        for (Py_ssize_t i = 0; i < b->n; i++)
-            out[i] = (char)(b->kind == BATCH_READ ? b->reqs[i].status : b->jobs[i].w.status);
-        if ((b->kind == BATCH_READ ? read_details(b, details) : write_details(b, details)))
-            result = Py_BuildValue("(OO)", statuses, details);
-    }
-    Py_XDECREF(statuses);
-    Py_XDECREF(details);
-    batch_free(b);
-    return result;
-}
-
-/* -- the threads --------------------------------------------------------------------------- */
-
-/* One request of `b` ended.  The thread that ends the last one of a synchronous batch must
- * not read `b` after its decrement: the caller of read() may see `left` reach 0, free the
- * batch, and another batch may be allocated in its memory (a write batch taken for this
- * one would come back finished before its writes ran). */
-static void batch_request_done(Engine *self, batch *b) {
-    int reading = b->kind == BATCH_READ, async = b->async;
-    if (atomic_fetch_sub(&b->left, 1) != 1) return;
-    if (reading) atomic_fetch_sub(&self->reads_in_flight, 1);
-    pthread_mutex_lock(&self->mu);
-    if (async) {
-        b->next = NULL;
-        if (self->done_tail) self->done_tail->next = b;
-        else self->done_head = b;
-        self->done_tail = b;
-    }
-    pthread_cond_broadcast(&self->done_cv);
-    pthread_mutex_unlock(&self->mu);
-}
-
-static void run_piece(Engine *self, chunk_piece *p) {
-    if (chunk_read_run(p)) batch_request_done(self, (batch *)p->req->owner);
-}
-
-static void run_write(Engine *self, write_job *job) {
-    for (Py_ssize_t v = 0; v < job->nvictims; v++)
-        chunk_unlink(self->pool, job->w.root_fd, job->victims[v]);
-    job->w.pool = self->pool;
-    chunk_write_run(&job->w, self->task_size);
-    batch_request_done(self, job->b);
-}
-
-/* Called with mu held. */
-static chunk_piece *pop_piece(Engine *self) {
-    chunk_piece *p = self->head;
-    if (p) {
-        self->head = p->next;
-        if (self->head == NULL) self->tail = NULL;
-    }
-    return p;
-}
 
 static PyObject *closed_error(void) {
     PyErr_SetString(PyExc_RuntimeError, "the native I/O engine is closed");
     return NULL;
-}
-
-/* Hands a batch to the threads without waiting for any of them (see Engine); returns how
- * many workers to wake for it, or -1 when the engine is closed (the batch is not taken).
- * The batch may be finished (and freed) by the time this returns, so nothing of it is read
- * after it is pushed. */
-static int push_batch(Engine *self, batch *b) {
-    int reading = b->kind == BATCH_READ;
-    size_t work = reading ? b->npieces : (size_t)b->n;
-    int threads = reading ? self->nthreads : self->nwthreads;
-    if (reading) atomic_fetch_add(&self->reads_in_flight, 1);
-    batch *top = atomic_load(&self->incoming);
-    do {
-        if (top == SEALED) {
-            if (reading) atomic_fetch_sub(&self->reads_in_flight, 1);
-            return -1;
-        }
-        b->incoming = top;
-    } while (!atomic_compare_exchange_weak(&self->incoming, &top, b));
-    return work < (size_t)threads ? (int)work : threads;
-}
-
-static void wake(sem_t *sem, int count) {
-    for (int i = 0; i < count; i++) sem_post(sem);
-}
-
-/* Pushes an asynchronous batch and wakes its workers (0), or refuses it when closed (-1).
- * Waking a sleeping thread is a system call that costs a VM tens of microseconds, so it
- * happens without the GIL (as LMCache's native connectors submit); while every worker is
- * busy, or every sleeper already has a wake on its way (a woken writer, at nice 10, may take
- * a while to run), a post is an atomic add or a futex call that finds no one to wake, and
- * the GIL is kept.  Every post is made either way: ``waking`` only decides whether to let go
- * of the GIL. */
-static int push_and_wake(Engine *self, batch *b) {
-    int reading = b->kind == BATCH_READ;
-    sem_t *sem = reading ? &self->read_sem : &self->write_sem;
-    atomic_int *sleepers = reading ? &self->read_sleepers : &self->write_sleepers;
-    atomic_int *waking = reading ? &self->read_waking : &self->write_waking;
-    int count = push_batch(self, b);
-    if (count < 0) return -1;
-    int asleep = atomic_load(sleepers) - atomic_load(waking);
-    if (asleep > 0) {
-        atomic_fetch_add(waking, count < asleep ? count : asleep);
-        atomic_fetch_add(&wake_releases, 1);
-        RELEASE_GIL_BEGIN
-        wake(sem, count);
-        RELEASE_GIL_END
-    } else {
-        wake(sem, count);
-    }
-    return 0;
-}
-
-/* A worker sleeps until a post (and no longer counts as being woken). */
-static void sleep_on(sem_t *sem, atomic_int *sleepers, atomic_int *waking) {
-    atomic_fetch_add(sleepers, 1);
-    while (sem_wait(sem) != 0 && errno == EINTR) {}
-    atomic_fetch_sub(sleepers, 1);
-    int w = atomic_load(waking);
-    while (w > 0 && !atomic_compare_exchange_weak(waking, &w, w - 1)) {}
-}
-
-/* Moves submitted batches into the FIFO queues, oldest first.  Called with mu held. */
-static void drain_incoming(Engine *self) {
-    batch *stack = atomic_load(&self->incoming), *fifo = NULL;
-    while (stack && stack != SEALED &&
-           !atomic_compare_exchange_weak(&self->incoming, &stack, NULL)) {}
-    if (stack == SEALED) stack = NULL; /* sealed empty: nothing was pushed since */
-    while (stack) { /* reverse: the stack holds the newest first */
-        batch *next = stack->incoming;
-        stack->incoming = fifo;
-        fifo = stack;
-        stack = next;
-    }
-    for (batch *b = fifo; b; b = b->incoming) {
-        if (b->kind == BATCH_READ) {
-            for (size_t i = 0; i < b->npieces; i++) {
-                chunk_piece *p = &b->pieces[i];
-                p->next = NULL;
-                if (self->tail) self->tail->next = p;
-                else self->head = p;
-                self->tail = p;
-            }
-        } else {
-            for (Py_ssize_t i = 0; i < b->n; i++) {
-                write_job *j = &b->jobs[i];
-                j->next = NULL;
-                if (self->wtail) self->wtail->next = j;
-                else self->whead = j;
-                self->wtail = j;
-            }
-        }
-    }
-}
-
-/* Whether a stopped worker whose queue is empty may leave: it seals the empty stack (or
- * finds it sealed), after which nothing can be pushed; a wait() then may see the engine
- * drained.  Called with mu held, so no batch is between the stack and a queue.  A stopped
- * worker that may not leave (a batch was pushed after its drain) goes round again rather
- * than sleep: the batch's posts may be for the other workers, and close() posts only once. */
-static int may_leave(Engine *self) {
-    if (!atomic_load(&self->stop)) return 0;
-    batch *empty = NULL;
-    if (!atomic_compare_exchange_strong(&self->incoming, &empty, SEALED) && empty != SEALED)
-        return 0;
-    pthread_cond_broadcast(&self->done_cv);
-    return 1;
-}
-
-/* The next write job.  Called with mu held. */
-static write_job *pop_write(Engine *self) {
-    write_job *j = self->whead;
-    if (j) {
-        self->whead = j->next;
-        if (self->whead == NULL) self->wtail = NULL;
-    }
-    return j;
-}
-
-/* Records the calling thread's kernel id (readers first in `tids`, then writers), and
- * makes it a batch thread: waking it never preempts the thread that woke it (SCHED_BATCH,
- * same share of the CPU otherwise), so a submitter that holds the GIL keeps running. */
-static void thread_started(Engine *self, int writer) {
-    struct sched_param none = {0};
-    pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
-    pthread_mutex_lock(&self->mu);
-    int slot = writer ? self->readers_wanted + self->writers_started++ : self->readers_started++;
-    self->tids[slot] = (pid_t)syscall(SYS_gettid);
-    pthread_cond_broadcast(&self->done_cv);
-    pthread_mutex_unlock(&self->mu);
-}
-
-static void *read_worker(void *arg) {
-    Engine *self = arg;
-    pthread_setname_np(pthread_self(), "nvme-native-rd");
-    thread_started(self, 0);
-    for (;;) {
-        pthread_mutex_lock(&self->mu);
-        drain_incoming(self);
-        chunk_piece *p = pop_piece(self);
-        int leave = p == NULL && may_leave(self);
-        pthread_mutex_unlock(&self->mu);
-        if (p) {
-            run_piece(self, p);
-        } else if (leave) {
-            break; /* stopped and drained */
-        } else if (!atomic_load(&self->stop)) { /* stopped: never sleeps (see may_leave) */
-            sleep_on(&self->read_sem, &self->read_sleepers, &self->read_waking);
-        }
-    }
-    return NULL;
-}
-
-static void *write_worker(void *arg) {
-    Engine *self = arg;
-    pthread_setname_np(pthread_self(), "nvme-native-wr");
-    /* background work: never take a core from the inference engine (a thread's own nice) */
-    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WRITER_NICE);
-    thread_started(self, 1);
-    for (;;) {
-        pthread_mutex_lock(&self->mu);
-        drain_incoming(self);
-        write_job *j = pop_write(self);
-        int leave = j == NULL && may_leave(self);
-        if (j && atomic_load(&self->reads_in_flight) > 0 && !atomic_load(&self->stop)) {
-            struct timespec until; /* reads go first, for a while */
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += WRITERS_YIELD_NS;
-            if (until.tv_nsec >= 1000000000L) {
-                until.tv_sec++;
-                until.tv_nsec -= 1000000000L;
-            }
-            while (atomic_load(&self->reads_in_flight) > 0 && !atomic_load(&self->stop))
-                if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
-        }
-        pthread_mutex_unlock(&self->mu);
-        if (j) {
-            run_write(self, j);
-        } else if (leave) {
-            break; /* stopped and drained */
-        } else if (!atomic_load(&self->stop)) { /* stopped: never sleeps (see may_leave) */
-            sleep_on(&self->write_sem, &self->write_sleepers, &self->write_waking);
-        }
-    }
-    return NULL;
-}
-
-/* The calling thread runs queued pieces (its own or others') until its batch is done. */
-static void help_until_done(Engine *self, batch *b) {
-    pthread_mutex_lock(&self->mu);
-    while (atomic_load(&b->left) > 0) {
-        drain_incoming(self);
-        chunk_piece *p = pop_piece(self);
-        if (p) {
-            pthread_mutex_unlock(&self->mu);
-            run_piece(self, p);
-            pthread_mutex_lock(&self->mu);
-        } else {
-            pthread_cond_wait(&self->done_cv, &self->mu);
-        }
-    }
-    pthread_mutex_unlock(&self->mu);
 }
 
 /* -- Engine methods ----------------------------------------------------------------------- */
@@ -1021,6 +83,7 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
     Py_ssize_t task_size;
     unsigned long long recycle_bytes = 0;
     const char *recycle_suffix = NULL;
+    chunk_pool *pool = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iin|Kz", names, &threads, &write_threads,
                                      &task_size, &recycle_bytes, &recycle_suffix))
         return -1;
@@ -1036,206 +99,93 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kwds) {
                                           "task_size a positive multiple of 4096");
         return -1;
     }
-    if (self->threads) {
+    if (self->e.threads) {
         PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
         return -1;
     }
-    pthread_mutex_init(&self->mu, NULL);
-    pthread_cond_init(&self->done_cv, NULL);
-    sem_init(&self->read_sem, 0, 0);
-    sem_init(&self->write_sem, 0, 0);
-    self->task_size = (size_t)task_size;
-    if (recycle_bytes && (self->pool = chunk_pool_new(recycle_suffix, recycle_bytes)) == NULL) {
+    if (recycle_bytes && (pool = chunk_pool_new(recycle_suffix, recycle_bytes)) == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    self->readers_wanted = threads;
-    self->threads = calloc((size_t)(threads + write_threads), sizeof(pthread_t));
-    self->tids = calloc((size_t)(threads + write_threads), sizeof(pid_t));
-    if (self->threads == NULL || self->tids == NULL) {
-        PyErr_NoMemory();
+    int err = engine_start(&self->e, threads, write_threads, (size_t)task_size, pool);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
         return -1;
-    }
-    for (int i = 0; i < threads + write_threads; i++) {
-        int err = pthread_create(&self->threads[i], NULL, i < threads ? read_worker : write_worker,
-                                 self);
-        if (err) {
-            errno = err;
-            PyErr_SetFromErrno(PyExc_OSError);
-            return -1;
-        }
-        if (i < threads) self->nthreads = i + 1;
-        else self->nwthreads = i + 1 - threads;
     }
     return 0;
 }
 
 static PyObject *Engine_thread_ids(Engine *self, PyObject *Py_UNUSED(ignored)) {
-    int total = self->nthreads + self->nwthreads;
-    pthread_mutex_lock(&self->mu);
-    while (self->readers_started + self->writers_started < total)
-        pthread_cond_wait(&self->done_cv, &self->mu);
-    pthread_mutex_unlock(&self->mu);
+    int total;
+    const pid_t *tids = engine_thread_ids(&self->e, &total);
     PyObject *out = PyList_New(total);
     for (int i = 0; out && i < total; i++)
-        PyList_SET_ITEM(out, i, PyLong_FromLong((long)self->tids[i]));
+        PyList_SET_ITEM(out, i, PyLong_FromLong((long)tids[i]));
     return out;
 }
 
-/* A quick refusal before a batch is built; push_batch has the last word. */
-static int engine_open(Engine *self) {
-    if (self->threads == NULL || atomic_load(&self->stop)) {
-        closed_error();
-        return 0;
-    }
-    return 1;
+/* A quick refusal before a batch is built; the push has the last word. */
+static int engine_taking(Engine *self) {
+    if (engine_open(&self->e)) return 1;
+    closed_error();
+    return 0;
 }
 
-/* Runs a read batch on the threads, the calling thread helping, and hands back its results. */
-static PyObject *run_read(Engine *self, batch *b) {
+static PyObject *Engine_read_shares(Engine *self, PyObject *shares) {
+    if (!engine_taking(self)) return NULL;
+    batch *b = read_batch_new(shares, self->e.task_size);
     if (b == NULL) return NULL;
-    if (b->n) {
-        int count;
+    int run = 0;
+    if (b->n) { /* an empty batch costs no release */
         RELEASE_GIL_BEGIN
-        count = push_batch(self, b);
-        if (count >= 0) {
-            wake(&self->read_sem, count);
-            help_until_done(self, b);
-        }
+        run = engine_read(&self->e, b);
         RELEASE_GIL_END
-        if (count < 0) {
-            batch_free(b);
-            return closed_error();
-        }
+    }
+    if (run < 0) {
+        batch_free(b);
+        return closed_error();
     }
     return batch_results(b);
 }
 
-static PyObject *Engine_read(Engine *self, PyObject *items) {
-    if (!engine_open(self)) return NULL;
-    return run_read(self, read_batch_new(self, items));
-}
-
-static PyObject *Engine_read_share(Engine *self, PyObject *share) {
-    if (!engine_open(self)) return NULL;
-    return run_read(self, read_share_batch_new(self, share));
-}
-
-/* Hands an asynchronous batch to the threads; it comes back from wait().  It counts as
- * pending before it can be refused, so a wait() that saw the engine sealed with nothing
- * pending never misses it; a refusal wakes a wait() that saw it pending. */
+/* Hands an asynchronous batch to the threads; it comes back from wait() with its token.
+ * Waking a worker that sleeps is a system call, made without the GIL (engine.h). */
 static PyObject *submit(Engine *self, batch *b, PyObject *token) {
-    b->async = 1;
-    Py_INCREF(token);
-    b->token = token;
-    atomic_fetch_add(&self->async_pending, 1);
-    if (b->n == 0 && atomic_load(&self->incoming) != SEALED) {
-        /* nothing to do: finished at once (this takes mu, rarely) */
-        atomic_store(&b->left, 1);
-        if (b->kind == BATCH_READ) atomic_fetch_add(&self->reads_in_flight, 1);
-        batch_request_done(self, b);
-    } else if (b->n == 0 || push_and_wake(self, b) < 0) {
-        atomic_fetch_sub(&self->async_pending, 1);
-        pthread_mutex_lock(&self->mu);
-        pthread_cond_broadcast(&self->done_cv);
-        pthread_mutex_unlock(&self->mu);
+    int kind = b->kind; /* b is not read once submitted */
+    batch_set_token(b, token);
+    int count = engine_submit(&self->e, b);
+    if (count < 0) {
         batch_free(b);
         return closed_error();
+    }
+    if (count > 0 && engine_wakes_sleeper(&self->e, kind, count)) {
+        atomic_fetch_add(&wake_releases, 1);
+        RELEASE_GIL_BEGIN
+        engine_wake(&self->e, kind, count);
+        RELEASE_GIL_END
+    } else {
+        engine_wake(&self->e, kind, count);
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_submit_read(Engine *self, PyObject *args) {
-    PyObject *items, *token;
-    if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
-    batch *b = read_batch_new(self, items);
-    return b == NULL ? NULL : submit(self, b, token);
-}
-
-static PyObject *Engine_submit_read_share(Engine *self, PyObject *args) {
-    PyObject *share, *token;
-    if (!PyArg_ParseTuple(args, "OO", &share, &token) || !engine_open(self)) return NULL;
-    batch *b = read_share_batch_new(self, share);
-    return b == NULL ? NULL : submit(self, b, token);
-}
-
-static PyObject *Engine_submit_write(Engine *self, PyObject *args) {
-    PyObject *items, *token;
-    if (!PyArg_ParseTuple(args, "OO", &items, &token) || !engine_open(self)) return NULL;
-    batch *b = write_batch_new(items);
+static PyObject *Engine_submit_read_shares(Engine *self, PyObject *args) {
+    PyObject *shares, *token;
+    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_taking(self)) return NULL;
+    batch *b = read_batch_new(shares, self->e.task_size);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
 static PyObject *Engine_submit_shares(Engine *self, PyObject *args) {
     PyObject *shares, *token;
-    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_open(self)) return NULL;
-    batch *b = share_batch_new(shares);
+    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_taking(self)) return NULL;
+    batch *b = write_batch_new(shares);
     return b == NULL ? NULL : submit(self, b, token);
 }
 
 static PyObject *Engine_cancel_writes(Engine *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->threads == NULL) return PyLong_FromLong(0);
-    pthread_mutex_lock(&self->mu);
-    drain_incoming(self);
-    write_job *j = self->whead;
-    self->whead = self->wtail = NULL;
-    pthread_mutex_unlock(&self->mu);
-    long cancelled = 0;
-    while (j) {
-        write_job *next = j->next;
-        j->w.status = CHUNK_FAILED;
-        j->w.error = ECANCELED;
-        batch_request_done(self, j->b);
-        cancelled++;
-        j = next;
-    }
-    return PyLong_FromLong(cancelled);
-}
-
-/* Takes the finished asynchronous batches.  Called with mu held. */
-static batch *take_done(Engine *self) {
-    batch *done = self->done_head;
-    self->done_head = self->done_tail = NULL;
-    for (batch *b = done; b; b = b->next) atomic_fetch_sub(&self->async_pending, 1);
-    return done;
-}
-
-/* Whether the engine is closed and drained: sealed (nothing more can come) and every
- * asynchronous batch taken. */
-static int drained(Engine *self) {
-    return atomic_load(&self->incoming) == SEALED && atomic_load(&self->async_pending) == 0;
-}
-
-/* Waits up to ``timeout`` seconds for finished batches (without the GIL); sets ``closed``
- * when the engine is closed and drained. */
-static batch *wait_done(Engine *self, double timeout, int *closed) {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += (time_t)timeout;
-    until.tv_nsec += (long)((timeout - (double)(time_t)timeout) * 1e9);
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    pthread_mutex_lock(&self->mu);
-    while (self->done_head == NULL && !drained(self)) {
-        if (pthread_cond_timedwait(&self->done_cv, &self->mu, &until) == ETIMEDOUT) break;
-    }
-    batch *done = take_done(self);
-    *closed = done == NULL && drained(self);
-    pthread_mutex_unlock(&self->mu);
-    return done;
-}
-
-/* Adds 1 to each eventfd (a waiter's wake-up: a system call that may cost a VM tens of
- * microseconds, so it is made without the GIL).  A full counter (EAGAIN) already signals. */
-static void signal_eventfds(const int *fds, Py_ssize_t n) {
-    const uint64_t one = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        ssize_t written;
-        do written = write(fds[i], &one, sizeof one);
-        while (written < 0 && errno == EINTR);
-    }
+    return PyLong_FromLong(engine_cancel_writes(&self->e));
 }
 
 static PyObject *Engine_wait(Engine *self, PyObject *args) {
@@ -1257,43 +207,22 @@ static PyObject *Engine_wait(Engine *self, PyObject *args) {
         fds[i] = (int)fd;
     }
     int closed = 0;
-    if (self->threads == NULL) {
-        signal_eventfds(fds, nsignals);
+    if (self->e.threads == NULL) {
+        engine_signal_eventfds(fds, (size_t)nsignals);
         Py_RETURN_NONE;
     }
     /* batches already finished are taken without letting go of the GIL (the workers hold
-     * mu only for moments), unless there are eventfds to signal: then one release serves
-     * both */
-    batch *done = NULL;
-    if (nsignals == 0) {
-        pthread_mutex_lock(&self->mu);
-        done = take_done(self);
-        pthread_mutex_unlock(&self->mu);
-    }
+     * the engine's mutex only for moments), unless there are eventfds to signal: then one
+     * release serves both */
+    batch *done = nsignals == 0 ? engine_take_done(&self->e) : NULL;
     if (done == NULL) {
         RELEASE_GIL_BEGIN
-        signal_eventfds(fds, nsignals);
-        done = wait_done(self, timeout, &closed);
+        engine_signal_eventfds(fds, (size_t)nsignals);
+        done = engine_wait_done(&self->e, timeout, &closed);
         RELEASE_GIL_END
     }
     if (closed) Py_RETURN_NONE;
-    PyObject *out = PyList_New(0);
-    while (done) {
-        batch *b = done;
-        done = b->next;
-        PyObject *token = b->token;
-        Py_INCREF(token);
-        PyObject *results = batch_results(b);
-        PyObject *item = results ? Py_BuildValue("(NN)", token, results) : NULL;
-        if (results == NULL) Py_DECREF(token);
-        if (item == NULL || out == NULL || PyList_Append(out, item) != 0) {
-            Py_XDECREF(item);
-            Py_CLEAR(out);
-            continue; /* still free the remaining batches */
-        }
-        Py_DECREF(item);
-    }
-    return out;
+    return batch_list_results(done);
 }
 
 static PyObject *Engine_unlink(Engine *self, PyObject *items) {
@@ -1314,7 +243,7 @@ static PyObject *Engine_unlink(Engine *self, PyObject *items) {
             goto done;
     if (n) {
         RELEASE_GIL_BEGIN
-        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(self->pool, fds[i], rels[i]);
+        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(self->e.pool, fds[i], rels[i]);
         RELEASE_GIL_END
     }
     result = PyList_New(n);
@@ -1328,71 +257,46 @@ done:
     return result;
 }
 
-/* Only the first caller stops and joins the threads (two close() calls at once would join
- * each thread twice); the others return at once, and wait() tells when all is drained. */
-static void engine_stop(Engine *self) {
-    if (self->threads == NULL || atomic_exchange(&self->stop, 1)) return;
-    pthread_mutex_lock(&self->mu);
-    pthread_cond_broadcast(&self->done_cv); /* writers waiting for reads go at once */
-    pthread_mutex_unlock(&self->mu);
-    for (int i = 0; i < self->nthreads; i++) sem_post(&self->read_sem);
-    for (int i = 0; i < self->nwthreads; i++) sem_post(&self->write_sem);
-    for (int i = 0; i < self->nthreads + self->nwthreads; i++) pthread_join(self->threads[i], NULL);
-    chunk_pool_drain(self->pool); /* a closed store leaves no retired file behind */
-}
-
 static PyObject *Engine_close(Engine *self, PyObject *Py_UNUSED(ignored)) {
     /* queued work finishes first; finished asynchronous batches stay for wait() */
     RELEASE_GIL_BEGIN
-    engine_stop(self);
+    engine_stop(&self->e);
     RELEASE_GIL_END
     Py_RETURN_NONE;
 }
 
 static void Engine_dealloc(Engine *self) {
     Py_BEGIN_ALLOW_THREADS
-    engine_stop(self);
+    engine_stop(&self->e);
     Py_END_ALLOW_THREADS
-    while (self->done_head) {
-        batch *b = self->done_head;
-        self->done_head = b->next;
+    for (batch *b = engine_take_done(&self->e), *next; b; b = next) {
+        next = b->next;
         batch_free(b);
     }
-    chunk_pool_free(self->pool);
-    if (self->threads) {
-        free(self->threads);
-        free(self->tids);
-        pthread_mutex_destroy(&self->mu);
-        pthread_cond_destroy(&self->done_cv);
-        sem_destroy(&self->read_sem);
-        sem_destroy(&self->write_sem);
-    }
+    engine_destroy(&self->e);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *Engine_retired_bytes(Engine *self, PyObject *Py_UNUSED(ignored)) {
-    return PyLong_FromUnsignedLongLong(chunk_pool_bytes(self->pool));
+    return PyLong_FromUnsignedLongLong(chunk_pool_bytes(self->e.pool));
 }
 
 static PyMethodDef Engine_methods[] = {
     {"retired_bytes", (PyCFunction)Engine_retired_bytes, METH_NOARGS,
      "retired_bytes() -> int: bytes in removed chunk files kept for reuse now."},
-    {"read", (PyCFunction)Engine_read, METH_O,
-     "read(items) -> (statuses, details): read and verify a batch, waiting for it."},
-    {"submit_read", (PyCFunction)Engine_submit_read, METH_VARARGS,
-     "submit_read(items, token): start a read batch; wait() returns it with its token."},
-    {"read_share", (PyCFunction)Engine_read_share, METH_O,
-     "read_share(share) -> (statuses, details): read() of a call's chunks of one root, "
-     "namespace and layout given as columns (their paths made here from their digests)."},
-    {"submit_read_share", (PyCFunction)Engine_submit_read_share, METH_VARARGS,
-     "submit_read_share(share, token): submit_read() of a read share."},
-    {"submit_write", (PyCFunction)Engine_submit_write, METH_VARARGS,
-     "submit_write(items, token): start a write batch; wait() returns it with its token."},
+    {"read_shares", (PyCFunction)Engine_read_shares, METH_O,
+     "read_shares(shares) -> (statuses, details): read and verify a batch given as read "
+     "shares (each a call's chunks of one root, namespace and layout as columns; their paths "
+     "made here from their digests), waiting for it; the chunks numbered share by share."},
+    {"submit_read_shares", (PyCFunction)Engine_submit_read_shares, METH_VARARGS,
+     "submit_read_shares(shares, token): start reading a batch of read shares; wait() "
+     "returns it with its token."},
     {"submit_shares", (PyCFunction)Engine_submit_shares, METH_VARARGS,
-     "submit_shares(shares, token): start a store task's write batch, given as one share "
-     "per root; wait() returns it with its token."},
+     "submit_shares(shares, token): start a store task's write batch, given as one write "
+     "share per root (its chunks named here from their digests, their GPU checksums None or "
+     "an (a, b) each); wait() returns it with its token."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
-     "wait(timeout_s, signals=()) -> [(token, statuses, details)], or None once closed and "
+     "wait(timeout_s, signals=()) -> [(token, (statuses, details))], or None once closed and "
      "drained; first adds 1 to each eventfd of the tuple signals, without the GIL."},
     {"cancel_writes", (PyCFunction)Engine_cancel_writes, METH_NOARGS,
      "cancel_writes() -> int: queued writes not started yet end as ECANCELED."},
@@ -1418,7 +322,7 @@ static PyTypeObject EngineType = {
 
 /* -- module functions ------------------------------------------------------------------- */
 
-static PyObject *py_xxh3_64(PyObject *mod, PyObject *arg) {
+static PyObject *py_xxh3_64(PyObject *Py_UNUSED(mod), PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) return NULL;
     uint64_t h = xxh3_64(view.buf, (size_t)view.len);
@@ -1426,7 +330,7 @@ static PyObject *py_xxh3_64(PyObject *mod, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
-static PyObject *py_memory_view(PyObject *mod, PyObject *args) {
+static PyObject *py_memory_view(PyObject *Py_UNUSED(mod), PyObject *args) {
     unsigned long long address;
     Py_ssize_t length;
     if (!PyArg_ParseTuple(args, "Kn", &address, &length)) return NULL;
@@ -1439,7 +343,7 @@ static PyObject *py_memory_view(PyObject *mod, PyObject *args) {
                                    PyBUF_WRITE);
 }
 
-static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
+static PyObject *py_encode_header(PyObject *Py_UNUSED(mod), PyObject *args) {
     const char *key, *ns, *meta;
     Py_ssize_t key_len, ns_len, meta_len;
     unsigned long long payload_len, checksum, created;
@@ -1467,7 +371,7 @@ static PyObject *py_encode_header(PyObject *mod, PyObject *args) {
     return out;
 }
 
-static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
+static PyObject *py_counters(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("{sKsKsKsKsKsKsK}", "gil_releases",
                          (unsigned long long)atomic_load(&gil_releases), "wake_releases",
                          (unsigned long long)atomic_load(&wake_releases), "hashed_bytes",
@@ -1485,7 +389,7 @@ static PyObject *py_counters(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
 /* The cycle collector stops tracking each object (if it did): for objects that can never be
  * part of a reference cycle and live long in great numbers (the store's index and its
  * entries), which every full collection would otherwise visit while holding the GIL. */
-static PyObject *py_gc_untrack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *py_gc_untrack(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < nargs; i++)
         if (PyObject_IS_GC(args[i])) PyObject_GC_UnTrack(args[i]);
     Py_RETURN_NONE;
@@ -1494,11 +398,11 @@ static PyObject *py_gc_untrack(PyObject *mod, PyObject *const *args, Py_ssize_t 
 static const char *SIMD_NAMES[] = {"scalar", "sse2", "avx2"};
 static int simd_in_use;
 
-static PyObject *py_simd(PyObject *mod, PyObject *Py_UNUSED(ignored)) {
+static PyObject *py_simd(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
     return PyUnicode_FromString(SIMD_NAMES[simd_in_use]);
 }
 
-static PyObject *py_select_simd(PyObject *mod, PyObject *arg) {
+static PyObject *py_select_simd(PyObject *Py_UNUSED(mod), PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (name == NULL) return NULL;
     for (int i = 0; i < 3; i++) {
@@ -1533,9 +437,11 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_native",
-    "Chunk reads and writes in batches on native threads, without the GIL.", -1,
-    module_methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "Chunk reads and writes in batches on native threads, without the GIL.",
+    .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
