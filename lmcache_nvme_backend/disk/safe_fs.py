@@ -101,14 +101,14 @@ def root_descriptor(root: str) -> int:
 
 def refresh_root_descriptor(root: str) -> bool:
     """Reopen the kept descriptor of ``root`` if its directory was deleted (and maybe made
-    again): an engine that got ENOENT beneath it writes through the new one next time.
-    Whether it was reopened."""
+    again): an engine that got ENOENT beneath it goes through the new one next time.
+    Whether the kept descriptor is of a live directory now (False: the root is gone)."""
     fd = _ROOT_FDS.get(root)
     if fd is None or not _root_deleted(fd):
-        return False
+        return True
     try:
         _root_fd(root, fresh=True)
-    except OSError:  # gone for good: the next use opens it, or fails, by name
+    except OSError:  # gone for now: the next refresh tries again
         return False
     return True
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 from ..config import NVMeSettings
 from ..disk.gpusum import host_checksum
-from ..disk.safe_fs import refresh_root_descriptor, root_descriptor
 from ..io import engine
 from ..io.posix import NotAChunkFile
 from .catalog import Catalog
@@ -101,9 +100,6 @@ class Placement:
         out: list[engine.WriteShare] = []
         for root, mine, victims in shares:
             tree = root.layout
-            # a cache directory removed (and maybe made again) is written through a new
-            # descriptor: one fstat per share
-            refresh_root_descriptor(tree.root_str)
             if len(mine) == len(digests):  # the whole batch, in order
                 share, share_payloads, share_keys = digests, list(payloads), key_bytes
             else:
@@ -114,7 +110,7 @@ class Placement:
             if gpu_checksums:
                 self._stats.add(Counter.GPU_CHECKSUMS_RECORDED, len(share_payloads))
                 sums = list(map(host_checksum, share_payloads))
-            out.append((root_descriptor(tree.root_str),
+            out.append((root.descriptor(),
                         tree.write_naming(layout.ns_id, self._temp_suffix),
                         layout.namespace_raw, layout.meta_json, root.direct, file_mode,
                         dir_mode, fsync, tree.chunk_rels(victims), share, share_payloads,
@@ -135,7 +131,8 @@ class Placement:
         """Index what the engine wrote of a batch, count why the rest was not (``result``
         None: nothing was handed to it); the batch's outcome (positions in the batch)."""
         layout, digests, _, _, shares, dropped, started = placed
-        order = [i for _, mine, _ in shares for i in mine]
+        one = len(shares) == 1
+        order = shares[0][1] if one else [i for _, mine, _ in shares for i in mine]
         errors = self._errors(placed, order, result.details) if result and result.details \
             else {}
         written = [i for i in order if i not in errors] if errors else order
@@ -143,13 +140,13 @@ class Placement:
             if victims:
                 self._room.guards[root.index].freed(sum(v.size for v in victims))
         count = len(written)
+        whole = one and count == len(digests)  # every chunk of the batch, in order
         if count:
-            roots = [root.index for root, mine, _ in shares for i in mine if i not in errors] \
-                if errors or len(shares) > 1 else [shares[0][0].index] * count
-            self._catalog.publish_layout(digests if count == len(digests) and len(shares) == 1
-                                         else
-                                         [digests[i] for i in written], roots, layout.ns_id,
-                                         layout.file_size, layout.meta, time.time_ns())
+            roots = [shares[0][0].index] * count if one else \
+                [root.index for root, mine, _ in shares for i in mine if i not in errors]
+            self._catalog.publish_layout(digests if whole else [digests[i] for i in written],
+                                         roots, layout.ns_id, layout.file_size, layout.meta,
+                                         time.time_ns())
             for root, mine, _ in shares:
                 if not errors or any(i not in errors for i in mine):
                     root.consecutive_errors = 0
@@ -161,7 +158,7 @@ class Placement:
         ok = not errors and not dropped
         if not layout.nbytes:  # nothing of a chunk without payload is reported stored
             return TaskOutcome(ok, 0, [], [], [])
-        stored = None if ok and count == len(digests) and len(shares) == 1 else written
+        stored = None if ok and whole else list(written)
         return TaskOutcome(ok, count * layout.nbytes, stored,
                            digests if stored is None else [digests[i] for i in written],
                            [layout.file_size] * count)
@@ -200,6 +197,8 @@ class Placement:
         if isinstance(error, (NotAChunkFile, FileNotFoundError)):
             # A link or file planted where the tree needs a directory (never followed), or
             # the cache directory removed: this write is dropped, the drive is fine.
+            if isinstance(error, FileNotFoundError):
+                root.maybe_removed = True  # the next share checks the descriptor first
             logger.warning("NVMe tier: not writing %s: %s", error.filename, error.strerror)
             return
         self._roots.record_error(root, error)

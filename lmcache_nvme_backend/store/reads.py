@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 from ..disk.format import ChunkHeader, TensorMeta, texts_bytes
 from ..disk.layout import digest_of_key_bytes, key_digest
-from ..disk.safe_fs import refresh_root_descriptor, root_descriptor
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io import engine
 from ..io.engine import ChunkEngine
@@ -82,9 +81,8 @@ _Call = tuple[Sequence[str], list[bytes], list[str], "list[IndexEntry | None]",
 def _share(root: RootState, ns_id: str, meta: TensorMeta, digests: list[str],
            dests: list[memoryview], encoded: list[bytes]) -> engine.ReadShare:
     """The read share of chunks on ``root`` in one namespace and layout."""
-    layout = root.layout
-    return (root_descriptor(layout.root_str), layout.chunk_naming(ns_id), root.direct,
-            meta.nbytes, meta.to_json(), digests, dests, encoded)
+    return (root.descriptor(), root.layout.chunk_naming(ns_id), root.direct, meta.nbytes,
+            meta.to_json(), digests, dests, encoded)
 
 
 def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
@@ -334,8 +332,8 @@ class ChunkReader:
         if header is not None:
             return self.complete(plan, header, None,
                                  lambda h: h.payload_checksum == computed).ok
-        if err == errno.ENOENT:  # gone, or the cache directory was removed and made again
-            refresh_root_descriptor(str(plan.root_dir))
+        if err == errno.ENOENT:  # gone, or the cache directory was removed (and made again)
+            self._roots[plan.root].maybe_removed = True
         return self.complete(plan, b"", read_failure(plan.path, err), _never).ok
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,

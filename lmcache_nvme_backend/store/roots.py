@@ -34,7 +34,9 @@ from ..disk.safe_fs import (
     kind_of,
     lstat_beneath,
     makedirs_beneath,
+    refresh_root_descriptor,
     rename_beneath,
+    root_descriptor,
     scandir_beneath,
     unlink_beneath,
 )
@@ -65,6 +67,16 @@ class RootState:
     offline_until: float = 0.0
     # set while writes are dropped because the filesystem is full (one log line per episode)
     full: bool = False
+    # set when a read or write found the directory gone (ENOENT beneath it): the kept
+    # descriptor is checked, and renewed if it was made again, before it is used next
+    maybe_removed: bool = False
+
+    def descriptor(self) -> int:
+        """The kept descriptor of the directory, for the engine (renewed first if the
+        directory was seen removed and has been made again)."""
+        if self.maybe_removed:
+            self.maybe_removed = not refresh_root_descriptor(self.layout.root_str)
+        return root_descriptor(self.layout.root_str)
 
     @property
     def healthy(self) -> bool:

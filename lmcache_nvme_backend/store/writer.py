@@ -200,22 +200,22 @@ class ChunkWriter:
         nbytes = layout.nbytes
         key_bytes = texts_bytes(keys)
         results = [SubmitResult.QUEUED] * n
-        if not layout.fits or (n and max(map(len, key_bytes)) > layout.key_room):
-            self._oversize(layout, key_bytes, results)
         digests = list(map(digest_of_key_bytes, key_bytes))
-        offered = range(n) if SubmitResult.OVERSIZE not in results else \
-            [i for i in range(n) if results[i] is SubmitResult.QUEUED]
-        fresh = self.catalog.register([digests[i] for i in offered], time.time_ns()) \
-            if offered else []
+        offered: Sequence[int] = range(n)
+        if not layout.fits or (n and max(map(len, key_bytes)) > layout.key_room):
+            offered = self._oversize(layout, key_bytes, results)
+        fresh = self.catalog.register(digests if len(offered) == n else
+                                      [digests[i] for i in offered], time.time_ns())
         if False in fresh:
             self.stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
             for i, new in zip(offered, fresh, strict=True):
                 if not new:
                     results[i] = SubmitResult.DUPLICATE
             offered = [i for i, new in zip(offered, fresh, strict=True) if new]
-        positions = self._hold(offered, nbytes, digests, results)
-        admitted = results.count(SubmitResult.QUEUED) + results.count(
-            SubmitResult.DUPLICATE) == n
+        positions = offered if self.queue.hold(len(offered) * nbytes, len(offered)) else \
+            self._wait_or_drop(offered, nbytes, digests, results)
+        admitted = len(positions) == n or results.count(SubmitResult.QUEUED) + \
+            results.count(SubmitResult.DUPLICATE) == n
         if not positions:
             on_done(TaskOutcome(admitted, 0, [], [], []))
             return results
@@ -235,9 +235,9 @@ class ChunkWriter:
         return results
 
     def _oversize(self, layout: Layout, key_bytes: list[bytes],
-                  results: list[SubmitResult]) -> None:
+                  results: list[SubmitResult]) -> list[int]:
         """Mark the chunks too big for the queue or the budget, or with a key too long for
-        the header: dropped, counted, and said once."""
+        the header: dropped, counted, and said once; the others."""
         budget = self.catalog.budgets[0]
         for i, key in enumerate(key_bytes):
             if not layout.fits or len(key) > layout.key_room:
@@ -249,12 +249,13 @@ class ChunkWriter:
                 "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", layout.nbytes,
                 self.queue.capacity, budget)
         self.stats.add(Counter.OVERSIZE_DROPS, results.count(SubmitResult.OVERSIZE))
+        return [i for i, result in enumerate(results) if result is SubmitResult.QUEUED]
 
-    def _hold(self, offered: Sequence[int], nbytes: int, digests: list[str],
-              results: list[SubmitResult]) -> Sequence[int]:
-        """Account the offered chunks' bytes in the queue (``nvme.queue_full_policy``: wait
-        for room, or drop what does not fit now); mark the refused ones; the accepted ones."""
-        if not offered or self.queue.hold(len(offered) * nbytes, len(offered)):
+    def _wait_or_drop(self, offered: Sequence[int], nbytes: int, digests: list[str],
+                      results: list[SubmitResult]) -> Sequence[int]:
+        """The offered chunks did not fit the queue at once: wait for room, or drop what does
+        not fit now (``nvme.queue_full_policy``); mark the refused ones; the accepted ones."""
+        if not offered:  # a closed queue holds nothing
             return offered
         wait = self.settings.queue_full_policy == "wait"
         if wait:
