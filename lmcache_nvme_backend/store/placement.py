@@ -60,6 +60,8 @@ class Placement:
         self._stats = stats
         self._temp_suffix = temp_suffix
         self._modes = modes
+        # each root's write naming of a namespace (``RootLayout.write_naming``), made once
+        self._naming: dict[tuple[int, str], engine.WriteNaming] = {}
 
     def place(self, layout: Layout, positions: Sequence[int], digests: list[str],
               payloads: Sequence[memoryview], key_bytes: list[bytes]) -> Placed:
@@ -100,6 +102,10 @@ class Placement:
         out: list[engine.WriteShare] = []
         for root, mine, victims in shares:
             tree = root.layout
+            naming = self._naming.get((root.index, layout.ns_id))
+            if naming is None:
+                naming = self._naming[root.index, layout.ns_id] = \
+                    tree.write_naming(layout.ns_id, self._temp_suffix)
             if len(mine) == len(digests):  # the whole batch, in order
                 share, share_payloads, share_keys = digests, list(payloads), key_bytes
             else:
@@ -110,10 +116,9 @@ class Placement:
             if gpu_checksums:
                 self._stats.add(Counter.GPU_CHECKSUMS_RECORDED, len(share_payloads))
                 sums = list(map(host_checksum, share_payloads))
-            out.append((root.descriptor(),
-                        tree.write_naming(layout.ns_id, self._temp_suffix),
-                        layout.namespace_raw, layout.meta_json, root.direct, file_mode,
-                        dir_mode, fsync, tree.chunk_rels(victims), share, share_payloads,
+            out.append((root.descriptor(), naming, layout.namespace_raw, layout.meta_json,
+                        root.direct, file_mode, dir_mode, fsync,
+                        tree.chunk_rels(victims) if victims else (), share, share_payloads,
                         share_keys, sums))
         return out
 
@@ -136,10 +141,14 @@ class Placement:
         errors = self._errors(placed, order, result.details) if result and result.details \
             else {}
         written = [i for i in order if i not in errors] if errors else order
-        for root, _, victims in shares:
+        count = len(written)
+        for root, mine, victims in shares:
             if victims:
                 self._room.guards[root.index].freed(sum(v.size for v in victims))
-        count = len(written)
+            if count and (not errors or any(i not in errors for i in mine)):
+                root.consecutive_errors = 0
+                if root.full:
+                    note_space(root)
         whole = one and count == len(digests)  # every chunk of the batch, in order
         if count:
             roots = [shares[0][0].index] * count if one else \
@@ -147,10 +156,6 @@ class Placement:
             self._catalog.publish_layout(digests if whole else [digests[i] for i in written],
                                          roots, layout.ns_id, layout.file_size, layout.meta,
                                          time.time_ns())
-            for root, mine, _ in shares:
-                if not errors or any(i not in errors for i in mine):
-                    root.consecutive_errors = 0
-                    note_space(root)
             self._stats.record_write(count * layout.nbytes,
                                      (time.perf_counter() - started) / count, count)
         if errors:

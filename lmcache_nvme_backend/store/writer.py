@@ -149,7 +149,7 @@ class ChunkWriter:
         if n and metas.count(metas[0]) == n and namespaces.count(namespaces[0]) == n and \
                 list(map(len, payloads)).count(metas[0].nbytes) == n:  # the common call
             return self._write(self._layout_of(metas[0], namespaces[0]), keys, payloads,
-                               functools.partial(_call, on_done))
+                               on_done)
         wrong = [i for i in range(n) if len(payloads[i]) != metas[i].nbytes]
         if wrong:
             _call(on_done, TaskOutcome.failed())
@@ -195,7 +195,7 @@ class ChunkWriter:
         is not the size its metadata says."""
         n = len(keys)
         if self.closed:
-            on_done(TaskOutcome.failed())
+            _call(on_done, TaskOutcome.failed())
             return [SubmitResult.CLOSED] * n
         nbytes = layout.nbytes
         key_bytes = texts_bytes(keys)
@@ -217,7 +217,7 @@ class ChunkWriter:
         admitted = len(positions) == n or results.count(SubmitResult.QUEUED) + \
             results.count(SubmitResult.DUPLICATE) == n
         if not positions:
-            on_done(TaskOutcome(admitted, 0, [], [], []))
+            _call(on_done, TaskOutcome(admitted, 0, [], [], []))
             return results
         placed = self.placement.place(layout, positions, digests, payloads, key_bytes)
         done = functools.partial(self._settle, placed, len(positions), admitted, on_done)
@@ -230,7 +230,7 @@ class ChunkWriter:
         except BaseException:
             self.placement.undo(placed)
             self.queue.release(len(positions) * nbytes, len(positions))
-            on_done(TaskOutcome.failed())
+            _call(on_done, TaskOutcome.failed())
             raise
         return results
 
@@ -273,14 +273,14 @@ class ChunkWriter:
                 result: Batch | None) -> None:
         """The engine finished a batch (``result``; None: none of it was placed): settle it,
         give the queue its bytes back, tell the call (whatever happened)."""
-        outcome = TaskOutcome.failed()
         try:
             outcome = self.placement.settle(placed, result)
-            if not admitted:
-                outcome = outcome._replace(ok=False)
-        finally:
+        except BaseException:  # the call still ends (LMCache holds its objects until then)
             self.queue.release(accepted * placed[0].nbytes, accepted)
-            on_done(outcome)
+            _call(on_done, TaskOutcome.failed())
+            raise
+        self.queue.release(accepted * placed[0].nbytes, accepted)
+        _call(on_done, outcome if admitted else outcome._replace(ok=False))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""
