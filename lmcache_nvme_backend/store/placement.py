@@ -19,9 +19,10 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from ..config import NVMeSettings
+from ..disk.format import TensorMeta
 from ..disk.gpusum import host_checksum
 from ..io import engine
 from ..io.posix import NotAChunkFile
@@ -32,10 +33,21 @@ from .roots import Roots, RootState, note_full, note_space, write_namespace_file
 from .stats import Counter, StoreStats
 from .writeback import TaskOutcome
 
-if TYPE_CHECKING:
-    from .writer import Layout
-
 logger = logging.getLogger(__name__)
+
+class Layout(NamedTuple):
+    """What the chunks of one layout and namespace share, derived once for each."""
+
+    meta: TensorMeta
+    namespace: str
+    nbytes: int
+    file_size: int
+    key_room: int  # UTF-8 bytes of key that fit the header beside the rest
+    fits: bool  # a chunk fits the queue and a root's budget at all
+    meta_json: bytes
+    namespace_raw: bytes
+    ns_id: str
+
 
 #: One root's share of a batch: the root, the positions of its chunks in the batch (their
 #: bytes reserved) and the victims evicted for them, whose files its first write removes.
@@ -43,7 +55,7 @@ Share = tuple[RootState, list[int], list[IndexEntry]]
 #: A batch placed: ``(layout, digests, payloads, key_bytes, shares, dropped, started)``:
 #: the batch's columns (by position), its shares and how many chunks could not be placed.
 #: A plain tuple: one is built per store call.
-Placed = tuple["Layout", list[str], Sequence[memoryview], list[bytes], list[Share], int, float]
+Placed = tuple[Layout, list[str], Sequence[memoryview], list[bytes], list[Share], int, float]
 
 
 class Placement:

@@ -28,14 +28,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from ..config import NVMeSettings
 from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id, temp_name
 from ..io.engine import Batch, ChunkEngine
 from .catalog import Catalog
-from .placement import Placed, Placement
+from .placement import Layout, Placed, Placement
 from .room import Room
 from .roots import Roots
 from .stats import Counter, StoreStats
@@ -48,20 +47,6 @@ CANCEL_WAIT_S = 5.0
 _FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 
 OnTaskDone = Callable[[TaskOutcome], None]
-
-
-class Layout(NamedTuple):
-    """What the chunks of one layout and namespace share, derived once for each."""
-
-    meta: TensorMeta
-    namespace: str
-    nbytes: int
-    file_size: int
-    key_room: int  # UTF-8 bytes of key that fit the header beside the rest
-    fits: bool  # a chunk fits the queue and a root's budget at all
-    meta_json: bytes
-    namespace_raw: bytes
-    ns_id: str
 
 
 class ChunkWriter:
