@@ -3,9 +3,11 @@
 The checks are the ones the store makes before serving a chunk (see
 ``docs/format.md``, "Validation a reader must do"), plus the ones a listing
 allows: the stored key hashes to the file's name, the namespace to its
-directory, and the file has exactly the size the header implies.  Reads go
-through the backend's engine (O_DIRECT where the filesystem supports it, so a
-server's page cache is not disturbed).
+directory, and the file has exactly the size the header implies.  Headers are
+read by path; payloads through the I/O engine the store would run (compiled
+when built, else Python), in batches of one read share per namespace and layout,
+judged as the store judges what its engine did not serve (O_DIRECT where the
+filesystem supports it, so a server's page cache is not disturbed).
 
 With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` (the
 store's naming) unless it changed since it was read; a running store treats
@@ -18,24 +20,37 @@ and special files at chunk names are reported as skipped, never followed or read
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import stat
-import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..disk.format import ChunkHeader, padded_length, text_bytes
 from ..disk.layout import MARKER_NAME
-from ..disk.safe_fs import dir_mode_for, lstat_beneath, makedirs_beneath, rename_beneath
-from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
+from ..disk.safe_fs import (
+    dir_mode_for,
+    lstat_beneath,
+    makedirs_beneath,
+    rename_beneath,
+    root_descriptor,
+)
+from ..disk.validate import Defect, Expected, defect, judge_chunk
+from ..io import engine_for
 from ..io.buffers import AlignedBuffer
-from ..io.posix import NotAChunkFile, PosixIOEngine, ReadRequest, ShortFileError, probe_direct_read
+from ..io.engine import OK, ReadShare
+from ..io.files import read_failure
+from ..io.posix import NotAChunkFile, ShortFileError, probe_direct_read, read_header
 from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import MIB, Progress, human_bytes, positive_int, print_json
 
 TASK_SIZE = 4 * MIB
+#: A batch of payload reads: files up to this many bytes on disk (a larger one alone).
+BATCH_BYTES = 64 * MIB
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -63,69 +78,135 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 @dataclass
 class Outcome:
-    """What checking one file found: ``None`` reason means valid."""
+    """What checking one file found: ``None`` reason means valid.  ``header``, ``raw`` and
+    ``expected``: its header, judged valid, for the payload's check."""
 
     file: CacheFile
     reason: str | None = None
     vanished: bool = False
     payload_bytes: int = 0
     stat: os.stat_result | None = None
+    header: ChunkHeader | None = None
+    raw: bytes = b""
+    expected: Expected | None = None
+
+    def failed(self, exc: OSError) -> None:
+        """The file could not be read: gone (vanished), or why not."""
+        if isinstance(exc, FileNotFoundError):
+            self.vanished = True
+        elif isinstance(exc, NotAChunkFile):
+            self.reason = f"not a chunk file: {exc.strerror}"
+        elif isinstance(exc, ShortFileError):
+            self.reason = defect(Defect.SHORT, str(exc)).reason
+        else:
+            self.reason = f"read error: {exc.strerror or exc}"
+
+    def unserved(self, header: ChunkHeader, err: int, landed: bytes | None,
+                 computed: int) -> None:
+        """The engine did not serve the file's payload: the read failed (``err``), or the
+        bytes landed under ``landed`` with checksum ``computed`` and the validator says why
+        (``store/reads.py``, ``_verdict``)."""
+        if landed is None:
+            self.failed(read_failure(self.file.path, err))
+        elif landed != self.raw:
+            self.vanished = True  # replaced while being checked
+        else:
+            assert self.expected is not None
+            verdict = judge_chunk(landed, self.expected,
+                                  lambda h: h.payload_checksum == computed)
+            self.reason = None if verdict.ok else verdict.reason
+            self.payload_bytes = header.payload_len if verdict.ok else 0
 
 
 class Verifier:
-    """Checks the files of one root with the backend's engine."""
+    """Checks the files of one root: headers on ``threads`` threads, then each batch's
+    payloads through an I/O engine of ``threads`` readers."""
 
     def __init__(self, root: CacheRoot, threads: int) -> None:
         self.root = root
         self.direct = probe_direct_read(root.path / MARKER_NAME)  # writes nothing
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="verify-io")
-        self.engine = PosixIOEngine(TASK_SIZE, self._pool)
-        self._local = threading.local()
+        self._root_fd = root_descriptor(root.layout.root_str)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="verify")
+        self.engine = engine_for("auto", threads, 1, TASK_SIZE)
+        self._buffer = AlignedBuffer(0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.engine.close()
+        self._buffer.close()
 
-    def _buffer(self, size: int) -> memoryview:
-        buf: AlignedBuffer | None = getattr(self._local, "buf", None)
-        if buf is None or buf.size < size:
-            if buf is not None:
-                buf.close()
-            buf = self._local.buf = AlignedBuffer(size)
-        return buf.view
+    def check(self, files: list[CacheFile]) -> list[Outcome]:
+        """The outcome of each file: its header judged, then its payload read and verified."""
+        outcomes = list(self._pool.map(self._check_header, files))
+        groups: dict[tuple[str, bytes], list[tuple[Outcome, ChunkHeader]]] = {}
+        for out in outcomes:
+            if out.header is not None:
+                groups.setdefault((out.file.ns_id, out.header.tensor_meta.to_json()),
+                                  []).append((out, out.header))
+        if groups:
+            self._check_payloads(groups)
+        return outcomes
 
-    def check(self, f: CacheFile) -> Outcome:
+    def _check_header(self, f: CacheFile) -> Outcome:
         out = Outcome(f)
         try:
             out.stat = lstat_beneath(self.root.path, self.root.layout.relative(f.path))
-            raw, size = self.engine.read_header(f.path, self.direct)
-            expected = Expected(digest=f.digest, ns_id=f.ns_id, file_size=size)
-            verdict = judge_chunk(raw, expected)
-            if verdict.ok and verdict.header is not None:
-                verdict = self._check_payload(f, raw, verdict.header.payload_len, expected)
-            out.reason = None if verdict.ok else verdict.reason
-            if verdict.ok and verdict.header is not None:
-                out.payload_bytes = verdict.header.payload_len
-        except FileNotFoundError:
-            out.vanished = True
-        except NotAChunkFile as exc:
-            out.reason = f"not a chunk file: {exc.strerror}"
+            raw, size = read_header(f.path, self.direct)
         except OSError as exc:
-            out.reason = f"read error: {exc.strerror or exc}"
+            out.failed(exc)
+            return out
+        out.expected = Expected(digest=f.digest, ns_id=f.ns_id, file_size=size)
+        verdict = judge_chunk(raw, out.expected)
+        if verdict.ok:
+            out.header, out.raw = verdict.header, raw
+        else:
+            out.reason = verdict.reason
         return out
 
-    def _check_payload(self, f: CacheFile, raw: bytes, payload_len: int,
-                       expected: Expected) -> Verdict:
-        """Read the whole file again (header with the payload) and judge it with its payload."""
-        dest = self._buffer(payload_len)
-        req = ReadRequest(f.path, payload_len, dest, self.direct)
-        self.engine.read_chunks([req])
-        if isinstance(req.error, ShortFileError):
-            return defect(Defect.SHORT, str(req.error))
-        if req.error is not None:
-            raise req.error
-        if req.header != raw:
-            raise FileNotFoundError("replaced while being checked")
-        return judge_chunk(req.header, expected, req.payload_matches)
+    def _check_payloads(self, groups: dict[tuple[str, bytes],
+                                           list[tuple[Outcome, ChunkHeader]]]) -> None:
+        """Read the files whose headers passed, one share per namespace and layout, and
+        judge each one the engine did not serve (as ``store/reads.py`` does)."""
+        sizes = [padded_length(header.payload_len) for mine in groups.values()
+                 for _, header in mine]
+        if sum(sizes) > self._buffer.size:
+            self._buffer.close()
+            self._buffer = AlignedBuffer(sum(sizes))
+        offsets = [0, *itertools.accumulate(sizes)]
+        dests = [self._buffer.view[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        shares: list[ReadShare] = []
+        order: list[tuple[Outcome, ChunkHeader]] = []
+        for (ns_id, meta), mine in groups.items():
+            views = dests[len(order) : len(order) + len(mine)]
+            shares.append((self._root_fd, self.root.layout.chunk_naming(ns_id), self.direct,
+                           mine[0][1].payload_len, meta, [out.file.digest for out, _ in mine],
+                           views, [text_bytes(header.key) for _, header in mine]))
+            order += mine
+        try:
+            batch = self.engine.read(shares)
+        finally:
+            for view in dests:
+                view.release()
+        details = {detail[0]: detail for detail in batch.details}
+        for k, (out, header) in enumerate(order):
+            if batch.statuses[k] == OK:
+                out.payload_bytes = header.payload_len
+                continue
+            out.unserved(header, *details[k][1:])
+
+
+def batches(files: list[CacheFile]) -> Iterator[list[CacheFile]]:
+    """The files in batches of at most ``BATCH_BYTES`` on disk (a larger file alone)."""
+    batch: list[CacheFile] = []
+    nbytes = 0
+    for f in files:
+        if batch and nbytes + f.size > BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+        batch.append(f)
+        nbytes += f.size
+    if batch:
+        yield batch
 
 
 def quarantine(root: CacheRoot, out: Outcome) -> str | None:
@@ -152,10 +233,9 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
     verifier = Verifier(root, threads)
     outcomes: list[Outcome] = []
     try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
-            for out in pool.map(verifier.check, files):
-                outcomes.append(out)
-                progress.update(out.file.size)
+        for batch in batches(files):
+            outcomes += verifier.check(batch)
+            progress.update(sum(f.size for f in batch))
     finally:
         verifier.close()
         progress.close()

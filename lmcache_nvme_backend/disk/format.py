@@ -286,37 +286,70 @@ def encode_header(
     """
     if version not in READABLE_VERSIONS:
         raise FormatError(f"cannot write format version {version}")
-    key_b, ns_b, meta_b = text_bytes(key), text_bytes(namespace), tensor_meta.to_json()
     if tensor_meta.nbytes != payload_len:
         raise FormatError(f"tensor metadata says {tensor_meta.nbytes} bytes, payload is "
                           f"{payload_len}")
-    if len(key_b) + len(ns_b) + len(meta_b) > _VARIABLE_SPACE:
-        raise FormatError(
-            f"key, namespace and tensor metadata need {len(key_b) + len(ns_b) + len(meta_b)} "
-            f"bytes; a header holds {_VARIABLE_SPACE}"
-        )
+    return encode_raw_header(text_bytes(key), text_bytes(namespace), tensor_meta.to_json(),
+                             payload_len, checksum,
+                             time.time_ns() if created_unix_ns is None else created_unix_ns,
+                             gpu_checksum, version)
+
+
+def encode_raw_header(key: bytes, namespace: bytes, meta: bytes, payload_len: int,
+                      checksum: int, created_unix_ns: int,
+                      gpu_checksum: tuple[int, int] | None = None,
+                      version: int = FORMAT_VERSION) -> bytes:
+    """``encode_header`` from the strings already encoded, as an engine is handed them (the
+    Python engine's writes; ``csrc/chunkio.c`` ``chunk_encode_header`` writes the same
+    bytes).  ``FormatError`` when the strings do not fit or the payload is out of range."""
+    strings = len(key) + len(namespace) + len(meta)
+    if strings > _VARIABLE_SPACE:
+        raise FormatError(f"key, namespace and tensor metadata need {strings} bytes; a "
+                          f"header holds {_VARIABLE_SPACE}")
     if not 0 <= payload_len <= MAX_PAYLOAD_BYTES:
         raise FormatError(f"payload length {payload_len} out of range")
-    strings_end = _FIXED.size + len(key_b) + len(ns_b) + len(meta_b)
-    if gpu_checksum is not None and strings_end > _GPU_CHECKSUM_OFFSET:
+    if gpu_checksum is not None and _FIXED.size + strings > _GPU_CHECKSUM_OFFSET:
         gpu_checksum = None
-    fixed = _FIXED.pack(
-        MAGIC,
-        version,
-        HEADER_SIZE,
-        0 if gpu_checksum is None else FLAG_GPU_CHECKSUM,
-        payload_len,
-        checksum,
-        time.time_ns() if created_unix_ns is None else created_unix_ns,
-        len(key_b),
-        len(ns_b),
-        len(meta_b),
-    )
-    body = fixed + key_b + ns_b + meta_b
+    body = bytearray(HEADER_SIZE)
+    _FIXED.pack_into(body, 0, MAGIC, version, HEADER_SIZE,
+                     0 if gpu_checksum is None else FLAG_GPU_CHECKSUM, payload_len, checksum,
+                     created_unix_ns, len(key), len(namespace), len(meta))
+    body[_FIXED.size : _FIXED.size + strings] = key + namespace + meta
     if gpu_checksum is not None:
-        body += bytes(_GPU_CHECKSUM_OFFSET - len(body)) + _GPU_CHECKSUM.pack(*gpu_checksum)
-    body += bytes(_HEADER_CHECKSUM_OFFSET - len(body))
-    return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+        _GPU_CHECKSUM.pack_into(body, _GPU_CHECKSUM_OFFSET, *gpu_checksum)
+    _HEADER_CHECKSUM.pack_into(body, _HEADER_CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(
+        memoryview(body)[:_HEADER_CHECKSUM_OFFSET]))
+    return bytes(body)
+
+
+def quick_verdict(header: bytes, key: bytes, meta: bytes, payload_len: int,
+                  computed: int) -> bool:
+    """Whether ``header`` is ours, intact, and names exactly ``key``, ``payload_len`` and
+    ``meta`` (encoded), and ``computed`` (the checksum of the payload that landed) is its
+    payload checksum: then ``validate.judge_chunk`` would serve the chunk too (anything
+    else goes to it, which names the defect).  The engines' check on raw values, step for
+    step as ``csrc/chunkio.c`` ``quick_verdict``."""
+    if len(header) < HEADER_SIZE or header[:8] != MAGIC:
+        return False
+    (_, version, header_size, flags, stored_len, stored_sum, _, key_len, ns_len,
+     meta_len) = _FIXED.unpack_from(header)
+    if version not in READABLE_VERSIONS or header_size != HEADER_SIZE:
+        return False
+    if xxhash.xxh3_64_intdigest(header[:_HEADER_CHECKSUM_OFFSET]) != \
+            _HEADER_CHECKSUM.unpack_from(header, _HEADER_CHECKSUM_OFFSET)[0]:
+        return False
+    strings_end = _FIXED.size + key_len + ns_len + meta_len
+    if strings_end > _HEADER_CHECKSUM_OFFSET or \
+            (flags & FLAG_GPU_CHECKSUM and strings_end > _GPU_CHECKSUM_OFFSET):
+        return False
+    at = _FIXED.size
+    if stored_len != payload_len or header[at : at + key_len] != key:
+        return False
+    try:  # a namespace judge_chunk could decode (lone surrogates pass, as keys may hold them)
+        header[at + key_len : at + key_len + ns_len].decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return False
+    return header[at + key_len + ns_len : strings_end] == meta and stored_sum == computed
 
 
 def stated_version(raw: bytes | memoryview) -> int | None:

@@ -42,7 +42,7 @@ from ..disk.format import HEADER_SIZE, ChunkHeader, TensorMeta, padded_length
 from ..disk.gpusum import DeviceWeights, device_checksum, to_unsigned
 from ..disk.validate import Expected, judge_chunk
 from ..io.kvikio import KvikioPayloadReader, PayloadRead, PayloadReader
-from ..io.posix import PosixIOEngine, ShortFileError
+from ..io.posix import ShortFileError, read_header
 from ..store import ChunkRead, ChunkStore, Counter, ReadPath, ReadPlan
 from .pool import GpuBufferPool
 from .select import (
@@ -124,7 +124,6 @@ class GpuChunkReader:
         self._payloads = payload_reader
         self._header_pool = ThreadPoolExecutor(max(2, store.settings.io_threads),
                                                thread_name_prefix="nvme-gpu-hdr")
-        self._headers = PosixIOEngine(store.settings.task_size_bytes, self._header_pool)
         self._weights: DeviceWeights | None = None
         self._warned: dict[Counter, int] = {}
 
@@ -195,8 +194,7 @@ class GpuChunkReader:
 
     def _read_header(self, job: _Job) -> None:
         try:
-            job.header, job.file_size = self._headers.read_header(job.plan.path,
-                                                                  job.plan.direct)
+            job.header, job.file_size = read_header(job.plan.path, job.plan.direct)
         except OSError as exc:
             job.header_error = exc
 

@@ -1,9 +1,9 @@
 """Opening chunk files: only regular files, never through a link, and the O_DIRECT probe.
 
-Every read of a chunk file opens it with :func:`open_for_read`, every chunk (temp)
-file is created with :func:`create_for_write` (or :func:`create_in_dir`, in a shard
-directory the writer has open); inside a cache tree both resolve
-beneath the root without following a link in any component (``disk/safe_fs.py``).
+Every read of a chunk file by path opens it with :func:`open_for_read`, every chunk (temp)
+file is created with :func:`create_in_dir`, in a shard directory the writer has open;
+neither follows a link (a path inside a cache tree resolves beneath the root without
+following one in any component, ``disk/safe_fs.py``).
 A batch engine reports a failed read as an errno; :func:`read_failure` turns it into
 the exception these functions raise for the same file, so callers classify it alike.
 """
@@ -21,7 +21,6 @@ from ..disk.format import ALIGNMENT
 from ..disk.layout import split_tree_path
 from ..disk.safe_fs import (
     NotAChunkFile,
-    create_beneath,
     create_in,
     kind_of,
     open_beneath,
@@ -158,22 +157,6 @@ def open_for_read_sized(path: Path, direct: bool) -> tuple[int, int]:
                                     str(path)) from None
         raise
     return fd, require_regular(fd, path, "a chunk file").st_size
-
-
-def create_for_write(path: Path, direct: bool, mode: int) -> int:
-    """Create a new chunk (temp) file with exactly ``mode`` for writing.
-
-    ``O_EXCL`` (never an existing file or link); in a cache tree's shard directory no
-    component is reached through a link (``NotAChunkFile``).
-    """
-    where = split_tree_path(path)
-    if where is not None:
-        return create_beneath(where[0], where[1], mode, _write_flags(direct))
-    dir_fd = os.open(path.parent, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
-    try:
-        return create_in_dir(dir_fd, path.name, direct, mode)
-    finally:
-        os.close(dir_fd)
 
 
 def create_in_dir(dir_fd: int, name: str, direct: bool, mode: int) -> int:

@@ -1,31 +1,26 @@
-"""POSIX I/O engine: chunk files read and written with O_DIRECT and aligned buffers.
+"""Host I/O of chunk files: O_DIRECT and aligned buffers, for the Python engine and the tools.
 
-The engine knows the file layout (header, then a 4 KiB-aligned padded payload)
-but nothing about keys, indexes or capacity.  It moves bytes between chunk
-files and caller memory:
+What is here knows the file layout (header, then a 4 KiB-aligned padded payload) but
+nothing about keys, indexes or capacity:
 
-* zero copy when the caller's buffer is 4 KiB aligned (the bulk of the payload
-  is read or written in place; only a sub-4 KiB tail goes through a staging
-  buffer), one staging copy when it is not;
-* large payloads are split into ``task_size`` pieces and all pieces of a batch
-  are issued in parallel on a thread pool (the syscalls release the GIL), which
-  is how a Python process reaches a drive's queue depth;
-* O_DIRECT is probed once per directory; where the filesystem refuses it the
-  engine runs buffered and says so.
+* ``ChunkFileIO``: a chunk file written (hashed piece by piece, the header last, in
+  ``write_hashed_to``) and each thread's aligned staging buffers;
+* ``plan_pieces`` and ``read_piece``: a payload read in pieces of at most ``task_size``,
+  zero copy when the caller's buffer is 4 KiB aligned (only a sub-4 KiB tail goes through
+  a staging buffer), one staging copy when it is not, the header in the same vectored call
+  as the first piece;
+* ``read_header``: a chunk file's header and size, by path (metadata reads, the tools).
 
-The write path and the per-thread buffers (``ChunkFileIO``) and a read's planning and
-transfer (``plan_pieces``, ``read_piece``) are shared with the Python batch engine
-(``python_engine.py``), which opens files beneath a root's descriptor instead of by path.
+The Python engine (``python_engine.py``, ``python_chunks.py``) runs the pieces on its
+threads beneath a root's descriptor; the compiled engine does the same in C.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,20 +30,15 @@ from ..disk.safe_fs import NotAChunkFile
 from .buffers import AlignedBuffer, is_aligned
 from .files import (
     ShortFileError,
-    create_for_write,
-    create_in_dir,
     open_for_read,
     open_for_read_sized,
     probe_direct_io,
     probe_direct_read,
 )
-from .read_jobs import Latch, ReadRequest
 
-__all__ = ["AlignedBuffer", "ChunkFileIO", "NotAChunkFile", "Piece", "PosixIOEngine",
-           "ReadRequest", "ShortFileError", "create_for_write", "create_in_dir", "open_for_read",
-           "plan_pieces", "probe_direct_io", "probe_direct_read", "read_piece"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["AlignedBuffer", "ChunkFileIO", "NotAChunkFile", "Piece", "ShortFileError",
+           "open_for_read", "plan_pieces", "probe_direct_io", "probe_direct_read", "read_header",
+           "read_piece"]
 
 # Linux transfers at most this many bytes in one read/write call.
 _MAX_IO_CALL = 0x7FFFF000 // ALIGNMENT * ALIGNMENT
@@ -66,8 +56,7 @@ class Piece:
 
 class ChunkFileIO:
     """Writes chunk files (O_DIRECT or buffered) and keeps each thread's aligned staging
-    buffers: what every Python engine shares (``PosixIOEngine`` here, and ``PythonEngine``,
-    ``python_engine.py``, which reads through its own threads)."""
+    buffers (``PythonEngine``'s readers and writers, and ``read_header``)."""
 
     def __init__(self, task_size: int) -> None:
         """``task_size``: the largest single I/O, a multiple of 4 KiB."""
@@ -87,29 +76,11 @@ class ChunkFileIO:
 
     # -- writes --------------------------------------------------------------
 
-    def write_chunk(self, path: Path, header: bytes, payload: memoryview, *, direct: bool,
-                    mode: int, sync_data: bool) -> None:
-        """Create ``path`` (must not exist) holding header, payload and zero padding.
-
-        The header goes out in one call with the first payload piece.
-        """
-        fd = create_for_write(path, direct, mode)
-        try:
-            self.write_to(fd, header, payload, direct=direct, sync_data=sync_data)
-        finally:
-            os.close(fd)
-
-    def write_to(self, fd: int, header: bytes, payload: memoryview, *, direct: bool,
-                 sync_data: bool) -> None:
-        """Write header, payload and zero padding into a new, empty chunk file."""
-        self._write_payload(fd, payload, direct, header)
-        if sync_data:
-            os.fdatasync(fd)
-
     def write_hashed_to(self, fd: int, payload: memoryview,
                         header_for: Callable[[list[int]], bytes], *, direct: bool,
                         sync_data: bool) -> None:
-        """Write the payload and the header ``header_for(block digests)`` into a new file.
+        """Write the payload and the header ``header_for(block digests)`` into a new, empty
+        chunk file, zero padded to 4 KiB.
 
         A payload of one piece is hashed first and written with its header in one call.
         A larger one is written piece by piece, each piece's checksum blocks hashed
@@ -120,15 +91,14 @@ class ChunkFileIO:
         """
         piece = max(BLOCK_SIZE, self.task_size // BLOCK_SIZE * BLOCK_SIZE)
         if len(payload) <= piece:  # one piece: nothing to overlap, one call for everything
-            self.write_to(fd, header_for(hash_blocks(payload)), payload, direct=direct,
-                          sync_data=sync_data)
-            return
-        digests: list[int] = []
-        for start in range(0, len(payload), piece):
-            view = payload[start : start + piece]
-            digests += hash_blocks(view)
-            self._write_payload(fd, view, direct, None, offset=start)
-        _pwritev_full(fd, [self._header_view(header_for(digests), direct)], 0)
+            self._write_payload(fd, payload, direct, header_for(hash_blocks(payload)))
+        else:
+            digests: list[int] = []
+            for start in range(0, len(payload), piece):
+                view = payload[start : start + piece]
+                digests += hash_blocks(view)
+                self._write_payload(fd, view, direct, None, offset=start)
+            _pwritev_full(fd, [self._header_view(header_for(digests), direct)], 0)
         if sync_data:
             os.fdatasync(fd)
 
@@ -179,114 +149,9 @@ class ChunkFileIO:
         return buf.view
 
 
-class PosixIOEngine(ChunkFileIO):
-    """Reads and writes chunk files with O_DIRECT (or buffered I/O) and a thread pool."""
-
-    name = "posix"
-
-    def __init__(self, task_size: int, pool: ThreadPoolExecutor) -> None:
-        """``pool`` runs the read pieces and the write-side hashing; its owner shuts it down."""
-        super().__init__(task_size)
-        self._pool = pool
-
-    def warm_up(self, threads: int) -> None:
-        """Start ``threads`` pool threads and give each its staging buffers now.
-
-        A thread pool starts threads on demand and each thread maps its buffers on
-        first use; doing both at start keeps that cost off the first request.
-        """
-        ready = threading.Barrier(threads)
-
-        def prepare() -> None:
-            self.prepare_thread()
-            ready.wait(timeout=30)
-
-        for fut in [self._pool.submit(prepare) for _ in range(threads)]:
-            fut.result()
-
-    # -- reads ---------------------------------------------------------------
-
-    def submit_reads(self, requests: Sequence[ReadRequest]) -> None:
-        """Start reading every request; each one's ``on_done`` runs when it is complete.
-
-        Every piece of every request goes to the pool at once, request by request,
-        so a batch keeps many I/Os in flight and the first chunks complete (and
-        are verified) while later ones are still being read.
-        """
-        self._submit(self._plans(requests))
-
-    def read_chunks(self, requests: Sequence[ReadRequest]) -> None:
-        """Read the requests and wait; failures land in ``request.error``.
-
-        A batch of at most two pieces runs on the calling thread (no hand-off).
-        """
-        latch = Latch(len(requests))
-        for req in requests:
-            req.on_done = _then(req.on_done, latch.count_down)
-        plans = self._plans(requests)
-        if sum(len(pieces) for _, pieces in plans) <= 2:
-            for req, pieces in plans:
-                for piece in pieces:
-                    self._run_piece(req, piece)
-        else:
-            self._submit(plans)
-        latch.wait()
-
-    def read_header(self, path: Path, direct: bool) -> tuple[bytes, int]:
-        """The raw header of a chunk file and the file's size."""
-        return _read_header(path, direct, self.header_buffer())
-
-    def _plans(self, requests: Sequence[ReadRequest]) -> list[tuple[ReadRequest, list[Piece]]]:
-        plans = []
-        for req in requests:
-            try:
-                pieces = self._plan_read(req)
-            except ValueError as exc:
-                req.fail(exc)
-                _finish(req)
-                continue
-            req.expect_pieces([(piece.start, piece.length) for piece in pieces])
-            plans.append((req, pieces))
-        return plans
-
-    def _submit(self, plans: list[tuple[ReadRequest, list[Piece]]]) -> None:
-        for req, pieces in plans:
-            for piece in pieces:
-                self._pool.submit(self._run_piece, req, piece)
-
-    def _plan_read(self, req: ReadRequest) -> list[Piece]:
-        return plan_pieces(req.dest, req.payload_len, req.direct, self.task_size)
-
-    def _run_piece(self, req: ReadRequest, piece: Piece) -> None:
-        if req.error is None:
-            try:
-                self._transfer(req, piece)
-                if piece.copy is not None:
-                    src, dst = piece.copy
-                    dst[:] = src
-            except Exception as exc:  # a piece must always count down
-                req.fail(exc)
-        if req.piece_done(piece.start, piece.length):
-            _finish(req)
-
-    def _transfer(self, req: ReadRequest, piece: Piece) -> None:
-        """Read one piece; the first (``start`` 0) brings the header and checks the size."""
-        fd, size = open_for_read_sized(req.path, req.direct)
-        try:
-            header = read_piece(fd, size, piece, req.payload_len, req.direct,
-                                self.header_buffer(), str(req.path))
-            if header is not None:
-                req.header = header
-        finally:
-            os.close(fd)
-
-
 def read_header(path: Path, direct: bool) -> tuple[bytes, int]:
     """The raw header of a chunk file and the file's size (the calling thread's buffer)."""
-    return _read_header(path, direct, _HEADERS.header_buffer())
-
-
-def _read_header(path: Path, direct: bool, head: memoryview) -> tuple[bytes, int]:
+    head = _HEADERS.header_buffer()
     fd, size = open_for_read_sized(path, direct)
     try:
         _preadv_full(fd, [head], 0)
@@ -340,28 +205,6 @@ def read_piece(fd: int, size: int, piece: Piece, payload_len: int, direct: bool,
         raise ShortFileError(errno.EIO, "chunk file shorter than its payload", path)
     _preadv_full(fd, [head, *piece.bufs], 0)
     return bytes(head)
-
-def _then(first: Callable[[ReadRequest], None] | None,
-          then: Callable[[], None]) -> Callable[[ReadRequest], None]:
-    def done(req: ReadRequest) -> None:
-        try:
-            if first is not None:
-                first(req)
-        finally:
-            then()
-
-    return done
-
-
-def _finish(req: ReadRequest) -> None:
-    """Hand a complete request to its ``on_done``; a failing callback never kills a thread."""
-    if req.on_done is None:
-        return
-    try:
-        req.on_done(req)
-    except Exception:
-        logger.exception("NVMe tier: read completion of %s failed", req.path)
-
 
 def _split_for_direct(buf: memoryview, length: int, direct: bool) -> tuple[memoryview, int]:
     """(part usable in place, number of trailing bytes that need a staging buffer)."""

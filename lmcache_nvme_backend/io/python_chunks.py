@@ -7,9 +7,9 @@ files:
 * a read opens its file beneath the root's descriptor (``beneath.open_at``: no link
   followed) ``O_NONBLOCK`` (a FIFO never blocks) and reads only a regular file (else
   ``EINVAL``); its pieces (``posix.plan_pieces``: in place when the buffer allows, staged
-  otherwise) each land and are hashed block by block (``read_jobs.ReadRequest``); a file
-  shorter than its header and payload is ``ENODATA``; the last piece judges the chunk
-  (``raw_header.quick_verdict``);
+  otherwise) each land and are hashed block by block by the thread that read them (a
+  block spanning two pieces by the one that lands second); a file shorter than its header
+  and payload is ``ENODATA``; the last piece judges the chunk (``format.quick_verdict``);
 * a write removes its share's victims (on the share's first chunk), opens its shard
   directory beneath the root (making what is missing, exactly ``dir_mode``), creates its
   temp name ``O_EXCL | O_NOFOLLOW`` with exactly ``mode`` (a dead writer's leftover is
@@ -31,18 +31,17 @@ import operator
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..disk.format import combine_block_digests
+from ..disk import format as fmt
+from ..disk.format import block_digests as hash_blocks
 from .beneath import make_dirs_at, open_at, unlink_at
 from .engine import FAILED, JUDGE, NEW_NAMESPACE, OK, ReadShare, WriteShare
 from .files import create_in_dir
 from .posix import ChunkFileIO, Piece, ShortFileError, plan_pieces, read_piece
-from .raw_header import encode_raw_header, quick_verdict
-from .read_jobs import ReadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +52,37 @@ _HEX = re.compile(r"[0-9a-f]*")
 
 
 @dataclass(eq=False)
-class ShareRead(ReadRequest):
+class ShareRead:
     """One chunk of a read share: ``rel`` beneath ``root_fd`` into ``dest``, checked against
     ``key`` and ``meta``.  ``status`` and ``detail`` (``(errno, header or None, computed
     checksum)``, None when OK) are final once its last piece ran."""
 
-    root_fd: int = -1
-    rel: str = ""
-    key: bytes = b""
-    meta: bytes = b""
+    root_fd: int
+    rel: str
+    payload_len: int
+    dest: memoryview
+    direct: bool
+    key: bytes
+    meta: bytes
+    header: bytes = b""
+    error: BaseException | None = None
     pieces: list[Piece] = field(default_factory=list)
     status: int = FAILED
     detail: tuple[int, bytes | None, int] | None = None
+    digests: list[int] = field(default_factory=list)  # each checksum block's, as it lands
+    _pending: list[int] = field(default_factory=list)  # per block: pieces still to land
+    _left: int = 0  # pieces not run yet
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def plan(self, task_size: int) -> None:
+        """Split the read into pieces of at most ``task_size`` and count each block's."""
+        self.pieces = plan_pieces(self.dest, self.payload_len, self.direct, task_size)
+        blocks = -(-self.payload_len // fmt.BLOCK_SIZE)
+        self.digests, self._pending = [0] * blocks, [0] * blocks
+        for piece in self.pieces:
+            for block in self._blocks_of(piece):
+                self._pending[block] += 1
+        self._left = len(self.pieces)
 
     def run_piece(self, piece: Piece, head: memoryview) -> bool:
         """Read and hash one of its pieces (``head``: the thread's aligned header buffer);
@@ -73,10 +91,10 @@ class ShareRead(ReadRequest):
             try:
                 self._transfer(piece, head)
             except ShortFileError:  # shorter than its header and payload, or cut meanwhile
-                self.fail(OSError(errno.ENODATA, os.strerror(errno.ENODATA), self.rel))
+                self._fail(OSError(errno.ENODATA, os.strerror(errno.ENODATA), self.rel))
             except Exception as exc:  # a piece must always count down
-                self.fail(exc)
-        if not self.piece_done(piece.start, piece.length):
+                self._fail(exc)
+        if not self._piece_done(piece):
             return False
         try:
             self._judge()
@@ -102,14 +120,53 @@ class ShareRead(ReadRequest):
         finally:
             os.close(fd)
 
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+
+    def _blocks_of(self, piece: Piece) -> range:
+        """The checksum blocks that the piece's payload bytes touch."""
+        end = min(piece.start + piece.length, self.payload_len)
+        if end <= piece.start:
+            return range(0)
+        return range(piece.start // fmt.BLOCK_SIZE, (end - 1) // fmt.BLOCK_SIZE + 1)
+
+    def _piece_done(self, piece: Piece) -> bool:
+        """Hash the blocks this piece completed; True when it was the chunk's last piece."""
+        with self._lock:
+            ready = []
+            for block in self._blocks_of(piece):
+                self._pending[block] -= 1
+                if self._pending[block] == 0:
+                    ready.append(block)
+        # A version 1 file is checked over the whole payload (``_computed``): block digests
+        # would be hashed for nothing once its header has landed.
+        if self.error is None and fmt.stated_version(self.header) != 1:
+            for block in ready:  # xxh3 releases the GIL: other pieces keep reading
+                begin = block * fmt.BLOCK_SIZE
+                end = min(begin + fmt.BLOCK_SIZE, self.payload_len)
+                self.digests[block] = hash_blocks(self.dest[begin:end])[0]
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
+
+    def _computed(self) -> int:
+        """The payload checksum of the bytes that landed, as the header that landed states
+        its version: the whole payload's xxh3 for version 1, the block digests combined
+        otherwise."""
+        if fmt.stated_version(self.header) == 1:
+            return fmt.payload_checksum(self.dest[: self.payload_len], version=1)
+        return fmt.combine_block_digests(self.digests)
+
     def _judge(self) -> None:
         if self.error is not None:
             err = getattr(self.error, "errno", None)
             self.status, self.detail = FAILED, (err if isinstance(err, int) and err else
                                                 errno.EIO, None, 0)
         else:
-            computed = self.computed_checksum()
-            if quick_verdict(self.header, self.key, self.meta, self.payload_len, computed):
+            computed = self._computed()
+            if fmt.quick_verdict(self.header, self.key, self.meta, self.payload_len, computed):
                 self.status = OK
             else:
                 self.status, self.detail = JUDGE, (0, self.header, computed)
@@ -215,9 +272,9 @@ class ShareWrite:
         return 0
 
     def _header_for(self, digests: list[int]) -> bytes:
-        return encode_raw_header(self.key, self.namespace, self.meta, len(self.payload),
-                                 combine_block_digests(digests), time.time_ns(),
-                                 self.gpu_checksum)
+        return fmt.encode_raw_header(self.key, self.namespace, self.meta, len(self.payload),
+                                     fmt.combine_block_digests(digests), time.time_ns(),
+                                     self.gpu_checksum)
 
 
 def _release(view: memoryview) -> None:
@@ -299,15 +356,13 @@ def shares_to_reads(shares: Sequence[ReadShare], task_size: int) -> list[ShareRe
                 raise TypeError(f"{what}'s metadata must be bytes")
             for digest, dest, key in zip(digests, dests, keys, strict=True):
                 rel = f"{shard_dir(prefix, levels, digest)}/{digest}{suffix}"
-                read = ShareRead(Path(rel), operator.index(payload_len),
-                                 _byte_view(dest, True), bool(direct),
-                                 root_fd=operator.index(root_fd), rel=rel, key=key, meta=meta)
+                read = ShareRead(operator.index(root_fd), rel, operator.index(payload_len),
+                                 _byte_view(dest, True), bool(direct), key, meta)
                 reads.append(read)
                 if len(read.dest) < read.payload_len:
                     raise ValueError(f"destination {len(reads) - 1} holds {len(read.dest)} "
                                      f"bytes, need {read.payload_len}")
-                read.pieces = plan_pieces(read.dest, read.payload_len, read.direct, task_size)
-                read.expect_pieces([(piece.start, piece.length) for piece in read.pieces])
+                read.plan(task_size)
     except BaseException:
         for read in reads:
             read.release()

@@ -39,11 +39,10 @@ from ..disk.layout import (
     temp_name,
 )
 from ..disk.validate import Expected, Verdict, judge_chunk
-from ..io import native
+from ..io import engine_for, native
 from ..io.engine import ChunkEngine
 from ..io.native import NativeEngine
 from ..io.posix import read_header
-from ..io.python_engine import PythonEngine
 from .catalog import Catalog, RemovalListener
 from .index import IndexEntry
 from .reads import ChunkRead, ChunkReader, ReadPlan
@@ -384,12 +383,9 @@ class ChunkStore:
 def _engine(settings: NVMeSettings, writers: int) -> ChunkEngine:
     """The store's I/O engine: the compiled one per ``nvme.native_io`` (``on`` refuses to
     start without it), else the Python one."""
-    if settings.native_io != NativeIOMode.OFF:
-        if native.available():
-            return NativeEngine(settings.io_threads, writers, settings.task_size_bytes,
-                                recycle_bytes=settings.recycle_bytes,
-                                recycle_suffix=temp_name("", writer=RETIRED_FILES_WRITER))
-        if settings.native_io == NativeIOMode.ON:
-            raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
-                                  "Or set nvme.native_io: auto to run the Python engine.")
-    return PythonEngine(settings.io_threads, writers, settings.task_size_bytes)
+    if settings.native_io == NativeIOMode.ON and not native.available():
+        raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
+                              "Or set nvme.native_io: auto to run the Python engine.")
+    return engine_for(settings.native_io, settings.io_threads, writers,
+                      settings.task_size_bytes, recycle_bytes=settings.recycle_bytes,
+                      recycle_suffix=temp_name("", writer=RETIRED_FILES_WRITER))

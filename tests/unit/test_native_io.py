@@ -48,7 +48,6 @@ from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.io.buffers import AlignedBuffer
 from lmcache_nvme_backend.io.native import NativeEngine
-from lmcache_nvme_backend.io.posix import PosixIOEngine
 
 if not native.available():
     missing_prerequisite(native.unavailable_reason())
@@ -75,14 +74,13 @@ def chunk_path(root: Path, key: str = "k", levels: int = SHARD_LEVELS) -> Path:
     return root / RootLayout(root, levels).chunk_rel(NS_ID, key_digest(key))
 
 
-def write_python(root: Path, payload: bytes, key: str = "k", version: int = 2,
-                 direct: bool = True) -> Path:
+def write_python(root: Path, payload: bytes, key: str = "k", version: int = 2) -> Path:
+    """A chunk file as ``disk.format`` lays it out (header, payload, zero padding)."""
     path = chunk_path(root, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = encode_header(key, "ns", meta_for(len(payload)), len(payload),
                            payload_checksum(payload, version), version=version)
-    PosixIOEngine(64 * MIB, None).write_chunk(  # type: ignore[arg-type]  # writes need no pool
-        path, header, memoryview(payload), direct=direct, mode=0o600, sync_data=False)
+    path.write_bytes(header + payload + bytes(padded_length(len(payload)) - len(payload)))
     return path
 
 
@@ -182,7 +180,7 @@ def test_a_key_too_long_for_the_header_is_refused_like_the_python_encoder() -> N
 def test_reads_what_the_python_engine_wrote_and_verifies_it(
         engine_for, tmp_path: Path, n: int, task_size: int, kind: str, direct: bool) -> None:
     payload = payload_for(n)
-    write_python(tmp_path, payload, direct=direct)
+    write_python(tmp_path, payload)
     dest = dest_for(n, kind)
     statuses, details = engine_for(task_size).read([read_share(tmp_path, [dest], n,
                                                                direct=direct)])

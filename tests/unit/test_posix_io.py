@@ -1,4 +1,6 @@
-"""PosixIOEngine on a real filesystem: bytes on disk, round trips, partial failures, O_DIRECT."""
+"""io/posix.py on a real filesystem: chunk files written and read in pieces (what the Python
+engine is built from), bytes on disk, headers, buffers, O_DIRECT.  How a batch of chunks
+fares is tests/unit/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -8,21 +10,34 @@ import os
 import random
 import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from lmcache_nvme_backend.disk.format import HEADER_SIZE, TensorMeta, encode_header, padded_length
+from lmcache_nvme_backend.disk.format import (
+    BLOCK_SIZE,
+    HEADER_SIZE,
+    TensorMeta,
+    block_digests,
+    combine_block_digests,
+    decode_header,
+    encode_header,
+    padded_length,
+    payload_checksum,
+)
 from lmcache_nvme_backend.io import buffers as buffers_mod
 from lmcache_nvme_backend.io import posix as posix_io
+from lmcache_nvme_backend.io.files import create_in_dir, open_for_read_sized
 from lmcache_nvme_backend.io.posix import (
     AlignedBuffer,
-    PosixIOEngine,
-    ReadRequest,
+    ChunkFileIO,
+    NotAChunkFile,
     ShortFileError,
     is_aligned,
+    plan_pieces,
     probe_direct_io,
+    read_header,
+    read_piece,
 )
 
 TASK_SIZE = 8192
@@ -43,28 +58,9 @@ def header_for(n: int, key: str = "k") -> bytes:
     return encode_header(key, "ns", meta, n, 0x0123456789ABCDEF, created_unix_ns=1)
 
 
-class CountingPool(ThreadPoolExecutor):
-    """A thread pool that records how many pieces it was given."""
-
-    def __init__(self) -> None:
-        super().__init__(max_workers=4)
-        self.submitted = 0
-
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        self.submitted += 1
-        return super().submit(fn, *args, **kwargs)
-
-
 @pytest.fixture
-def pool() -> Iterator[CountingPool]:
-    p = CountingPool()
-    yield p
-    p.shutdown(wait=True)
-
-
-@pytest.fixture
-def engine(pool: CountingPool) -> PosixIOEngine:
-    return PosixIOEngine(TASK_SIZE, pool)
+def engine() -> ChunkFileIO:
+    return ChunkFileIO(TASK_SIZE)
 
 
 @pytest.fixture
@@ -114,11 +110,41 @@ def make_dest(buffers: Callable[[int], AlignedBuffer]) -> Callable[[str, int], D
     return make
 
 
-def write(engine: PosixIOEngine, path: Path, payload: bytes, direct: bool,
-          source: memoryview | None = None) -> bytes:
+def create(path: Path, direct: bool, mode: int = 0o600) -> int:
+    """A new chunk file in ``path``'s directory, as the Python engine creates its temp files."""
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return create_in_dir(dir_fd, path.name, direct, mode)
+    finally:
+        os.close(dir_fd)
+
+
+def write(engine: ChunkFileIO, path: Path, payload: bytes, direct: bool,
+          source: memoryview | None = None, mode: int = 0o600) -> bytes:
     header = header_for(len(payload), key=path.name)
-    engine.write_chunk(path, header, source if source is not None else memoryview(payload),
-                       direct=direct, mode=0o600, sync_data=False)
+    fd = create(path, direct, mode)
+    try:
+        engine.write_hashed_to(fd, source if source is not None else memoryview(payload),
+                               lambda digests: header, direct=direct, sync_data=False)
+    finally:
+        os.close(fd)
+    return header
+
+
+def read_back(path: Path, n: int, dest: memoryview, direct: bool) -> bytes | None:
+    """Read a chunk file into ``dest`` piece by piece, as a Python engine reader does; its
+    header."""
+    header = None
+    fd, size = open_for_read_sized(path, direct)
+    try:
+        for piece in plan_pieces(dest, n, direct, TASK_SIZE):
+            header = read_piece(fd, size, piece, n, direct, AlignedBuffer(HEADER_SIZE).view,
+                                str(path)) or header
+            if piece.copy is not None:
+                src, dst = piece.copy
+                dst[:] = src
+    finally:
+        os.close(fd)
     return header
 
 
@@ -136,7 +162,7 @@ def assert_file_bytes(path: Path, header: bytes, payload: bytes) -> None:
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("source", ["bytes", "aligned", "unaligned"])
 @pytest.mark.parametrize("n", SIZES)
-def test_write_produces_documented_file(engine: PosixIOEngine, tmp_path: Path,
+def test_write_produces_documented_file(engine: ChunkFileIO, tmp_path: Path,
                                         buffers: Callable[[int], AlignedBuffer], direct: bool,
                                         source: str, n: int) -> None:
     payload = payload_for(n)
@@ -155,19 +181,18 @@ def test_write_produces_documented_file(engine: PosixIOEngine, tmp_path: Path,
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_write_applies_mode(engine: PosixIOEngine, tmp_path: Path, direct: bool) -> None:
+def test_write_applies_mode(engine: ChunkFileIO, tmp_path: Path, direct: bool) -> None:
     path = tmp_path / "m.kv"
     old = os.umask(0)
     try:
-        engine.write_chunk(path, header_for(3), memoryview(b"abc"), direct=direct, mode=0o640,
-                           sync_data=True)
+        write(engine, path, b"abc", direct, mode=0o640)
     finally:
         os.umask(old)
     assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_write_refuses_existing_file(engine: PosixIOEngine, tmp_path: Path,
+def test_write_refuses_existing_file(engine: ChunkFileIO, tmp_path: Path,
                                      direct: bool) -> None:
     path = tmp_path / "x.kv"
     header = write(engine, path, payload_for(100), direct)
@@ -178,7 +203,7 @@ def test_write_refuses_existing_file(engine: PosixIOEngine, tmp_path: Path,
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("target_exists", [True, False])
-def test_write_does_not_follow_symlink(engine: PosixIOEngine, tmp_path: Path, direct: bool,
+def test_write_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, direct: bool,
                                        target_exists: bool) -> None:
     target = tmp_path / "victim"
     if target_exists:
@@ -200,166 +225,134 @@ def test_write_does_not_follow_symlink(engine: PosixIOEngine, tmp_path: Path, di
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("dest_kind", ["aligned_padded", "aligned_exact", "unaligned"])
 @pytest.mark.parametrize("n", SIZES)
-def test_round_trip(engine: PosixIOEngine, tmp_path: Path, make_dest, direct: bool,
+def test_round_trip(engine: ChunkFileIO, tmp_path: Path, make_dest, direct: bool,
                     dest_kind: str, n: int) -> None:
     payload = payload_for(n)
     path = tmp_path / "r.kv"
     header = write(engine, path, payload, direct)
     dest, untouched_outside = make_dest(dest_kind, n)
-    req = ReadRequest(path, n, dest, direct)
-    engine.read_chunks([req])
-    assert req.error is None
-    assert req.header == header
+    assert read_back(path, n, dest, direct) == header
     assert bytes(dest[:n]) == payload
     untouched_outside()
 
 
 @pytest.mark.parametrize(("write_direct", "read_direct"), [(True, False), (False, True)])
-def test_direct_and_buffered_files_are_interchangeable(engine: PosixIOEngine, tmp_path: Path,
+def test_direct_and_buffered_files_are_interchangeable(engine: ChunkFileIO, tmp_path: Path,
                                                        make_dest, write_direct: bool,
                                                        read_direct: bool) -> None:
     payload = payload_for(3 * 4096 + 5)
     path = tmp_path / "i.kv"
     header = write(engine, path, payload, write_direct)
     dest, _ = make_dest("aligned_exact", len(payload))
-    req = ReadRequest(path, len(payload), dest, read_direct)
-    engine.read_chunks([req])
-    assert req.error is None and req.header == header and bytes(dest) == payload
+    assert read_back(path, len(payload), dest, read_direct) == header
+    assert bytes(dest) == payload
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_large_chunk_is_split_across_the_pool(engine: PosixIOEngine, pool: CountingPool,
-                                              tmp_path: Path, make_dest, direct: bool) -> None:
+def test_a_large_payload_is_read_in_task_size_pieces(make_dest, direct: bool) -> None:
     n = 3 * MIB + 17
-    payload = payload_for(n)
-    path = tmp_path / "big.kv"
-    write(engine, path, payload, direct)
-    dest, _ = make_dest("aligned_padded", n)
-    req = ReadRequest(path, n, dest, direct)
-    engine.read_chunks([req])
-    assert req.error is None and bytes(dest[:n]) == payload
-    assert pool.submitted >= n // TASK_SIZE
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_batch_of_requests(engine: PosixIOEngine, tmp_path: Path, make_dest,
-                           direct: bool) -> None:
-    specs = [(n, kind) for n in (1, 4096, 4097, 70_001, 3 * MIB + 17)
-             for kind in ("aligned_padded", "aligned_exact", "unaligned")]
-    reqs, expected = [], []
-    for i, (n, kind) in enumerate(specs):
-        payload = payload_for(n, seed=i)
-        path = tmp_path / f"b{i}.kv"
-        header = write(engine, path, payload, direct)
-        dest, check = make_dest(kind, n)
-        reqs.append(ReadRequest(path, n, dest, direct))
-        expected.append((header, payload, check))
-    engine.read_chunks(reqs)
-    for req, (header, payload, check) in zip(reqs, expected, strict=True):
-        assert req.error is None, req.path
-        assert req.header == header
-        assert bytes(req.dest[: len(payload)]) == payload
-        check()
+    dest, _ = make_dest("aligned_exact", n)
+    pieces = plan_pieces(dest, n, direct, TASK_SIZE)
+    assert [piece.start for piece in pieces] == list(range(0, n, TASK_SIZE))
+    assert all(piece.length <= TASK_SIZE for piece in pieces)
+    assert pieces[-1].start + pieces[-1].length == n
+    assert (pieces[-1].copy is not None) == direct  # the sub-4 KiB tail, staged
+    assert plan_pieces(dest[:0], 0, direct, TASK_SIZE) == [posix_io.Piece(0, 0, [])]
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("keep", ["half_payload", "header_only", "partial_header", "empty",
                                   "one_byte_short"])
-def test_truncated_file_fails_only_its_request(engine: PosixIOEngine, tmp_path: Path,
-                                               make_dest, direct: bool, keep: str) -> None:
+def test_a_truncated_file_is_short(engine: ChunkFileIO, tmp_path: Path, make_dest,
+                                   direct: bool, keep: str) -> None:
     n = 5 * 4096 + 7
     sizes = {"half_payload": HEADER_SIZE + n // 2, "header_only": HEADER_SIZE,
              "partial_header": 100, "empty": 0,
              "one_byte_short": HEADER_SIZE + (padded_length(n) if direct else n) - 1}
-    paths = [tmp_path / f"t{i}.kv" for i in range(3)]
-    payloads = [payload_for(n, seed=i) for i in range(3)]
-    headers = [write(engine, p, d, direct) for p, d in zip(paths, payloads, strict=True)]
-    os.truncate(paths[1], sizes[keep])
-    reqs = [ReadRequest(p, n, make_dest("aligned_padded", n)[0], direct) for p in paths]
-    engine.read_chunks(reqs)
-    assert isinstance(reqs[1].error, ShortFileError)
-    assert isinstance(reqs[1].error, OSError)
-    for i in (0, 2):
-        assert reqs[i].error is None
-        assert reqs[i].header == headers[i]
-        assert bytes(reqs[i].dest[:n]) == payloads[i]
+    path = tmp_path / "t.kv"
+    write(engine, path, payload_for(n), direct)
+    os.truncate(path, sizes[keep])
+    with pytest.raises(ShortFileError):
+        read_back(path, n, make_dest("aligned_padded", n)[0], direct)
 
 
-def test_buffered_read_accepts_file_without_padding(engine: PosixIOEngine, tmp_path: Path,
+def test_buffered_read_accepts_file_without_padding(engine: ChunkFileIO, tmp_path: Path,
                                                     make_dest) -> None:
     n = 4097
     path = tmp_path / "np.kv"
     header = write(engine, path, payload_for(n), direct=False)
     os.truncate(path, HEADER_SIZE + n)
     dest, _ = make_dest("unaligned", n)
-    req = ReadRequest(path, n, dest, direct=False)
-    engine.read_chunks([req])
-    assert req.error is None and req.header == header and bytes(dest) == payload_for(n)
+    assert read_back(path, n, dest, direct=False) == header
+    assert bytes(dest) == payload_for(n)
+
+
+def test_an_undersized_destination_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds 10 bytes, need 9000"):
+        plan_pieces(memoryview(bytearray(10)), 9000, True, TASK_SIZE)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_missing_file_fails_only_its_request(engine: PosixIOEngine, tmp_path: Path, make_dest,
-                                             direct: bool) -> None:
-    good = tmp_path / "good.kv"
-    header = write(engine, good, payload_for(9000), direct)
-    missing = ReadRequest(tmp_path / "nope.kv", 9000, make_dest("unaligned", 9000)[0], direct)
-    ok = ReadRequest(good, 9000, make_dest("aligned_exact", 9000)[0], direct)
-    engine.read_chunks([missing, ok])
-    assert isinstance(missing.error, FileNotFoundError)
-    assert missing.header == b""
-    assert ok.error is None and ok.header == header and bytes(ok.dest) == payload_for(9000)
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_undersized_destination_fails_only_its_request(engine: PosixIOEngine, tmp_path: Path,
-                                                       make_dest, direct: bool) -> None:
-    good = tmp_path / "good.kv"
-    header = write(engine, good, payload_for(9000), direct)
-    small = ReadRequest(good, 9000, memoryview(bytearray(10)), direct)
-    ok = ReadRequest(good, 9000, make_dest("aligned_exact", 9000)[0], direct)
-    fds_before = len(os.listdir("/proc/self/fd"))
-    engine.read_chunks([small, ok])
-    assert isinstance(small.error, ValueError)
-    assert ok.error is None and ok.header == header and bytes(ok.dest) == payload_for(9000)
-    assert len(os.listdir("/proc/self/fd")) == fds_before, "a file descriptor leaked"
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_read_does_not_follow_symlink(engine: PosixIOEngine, tmp_path: Path, make_dest,
+def test_read_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, make_dest,
                                       direct: bool) -> None:
     real = tmp_path / "real.kv"
     write(engine, real, payload_for(100), direct)
     link = tmp_path / "link.kv"
     link.symlink_to(real)
     dest, _ = make_dest("unaligned", 100)
-    req = ReadRequest(link, 100, dest, direct)
-    engine.read_chunks([req])
-    assert isinstance(req.error, OSError) and req.error.errno == errno.ELOOP
+    with pytest.raises(NotAChunkFile) as raised:
+        read_back(link, 100, dest, direct)
+    assert raised.value.errno == errno.ELOOP
     assert bytes(dest) == bytes([GUARD]) * 100
+    with pytest.raises(NotAChunkFile):
+        read_header(link, direct)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_read_header(engine: PosixIOEngine, tmp_path: Path, direct: bool) -> None:
+def test_read_header(engine: ChunkFileIO, tmp_path: Path, direct: bool) -> None:
     path = tmp_path / "h.kv"
     header = write(engine, path, payload_for(4097), direct)
-    assert engine.read_header(path, direct) == (header, HEADER_SIZE + 8192)
+    assert read_header(path, direct) == (header, HEADER_SIZE + 8192)
 
 
-def test_read_header_of_short_file(engine: PosixIOEngine, tmp_path: Path) -> None:
+def test_read_header_of_short_file(tmp_path: Path) -> None:
     path = tmp_path / "s.kv"
     path.write_bytes(b"LMCNVME\x00" + bytes(100))
     with pytest.raises(ShortFileError):
-        engine.read_header(path, direct=False)
+        read_header(path, direct=False)
 
 
-def test_empty_batch_is_a_no_op(engine: PosixIOEngine, pool: CountingPool) -> None:
-    engine.read_chunks([])
-    assert pool.submitted == 0
-
-
-def test_task_size_must_be_aligned(pool: CountingPool) -> None:
+def test_task_size_must_be_aligned() -> None:
     with pytest.raises(ValueError, match="4096"):
-        PosixIOEngine(4096 + 512, pool)
+        ChunkFileIO(4096 + 512)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("n", [0, 4097, 3 * BLOCK_SIZE + 17])
+def test_hashed_write_puts_the_header_from_the_digests_last(tmp_path: Path, n: int,
+                                                            direct: bool) -> None:
+    engine = ChunkFileIO(BLOCK_SIZE)
+    payload = payload_for(n)
+    given: list[list[int]] = []
+
+    def header_from(digests: list[int]) -> bytes:
+        given.append(digests)
+        meta = TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
+        return encode_header("k", "ns", meta, n, combine_block_digests(digests))
+
+    path = tmp_path / "h.kv"
+    fd = create(path, direct, 0o640)
+    try:
+        engine.write_hashed_to(fd, memoryview(payload), header_from, direct=direct,
+                               sync_data=True)
+    finally:
+        os.close(fd)
+    assert given == [block_digests(payload)]
+    raw = path.read_bytes()
+    assert len(raw) == HEADER_SIZE + padded_length(n)
+    assert raw[HEADER_SIZE : HEADER_SIZE + n] == payload
+    assert decode_header(raw[:HEADER_SIZE]).payload_checksum == payload_checksum(payload)
+    assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 # -- buffers and O_DIRECT probing -------------------------------------------------------------
@@ -389,7 +382,7 @@ def test_large_buffer_starts_on_a_huge_page(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_header_travels_with_the_first_piece(engine: PosixIOEngine, tmp_path: Path,
+def test_header_travels_with_the_first_piece(engine: ChunkFileIO, tmp_path: Path,
                                              make_dest, direct: bool,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """One vectored call carries header + first payload piece, in both directions."""
@@ -413,16 +406,14 @@ def test_header_travels_with_the_first_piece(engine: PosixIOEngine, tmp_path: Pa
     source[:n] = payload
     header = write(engine, path, payload, direct, source=source[:n])
     dest, _ = make_dest("aligned_padded", n)
-    req = ReadRequest(path, n, dest, direct)
-    engine.read_chunks([req])
-    assert req.error is None and req.header == header and bytes(dest[:n]) == payload
+    assert read_back(path, n, dest, direct) == header and bytes(dest[:n]) == payload
     assert ("write", 0, 2) in calls if direct else ("write", 0, 3) in calls
     assert ("read", 0, 2) in calls
     assert not any(offset == 0 and nbufs == 1 for _, offset, nbufs in calls)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_partial_transfers_are_resumed(engine: PosixIOEngine, tmp_path: Path, make_dest,
+def test_partial_transfers_are_resumed(engine: ChunkFileIO, tmp_path: Path, make_dest,
                                        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel may move fewer bytes than asked; every byte still lands in place."""
     n = 3 * TASK_SIZE + 7
@@ -439,9 +430,7 @@ def test_partial_transfers_are_resumed(engine: PosixIOEngine, tmp_path: Path, ma
     path = tmp_path / "p.kv"
     header = write(engine, path, payload, direct)
     dest, _ = make_dest("aligned_padded", n)
-    req = ReadRequest(path, n, dest, direct)
-    engine.read_chunks([req])
-    assert req.error is None and req.header == header and bytes(dest[:n]) == payload
+    assert read_back(path, n, dest, direct) == header and bytes(dest[:n]) == payload
 
 
 def test_probe_direct_io_on_ext4_tmp_path(tmp_path: Path) -> None:

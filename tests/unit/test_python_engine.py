@@ -1,6 +1,7 @@
 """The Python engine's own parts (io/python_engine.py and what it is built from: beneath.py,
-raw_header.py, priority.py, python_chunks.py, files.read_failure); the behaviour it shares
-with the compiled engine is tests/unit/test_engine_contract.py."""
+format.encode_raw_header and quick_verdict, priority.py, python_chunks.py,
+files.read_failure); the behaviour it shares with the compiled engine is
+tests/unit/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -29,19 +30,24 @@ from support.engine_contract import (
 )
 
 from lmcache_nvme_backend.disk.format import (
+    BLOCK_SIZE,
     HEADER_SIZE,
     FormatError,
     TensorMeta,
+    block_digests,
     encode_header,
+    encode_raw_header,
+    padded_length,
+    payload_checksum,
+    quick_verdict,
 )
 from lmcache_nvme_backend.disk.safe_fs import NotAChunkFile, root_descriptor
 from lmcache_nvme_backend.disk.validate import Expected, judge_chunk
-from lmcache_nvme_backend.io import beneath, native
+from lmcache_nvme_backend.io import beneath, native, python_chunks
 from lmcache_nvme_backend.io import engine as seam
 from lmcache_nvme_backend.io.files import ShortFileError, read_failure
 from lmcache_nvme_backend.io.priority import ReadPriorityGate
 from lmcache_nvme_backend.io.python_engine import PythonEngine
-from lmcache_nvme_backend.io.raw_header import encode_raw_header, quick_verdict
 
 
 @pytest.fixture
@@ -264,6 +270,54 @@ def test_many_pieces_are_read_by_the_readers_and_the_caller(engine: PythonEngine
     flip(tmp_path / rel_of(tmp_path, "k3"), HEADER_SIZE + 4 * (1 << 20))
     batch = engine.read([read_share(tmp_path, keys, dests, n)])
     assert batch.statuses == bytes([0, 0, 0, seam.JUDGE, 0, 0])
+
+
+@pytest.mark.parametrize("kind", ["aligned", "unaligned"])
+@pytest.mark.parametrize("task_size", [8192, BLOCK_SIZE + 4096])
+@pytest.mark.parametrize("n", [BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 4097])
+def test_pieces_that_split_checksum_blocks_still_verify(tmp_path: Path, n: int,
+                                                        task_size: int, kind: str) -> None:
+    """A block that two pieces land in is hashed by whichever lands second."""
+    engine = PythonEngine(3, 1, task_size)
+    try:
+        write_now(engine, [write_share(tmp_path, ["k"], [payload_for(n)])])
+        dest = buffer_for(n, kind)
+        assert engine.read([read_share(tmp_path, ["k"], [dest], n)]).statuses == bytes(1)
+        assert bytes(dest[:n]) == payload_for(n)
+        flip(tmp_path / rel_of(tmp_path, "k"), HEADER_SIZE + n - 1)
+        assert engine.read([read_share(tmp_path, ["k"], [dest], n)]).statuses == \
+            bytes([seam.JUDGE])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_block_digests_are_hashed_only_for_version_2(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     version: int) -> None:
+    """A version 1 file is checked over its whole payload: no block is hashed as it lands
+    (one piece here, so the header lands with every block)."""
+    hashed: list[int] = []
+
+    def counting(view: memoryview) -> list[int]:
+        hashed.append(len(view))
+        return block_digests(view)
+
+    monkeypatch.setattr(python_chunks, "hash_blocks", counting)
+    n = 3 * BLOCK_SIZE + 5
+    payload = payload_for(n)
+    path = tmp_path / rel_of(tmp_path, "k")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(encode_header("k", "ns", TensorMeta.from_json(meta_for(n)), n,
+                                   payload_checksum(payload, version), version=version)
+                     + payload + bytes(padded_length(n) - n))
+    dest = buffer_for(n, "aligned")
+    engine = PythonEngine(1, 1, 4 << 20)
+    try:
+        assert engine.read([read_share(tmp_path, ["k"], [dest], n)]).statuses == bytes(1)
+    finally:
+        engine.close()
+    assert sum(hashed) == (n if version == 2 else 0)
 
 
 def test_close_from_a_callback_and_twice(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ...config import NVMeSettings
 from ...disk.format import file_size_for
+from ...io import native
 from ...io.posix import probe_direct_io
 from ..common import (
     GIB,
@@ -74,15 +75,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--size", type=size_arg, default=1 * GIB, metavar="SIZE",
                    help="bytes per pass: size/bs chunk files (default 1G)")
     p.add_argument("--threads", "--numjobs", type=positive_int, default=8, metavar="N",
-                   help="reads: the engine's I/O threads (nvme.io_threads); writes: "
-                        "concurrent writers (nvme.write_threads) (default 8)")
+                   help="reads: the engine's read threads (nvme.io_threads); writes: its "
+                        "writer threads (nvme.write_threads) (default 8)")
     p.add_argument("--iodepth", type=positive_int, default=8, metavar="N",
-                   help="reads: chunks per read_chunks() call, the batch LMCache hands the "
+                   help="reads: chunks per engine read call, the batch LMCache hands the "
                         "backend (default 8)")
     p.add_argument("--callers", type=positive_int, default=1, metavar="N",
-                   help="reads: concurrent read_chunks() callers, each with its own batch, "
+                   help="reads: concurrent engine read callers, each with its own batch, "
                         "like several requests retrieving at once (NVMeBackend runs 2; "
                         "default 1)")
+    p.add_argument("--engine", choices=("native", "python"),
+                   help="the I/O engine timed: the compiled one or the Python one "
+                        "(default: the one the store runs, native when it is built)")
     p.add_argument("--task-size", type=size_arg, default=64 * MIB, metavar="SIZE",
                    help="the engine's piece size for large chunks (nvme.task_size_mb; "
                         "default 64M)")
@@ -99,8 +103,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "its advice is judged against; 6 with --vs-fio: an even count lets "
                         "each tool go first equally often)")
     p.add_argument("--checksum", action="store_true",
-                   help="include the store's per-chunk xxh3 work in the timed loop "
-                        "(checksum on write, verification on read)")
+                   help="no effect, kept for old command lines: the engines always hash "
+                        "what they write and verify what they read, as in the store")
     p.add_argument("--drop-caches", action="store_true",
                    help="sync and drop the page cache before every read run (root only); "
                         "file metadata is then reloaded untimed, as fio does in its setup")
@@ -206,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         from .plot import require_matplotlib
 
         require_matplotlib()
+    if args.engine == "native" and not native.available():
+        raise CLIError(f"--engine native: {native.unavailable_reason()}")
+    native_io = {"native": "on", "python": "off"}.get(args.engine, "auto")
+    engine_name = "python" if native_io == "off" or not native.available() else "native"
     fio_binary = None
     if args.vs_fio:
         from .fio import find_fio
@@ -234,14 +242,15 @@ def run(args: argparse.Namespace) -> int:
     progress = args.progress or sys.stderr.isatty()
     where = (f"{path} ({fstype}"
              + (f" on {mount.device}" if mount and mount.device.startswith("/dev/") else "")
-             + f"), {os.cpu_count()} CPUs, Linux {platform.release()}")
+             + f"), {os.cpu_count()} CPUs, Linux {platform.release()}, {engine_name} I/O "
+             "engine")
     if not args.direct and configs[0].reads and not args.drop_caches and not args.json:
         print("note: buffered reads of files just written are served from the page cache; "
               "add --drop-caches (root) for cold reads", file=sys.stderr)
 
     ws = Workspace(path, args.bs, keep=args.keep)
     try:
-        bench = EngineBench(ws, progress)
+        bench = EngineBench(ws, progress, native_io)
         n_read = max(c.chunk_counts()[0] for c in configs)
         if n_read:
             bench.layout_read_set(n_read, threads=max(4, args.threads), direct=args.direct)

@@ -8,12 +8,11 @@ says which.  torch and kvikio are imported only here, and only for this mode.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...disk.format import HEADER_SIZE
 from ...gpu.select import kvikio_install_hint, torch_cuda_version
-from ...io.posix import PosixIOEngine
+from ...io.posix import read_header
 from ..common import CLIError, Progress
 from .model import BenchConfig, Timed, read_batches
 
@@ -45,8 +44,8 @@ def timed_gpu_reads(paths: list[Path], cfg: BenchConfig, threads: int,
                     progress: Progress) -> Timed:
     """kvikio (cuFile/GDS, or kvikio's compat mode) straight into CUDA tensors.
 
-    The header is read on the host (the engine's ``read_header``), the
-    payload by kvikio into a CUDA tensor, with no host copy.
+    The header is read on the host (``io.posix.read_header``), the payload by
+    kvikio into a CUDA tensor, with no host copy.
     """
     import kvikio  # availability checked by check_gpu_destination
     import kvikio.defaults
@@ -60,27 +59,25 @@ def timed_gpu_reads(paths: list[Path], cfg: BenchConfig, threads: int,
     bufs = [torch.empty(cfg.bs, dtype=torch.uint8, device="cuda")
             for _ in range(cfg.iodepth)]
     timed = Timed()
-    with ThreadPoolExecutor(1) as unused_pool:
-        header_engine = PosixIOEngine(cfg.task_size, unused_pool)
-        started = time.perf_counter()
-        for batch in read_batches(len(paths), cfg, started):
-            t0 = time.perf_counter()
-            files = []
-            futures = []
-            for j, i in enumerate(batch):
-                header_engine.read_header(paths[i], cfg.direct)
-                f = kvikio.CuFile(paths[i], "r")
-                files.append(f)
-                futures.append(f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE))
-            for fut, f in zip(futures, files, strict=True):
-                got = fut.get()
-                f.close()
-                if got != cfg.bs:
-                    raise CLIError(f"kvikio read {got} of {cfg.bs} bytes")
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            timed.latencies.extend([t1 - t0] * len(batch))
-            timed.nbytes += cfg.bs * len(batch)
-            progress.advance(cfg.bs * len(batch))
-        timed.seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    for batch in read_batches(len(paths), cfg, started):
+        t0 = time.perf_counter()
+        files = []
+        futures = []
+        for j, i in enumerate(batch):
+            read_header(paths[i], cfg.direct)
+            f = kvikio.CuFile(paths[i], "r")
+            files.append(f)
+            futures.append(f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE))
+        for fut, f in zip(futures, files, strict=True):
+            got = fut.get()
+            f.close()
+            if got != cfg.bs:
+                raise CLIError(f"kvikio read {got} of {cfg.bs} bytes")
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        timed.latencies.extend([t1 - t0] * len(batch))
+        timed.nbytes += cfg.bs * len(batch)
+        progress.advance(cfg.bs * len(batch))
+    timed.seconds = time.perf_counter() - started
     return timed

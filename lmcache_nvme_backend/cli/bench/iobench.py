@@ -1,10 +1,13 @@
 """What ``lmcache-nvme bench`` measures: the backend's own I/O engine on real chunk files.
 
-Every timed I/O goes through :class:`~lmcache_nvme_backend.io.posix.PosixIOEngine`
-(``write_chunk`` + the store's atomic rename for writes, ``read_chunks`` for
-reads) on files in the backend's chunk format (4 KiB header, aligned padded
-payload, sharded directories from :class:`~lmcache_nvme_backend.disk.layout.RootLayout`),
-with page-aligned :class:`~lmcache_nvme_backend.io.buffers.AlignedBuffer` memory.
+Every timed I/O goes through the I/O engine the store runs (``io.engine_for``: the
+compiled one when built, else the Python one; ``--engine`` picks), in the store's batch
+shapes: a caller's read batch is one read share (``ChunkEngine.read``), each written chunk
+a write share of its own (``submit_write``: written, hashed, renamed into place), on files
+in the backend's chunk format (4 KiB header, aligned padded payload, sharded directories
+from :class:`~lmcache_nvme_backend.disk.layout.RootLayout`) and page-aligned
+:class:`~lmcache_nvme_backend.io.buffers.AlignedBuffer` memory.  The engines hash every
+chunk written and verify every chunk read, as the store's do.
 
 This module holds the bench workspace (``Workspace``) and the timed runs
 (``EngineBench``); ``model.py`` defines what a configuration and a result are
@@ -16,29 +19,32 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import random
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ...disk.format import TensorMeta, encode_header
-from ...disk.format import payload_checksum as compute_checksum
-from ...disk.layout import RootLayout, key_digest, namespace_id
+from ...disk.format import TensorMeta, text_bytes
+from ...disk.layout import RootLayout, key_digest, namespace_id, temp_name
+from ...disk.safe_fs import dir_mode_for
 from ...disk.validate import Expected, judge_chunk
+from ...io import engine_for
 from ...io.buffers import AlignedBuffer
-from ...io.posix import PosixIOEngine, ReadRequest
+from ...io.engine import FAILED, Batch, ChunkEngine, ReadShare
+from ...io.files import read_failure
 from ..common import MIB, CLIError, Progress
 from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
 
 BENCH_NAMESPACE = "lmcache-nvme-bench"
 FILE_MODE = 0o600
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 
 
 def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
@@ -74,27 +80,33 @@ class Workspace:
         self.ns_id = namespace_id(BENCH_NAMESPACE)
         self.bs = bs
         self.dir.mkdir(parents=True, exist_ok=False)
+        self.root_fd = os.open(self.dir, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self.payload = AlignedBuffer(bs)
         rng = np.random.default_rng(0x4C4D43)
         np.frombuffer(self.payload.view, dtype=np.uint8)[:bs] = rng.integers(
             0, 256, bs, dtype=np.uint8)
-        self.checksum = compute_checksum(self.payload.view[:bs])
         self.meta = TensorMeta(shapes=((bs,),), dtypes=("uint8",), fmt=0, nbytes=bs)
         self.sets: dict[str, ChunkSet] = {}
 
     def chunk_set(self, tag: str, n: int) -> ChunkSet:
-        """``n`` chunk names (keys, paths, headers) of one set; directories pre-created."""
+        """``n`` chunk names (keys, digests, paths) of one set; directories pre-created."""
         existing = self.sets.get(tag)
         if existing is not None and len(existing.paths) == n:
             return existing
         keys = [f"{BENCH_NAMESPACE}@1@0@{tag}{i:08x}@uint8" for i in range(n)]
-        paths = [self.layout.chunk_path(self.ns_id, key_digest(k)) for k in keys]
+        digests = [key_digest(k) for k in keys]
+        paths = [self.layout.chunk_path(self.ns_id, d) for d in digests]
         for parent in {p.parent for p in paths}:
             parent.mkdir(parents=True, exist_ok=True)
-        headers = [encode_header(k, BENCH_NAMESPACE, self.meta, self.bs, self.checksum)
-                   for k in keys]
-        self.sets[tag] = ChunkSet(keys, paths, headers)
+        self.sets[tag] = ChunkSet([text_bytes(k) for k in keys], digests, paths)
         return self.sets[tag]
+
+    def read_share(self, chunks: ChunkSet, batch: list[int], dests: list[memoryview],
+                   direct: bool) -> ReadShare:
+        """The chunks ``batch`` of a set, read into ``dests``."""
+        return (self.root_fd, self.layout.chunk_naming(self.ns_id), direct, self.bs,
+                self.meta.to_json(), [chunks.digests[i] for i in batch], dests,
+                [chunks.keys[i] for i in batch])
 
     def remove_files(self, paths: list[Path]) -> None:
         for p in paths:
@@ -103,26 +115,32 @@ class Workspace:
 
     def close(self) -> None:
         self.payload.close()
+        os.close(self.root_fd)
         if not self.keep:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
 class ChunkSet:
-    """Names of a set of bench chunk files."""
+    """Names of a set of bench chunk files: keys (as the header holds them), digests, paths."""
 
-    keys: list[str]
+    keys: list[bytes]
+    digests: list[str]
     paths: list[Path]
-    headers: list[bytes]
 
 
 class EngineBench:
-    """Runs configurations against one workspace with the backend's POSIX engine."""
+    """Runs configurations against one workspace with the backend's I/O engine:
+    ``native_io`` as ``nvme.native_io`` takes it (``auto``, ``on``, ``off``)."""
 
-    def __init__(self, ws: Workspace, progress_enabled: bool) -> None:
+    def __init__(self, ws: Workspace, progress_enabled: bool, native_io: str = "auto") -> None:
         self.ws = ws
         self.progress_enabled = progress_enabled
+        self.native_io = native_io
         self._write_pass = 0
+
+    def _engine(self, readers: int, writers: int, task_size: int) -> ChunkEngine:
+        return engine_for(self.native_io, max(1, readers), max(1, writers), task_size)
 
     # -- layout -------------------------------------------------------------------
 
@@ -133,9 +151,13 @@ class EngineBench:
         if missing:
             progress = Progress(self.progress_enabled, len(missing) * self.ws.bs,
                                 "laying out")
-            self._write_files(chunks, missing, threads, direct, None, progress.update,
-                              task_size=4 * MIB, checksum=False)
-            progress.close()
+            engine = self._engine(1, threads, 4 * MIB)
+            try:
+                self._write_files(engine, chunks, missing, threads, direct, None,
+                                  progress.update)
+            finally:
+                engine.close()
+                progress.close()
         return chunks
 
     def read_paths(self, cfg: BenchConfig) -> list[Path]:
@@ -165,21 +187,26 @@ class EngineBench:
                     errors.append(exc)
             return body
 
+        # One engine for both sides, as a store has: its writers let reads in flight go first.
+        engine = self._engine(readers, writers, cfg.task_size)
         sides = []
         if n_read:
-            sides.append(side("read", lambda: self._timed_reads(cfg, readers, n_read,
+            sides.append(side("read", lambda: self._timed_reads(cfg, engine, n_read,
                                                                 progress)))
         if n_write:
-            sides.append(side("write", lambda: self._timed_writes(cfg, writers, n_write,
-                                                                  progress)))
-        started = time.perf_counter()
-        workers = [threading.Thread(target=s, name="bench-side") for s in sides]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-        elapsed = time.perf_counter() - started
-        progress.close()
+            sides.append(side("write", lambda: self._timed_writes(cfg, engine, writers,
+                                                                  n_write, progress)))
+        try:
+            started = time.perf_counter()
+            workers = [threading.Thread(target=s, name="bench-side") for s in sides]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+            elapsed = time.perf_counter() - started
+        finally:
+            engine.close()
+            progress.close()
         if errors:
             raise errors[0]
         for direction, timed in outcome.items():
@@ -189,12 +216,13 @@ class EngineBench:
                                                              timed.latencies)
         return result
 
-    def _timed_reads(self, cfg: BenchConfig, threads: int, n: int,
+    def _timed_reads(self, cfg: BenchConfig, engine: ChunkEngine, n: int,
                      progress: Progress) -> Timed:
         if cfg.dest == "gpu":
             from .gpu_reads import timed_gpu_reads
 
-            return timed_gpu_reads(self.ws.chunk_set("r", n).paths, cfg, threads, progress)
+            return timed_gpu_reads(self.ws.chunk_set("r", n).paths, cfg,
+                                   cfg.split_threads()[0], progress)
         chunks = self.ws.chunk_set("r", n)
         bufs = [[AlignedBuffer(cfg.bs) for _ in range(cfg.iodepth)]
                 for _ in range(cfg.callers)]
@@ -202,44 +230,39 @@ class EngineBench:
         lock = threading.Lock()
         errors: list[BaseException] = []
 
-        def caller(engine: PosixIOEngine, mine: list[AlignedBuffer],
-                   batches: Iterator[list[int]]) -> None:
+        def caller(mine: list[AlignedBuffer], batches: Iterator[list[int]]) -> None:
             try:
                 while True:
                     with lock:
                         batch = next(batches, None)
                     if batch is None or errors:
                         return
-                    reqs = [ReadRequest(chunks.paths[i], cfg.bs, mine[j].view, cfg.direct)
-                            for j, i in enumerate(batch)]
+                    share = self.ws.read_share(chunks, batch,
+                                               [buf.view for buf in mine[: len(batch)]],
+                                               cfg.direct)
                     t0 = time.perf_counter()
-                    engine.read_chunks(reqs)
+                    result = engine.read([share])
                     t1 = time.perf_counter()
-                    for req in reqs:
-                        if req.error is not None:
-                            raise CLIError(f"read of {req.path} failed: {req.error}")
-                        if cfg.checksum:
-                            _check_chunk(req)
+                    if result.details:
+                        raise self._read_error(chunks, batch, result)
                     with lock:
-                        timed.latencies.extend([t1 - t0] * len(reqs))
-                        timed.nbytes += cfg.bs * len(reqs)
-                        progress.advance(cfg.bs * len(reqs))
+                        timed.latencies.extend([t1 - t0] * len(batch))
+                        timed.nbytes += cfg.bs * len(batch)
+                        progress.advance(cfg.bs * len(batch))
             except BaseException as exc:
                 errors.append(exc)
 
         try:
-            with ThreadPoolExecutor(threads, thread_name_prefix="bench-io") as pool:
-                engine = PosixIOEngine(cfg.task_size, pool)
-                started = time.perf_counter()
-                batches = read_batches(n, cfg, started)
-                callers = [threading.Thread(target=caller, args=(engine, mine, batches),
-                                            name=f"bench-caller-{k}")
-                           for k, mine in enumerate(bufs)]
-                for t in callers:
-                    t.start()
-                for t in callers:
-                    t.join()
-                timed.seconds = time.perf_counter() - started
+            started = time.perf_counter()
+            batches = read_batches(n, cfg, started)
+            callers = [threading.Thread(target=caller, args=(mine, batches),
+                                        name=f"bench-caller-{k}")
+                       for k, mine in enumerate(bufs)]
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join()
+            timed.seconds = time.perf_counter() - started
         finally:
             for mine in bufs:
                 for b in mine:
@@ -248,7 +271,19 @@ class EngineBench:
             raise errors[0]
         return timed
 
-    def _timed_writes(self, cfg: BenchConfig, threads: int, n: int,
+    def _read_error(self, chunks: ChunkSet, batch: list[int], result: Batch) -> CLIError:
+        """What the first chunk of a read batch that was not served says."""
+        index, err, header, computed = result.details[0]
+        path = chunks.paths[batch[index]]
+        if header is None:
+            return CLIError(f"read of {path} failed: {read_failure(path, err)}")
+        verdict = judge_chunk(header, Expected(key=chunks.keys[batch[index]].decode(),
+                                               payload_len=self.ws.bs, meta=self.ws.meta),
+                              lambda h: h.payload_checksum == computed)
+        return CLIError(f"{verdict.reason} in {path}: the bench file changed under the "
+                        "benchmark or the drive returned wrong data")
+
+    def _timed_writes(self, cfg: BenchConfig, engine: ChunkEngine, writers: int, n: int,
                       progress: Progress) -> Timed:
         """Write ``n`` new chunk files per pass; passes repeat until ``runtime`` if given.
 
@@ -264,9 +299,8 @@ class EngineBench:
             if cfg.random_order:
                 random.Random(self._write_pass).shuffle(order)
             t0 = time.perf_counter()
-            written = self._write_files(chunks, order, threads, cfg.direct, deadline,
-                                        progress.advance, task_size=cfg.task_size,
-                                        checksum=cfg.checksum, latencies=timed.latencies)
+            written = self._write_files(engine, chunks, order, writers, cfg.direct, deadline,
+                                        progress.advance, latencies=timed.latencies)
             timed.seconds += time.perf_counter() - t0
             timed.nbytes += written * cfg.bs
             if deadline is None or time.perf_counter() >= deadline:
@@ -274,68 +308,55 @@ class EngineBench:
         self.ws.remove_files(chunks.paths)
         return timed
 
-    def _write_files(self, chunks: ChunkSet, order: list[int], threads: int, direct: bool,
-                     deadline: float | None, on_done: Callable[[int], None], *,
-                     task_size: int, checksum: bool, latencies: list[float] | None = None) -> int:
-        """``threads`` writers publish the files in ``order`` (write_chunk + rename)."""
+    def _write_files(self, engine: ChunkEngine, chunks: ChunkSet, order: list[int],
+                     in_flight: int, direct: bool, deadline: float | None,
+                     on_done: Callable[[int], None],
+                     latencies: list[float] | None = None) -> int:
+        """Publish the files in ``order`` through ``engine``, ``in_flight`` chunks at a time,
+        each a write share of its own (written, hashed and renamed into place); a chunk's
+        latency runs from its submission to its batch's hand-back."""
         lock = threading.Lock()
-        position = iter(order)
+        slots = threading.Semaphore(in_flight)
         count = [0]
-        errors: list[BaseException] = []
-        payload = self.ws.payload.view[: self.ws.bs]
+        errors: list[int] = []
+        ws = self.ws
+        naming = ws.layout.write_naming(ws.ns_id, temp_name("", writer=0))
+        namespace, meta = text_bytes(BENCH_NAMESPACE), ws.meta.to_json()
+        payload = ws.payload.view[: ws.bs]
 
-        def writer(engine: PosixIOEngine) -> None:
-            lat: list[float] = []
+        def done(started: float, result: Batch) -> None:
             try:
-                while True:
-                    with lock:
-                        i = next(position, None)
-                    if i is None or (deadline is not None and time.perf_counter() >= deadline):
-                        break
-                    final = chunks.paths[i]
-                    tmp = self.ws.layout.temp_path(final)
-                    t0 = time.perf_counter()
-                    if checksum:  # what the store does per chunk before writing
-                        header = encode_header(chunks.keys[i], BENCH_NAMESPACE, self.ws.meta,
-                                               self.ws.bs, compute_checksum(payload))
-                    else:
-                        header = chunks.headers[i]
-                    engine.write_chunk(tmp, header, payload, direct=direct, mode=FILE_MODE,
-                                       sync_data=False)
-                    os.rename(tmp, final)
-                    lat.append(time.perf_counter() - t0)
-                    with lock:
-                        count[0] += 1
-                        on_done(self.ws.bs)
-            except BaseException as exc:
-                errors.append(exc)
+                with lock:
+                    if result.statuses[0] == FAILED:
+                        errors.append(result.details[0][2])
+                        return
+                    count[0] += 1
+                    if latencies is not None:
+                        latencies.append(time.perf_counter() - started)
+                    on_done(ws.bs)
             finally:
-                if latencies is not None:
-                    with lock:
-                        latencies.extend(lat)
+                slots.release()
 
-        # Writes never use the engine's read pool (the store shares one engine the same way).
-        with ThreadPoolExecutor(1) as unused_pool:
-            engine = PosixIOEngine(task_size, unused_pool)
-            workers = [threading.Thread(target=writer, args=(engine,),
-                                        name=f"bench-writer-{k}") for k in range(threads)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+        try:
+            for i in order:
+                if errors or (deadline is not None and time.perf_counter() >= deadline):
+                    break
+                slots.acquire()
+                try:
+                    engine.submit_write([(ws.root_fd, naming, namespace, meta, direct,
+                                          FILE_MODE, dir_mode_for(FILE_MODE), 0, (),
+                                          [chunks.digests[i]], [payload], [chunks.keys[i]],
+                                          None)], functools.partial(done, time.perf_counter()))
+                except BaseException:
+                    slots.release()
+                    raise
+        finally:
+            for _ in range(in_flight):  # every write handed back
+                slots.acquire()
+            payload.release()
         if errors:
-            exc = errors[0]
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            exc = OSError(errors[0], os.strerror(errors[0]))
+            if errors[0] == errno.ENOSPC:
                 raise CLIError("the filesystem is full; use a smaller --size") from exc
-            if isinstance(exc, OSError):
-                raise CLIError(f"write failed: {exc}") from exc
-            raise exc
+            raise CLIError(f"write failed: {exc}") from exc
         return count[0]
-
-
-def _check_chunk(req: ReadRequest) -> None:
-    verdict = judge_chunk(req.header, Expected(payload_len=req.payload_len),
-                          req.payload_matches)
-    if not verdict.ok:
-        raise CLIError(f"{verdict.reason} in {req.path}: the bench file changed under the "
-                       "benchmark or the drive returned wrong data")

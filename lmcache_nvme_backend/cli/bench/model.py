@@ -3,16 +3,16 @@
 Vocabulary (``docs/cli.md`` has the long form):
 
 * ``bs``: payload bytes of one chunk file; one chunk is one I/O in the counts.
-* ``threads``: reads: the engine's I/O thread pool (``nvme.io_threads``);
-  writes: concurrent writer threads (``nvme.write_threads``).
-* ``iodepth``: reads: chunks per ``read_chunks`` call (the batch LMCache hands
+* ``threads``: reads: the engine's read threads (``nvme.io_threads``);
+  writes: its writer threads (``nvme.write_threads``), one chunk in flight each.
+* ``iodepth``: reads: chunks per engine read call (the batch LMCache hands
   the backend).  At most ``min(threads, pieces of the batch)`` reads are in
   flight, where a chunk is ``ceil(bs / task_size)`` I/Os (the header rides with the
   first).
-* ``callers``: reads: threads calling ``read_chunks`` concurrently, each with its
+* ``callers``: reads: threads calling the engine's read concurrently, each with its
   own batch (several requests retrieving at once; ``NVMeBackend`` runs two).
 * latency: what the caller sees.  A read chunk completes when its batch returns;
-  a written chunk when ``write_chunk`` and the rename return.
+  a written chunk when the engine hands it back, written and renamed into place.
 
 The same records hold fio's results (``fio.py``), so reports and plots treat
 both tools alike.
@@ -95,7 +95,7 @@ class BenchConfig:
         total = writers
         if readers:
             pieces = self.iodepth * self.pieces_per_chunk()
-            # read_chunks runs a batch of at most two pieces inline, one at a time
+            # an engine read of at most two pieces runs on its caller, one at a time
             total += self.callers if pieces <= 2 else min(readers, self.callers * pieces)
         return max(1, total)
 
