@@ -1,6 +1,7 @@
 """What the three adapters share: opening the tier, saying so, and LMCache key translation.
 
-Each adapter's constructor runs the same chain: settings → ``ChunkStore`` → (on a
+Each adapter's constructor runs the same chain: the installed LMCache against the supported
+range (one warning per process outside it: ``lmcache_range``) → settings → ``ChunkStore`` → (on a
 bad setting) an error-level ``NOT loaded`` line, because LMCache's plugin
 launchers only log constructor exceptions where nobody looks → the metrics
 observer → one ``ready`` line that says what the tier found.  The two in-process
@@ -12,17 +13,19 @@ engine's hash settings (``check_token_hashing``), and while serving from the hit
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
-
-from lmcache.logging import init_logger
-from lmcache.utils import CacheEngineKey
 
 from ..config import NVMeConfigError, NVMeSettings
 from ..metrics import TierObserver
 from ..store import ChunkStore, Counter
 from .hashing import TokenHashing, restart_miss_warning, token_hashing
+from .lmcache_range import describe_lmcache, lmcache_imports, range_warning, supported_range
+
+with lmcache_imports():
+    from lmcache.logging import init_logger
+    from lmcache.utils import CacheEngineKey
 
 # The package logger carries LMCache's formatting; every adapter logs through it.
 logger = init_logger("lmcache_nvme_backend")
@@ -31,11 +34,43 @@ logger = init_logger("lmcache_nvme_backend")
 RESTART_MISS_LOOKUPS = 64
 
 _warned: set[str] = set()  # tiers that logged the hashing warning in this process
+_range_checked = False  # the LMCache version was checked in this process
+_ignored: set[tuple[str, frozenset[str]]] = set()  # unknown arguments logged (tier, names)
+
+
+def check_lmcache_range() -> None:
+    """Warn once per process when the installed LMCache is outside the supported range."""
+    global _range_checked
+    if _range_checked:
+        return
+    _range_checked = True
+    warning = range_warning()
+    if warning:
+        logger.warning("%s", warning)
+
+
+def ignore_unknown_arguments(tier: str, arguments: Mapping[str, Any]) -> None:
+    """Accept keyword arguments a newer LMCache passes that this version does not know
+    (LMCache's plugin interface asks plugins to take ``**kwargs``): log their names once
+    per process (and tier and set of names), use none of them."""
+    if not arguments:
+        return
+    names = frozenset(arguments)
+    if (tier, names) in _ignored:
+        return
+    _ignored.add((tier, names))
+    logger.warning("NVMe tier: ignoring arguments this version does not know: %s, from %s; "
+                   "supported LMCache range %s (%s).", ", ".join(sorted(names)),
+                   describe_lmcache(), supported_range(), tier)
 
 
 @contextmanager
 def loading(tier: str, consequence: str = "") -> Iterator[None]:
-    """Log ``<tier> NOT loaded: <problem>`` at error level when the settings are wrong."""
+    """Log ``<tier> NOT loaded: <problem>`` at error level when the settings are wrong.
+
+    The start of every adapter's chain: it first checks the installed LMCache against the
+    supported range (``check_lmcache_range``)."""
+    check_lmcache_range()
     try:
         yield
     except NVMeConfigError as exc:

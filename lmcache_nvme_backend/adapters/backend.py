@@ -22,10 +22,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
-
 from ..config import NVMeConfigError, NVMeSettings
 from ..gpu.reader import GpuChunkReader, build_gpu_reader
 from ..gpu.select import chunk_bytes_of
@@ -38,12 +34,18 @@ from ._common import (
     keys_and_namespaces,
     loading,
 )
+from .lmcache_range import lmcache_imports
 from .memory_objects import (
     host_memory,
     read_into_host_objects,
     served_prefix,
     submit_objects,
 )
+
+with lmcache_imports():
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryObj
+    from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig

@@ -27,10 +27,6 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, List  # noqa: UP035 (a method is named list)
 
-from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
-
 from ..config import NVMeSettings
 from ._common import (
     RestartMissWatch,
@@ -40,7 +36,13 @@ from ._common import (
     keys_and_namespaces,
     open_store,
 )
+from .lmcache_range import lmcache_imports
 from .memory_objects import read_into_host_objects, served_prefix, submit_objects
+
+with lmcache_imports():
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryObj
+    from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig

@@ -34,20 +34,22 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.distributed.internal_api import L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
-from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_notifier
-
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
-from ._common import announce, logger, open_store
+from ._common import announce, ignore_unknown_arguments, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
+from .lmcache_range import lmcache_imports
 from .memory_objects import check_pairs, host_views, payload_views, tensor_metas
 from .object_keys import object_key_columns, object_key_strings
+
+with lmcache_imports():
+    from lmcache.lmcache_native import Bitmap
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.internal_api import L2StoreResult
+    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+    from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+    from lmcache.v1.platform import EventfdNotifier, EventNotifier, create_event_notifier
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
@@ -76,7 +78,10 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
         self.settings = settings
 
     @classmethod
-    def from_dict(cls, d: dict) -> NVMeL2AdapterConfig:
+    def from_dict(cls, d: dict, **kwargs: Any) -> NVMeL2AdapterConfig:
+        """``adapter_params`` → validated settings; keyword arguments a newer LMCache may
+        pass are logged once and ignored (see ``NVMeL2Adapter``)."""
+        ignore_unknown_arguments(f"{TIER} config", kwargs)
         if not isinstance(d, Mapping):
             raise NVMeConfigError(f"adapter_params: expected a JSON object, got "
                                   f"{type(d).__name__}. Give e.g. {{\"path\": "
@@ -113,7 +118,13 @@ class NVMeL2Adapter(L2AdapterInterface):
     _total_bytes_used: int  # the base class's usage counter
 
     def __init__(self, config: NVMeL2AdapterConfig | Mapping[str, Any],
-                 l1_memory_desc: L1MemoryDesc | None = None) -> None:
+                 l1_memory_desc: L1MemoryDesc | None = None, **kwargs: Any) -> None:
+        """LMCache 0.5.6's plugin loader calls ``NVMeL2Adapter(config)`` or, with an L1
+        descriptor, ``NVMeL2Adapter(config, l1_memory_desc=...)``, ``config`` being
+        ``NVMeL2AdapterConfig.from_dict(adapter_params)``.  LMCache's plugin interface asks
+        plugins to accept ``**kwargs`` so that an argument a later LMCache adds does not
+        stop the server: those are logged once per process and not used."""
+        ignore_unknown_arguments(TIER, kwargs)
         store = open_store(TIER, lambda: _server_settings(config))
         fix_cpu_split_kv_registration()  # SGLang's KV pools on a CPU server
         settings = store.settings

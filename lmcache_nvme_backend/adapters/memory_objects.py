@@ -18,14 +18,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
-from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from ..disk.format import TensorMeta
 from ..gpu.reader import HostMemory
 from ..io import native
 from ..store import ChunkRead, ChunkStore, TaskOutcome
 from ._common import key_and_namespace
+from .lmcache_range import lmcache_imports
+
+with lmcache_imports():
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 if TYPE_CHECKING:
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend

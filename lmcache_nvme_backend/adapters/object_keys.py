@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from lmcache.v1.distributed.api import ObjectKey
+from .lmcache_range import lmcache_imports
+
+with lmcache_imports():
+    from lmcache.v1.distributed.api import ObjectKey
 
 #: ``columns(keys, namespaces)`` of ``adapters/csrc/keys.c``: ``(names, namespaces or None)``,
 #: or None when a key is one only this module formats.
