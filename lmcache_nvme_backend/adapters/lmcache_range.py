@@ -9,10 +9,10 @@ source tree on ``sys.path`` without an install).  Two things use it:
   ``adapters/`` runs inside it, so a module or name that a newer LMCache renamed fails
   with an ``ImportError`` that names it, the installed LMCache, the supported range and
   what to do, instead of a bare ``cannot import name``;
-* ``range_warning()``: the start-up chain (``_common.open_store``) logs it once when the
-  installed LMCache is outside the range.  A warning, not a refusal: LMCache publishes
-  releases after ours (a patch release of the next minor often changes nothing the
-  adapters use), and an interface that did change fails on its own, at import
+* ``range_warning()``: the start-up chain (``_common.loading``, which every adapter enters)
+  logs it once when the installed LMCache is outside the range.  A warning, not a refusal:
+  LMCache publishes releases after ours (a patch release of the next minor often changes
+  nothing the adapters use), and an interface that did change fails on its own, at import
   (``lmcache_imports``) or at the first call.
 
 This module imports no LMCache (it is what guards those imports) and no torch.
