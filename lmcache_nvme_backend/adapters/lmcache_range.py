@@ -26,6 +26,9 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 #: The range when the package metadata cannot be read; keep it equal to pyproject.toml's.
 FALLBACK_RANGE = ">=0.5.6,<0.6"
 
@@ -69,42 +72,9 @@ def our_version() -> str:
 def in_range(version: str, spec: str) -> bool | None:
     """Whether ``version`` satisfies ``spec``; None when either cannot be parsed."""
     try:
-        from packaging.specifiers import InvalidSpecifier, SpecifierSet
-        from packaging.version import InvalidVersion, Version
-    except ImportError:
-        return _simple_in_range(version, spec)
-    try:
         return SpecifierSet(spec).contains(Version(version), prereleases=True)
     except (InvalidSpecifier, InvalidVersion):
         return None
-
-
-_CLAUSE = re.compile(r"^(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)$")
-
-
-def _release(version: str) -> tuple[int, ...] | None:
-    match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", version)
-    return tuple(int(part) for part in match.group(1).split(".")) if match else None
-
-
-def _simple_in_range(version: str, spec: str) -> bool | None:
-    """``in_range`` without ``packaging``: release numbers and >=, >, <=, <, ==, != only."""
-    have = _release(version)
-    if have is None:
-        return None
-    for clause in filter(None, (c.strip() for c in spec.split(","))):
-        match = _CLAUSE.match(clause)
-        if match is None:
-            return None
-        op, bound = match.group(1), _release(match.group(2))
-        assert bound is not None
-        width = max(len(have), len(bound))
-        a, b = have + (0,) * (width - len(have)), bound + (0,) * (width - len(bound))
-        ok = {">=": a >= b, ">": a > b, "<=": a <= b, "<": a < b, "==": a == b,
-              "!=": a != b}[op]
-        if not ok:
-            return False
-    return True
 
 
 def describe_lmcache() -> str:
