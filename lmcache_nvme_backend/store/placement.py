@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from ..config import NVMeSettings
 from ..disk.format import TensorMeta
 from ..disk.gpusum import host_checksum
 from ..io import engine
@@ -61,11 +60,10 @@ Placed = tuple[Layout, list[str], Sequence[memoryview], list[bytes], list[Share]
 class Placement:
     """Places the chunks of one store's writes on its roots and settles what was written."""
 
-    def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots, room: Room,
-                 stats: StoreStats, temp_suffix: str, modes: tuple[int, int, int]) -> None:
+    def __init__(self, catalog: Catalog, roots: Roots, room: Room, stats: StoreStats,
+                 temp_suffix: str, modes: tuple[int, int, int]) -> None:
         """``temp_suffix``: the engine's writers' temp-name suffix; ``modes``: the file mode,
         directory mode and fsync level every write share carries."""
-        self._file_mode = settings.file_mode
         self._catalog = catalog
         self._roots = roots
         self._room = room
@@ -159,8 +157,7 @@ class Placement:
                 self._room.guards[root.index].freed(sum(v.size for v in victims))
             if count and (not errors or any(i not in errors for i in mine)):
                 root.consecutive_errors = 0
-                if root.full:
-                    note_space(root)
+                note_space(root)
         whole = one and count == len(digests)  # every chunk of the batch, in order
         if count:
             roots = [shares[0][0].index] * count if one else \
@@ -193,7 +190,7 @@ class Placement:
             root = root_of[i]
             if status == engine.NEW_NAMESPACE:
                 write_namespace_file(root.layout, layout.ns_id, layout.namespace,
-                                     self._file_mode)
+                                     self._modes[0])
                 continue
             self._catalog.release(root.index, layout.file_size)
             error = _os_error(err, root.layout.chunk_path(layout.ns_id, digests[i]))

@@ -12,7 +12,6 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from ..disk.safe_fs import root_descriptor
 from ..io.engine import ChunkEngine
 from .catalog import Catalog
 from .free_space import FreeSpaceGuard
@@ -103,13 +102,13 @@ class Room:
             self.shared.delete(entries)
             return
         if len(self._roots) == 1:
-            layout = self._roots[0].layout
-            fd, chunk_rel = root_descriptor(layout.root_str), layout.chunk_rel
+            root = self._roots[0]
+            fd, chunk_rel = root.descriptor(), root.layout.chunk_rel
             items = [(fd, chunk_rel(e.ns_id, e.digest)) for e in entries]
         else:  # each root has its own descriptor and may have its own shard levels
             layouts = {index: self._roots[index].layout
                        for index in {entry.root for entry in entries}}
-            fds = {index: root_descriptor(layout.root_str) for index, layout in layouts.items()}
+            fds = {index: self._roots[index].descriptor() for index in layouts}
             items = [(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
                      for e in entries]
         errors = self._engine.unlink(items)

@@ -57,11 +57,11 @@ class ChunkWrite:
     exactly once whatever happens to the write; ``persisted`` is set and then
     ``on_persisted`` runs once the chunk file is published (before ``release``).  What the
     store derives from the key (its UTF-8, the digest that names the file, the namespace's
-    directory id) is computed once here.
+    directory id) is derived when asked for: the store's write path works on the columns of
+    a call and derives them there, once.
     """
 
-    __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "nbytes",
-                 "file_size", "key_bytes", "digest", "ns_id", "persisted")
+    __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "persisted")
 
     def __init__(self, key: str, namespace: str, meta: TensorMeta, payload: memoryview,
                  release: Callable[[], None] | None = None,
@@ -72,12 +72,30 @@ class ChunkWrite:
         self.payload = payload
         self.release = release
         self.on_persisted = on_persisted
-        self.nbytes = nbytes = len(payload)
-        self.file_size = file_size_for(nbytes)  # bytes on disk, header and padding too
-        self.key_bytes = key_bytes = text_bytes(key)
-        self.digest = digest_of_key_bytes(key_bytes)  # names the chunk file
-        self.ns_id = namespace_id(namespace)  # names the namespace directory
         self.persisted = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+    @property
+    def file_size(self) -> int:
+        """Bytes on disk, header and padding too."""
+        return file_size_for(len(self.payload))
+
+    @property
+    def key_bytes(self) -> bytes:
+        return text_bytes(self.key)
+
+    @property
+    def digest(self) -> str:
+        """Names the chunk file."""
+        return digest_of_key_bytes(text_bytes(self.key))
+
+    @property
+    def ns_id(self) -> str:
+        """Names the namespace directory."""
+        return namespace_id(self.namespace)
 
 
 class WriteBackQueue:

@@ -66,7 +66,7 @@ class ChunkWriter:
         self.record_gpu_checksums = False
         # The engine's writers share one temp-name suffix (see ``temp_name``); its write
         # shares carry the file mode, directory mode and fsync level.
-        self.placement = Placement(settings, catalog, roots, room, stats,
+        self.placement = Placement(catalog, roots, room, stats,
                                    temp_name("", writer=0),
                                    (settings.file_mode, settings.dir_mode,
                                     _FSYNC_LEVEL[settings.fsync]))
@@ -99,31 +99,14 @@ class ChunkWriter:
         """Queue chunks for persistence without waiting for the drive, as one task: each
         write's ``on_persisted`` runs once its file is published, and every ``release``
         exactly once when the call has ended, whatever the result."""
-        lock = threading.Lock()
-        seen: list[list[SubmitResult] | TaskOutcome] = []  # the results, the outcome
-
-        def ended(outcome: TaskOutcome) -> None:
-            with lock:
-                seen.append(outcome)
-                results = seen[0] if len(seen) == 2 else None
-            if isinstance(results, list):
-                _end_queued(writes, results, outcome)
-
+        end = _WritesEnd(writes)
+        results = [SubmitResult.CLOSED] * len(writes)
         try:
             results = self._submit([w.key for w in writes], [w.namespace for w in writes],
-                                   [w.meta for w in writes], [w.payload for w in writes], ended)
-        except BaseException:
-            results = [SubmitResult.CLOSED] * len(writes)
-            raise
+                                   [w.meta for w in writes], [w.payload for w in writes],
+                                   end.ended)
         finally:
-            for write, result in zip(writes, results, strict=True):
-                if result is not SubmitResult.QUEUED:  # at once: its memory is not needed
-                    _run(write.release, write.key)
-            with lock:
-                seen.insert(0, results)
-                outcome = seen[1] if len(seen) == 2 else None
-            if isinstance(outcome, TaskOutcome):
-                _end_queued(writes, results, outcome)
+            end.admitted(results)
         return results
 
     def _submit(self, keys: Sequence[str], namespaces: Sequence[str],
@@ -306,17 +289,43 @@ class _Gather:
             _call(self._on_done, self._outcome)
 
 
-def _end_queued(writes: Sequence[ChunkWrite], results: list[SubmitResult],
-                outcome: TaskOutcome) -> None:
-    """The queued writes of a ``submit_many`` call ended: each persisted one marked and its
-    ``on_persisted`` run, then each one's ``release``."""
-    persisted = range(len(writes)) if outcome.stored is None else outcome.stored
-    for i in persisted:
-        writes[i].persisted = True
-        _run(writes[i].on_persisted, writes[i].key)
-    for write, result in zip(writes, results, strict=True):
-        if result is SubmitResult.QUEUED:
-            _run(write.release, write.key)
+class _WritesEnd:
+    """How the writes of a ``submit_many`` call end: each one not queued released as soon as
+    admission says so; the queued ones once the call's outcome is in too (which may come
+    first, on the engine's thread): each persisted one marked and its ``on_persisted`` run,
+    then each one's ``release``."""
+
+    def __init__(self, writes: Sequence[ChunkWrite]) -> None:
+        self._writes = writes
+        self._results: list[SubmitResult] | None = None
+        self._outcome: TaskOutcome | None = None
+        self._lock = threading.Lock()
+
+    def admitted(self, results: list[SubmitResult]) -> None:
+        for write, result in zip(self._writes, results, strict=True):
+            if result is not SubmitResult.QUEUED:  # at once: its memory is not needed
+                _run(write.release, write.key)
+        with self._lock:
+            self._results = results
+            outcome = self._outcome
+        if outcome is not None:
+            self._end_queued(results, outcome)
+
+    def ended(self, outcome: TaskOutcome) -> None:
+        with self._lock:
+            self._outcome = outcome
+            results = self._results
+        if results is not None:
+            self._end_queued(results, outcome)
+
+    def _end_queued(self, results: list[SubmitResult], outcome: TaskOutcome) -> None:
+        writes = self._writes
+        for i in range(len(writes)) if outcome.stored is None else outcome.stored:
+            writes[i].persisted = True
+            _run(writes[i].on_persisted, writes[i].key)
+        for write, result in zip(writes, results, strict=True):
+            if result is SubmitResult.QUEUED:
+                _run(write.release, write.key)
 
 
 def _call(on_done: OnTaskDone, outcome: TaskOutcome) -> None:
