@@ -18,6 +18,10 @@ PORT=${PORT:-5555}                           # vLLM's lmcache.mp.port
 HTTP_PORT=${HTTP_PORT:-8080}                 # /status, /cache/clear, /metrics (docs/metrics.md)
 MIN_FREE_GB=${MIN_FREE_GB:-1}                # keep this much of the filesystem free (auto: 5%, at most 1)
 L1_GB=${L1_GB:-20}                           # host memory (L1) in front of the drives
+# More of the --l2-adapter JSON, merged into what this script builds: LMCache's own keys
+# (e.g. '{"serde": {"type": "fp8"}}') and "adapter_params" (any nvme.<name> setting, e.g.
+# '{"shared": true, "adapter_params": {"shared": true}}' for several servers on one directory).
+L2_ADAPTER_EXTRA=${L2_ADAPTER_EXTRA:-"{}"}
 # The interpreter of the environment lmcache is installed in (default: the python next to
 # the lmcache command, else python3).
 LMCACHE_BIN=$(command -v lmcache || true)
@@ -38,7 +42,7 @@ fi
 # class, as the server will; the cache directories checked with check_paths, as the store will
 # when it opens them), so that a bad value stops here with its variable named.
 L2_ADAPTER=$(CACHE_DIR=$CACHE_DIR MAX_SIZE_GB=$MAX_SIZE_GB MIN_FREE_GB=$MIN_FREE_GB \
-             PORT=$PORT HTTP_PORT=$HTTP_PORT L1_GB=$L1_GB \
+             PORT=$PORT HTTP_PORT=$HTTP_PORT L1_GB=$L1_GB L2_ADAPTER_EXTRA=$L2_ADAPTER_EXTRA \
              LMCACHE_LOG_LEVEL=${LMCACHE_LOG_LEVEL:-WARNING} "$PYTHON" - <<'PY'
 import json, math, os, sys
 
@@ -71,6 +75,18 @@ params = {"path": cache_dir,
           "min_free_gb": number("MIN_FREE_GB", 1, 0, auto=True),
           "direct_io": "auto", "io_threads": 8, "stats_log_interval_s": 60}
 number("L1_GB", 20, 0, above=True)
+try:
+    extra = json.loads(os.environ["L2_ADAPTER_EXTRA"])
+except ValueError as exc:
+    fail(f"L2_ADAPTER_EXTRA is not JSON ({exc}); e.g. L2_ADAPTER_EXTRA='{{\"serde\": "
+         "{\"type\": \"fp8\"}}'")
+if not isinstance(extra, dict) or not isinstance(extra.get("adapter_params", {}), dict):
+    fail("L2_ADAPTER_EXTRA must be a JSON object (its adapter_params too); e.g. "
+         "L2_ADAPTER_EXTRA='{\"shared\": true, \"adapter_params\": {\"shared\": true}}'")
+fixed = sorted({"type", "module_path", "class_name"} & set(extra))
+if fixed:
+    fail(f"L2_ADAPTER_EXTRA sets {', '.join(fixed)}, which this script sets: remove them")
+params.update(extra.pop("adapter_params", {}))
 number("PORT", 5555, 1, integer=True, maximum=65535)
 number("HTTP_PORT", 8080, 1, integer=True, maximum=65535)
 try:
@@ -85,7 +101,7 @@ except NVMeConfigError as exc:
          f"MAX_SIZE_GB={os.environ['MAX_SIZE_GB']!r}, "
          f"MIN_FREE_GB={os.environ['MIN_FREE_GB']!r}): {exc}")
 print(json.dumps({"type": "plugin", "module_path": "lmcache_nvme_backend",
-                  "class_name": "NVMeL2Adapter", "adapter_params": params}))
+                  "class_name": "NVMeL2Adapter", "adapter_params": params, **extra}))
 PY
 ) || exit 2
 

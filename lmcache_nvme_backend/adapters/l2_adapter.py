@@ -29,12 +29,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
+from ..disk.format import TensorMeta
 from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
 from ._common import announce, ignore_unknown_arguments, logger, open_store
@@ -46,6 +49,7 @@ from .object_keys import object_key_columns, object_key_strings
 with lmcache_imports():
     from lmcache.lmcache_native import Bitmap
     from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.eviction import L2EvictionPolicy
     from lmcache.v1.distributed.internal_api import L2StoreResult
     from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
     from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
@@ -53,7 +57,7 @@ with lmcache_imports():
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
-    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2AdapterListener
     from lmcache.v1.memory_management import MemoryObj
 
 TIER = "NVMe L2 adapter"
@@ -100,6 +104,10 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
                 '"max_size_gb": 500}}')
 
 
+def _call_now(function: Callable[..., None], *args: Any) -> None:
+    function(*args)
+
+
 def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSettings:
     """The validated settings, with the server's default of four writers per path."""
     if not isinstance(config, NVMeL2AdapterConfig):
@@ -109,6 +117,29 @@ def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSet
         settings = dataclasses.replace(settings,
                                        write_threads=WRITERS_PER_PATH * len(settings.paths))
     return settings
+
+
+def refuse_persist_disabled(argv: Sequence[str]) -> None:
+    """Stop a server whose ``--l2-adapter`` for this adapter says ``"persist_enabled": false``.
+
+    LMCache 0.5.6 keeps that key (beside ``adapter_params``) from plugin adapters, so the
+    command line is the one place it can be read.  The tier keeps its chunks across
+    restarts whatever it says, so a server that asked for the opposite does not start."""
+    specs = [arg.partition("=")[2] if arg.startswith("--l2-adapter=") else nxt
+             for arg, nxt in zip(argv, [*argv[1:], ""], strict=True)
+             if arg.startswith("--l2-adapter=") or arg == "--l2-adapter"]
+    for raw in specs:
+        try:
+            spec = json.loads(raw)
+        except ValueError:
+            continue  # LMCache names a malformed --l2-adapter itself
+        if (isinstance(spec, dict) and spec.get("class_name") == "NVMeL2Adapter"
+                and spec.get("persist_enabled", True) is False):
+            raise NVMeConfigError(
+                '--l2-adapter "persist_enabled": false: the NVMe tier keeps its chunks '
+                "across restarts (that is what it is for) and cannot drop them at "
+                'shutdown. Remove "persist_enabled" from the --l2-adapter JSON; to start '
+                "empty, give it a new path or run `lmcache-nvme gc --max-size-gb 0 PATH`.")
 
 
 class NVMeL2Adapter(L2AdapterInterface):
@@ -125,6 +156,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         plugins to accept ``**kwargs`` so that an argument a later LMCache adds does not
         stop the server: those are logged once per process and not used."""
         ignore_unknown_arguments(TIER, kwargs)
+        refuse_persist_disabled(sys.argv)
         store = open_store(TIER, lambda: _server_settings(config))
         fix_cpu_split_kv_registration()  # SGLang's KV pools on a CPU server
         settings = store.settings
@@ -152,6 +184,12 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._signal_later = store.engine.signal_later \
             if isinstance(self._store_efd, EventfdNotifier) else None
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-lookup")
+        # No call into the adapter may wait on the drive (LMCache may serialize every call
+        # under one lock): deletes unlink on a thread of their own, and with
+        # queue_full_policy "wait" a store waits for room there too, not in the caller.
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-background")
+        self._submit = self._background.submit if settings.queue_full_policy == "wait" \
+            else _call_now
         # Chunks found on disk at start count toward usage; their keys are not known
         # until read, so they are accounted as one untracked amount.
         recovered = store.usage()["used_bytes"]
@@ -194,12 +232,17 @@ class NVMeL2Adapter(L2AdapterInterface):
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
             self._stored(task_id, keys, TaskOutcome.failed())
             return task_id
+        self._submit(self._submit_task, task_id, keys, names, namespaces, metas, payloads)
+        return task_id
+
+    def _submit_task(self, task_id: L2TaskId, keys: list[ObjectKey], names: list[str],
+                     namespaces: list[str], metas: list[TensorMeta],
+                     payloads: list[memoryview]) -> None:
         try:
             self.store.submit_task(names, namespaces, metas, payloads,
                                    functools.partial(self._stored, task_id, keys))
         except Exception:  # the task has completed (failed) all the same
             logger.exception("NVMe L2 adapter: store task %d failed to submit", task_id)
-        return task_id
 
     def _stored(self, task_id: L2TaskId, keys: list[ObjectKey], outcome: TaskOutcome) -> None:
         """Every chunk of the task ended: its result for LMCache, the stored keys announced."""
@@ -300,8 +343,38 @@ class NVMeL2Adapter(L2AdapterInterface):
     # -- eviction and usage ----------------------------------------------------------
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Remove the chunks (LMCache's own L2 eviction, when configured, calls this)."""
-        self.store.remove_many(object_key_strings(keys))
+        """Remove the chunks at once, their files unlinked in the background."""
+        self.store.remove_many(object_key_strings(keys), unlink_in=self._background.submit)
+
+    # -- LMCache's L2 framework settings -------------------------------------------------
+
+    def register_listener(self, listener: L2AdapterListener) -> None:
+        """LMCache's own L2 eviction (an ``"eviction"`` block in ``--l2-adapter``) listens
+        through here: refused, since the tier's budget already evicts (least recently
+        used, one budget for every member in shared mode) and both would evict for one
+        overage."""
+        if isinstance(listener, L2EvictionPolicy):
+            self.close()
+            raise NVMeConfigError(
+                '--l2-adapter "eviction": the NVMe tier evicts on its own, least recently '
+                "used first, to keep its files within adapter_params.max_size_gb (one "
+                "budget for every member in shared mode); LMCache's L2 eviction on top "
+                'would evict the same chunks again. Remove the "eviction" block from the '
+                "--l2-adapter JSON and set max_size_gb to the space the tier may use.")
+        super().register_listener(listener)
+
+    def set_backend_identity(self, name: str, shared: bool = False) -> None:
+        """LMCache's ``"shared": true`` (a storage domain several servers mount) is the
+        tier's shared mode: without ``adapter_params.shared`` each server would keep its
+        own budget and index of one directory, so that combination is refused."""
+        if shared and not self.settings.shared:
+            self.close()
+            raise NVMeConfigError(
+                '--l2-adapter "shared": true: several servers on one directory need the '
+                'tier\'s shared mode (one budget and one index for all of them). Add '
+                '"shared": true to adapter_params as well, or remove "shared" from the '
+                "--l2-adapter JSON if only this server uses the directory.")
+        super().set_backend_identity(name, shared=shared)
 
     def _on_removed(self, entries: list[IndexEntry]) -> None:
         """The store dropped chunks (eviction, delete, a vanished or invalid file)."""
@@ -351,6 +424,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._closed = True
         self._observer.close()
         self._lookup_pool.shutdown(wait=True)
+        self._background.shutdown(wait=True)
         self.store.close()
         self._store_efd.close()
         self._lookup_efd.close()

@@ -172,10 +172,18 @@ class ChunkStore:
         """Delete a chunk (pinned or not)."""
         return self.remove_many([key]) == 1
 
-    def remove_many(self, keys: Sequence[str]) -> int:
-        """Delete chunks (pinned or not), their files in one batch; how many were stored."""
+    def remove_many(self, keys: Sequence[str],
+                    unlink_in: Callable[..., object] | None = None) -> int:
+        """Delete chunks (pinned or not), their files in one batch; how many were stored.
+
+        With ``unlink_in`` (e.g. an executor's ``submit``) the files are unlinked by
+        ``unlink_in(unlink, entries)``, so that the caller does not wait on the drive: the
+        chunks have left the index, and the removal listeners heard of it, on return."""
         entries = self._catalog.remove_many(key_digests(keys))
-        if entries:
+        if entries and unlink_in is not None:
+            self._catalog.notify_removed(entries)
+            unlink_in(self._room.unlink, entries)
+        elif entries:
             self._room.unlink(entries)
             self._catalog.notify_removed(entries)
         return len(entries)

@@ -7,6 +7,7 @@ import gc
 import os
 import select
 import threading
+import time
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,11 +17,15 @@ import pytest
 import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.config import EvictionConfig
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import (
     add_l2_adapters_args,
     parse_args_to_l2_adapters_config,
+)
+from lmcache.v1.distributed.storage_controllers.eviction_controller import (
+    L2AdapterEvictionState,
 )
 from lmcache.v1.memory_management import (
     MemoryFormat,
@@ -29,11 +34,13 @@ from lmcache.v1.memory_management import (
     TensorMemoryObj,
 )
 from lmcache.v1.platform import consume_fd
+from support.io_faults import before_each_write
 
 from lmcache_nvme_backend import NVMeConfigError
 from lmcache_nvme_backend.adapters.l2_adapter import (
     NVMeL2Adapter,
     NVMeL2AdapterConfig,
+    refuse_persist_disabled,
 )
 from lmcache_nvme_backend.adapters.object_keys import (
     object_key_namespace,
@@ -482,5 +489,98 @@ def test_shared_mode_finds_chunks_another_server_wrote(tmp_path: Path,
     assert two.stats()["shared_adopted"] == 3
     two.submit_unlock(keys)
     one.delete(keys[:1])  # the other server evicts one: a miss here, not an error
-    two.store.refresh_shared()
+    assert lookup(one, keys) == [False, True, True]  # gone from its index at once
+    deadline = time.monotonic() + 30  # its file and its journal line follow
+    while True:
+        two.store.refresh_shared()
+        if lookup(two, keys) == [False, True, True] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert lookup(two, keys) == [False, True, True]
+
+
+# -- LMCache's L2 framework settings ---------------------------------------------------------
+
+
+def test_no_call_waits_on_a_stuck_drive(tmp_path: Path, open_adapter: AdapterFactory) -> None:
+    """LMCache may make every call into the adapter under one lock (its QoS wrapper does):
+    while the drive takes nothing, with a write queue that fills and queue_full_policy
+    "wait", each call still returns; what was queued is persisted once the drive is back."""
+    adapter = open_adapter(tmp_path, write_queue_mb=2 * CHUNK_BYTES / 2**20,
+                           queue_full_policy="wait")
+    old_keys, old_objs = make_keys(2, start=100), make_objs(2, seed=3)
+    assert store(adapter, old_keys, old_objs).is_successful()
+    drive = threading.Event()
+    before_each_write(adapter.store, drive.wait)
+    unlink = adapter.store.engine.unlink
+    adapter.store.engine.unlink = lambda items: (drive.wait(), unlink(items))[1]  # type: ignore[method-assign]
+    keys, objs = make_keys(6), make_objs(6, seed=9)
+    dest = make_objs(1, seed=None)
+    tasks: list[int] = []
+    calls: list[Callable[[], object]] = [
+        *[lambda i=i: tasks.append(adapter.submit_store_task(keys[i:i + 2], objs[i:i + 2]))
+          for i in (0, 2, 4)],  # three times the queue's room
+        lambda: adapter.delete(old_keys[:1]),
+        lambda: adapter.submit_lookup_and_lock_task(old_keys, LAYOUT),
+        lambda: adapter.submit_unlock(old_keys),
+        lambda: adapter.submit_load_task(old_keys[1:], dest),
+        adapter.get_usage, adapter.report_status]
+    caller = threading.Thread(target=lambda: [call() for call in calls], daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    stuck = caller.is_alive()
+    drive.set()
+    assert not stuck, "an adapter call waited for the drive"
+    results: dict[int, L2StoreResult] = {}
+    while len(results) < 3:
+        wait_fd(adapter.get_store_event_fd())
+        results.update(adapter.pop_completed_store_tasks())
+    assert all(results[task].is_successful() for task in tasks)
+    assert lookup(adapter, keys) == [True] * 6
+    assert lookup(adapter, old_keys) == [False, True]
+    loaded = make_objs(6, seed=None)
+    assert load(adapter, keys, loaded) == [True] * 6
+    assert all(same(a, b) for a, b in zip(objs, loaded, strict=True))
+    assert same(dest[0], old_objs[1])
+
+
+def test_lmcaches_own_l2_eviction_is_refused(tmp_path: Path) -> None:
+    adapter = load_adapter(tmp_path)
+    config = EvictionConfig(eviction_policy="LRU", trigger_watermark=0.8, eviction_ratio=0.2)
+    with pytest.raises(NVMeConfigError, match='"eviction": the NVMe tier evicts on its own'):
+        L2AdapterEvictionState(adapter_id=0, adapter=adapter, eviction_config=config)
+    assert adapter._closed  # the store let go of its directory for the next start
+
+
+@pytest.mark.parametrize(("lmcache_shared", "tier_shared", "starts"),
+                         [(True, False, False), (True, True, True), (False, True, True),
+                          (False, False, True)])
+def test_lmcaches_shared_flag_needs_the_tiers_shared_mode(
+        tmp_path: Path, open_adapter: AdapterFactory, lmcache_shared: bool,
+        tier_shared: bool, starts: bool) -> None:
+    adapter = open_adapter(tmp_path, shared=tier_shared)
+    if starts:
+        adapter.set_backend_identity("plugin", shared=lmcache_shared)
+        return
+    with pytest.raises(NVMeConfigError, match='Add "shared": true to adapter_params'):
+        adapter.set_backend_identity("plugin", shared=lmcache_shared)
+
+
+@pytest.mark.parametrize("argv", [
+    ["lmcache", "server", "--l2-adapter", '{"class_name": "NVMeL2Adapter", '
+     '"persist_enabled": false}'],
+    ["lmcache", "server", '--l2-adapter={"class_name": "NVMeL2Adapter", '
+     '"persist_enabled": false}']])
+def test_persist_disabled_on_the_command_line_is_refused(argv: list[str]) -> None:
+    with pytest.raises(NVMeConfigError, match='"persist_enabled": false: the NVMe tier keeps'):
+        refuse_persist_disabled(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["lmcache", "server", "--l2-adapter", '{"class_name": "NVMeL2Adapter", '
+     '"persist_enabled": true}'],
+    ["lmcache", "server", "--l2-adapter", '{"type": "fs", "persist_enabled": false}'],
+    ["lmcache", "server", "--l2-adapter", "{not json"],
+    ["lmcache", "server", "--l2-adapter"]])
+def test_persist_left_on_or_for_another_adapter_starts(argv: list[str]) -> None:
+    refuse_persist_disabled(argv)

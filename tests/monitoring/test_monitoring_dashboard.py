@@ -13,24 +13,19 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 from support.monitoring import ALERTS, alert_rules, dashboard, panels
-from support.mp_server import QUIET_ENV, MPServer
-from support.process import child_env
+from support.mp_server import MPServer
 from support.prometheus import Prometheus
 from support.system_packages import ensure_programs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# 2 MiB chunks (256 tokens x 4 layers x K,V x 8 heads x 64 x fp16); 4 chunks per request
-KV_SHAPE = "(2,256,16,8,64):float16:4"
-TOKENS = 1024
+# 2 MiB chunks, 4 per request (support.mp_server.BENCH_KV_SHAPE)
 BUDGET_GB = "0.1"  # 50 chunks: the third batch of requests forces evictions
 # What Grafana puts in a query: "All" of each variable, and a rate window.
 GRAFANA_VALUES = {"$__rate_interval": "1m", "$instance": ".*", "$adapter": ".*",
@@ -47,18 +42,6 @@ def grafana(expr: str) -> str:
     for variable, value in GRAFANA_VALUES.items():
         expr = expr.replace(variable, value)
     return expr
-
-
-def bench_server(server: MPServer, start: int, end: int) -> None:
-    """LMCache's server benchmark: requests ``start`` .. ``end`` - 1, checksummed."""
-    cmd = [sys.executable, "-c", "import sys; from lmcache.cli.main import main; "
-           "sys.exit(main())", "bench", "server", "--mode", "cpu",
-           "--rpc-url", f"tcp://127.0.0.1:{server.port}", "--url", server.http,
-           "--start", str(start), "--end", str(end), "--interval", "0",
-           "--num-tokens", str(TOKENS), "--kvcache-shape-spec", KV_SHAPE, "-q"]
-    proc = subprocess.run(cmd, env=child_env(**QUIET_ENV), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def wait_for_first_scrape(prometheus: Prometheus) -> None:
@@ -96,10 +79,10 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
                                 [f"127.0.0.1:{server.http_port}"], [ALERTS])
         try:
             wait_for_first_scrape(prometheus)
-            bench_server(server, 0, 8)     # stored: L1, then written to the tier
+            server.bench(0, 8)     # stored: L1, then written to the tier
             server.clear_l1()
-            bench_server(server, 0, 8)     # the same prompts, read back from the tier
-            bench_server(server, 100, 140)  # more than the budget: evictions
+            server.bench(0, 8)     # the same prompts, read back from the tier
+            server.bench(100, 140)  # more than the budget: evictions
             wait_for_scrape_of(prometheus, server)
             yield Scrape(prometheus, server)
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .paths import MP_SERVER_SCRIPT
-from .process import free_port, wait_until_answers
+from .process import child_env, free_port, wait_until_answers
 
 START_S = 120
 #: No telemetry, no banner; what every process of the end-to-end tests runs with.
@@ -104,15 +105,25 @@ def wait_persisted(http: str, entries: int, timeout_s: float = 60.0) -> dict[str
         time.sleep(0.2)
 
 
+#: ``lmcache bench server``'s KV cache and request length in these tests: 4 chunks of
+#: 256 tokens a request, 2 MiB of float16 KV a chunk.
+BENCH_KV_SHAPE = "(2,256,16,8,64):float16:4"
+BENCH_TOKENS = 1024
+_DIGEST = re.compile(r"\[seq (\d+)/(cold|warm)\] CHECKSUM: ([0-9a-f]+)")
+
+
 class MPServer:
     """One ``lmcache server`` with our adapter on ``cache_dir``, run by examples/mp-server.sh.
 
     ``env`` is added to this process's environment (after :data:`QUIET_ENV`);
-    ``settings`` are the script's variables (``MAX_SIZE_GB``, ``MIN_FREE_GB``, ``L1_GB``).
+    ``settings`` are the script's variables (``MAX_SIZE_GB``, ``MIN_FREE_GB``, ``L1_GB``,
+    ``L2_ADAPTER_EXTRA``).  With ``l2_adapter`` (an ``--l2-adapter`` spec, e.g. one of
+    LMCache's own adapters) the server is started as the script starts it, with that L2
+    instead (``cache_dir`` unused).
     """
 
     def __init__(self, cache_dir: Path, log: Path, env: Mapping[str, str] | None = None,
-                 **settings: str) -> None:
+                 l2_adapter: dict[str, Any] | None = None, **settings: str) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
         self.log = log
@@ -123,7 +134,15 @@ class MPServer:
                     "CACHE_DIR": str(cache_dir), "PORT": str(self.port),
                     "HTTP_PORT": str(self.http_port),
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        self.proc = subprocess.Popen(["bash", str(MP_SERVER_SCRIPT)], stdout=self._log_file,
+        command = ["bash", str(MP_SERVER_SCRIPT)]
+        if l2_adapter is not None:  # the script's own command line, with this L2
+            command = ["lmcache", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                       "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+                       "--chunk-size", "256", "--l1-size-gb", variables["L1_GB"],
+                       "--no-l1-use-lazy", "--eviction-policy", "LRU",
+                       "--supported-transfer-mode", "auto",
+                       "--l2-adapter", json.dumps(l2_adapter)]
+        self.proc = subprocess.Popen(command, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
         try:
@@ -156,6 +175,24 @@ class MPServer:
                                  if k not in ("adapter", "cache_dir", "root")): s.value
                 for family in text_string_to_metric_families(text)
                 if family.name.startswith("lmcache_nvme_") for s in family.samples}
+
+    def bench(self, start: int, end: int) -> dict[tuple[int, str], str]:
+        """LMCache's server benchmark (``lmcache bench server --mode cpu``) for requests
+        ``start`` .. ``end`` - 1: each stored if missed, then read back; the digest of the
+        KV each request stored (``cold``) or read back (``warm``), by request and kind.
+        Fails if the benchmark does, e.g. on a checksum mismatch within the run."""
+        cmd = [sys.executable, "-c", "import sys; from lmcache.cli.main import main; "
+               "sys.exit(main())", "bench", "server", "--mode", "cpu",
+               "--rpc-url", f"tcp://127.0.0.1:{self.port}", "--url", self.http,
+               "--start", str(start), "--end", str(end), "--interval", "0",
+               "--num-tokens", str(BENCH_TOKENS), "--kvcache-shape-spec", BENCH_KV_SHAPE]
+        proc = subprocess.run(cmd, env=child_env(**QUIET_ENV), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        failed = re.search(r"Checksum FAIL:\s+(\d+)", proc.stdout)
+        assert failed is None or failed.group(1) == "0", proc.stdout[-3000:]
+        return {(int(seq), kind): digest
+                for seq, kind, digest in _DIGEST.findall(proc.stdout + proc.stderr)}
 
     def stop(self) -> None:
         """SIGINT (a clean close saves the adapter's index), then SIGKILL if it hangs."""
