@@ -62,20 +62,21 @@ typedef struct batch {
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t done_cv; /* a batch finished */
-    sem_t read_sem, write_sem;
     _Atomic(batch *) incoming;
     chunk_piece *head, *tail;
     write_job *whead, *wtail;
     batch *done_head, *done_tail;
     atomic_long async_pending;
     atomic_long reads_in_flight;
-    atomic_int read_sleepers, write_sleepers; /* workers in (or entering) sem_wait */
-    atomic_int read_waking, write_waking;     /* of them, woken and not yet running */
     atomic_int stop;
-    int nthreads, nwthreads;
+    /* per kind of worker, indexed by BATCH_READ and BATCH_WRITE */
+    sem_t sem[2];
+    atomic_int sleepers[2]; /* workers in (or entering) sem_wait */
+    atomic_int waking[2];   /* of them, woken and not yet running */
+    int nthreads[2];        /* created */
+    int started[2];         /* running, their kernel ids recorded */
     pthread_t *threads;
-    pid_t *tids; /* kernel thread ids: readers first, then writers (recorded at start) */
-    int readers_started, writers_started, readers_wanted;
+    pid_t *tids; /* kernel thread ids: readers first, then writers */
     size_t task_size;
     chunk_pool *pool; /* removed chunk files kept for writes of their size (or NULL) */
 } engine;
