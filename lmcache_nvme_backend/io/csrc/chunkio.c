@@ -47,7 +47,7 @@ _Atomic uint64_t chunkio_hash_sampled_bytes;
 _Atomic uint64_t chunkio_overlapped_writes;
 _Atomic uint64_t chunkio_recycled_writes;
 
-size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
+static size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
 
 static uint64_t rd_u64(const uint8_t *p) {
     uint64_t v;
@@ -131,7 +131,9 @@ static int walk_open(int root_fd, const char *rel, int flags, mode_t mode) {
     return out < 0 ? -err : out;
 }
 
-int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
+/* open(root_fd / rel, flags, mode) without following a link in any component;
+ * returns a descriptor or -errno. */
+static int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
     if (!atomic_load_explicit(&openat2_unavailable, memory_order_relaxed)) {
         struct open_how_v0 how = {(uint64_t)(flags | O_CLOEXEC),
                                   (flags & O_CREAT) ? (uint64_t)mode : 0,
@@ -145,6 +147,11 @@ int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
 }
 
 /* -- hashing ------------------------------------------------------------------------------ */
+
+/* The version of a header of this format, or 0. */
+static unsigned header_version(const uint8_t *h) {
+    return memcmp(h, MAGIC, 8) == 0 ? rd_u16(h + OFF_VERSION) : 0;
+}
 
 /* Hashes the format's checksum blocks of the payload that lie wholly in [begin, end). */
 static void hash_blocks(const uint8_t *payload, uint64_t payload_len, size_t begin, size_t end,
@@ -166,13 +173,6 @@ static void hash_blocks(const uint8_t *payload, uint64_t payload_len, size_t beg
 
 static uint64_t combine_digests(const uint64_t *digests, size_t blocks) {
     return xxh3_64(digests, blocks * 8);
-}
-
-static uint64_t whole_checksum(const uint8_t *payload, uint64_t len) {
-    uint64_t started = hash_timer_start();
-    uint64_t sum = xxh3_64(payload, (size_t)len);
-    hash_timer_stop(started, len);
-    return sum;
 }
 
 /* -- the header ----------------------------------------------------------------------- */
@@ -247,8 +247,7 @@ static int utf8_ok(const uint8_t *s, size_t n) {
  * too.  Anything else goes to that validator, which names the defect. */
 static int quick_verdict(const chunk_read *req) {
     const uint8_t *h = req->header;
-    if (memcmp(h, MAGIC, 8) != 0) return 0;
-    unsigned version = rd_u16(h + OFF_VERSION);
+    unsigned version = header_version(h);
     if ((version != 1 && version != 2) || rd_u16(h + OFF_HEADER_SIZE) != CHUNK_HEADER_SIZE)
         return 0;
     if (xxh3_64(h, HEADER_CHECKSUM_OFFSET) != rd_u64(h + HEADER_CHECKSUM_OFFSET)) return 0;
@@ -269,11 +268,6 @@ static int quick_verdict(const chunk_read *req) {
 }
 
 /* -- reads -------------------------------------------------------------------------------- */
-
-static void read_fail(chunk_read *req, int err) {
-    int none = 0;
-    atomic_compare_exchange_strong(&req->error, &none, err);
-}
 
 static void split_for_direct(const chunk_read *req, size_t *in_place, size_t *staged) {
     size_t len = (size_t)req->payload_len;
@@ -340,28 +334,14 @@ static void iov_skip(struct iovec **iov, int *count, size_t n) {
     }
 }
 
-/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
-static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
+/* Reads (or, `writing`, writes) exactly the iovec's bytes at `offset`; 0, or an errno
+ * (ENODATA: a read met the end of the file). */
+static int pio_full(int fd, struct iovec *iov, int count, off_t offset, int writing) {
     while (count > 0) {
-        ssize_t n = preadv(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) return ENODATA;
-        offset += n;
-        iov_skip(&iov, &count, (size_t)n);
-    }
-    return 0;
-}
-
-static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
-    while (count > 0) {
-        ssize_t n = pwritev(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
+        ssize_t n = writing ? pwritev(fd, iov, count, offset) : preadv(fd, iov, count, offset);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return errno;
+        if (n == 0 && !writing) return ENODATA;
         offset += n;
         iov_skip(&iov, &count, (size_t)n);
     }
@@ -397,7 +377,7 @@ static int transfer(chunk_piece *piece) {
             at = 0;
         }
         if (len) iov[count++] = (struct iovec){target, len};
-        if (count) err = preadv_full(fd, iov, count, at);
+        if (count) err = pio_full(fd, iov, count, at, 0);
         if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
     }
     close(fd);
@@ -410,9 +390,10 @@ static void finalize(chunk_read *req) {
         req->status = CHUNK_FAILED;
         return;
     }
-    unsigned version = memcmp(req->header, MAGIC, 8) == 0 ? rd_u16(req->header + OFF_VERSION) : 0;
-    if (version == 1) {
-        req->computed = whole_checksum(req->dest, req->payload_len);
+    if (header_version(req->header) == 1) {
+        uint64_t started = hash_timer_start();
+        req->computed = xxh3_64(req->dest, (size_t)req->payload_len);
+        hash_timer_stop(started, req->payload_len);
     } else {
         for (size_t b = 0; b < req->blocks; b++)
             if (!req->hashed[b])
@@ -426,14 +407,12 @@ static void finalize(chunk_read *req) {
 int chunk_read_run(chunk_piece *piece) {
     chunk_read *req = piece->req;
     if (!atomic_load(&req->error)) {
-        int err = transfer(piece);
+        int err = transfer(piece), none = 0;
         if (err) {
-            read_fail(req, err);
+            atomic_compare_exchange_strong(&req->error, &none, err);
         } else {
             /* a version 1 file is checked over the whole payload at the end */
-            int v1 = piece->start == 0 && memcmp(req->header, MAGIC, 8) == 0 &&
-                     rd_u16(req->header + OFF_VERSION) == 1;
-            if (!v1)
+            if (piece->start != 0 || header_version(req->header) != 1)
                 hash_blocks(req->dest, req->payload_len, piece->start,
                             piece->start + piece->len, req->digests, req->hashed);
         }
@@ -510,7 +489,7 @@ static int write_payload(int fd, const uint8_t *header, const uint8_t *data, siz
         size_t pad = chunk_padded(len) - len;
         if (len) iov[count++] = (struct iovec){(void *)data, len};
         if (pad) iov[count++] = (struct iovec){(void *)ZEROS, pad};
-        return count ? pwritev_full(fd, iov, count, at) : 0;
+        return count ? pio_full(fd, iov, count, at, 1) : 0;
     }
     size_t bulk = is_aligned(data) ? len / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT : 0;
     size_t done = 0;
@@ -528,13 +507,13 @@ static int write_payload(int fd, const uint8_t *header, const uint8_t *data, siz
             memset(b->staging + n, 0, out - n);
             iov[count++] = (struct iovec){b->staging, out};
         }
-        int err = pwritev_full(fd, iov, count, at);
+        int err = pio_full(fd, iov, count, at, 1);
         if (err) return err;
         at += (off_t)out + (count == 2 ? CHUNK_HEADER_SIZE : 0);
         done += n;
         count = 0;
     }
-    return count ? pwritev_full(fd, iov, count, at) : 0; /* an empty payload: the header */
+    return count ? pio_full(fd, iov, count, at, 1) : 0; /* an empty payload: the header */
 }
 
 /* The job's header, into `out`, from its payload's block digests: 0 or EINVAL. */
@@ -588,7 +567,7 @@ static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int i
                 if (!err) err = (int)-events[e].res;
             } else if ((size_t)events[e].res < want && !err) {
                 iov_skip(&iov, &count, (size_t)events[e].res);
-                err = pwritev_full(fd, iov, count, (off_t)cb->aio_offset + events[e].res);
+                err = pio_full(fd, iov, count, (off_t)cb->aio_offset + events[e].res, 1);
             }
         }
         in_flight -= (int)got;
@@ -645,7 +624,7 @@ static int write_overlapped(const chunk_write *job, int fd, int allocated, threa
         if (syscall(SYS_io_submit, ctx, 1, one) == 1)
             in_flight++;
         else
-            err = pwritev_full(fd, iov, (int)cb->aio_nbytes, (off_t)cb->aio_offset);
+            err = pio_full(fd, iov, (int)cb->aio_nbytes, (off_t)cb->aio_offset, 1);
     }
     int reaped = reap_groups(b, fd, vecs, in_flight);
     atomic_fetch_add_explicit(&chunkio_overlapped_writes, 1, memory_order_relaxed);
@@ -689,7 +668,7 @@ static int write_temp(chunk_write *job, int fd, int allocated, size_t task_size)
         if (!err) err = encode_job_header(job, b->header, digests, blocks, created);
         if (!err) {
             struct iovec iov = {b->header, CHUNK_HEADER_SIZE};
-            err = pwritev_full(fd, &iov, 1, 0);
+            err = pio_full(fd, &iov, 1, 0, 1);
         }
     }
     if (digests != stack_digests) free(digests);

@@ -42,12 +42,6 @@ extern _Atomic uint64_t chunkio_hash_sampled_bytes;
 extern _Atomic uint64_t chunkio_overlapped_writes; /* chunks written while hashed (AIO) */
 extern _Atomic uint64_t chunkio_recycled_writes;   /* chunks written into a retired file */
 
-size_t chunk_padded(size_t n);
-
-/* open(root_fd / rel, flags, mode) without following a link in any component;
- * returns a descriptor or -errno. */
-int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode);
-
 /* -- reads -------------------------------------------------------------------------- */
 
 typedef struct chunk_read chunk_read;
