@@ -191,10 +191,7 @@ enum { COL_DIGESTS, COL_BUFFERS, COL_KEYS, COL_GPU };
  * reference, or NULL with an exception. */
 static PyObject *gpu_checksums_of(PyObject *share, Py_ssize_t s, Py_ssize_t size) {
     PyObject *sums = PyTuple_GET_ITEM(share, 12);
-    if (sums == Py_None) {
-        Py_INCREF(sums);
-        return sums;
-    }
+    if (sums == Py_None) return Py_NewRef(sums);
     if (!PyList_Check(sums)) {
         PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums must be None or a list, not "
                      "%.100s", s, Py_TYPE(sums)->tp_name);
@@ -226,12 +223,7 @@ static PyObject *columns_of(PyObject *share, const share_shape *shape, Py_ssize_
         PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
         return NULL;
     }
-    if (shape == &WRITE_SHARE) {
-        gpu = gpu_checksums_of(share, s, size);
-    } else {
-        gpu = Py_None;
-        Py_INCREF(gpu);
-    }
+    gpu = shape == &WRITE_SHARE ? gpu_checksums_of(share, s, size) : Py_NewRef(Py_None);
     if (gpu == NULL || (cols = PyTuple_New(4)) == NULL) {
         Py_XDECREF(gpu);
         return NULL;
@@ -399,19 +391,20 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
     for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(p->shares); s++) {
         PyObject *share = PyTuple_GET_ITEM(p->shares, s), *cols = PyTuple_GET_ITEM(p->columns, s);
         PyObject *dests = PyTuple_GET_ITEM(cols, COL_BUFFERS);
-        int root_fd, direct;
+        chunk_read common = {.owner = b}; /* what the share's chunks share */
         unsigned long long payload_len;
-        const uint8_t *meta;
-        size_t meta_len;
         naming nm;
         const share_shape *shape = &READ_SHARE;
         if (naming_parse(share, shape, s, &nm) != 0 ||
-            field_int(share, shape, s, 0, &root_fd) != 0 || field_flag(share, 2, &direct) != 0 ||
+            field_int(share, shape, s, 0, &common.root_fd) != 0 ||
+            field_flag(share, 2, &common.direct) != 0 ||
             field_u64(share, shape, s, 3, &payload_len) != 0 ||
-            field_bytes(share, shape, s, 4, &meta, &meta_len) != 0)
+            field_bytes(share, shape, s, 4, &common.meta, &common.meta_len) != 0)
             goto fail;
+        common.payload_len = payload_len;
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dests); j++, i++) {
             chunk_read *r = &b->reqs[i];
+            *r = common;
             Py_ssize_t len;
             const char *d = digest_at(cols, j, &len);
             if (d == NULL || key_at(cols, s, j, &r->key, &r->key_len) != 0 ||
@@ -422,15 +415,9 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
             at = put_shard_dir(at, &nm, d);
             *at++ = '/';
             at = put_file_name(at, &nm, d, len, 0);
-            r->root_fd = root_fd;
             r->dest = p->bufs[i].buf;
             r->dest_len = (size_t)p->bufs[i].len;
-            r->payload_len = payload_len;
-            r->direct = direct;
-            r->meta = meta;
-            r->meta_len = meta_len;
             r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
-            r->owner = b;
             if (r->dest_len < payload_len) {
                 PyErr_Format(PyExc_ValueError, "share %zd: destination %zd holds %zu bytes, "
                              "need %llu", s, j, r->dest_len, payload_len);
@@ -523,24 +510,26 @@ batch *write_batch_new(PyObject *shares) {
         PyObject *share = PyTuple_GET_ITEM(p->shares, s), *cols = PyTuple_GET_ITEM(p->columns, s);
         PyObject *payloads = PyTuple_GET_ITEM(cols, COL_BUFFERS);
         PyObject *sums = PyTuple_GET_ITEM(cols, COL_GPU);
-        Py_ssize_t size = PyTuple_GET_SIZE(payloads);
-        int root_fd, direct, mode, dir_mode, fsync_level;
-        const uint8_t *ns, *meta;
-        size_t ns_len, meta_len;
+        chunk_write common = {.status = CHUNK_FAILED}; /* what the share's chunks share */
+        int mode, dir_mode;
         naming nm;
         const share_shape *shape = &WRITE_SHARE;
         if (naming_parse(share, shape, s, &nm) != 0 ||
-            field_int(share, shape, s, 0, &root_fd) != 0 ||
-            field_bytes(share, shape, s, 2, &ns, &ns_len) != 0 ||
-            field_bytes(share, shape, s, 3, &meta, &meta_len) != 0 ||
-            field_flag(share, 4, &direct) != 0 || field_int(share, shape, s, 5, &mode) != 0 ||
+            field_int(share, shape, s, 0, &common.root_fd) != 0 ||
+            field_bytes(share, shape, s, 2, &common.ns, &common.ns_len) != 0 ||
+            field_bytes(share, shape, s, 3, &common.meta, &common.meta_len) != 0 ||
+            field_flag(share, 4, &common.direct) != 0 ||
+            field_int(share, shape, s, 5, &mode) != 0 ||
             field_int(share, shape, s, 6, &dir_mode) != 0 ||
-            field_int(share, shape, s, 7, &fsync_level) != 0 ||
+            field_int(share, shape, s, 7, &common.fsync_level) != 0 ||
             victims_set(&b->jobs[i], share, s) != 0)
             goto fail;
-        for (Py_ssize_t j = 0; j < size; j++, i++) {
+        common.mode = (mode_t)mode;
+        common.dir_mode = (mode_t)dir_mode;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(payloads); j++, i++) {
             write_job *job = &b->jobs[i];
             chunk_write *w = &job->w;
+            *w = common;
             Py_ssize_t len;
             const char *d = digest_at(cols, j, &len);
             if (d == NULL || key_at(cols, s, j, &w->key, &w->key_len) != 0 ||
@@ -555,18 +544,8 @@ batch *write_batch_new(PyObject *shares) {
             at = put_file_name(at, &nm, d, len, 0);
             w->tmp_name = at;
             at = put_file_name(at, &nm, d, len, 1);
-            w->root_fd = root_fd;
             w->payload = p->bufs[i].buf;
             w->payload_len = (size_t)p->bufs[i].len;
-            w->ns = ns;
-            w->ns_len = ns_len;
-            w->meta = meta;
-            w->meta_len = meta_len;
-            w->direct = direct;
-            w->mode = (mode_t)mode;
-            w->dir_mode = (mode_t)dir_mode;
-            w->fsync_level = fsync_level;
-            w->status = CHUNK_FAILED;
             job->b = b;
         }
     }
