@@ -109,9 +109,7 @@ static atomic_int openat2_unavailable;
 
 static int walk_open(int root_fd, const char *rel, int flags, mode_t mode) {
     char name[PATH_MAX];
-    size_t n = strlen(rel);
-    if (n >= sizeof(name)) return -ENAMETOOLONG;
-    memcpy(name, rel, n + 1);
+    if (snprintf(name, sizeof(name), "%s", rel) >= (int)sizeof(name)) return -ENAMETOOLONG;
     int fd = root_fd;
     char *part = name;
     for (;;) {
@@ -301,14 +299,9 @@ int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces) {
     req->digests = calloc(req->blocks ? req->blocks : 1, sizeof(uint64_t) + 1);
     if (req->digests == NULL) return -ENOMEM;
     req->hashed = (uint8_t *)(req->digests + (req->blocks ? req->blocks : 1));
-    if (req->staged) {
-        size_t room = req->direct ? chunk_padded(req->staged) : req->staged;
-        if (posix_memalign((void **)&req->staging, CHUNK_ALIGNMENT, room) != 0) {
-            free(req->digests);
-            req->digests = NULL;
-            return -ENOMEM;
-        }
-    }
+    size_t room = req->direct ? chunk_padded(req->staged) : req->staged;
+    if (req->staged && posix_memalign((void **)&req->staging, CHUNK_ALIGNMENT, room) != 0)
+        return -ENOMEM; /* chunk_read_free frees the digests */
     for (size_t off = 0; off < req->in_place; off += task_size) {
         size_t len = req->in_place - off < task_size ? req->in_place - off : task_size;
         pieces[n++] = (chunk_piece){req, off, len, 0, NULL};
@@ -710,9 +703,7 @@ static int make_dir_at(int dir_fd, const char *name, mode_t mode, int *created) 
  * first component created (-1: none); returns a descriptor or -errno. */
 static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *created_at) {
     char name[PATH_MAX];
-    size_t n = strlen(rel);
-    if (n >= sizeof(name)) return -ENAMETOOLONG;
-    memcpy(name, rel, n + 1);
+    if (snprintf(name, sizeof(name), "%s", rel) >= (int)sizeof(name)) return -ENAMETOOLONG;
     *created_at = -1;
     int created, depth = 0;
     char *leaf = strrchr(name, '/');
@@ -834,10 +825,8 @@ int chunk_unlink(chunk_pool *pool, int root_fd, const char *rel) {
     const char *slash = strrchr(rel, '/');
     if (slash == NULL) return unlinkat(root_fd, rel, 0) == 0 ? 0 : errno;
     char dir[PATH_MAX];
-    size_t n = (size_t)(slash - rel);
-    if (n >= sizeof(dir)) return ENAMETOOLONG;
-    memcpy(dir, rel, n);
-    dir[n] = 0;
+    if (snprintf(dir, sizeof(dir), "%.*s", (int)(slash - rel), rel) >= (int)sizeof(dir))
+        return ENAMETOOLONG;
     int dir_fd = chunk_open_beneath(root_fd, dir, O_PATH | O_DIRECTORY, 0);
     if (dir_fd < 0) return -dir_fd;
     int err = pool ? chunk_pool_put(pool, root_fd, dir, dir_fd, slash + 1) : -1;

@@ -84,7 +84,8 @@ struct chunk_read {
 };
 
 /* Splits `req` into pieces of at most `task_size` bytes; fills `pieces` (room for
- * chunk_read_piece_count) and returns how many, or -errno (allocation). */
+ * chunk_read_piece_count) and returns how many, or -errno (allocation; chunk_read_free
+ * frees what it made either way). */
 size_t chunk_read_piece_count(const chunk_read *req, size_t task_size);
 int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces);
 /* Runs one piece; returns 1 when it was the request's last (the request is then final). */
