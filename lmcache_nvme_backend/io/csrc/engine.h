@@ -110,11 +110,13 @@ batch *engine_take_done(engine *e);
 /* Waits up to `timeout` seconds for finished batches; sets *closed when the engine is
  * closed and drained (nothing more will come back). */
 batch *engine_wait_done(engine *e, double timeout, int *closed);
-/* Adds 1 to each eventfd (a full counter already signals). */
+/* Adds 1 to each eventfd (a full counter, EAGAIN, already signals): a system call that may
+ * cost a VM tens of microseconds, so the binding makes it without the GIL. */
 void engine_signal_eventfds(const int *fds, size_t n);
 
 /* Lets the threads finish the queued work, joins them, and removes the pool's files; only
- * the first caller waits, the others return at once. */
+ * the first caller does (two would join each thread twice), the others return at once:
+ * engine_wait_done tells when all is drained. */
 void engine_stop(engine *e);
 /* Frees what engine_start made, the pool included (stopped, finished batches taken). */
 void engine_destroy(engine *e);

@@ -66,10 +66,8 @@ static void run_write(engine *e, write_job *job) {
     batch_request_done(e, job->b);
 }
 
-/* Hands a batch to the threads without waiting for any of them (see engine.h); returns how
- * many workers to wake for it, or -1 when the engine is closed (the batch is not taken).
- * The batch may be finished (and freed) by the time this returns, so nothing of it is read
- * after it is pushed. */
+/* Pushes a batch without waiting (see engine.h): the workers to wake for it, or -1 when
+ * closed.  Nothing of it is read once pushed: it may be finished and freed already. */
 static int push_batch(engine *e, batch *b) {
     int reading = b->kind == BATCH_READ;
     size_t work = reading ? b->npieces : b->n;
@@ -253,8 +251,6 @@ const pid_t *engine_thread_ids(engine *e, int *count) {
     return e->tids;
 }
 
-/* Only the first caller stops and joins the threads (two at once would join each thread
- * twice); the others return at once, and engine_wait_done tells when all is drained. */
 void engine_stop(engine *e) {
     if (e->threads == NULL || atomic_exchange(&e->stop, 1)) return;
     pthread_mutex_lock(&e->mu);
@@ -400,8 +396,6 @@ batch *engine_wait_done(engine *e, double timeout, int *closed) {
     return done;
 }
 
-/* A waiter's wake-up: a system call that may cost a VM tens of microseconds, so the binding
- * makes it without the GIL.  A full counter (EAGAIN) already signals. */
 void engine_signal_eventfds(const int *fds, size_t n) {
     const uint64_t one = 1;
     for (size_t i = 0; i < n; i++) {
