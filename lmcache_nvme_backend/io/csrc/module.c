@@ -206,30 +206,27 @@ static PyObject *Engine_unlink(Engine *self, PyObject *items) {
     PyObject *tuple = PySequence_Tuple(items);
     if (tuple == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-    int *fds = calloc(n ? (size_t)n : 1, sizeof(int));
-    const char **rels = calloc(n ? (size_t)n : 1, sizeof(char *));
-    int *errors = calloc(n ? (size_t)n : 1, sizeof(int));
+    struct { int fd; const char *rel; int error; } *todo = calloc(n ? (size_t)n : 1, sizeof(*todo));
     PyObject *result = NULL;
-    if (fds == NULL || rels == NULL || errors == NULL) {
+    if (todo == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++)
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "is;an unlink item is (root_fd, rel)",
-                              &fds[i], &rels[i]))
+                              &todo[i].fd, &todo[i].rel))
             goto done;
     if (n) {
         RELEASE_GIL_BEGIN
-        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(self->e.pool, fds[i], rels[i]);
+        for (Py_ssize_t i = 0; i < n; i++)
+            todo[i].error = chunk_unlink(self->e.pool, todo[i].fd, todo[i].rel);
         RELEASE_GIL_END
     }
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result && i < n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+        PyList_SET_ITEM(result, i, PyLong_FromLong(todo[i].error));
 done:
-    free(fds);
-    free(rels);
-    free(errors);
+    free(todo);
     Py_DECREF(tuple);
     return result;
 }
@@ -349,18 +346,15 @@ static PyObject *py_encode_header(PyObject *Py_UNUSED(mod), PyObject *args) {
 }
 
 static PyObject *py_counters(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "gil_releases",
-                         (unsigned long long)atomic_load(&gil_releases), "wake_releases",
-                         (unsigned long long)atomic_load(&wake_releases), "hashed_bytes",
-                         (unsigned long long)atomic_load(&chunkio_hashed_bytes),
-                         "hash_sampled_ns",
-                         (unsigned long long)atomic_load(&chunkio_hash_sampled_ns),
-                         "hash_sampled_bytes",
-                         (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
-                         "overlapped_writes",
-                         (unsigned long long)atomic_load(&chunkio_overlapped_writes),
-                         "recycled_writes",
-                         (unsigned long long)atomic_load(&chunkio_recycled_writes));
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsK}",
+        "gil_releases", (unsigned long long)atomic_load(&gil_releases),
+        "wake_releases", (unsigned long long)atomic_load(&wake_releases),
+        "hashed_bytes", (unsigned long long)atomic_load(&chunkio_hashed_bytes),
+        "hash_sampled_ns", (unsigned long long)atomic_load(&chunkio_hash_sampled_ns),
+        "hash_sampled_bytes", (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
+        "overlapped_writes", (unsigned long long)atomic_load(&chunkio_overlapped_writes),
+        "recycled_writes", (unsigned long long)atomic_load(&chunkio_recycled_writes));
 }
 
 /* The cycle collector stops tracking each object (if it did): for objects that can never be
