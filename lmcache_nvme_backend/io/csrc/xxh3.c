@@ -125,10 +125,6 @@ static uint64_t hash_129to240(const uint8_t *in, size_t len) {
 
 /* -- the long-input loop: accumulate stripes, scramble after every block -------------- */
 
-typedef void (*accumulate_fn)(uint64_t *acc, const uint8_t *in, const uint8_t *secret,
-                              size_t stripes);
-typedef void (*scramble_fn)(uint64_t *acc, const uint8_t *secret);
-
 static void accumulate_scalar(uint64_t *acc, const uint8_t *in, const uint8_t *secret,
                               size_t stripes) {
     for (size_t s = 0; s < stripes; s++) {
@@ -216,8 +212,9 @@ __attribute__((target("avx2"))) static void scramble_avx2(uint64_t *acc, const u
 }
 #endif
 
-static accumulate_fn accumulate = accumulate_scalar;
-static scramble_fn scramble = scramble_scalar;
+static void (*accumulate)(uint64_t *acc, const uint8_t *in, const uint8_t *secret,
+                          size_t stripes) = accumulate_scalar;
+static void (*scramble)(uint64_t *acc, const uint8_t *secret) = scramble_scalar;
 
 int xxh3_select(int simd) {
     switch (simd) {
