@@ -211,23 +211,13 @@ static int utf8_ok(const uint8_t *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         uint8_t c = s[i];
-        size_t more;
-        uint32_t cp;
         if (c < 0x80) {
             i++;
             continue;
-        } else if ((c & 0xE0) == 0xC0) {
-            more = 1;
-            cp = c & 0x1F;
-        } else if ((c & 0xF0) == 0xE0) {
-            more = 2;
-            cp = c & 0x0F;
-        } else if ((c & 0xF8) == 0xF0) {
-            more = 3;
-            cp = c & 0x07;
-        } else {
-            return 0;
         }
+        size_t more = (c & 0xE0) == 0xC0 ? 1 : (c & 0xF0) == 0xE0 ? 2 : (c & 0xF8) == 0xF0 ? 3 : 0;
+        if (more == 0) return 0; /* a continuation byte, or no lead byte of UTF-8 */
+        uint32_t cp = c & (0x3F >> more); /* the lead byte's bits of the code point */
         for (size_t k = 1; k <= more; k++) {
             if (i + k >= n || (s[i + k] & 0xC0) != 0x80) return 0;
             cp = (cp << 6) | (s[i + k] & 0x3F);
@@ -341,38 +331,35 @@ static int pio_full(int fd, struct iovec *iov, int count, off_t offset, int writ
     return 0;
 }
 
+/* Reads one piece into place, the header with the first: 0 or an errno. */
 static int transfer(chunk_piece *piece) {
     chunk_read *req = piece->req;
     int fd = chunk_open_beneath(req->root_fd, req->rel,
                                 O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (req->direct ? O_DIRECT : 0),
                                 0);
     if (fd < 0) return -fd;
-    struct stat st;
-    int err = 0;
-    if (fstat(fd, &st) != 0) {
-        err = errno;
-    } else if (!S_ISREG(st.st_mode)) {
-        err = EINVAL; /* not a regular file: never read (the Python path names what it is) */
-    } else {
-        uint8_t *target = piece->staged ? req->staging : req->dest + piece->start;
-        size_t len = piece->staged && req->direct ? chunk_padded(piece->len) : piece->len;
-        struct iovec iov[2];
-        int count = 0;
-        off_t at = CHUNK_HEADER_SIZE + (off_t)piece->start;
-        if (piece->start == 0) {
-            size_t need = CHUNK_HEADER_SIZE + (req->direct ? chunk_padded((size_t)req->payload_len)
-                                                           : (size_t)req->payload_len);
-            if ((size_t)st.st_size < need) {
-                close(fd);
-                return ENODATA;
-            }
-            iov[count++] = (struct iovec){req->header, CHUNK_HEADER_SIZE};
-            at = 0;
-        }
-        if (len) iov[count++] = (struct iovec){target, len};
-        if (count) err = pio_full(fd, iov, count, at, 0);
-        if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
+    size_t need = CHUNK_HEADER_SIZE + (req->direct ? chunk_padded((size_t)req->payload_len)
+                                                   : (size_t)req->payload_len);
+    uint8_t *target = piece->staged ? req->staging : req->dest + piece->start;
+    size_t len = piece->staged && req->direct ? chunk_padded(piece->len) : piece->len;
+    struct iovec iov[2];
+    int count = 0, err = 0;
+    off_t at = CHUNK_HEADER_SIZE + (off_t)piece->start;
+    if (piece->start == 0) {
+        iov[count++] = (struct iovec){req->header, CHUNK_HEADER_SIZE};
+        at = 0;
     }
+    if (len) iov[count++] = (struct iovec){target, len};
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        err = errno;
+    else if (!S_ISREG(st.st_mode))
+        err = EINVAL; /* not a regular file: never read (the Python path names what it is) */
+    else if (piece->start == 0 && (size_t)st.st_size < need)
+        err = ENODATA;
+    else if (count)
+        err = pio_full(fd, iov, count, at, 0);
+    if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
     close(fd);
     return err;
 }
