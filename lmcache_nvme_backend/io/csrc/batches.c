@@ -4,8 +4,8 @@
  * A batch holds what its requests point into: the tuple of its shares and a copy of each
  * share's columns (every string and bytes object; the name arena is made from them) and
  * the buffers of its destinations or payloads, acquired while it is built and let go when
- * it is freed; the threads see only the batch inside (engine.h).  What a malformed share holds is let go at once: a refused
- * batch leaves every buffer resizable again. */
+ * it is freed; the threads see only the batch inside (engine.h).  What a malformed share
+ * holds is let go at once: a refused batch leaves every buffer resizable again. */
 #include "batches.h"
 
 #include <limits.h>
@@ -48,10 +48,8 @@ void batch_set_token(batch *b, PyObject *token) {
 
 /* -- shares -------------------------------------------------------------------------------- */
 
-/* The two shapes of a share (io/engine.py): a read share (root_fd, naming, direct,
- * payload_len, meta, digests, dests, keys) and a write share (root_fd, naming, namespace,
- * meta, direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys,
- * gpu_checksums); the columns are lists of one length, from `digests` on. */
+/* The two shapes of a share (io/engine.py), a read share and a write share, their fields
+ * named below; the columns are lists of one length, from `digests` on. */
 typedef struct {
     const char *what;
     const char *const *names; /* of the fields */
@@ -98,13 +96,6 @@ static int field_int(PyObject *share, const share_shape *shape, Py_ssize_t s, Py
         return -1;
     }
     *out = (int)v;
-    return 0;
-}
-
-static int field_flag(PyObject *share, Py_ssize_t k, int *out) {
-    int v = PyObject_IsTrue(PyTuple_GET_ITEM(share, k));
-    if (v < 0) return -1;
-    *out = v;
     return 0;
 }
 
@@ -397,7 +388,7 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
         const share_shape *shape = &READ_SHARE;
         if (naming_parse(share, shape, s, &nm) != 0 ||
             field_int(share, shape, s, 0, &common.root_fd) != 0 ||
-            field_flag(share, 2, &common.direct) != 0 ||
+            (common.direct = PyObject_IsTrue(PyTuple_GET_ITEM(share, 2))) < 0 ||
             field_u64(share, shape, s, 3, &payload_len) != 0 ||
             field_bytes(share, shape, s, 4, &common.meta, &common.meta_len) != 0)
             goto fail;
@@ -518,7 +509,7 @@ batch *write_batch_new(PyObject *shares) {
             field_int(share, shape, s, 0, &common.root_fd) != 0 ||
             field_bytes(share, shape, s, 2, &common.ns, &common.ns_len) != 0 ||
             field_bytes(share, shape, s, 3, &common.meta, &common.meta_len) != 0 ||
-            field_flag(share, 4, &common.direct) != 0 ||
+            (common.direct = PyObject_IsTrue(PyTuple_GET_ITEM(share, 4))) < 0 ||
             field_int(share, shape, s, 5, &mode) != 0 ||
             field_int(share, shape, s, 6, &dir_mode) != 0 ||
             field_int(share, shape, s, 7, &common.fsync_level) != 0 ||
