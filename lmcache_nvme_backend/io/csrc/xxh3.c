@@ -243,10 +243,9 @@ int xxh3_init(void) {
 #ifdef XXH3_X86
     __builtin_cpu_init();
 #endif
-    for (int simd = XXH3_AVX2; simd > XXH3_SCALAR; simd--)
-        if (xxh3_select(simd) == 0) return simd;
-    xxh3_select(XXH3_SCALAR);
-    return XXH3_SCALAR;
+    int simd = XXH3_AVX2;
+    while (xxh3_select(simd) != 0) simd--; /* the scalar loop always runs */
+    return simd;
 }
 
 static uint64_t hash_long(const uint8_t *in, size_t len) {
