@@ -265,12 +265,9 @@ void engine_stop(engine *e) {
 
 void engine_destroy(engine *e) {
     chunk_pool_free(e->pool);
-    e->pool = NULL;
     if (e->threads == NULL) return;
     free(e->threads);
     free(e->tids);
-    e->threads = NULL;
-    e->tids = NULL;
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->done_cv);
     sem_destroy(&e->sem[BATCH_READ]);
@@ -296,9 +293,12 @@ int engine_wakes_sleeper(engine *e, int kind, int count) {
     return 1;
 }
 
-/* The calling thread runs queued pieces (its own or others') until its batch is done. */
-static void help_until_done(engine *e, batch *b) {
-    pthread_mutex_lock(&e->mu);
+int engine_read(engine *e, batch *b) {
+    if (b->n == 0) return 0;
+    int count = push_batch(e, b);
+    if (count < 0) return -1;
+    engine_wake(e, BATCH_READ, count);
+    pthread_mutex_lock(&e->mu); /* then runs queued pieces, its own or others' */
     while (atomic_load(&b->left) > 0) {
         drain_incoming(e);
         chunk_piece *p = pop_piece(e);
@@ -311,14 +311,6 @@ static void help_until_done(engine *e, batch *b) {
         }
     }
     pthread_mutex_unlock(&e->mu);
-}
-
-int engine_read(engine *e, batch *b) {
-    if (b->n == 0) return 0;
-    int count = push_batch(e, b);
-    if (count < 0) return -1;
-    engine_wake(e, BATCH_READ, count);
-    help_until_done(e, b);
     return 0;
 }
 
