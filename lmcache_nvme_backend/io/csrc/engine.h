@@ -1,10 +1,6 @@
-/* The native engine's shared types: a batch of chunk reads or writes as the threads see it,
- * and the engine's state (its queues, threads and finished batches); the calls of
- * workers.c, which runs batches without Python.
- *
- * A batch is made from Python objects (batches.c), and handed back as Python objects, but
- * none of them is here: the threads see a batch's requests, how many are left and where it
- * is queued; batches.c keeps the objects that a batch's requests point into beside it.
+/* The native engine's shared types: a batch of chunk reads or writes as the threads see it
+ * (no Python object: batches.c keeps those beside it), and the engine's state (its queues,
+ * threads and finished batches); the calls of workers.c, which runs batches without Python.
  */
 #ifndef NVME_ENGINE_H
 #define NVME_ENGINE_H
