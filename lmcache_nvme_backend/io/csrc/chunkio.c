@@ -405,8 +405,6 @@ int chunk_read_run(chunk_piece *piece) {
 void chunk_read_free(chunk_read *req) {
     free(req->staging);
     free(req->digests);
-    req->staging = NULL;
-    req->digests = NULL;
 }
 
 /* -- writes -------------------------------------------------------------------------------- */
@@ -416,7 +414,7 @@ static pthread_key_t buffers_key;
 static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
 
 typedef struct {
-    uint8_t *header;
+    uint8_t header[CHUNK_HEADER_SIZE] __attribute__((aligned(CHUNK_ALIGNMENT)));
     uint8_t *staging;
     size_t staging_size;
     aio_context_t aio; /* for overlapped writes; aio_state 0 untried, 1 set up, -1 none */
@@ -426,7 +424,6 @@ typedef struct {
 static void free_buffers(void *p) {
     thread_buffers *b = p;
     if (b->aio_state == 1) syscall(SYS_io_destroy, b->aio);
-    free(b->header);
     free(b->staging);
     free(b);
 }
@@ -437,12 +434,8 @@ static thread_buffers *my_buffers(size_t staging) {
     pthread_once(&buffers_once, make_key);
     thread_buffers *b = pthread_getspecific(buffers_key);
     if (b == NULL) {
-        b = calloc(1, sizeof(*b));
-        if (b == NULL) return NULL;
-        if (posix_memalign((void **)&b->header, CHUNK_ALIGNMENT, CHUNK_HEADER_SIZE) != 0) {
-            free(b);
-            return NULL;
-        }
+        if (posix_memalign((void **)&b, CHUNK_ALIGNMENT, sizeof(*b)) != 0) return NULL;
+        memset(b, 0, sizeof(*b));
         pthread_setspecific(buffers_key, b);
     }
     if (staging > b->staging_size) {
