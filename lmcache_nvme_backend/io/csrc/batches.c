@@ -41,10 +41,7 @@ void batch_free(batch *b) {
     free(p);
 }
 
-void batch_set_token(batch *b, PyObject *token) {
-    Py_INCREF(token);
-    ((py_batch *)b)->token = token;
-}
+void batch_set_token(batch *b, PyObject *token) { ((py_batch *)b)->token = Py_NewRef(token); }
 
 /* -- shares -------------------------------------------------------------------------------- */
 
@@ -582,17 +579,13 @@ PyObject *batch_list_results(batch *done) {
     while (done) {
         batch *b = done;
         done = b->next;
-        PyObject *token = ((py_batch *)b)->token;
-        Py_INCREF(token);
+        PyObject *token = Py_NewRef(((py_batch *)b)->token);
         PyObject *results = batch_results(b);
         PyObject *item = results ? Py_BuildValue("(NN)", token, results) : NULL;
         if (results == NULL) Py_DECREF(token);
-        if (item == NULL || out == NULL || PyList_Append(out, item) != 0) {
-            Py_XDECREF(item);
-            Py_CLEAR(out);
-            continue; /* still free the remaining batches */
-        }
-        Py_DECREF(item);
+        if (item == NULL || out == NULL || PyList_Append(out, item) != 0)
+            Py_CLEAR(out); /* the remaining batches are still freed */
+        Py_XDECREF(item);
     }
     return out;
 }
