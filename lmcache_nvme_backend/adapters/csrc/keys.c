@@ -155,10 +155,7 @@ static PyObject *py_columns(PyObject *mod, PyObject *args) {
         if (want_namespaces) PyList_SET_ITEM(namespaces, i, ns);
     }
     Py_DECREF(fast);
-    if (!want_namespaces) {
-        namespaces = Py_None;
-        Py_INCREF(namespaces);
-    }
+    if (!want_namespaces) namespaces = Py_NewRef(Py_None);
     return Py_BuildValue("(NN)", names, namespaces);
 fail:
     Py_XDECREF(fast);
