@@ -27,13 +27,12 @@ from contextlib import AbstractContextManager
 
 from .engine import Batch, OnDone, ReadShare, WriteShare
 
+_MISSING = ""  # why the extension is not there
 try:
     from . import _native  # type: ignore[attr-defined]
 except ImportError as exc:  # not built: no C compiler at install time
     _native = None
-    _MISSING = f"{exc}"
-else:
-    _MISSING = ""
+    _MISSING = str(exc)
 
 #: Eventfds one ``wait`` may signal (``NativeEngine.signal_later``).
 MAX_WAIT_SIGNALS: int = getattr(_native, "MAX_WAIT_SIGNALS", 0)
@@ -73,27 +72,19 @@ def hash_cpu_ns(before: dict[str, int], after: dict[str, int]) -> float:
     return (after["hash_sampled_ns"] - before["hash_sampled_ns"]) * hashed / sampled
 
 
-def _no_memory_view(address: int, length: int) -> memoryview | None:
-    return None
-
-
 #: ``memory_view(address, length)``: a writable byte view of ``length`` bytes at ``address``
 #: (None without the engine); the caller keeps the memory alive while the view is in use.
 #: The extension's own function when it is built (called for every chunk moved).
 memory_view: Callable[[int, int], memoryview | None] = (
-    _native.memory_view if _native is not None else _no_memory_view)
-
-
-def _tracked_as_before(*objs: object) -> None:
-    """Without the engine the cycle collector keeps tracking (Python cannot stop it)."""
+    _native.memory_view if _native is not None else lambda address, length: None)
 
 
 #: ``gc_untrack(*objs)``: the cycle collector no longer tracks these objects, which must
 #: never be part of a reference cycle (the index and its entries: every full collection
 #: visited them all with the GIL held, 0.17 s per million entries).  A no-op without the
-#: engine.
+#: engine: the cycle collector keeps tracking them (Python cannot stop it).
 gc_untrack: Callable[..., None] = (
-    _native.gc_untrack if _native is not None else _tracked_as_before)
+    _native.gc_untrack if _native is not None else lambda *objs: None)
 
 
 def simd() -> str:

@@ -139,7 +139,7 @@ done:
 
 static PyObject *py_columns(PyObject *mod, PyObject *args) {
     PyObject *keys, *names = NULL, *namespaces = NULL, *fast = NULL;
-    int want_namespaces;
+    int want_namespaces, verdict = -1;
     if (!PyArg_ParseTuple(args, "Op", &keys, &want_namespaces)) return NULL;
     fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL) return NULL;
@@ -149,27 +149,19 @@ static PyObject *py_columns(PyObject *mod, PyObject *args) {
     if (want_namespaces && (namespaces = PyList_New(n)) == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *ns;
-        int verdict = format_key(items[i], &name, want_namespaces ? &ns : NULL);
-        if (verdict < 0) goto fail;
-        if (verdict == 0) { /* a key for the Python path: so is the whole list */
-            Py_DECREF(fast);
-            Py_DECREF(names);
-            Py_XDECREF(namespaces);
-            Py_RETURN_NONE;
-        }
+        verdict = format_key(items[i], &name, want_namespaces ? &ns : NULL);
+        if (verdict != 1) goto fail; /* 0: a key for the Python path, so is the whole list */
         PyList_SET_ITEM(names, i, name);
         if (want_namespaces) PyList_SET_ITEM(namespaces, i, ns);
     }
     Py_DECREF(fast);
-    if (!want_namespaces) {
-        namespaces = Py_None;
-        Py_INCREF(namespaces);
-    }
+    if (!want_namespaces) namespaces = Py_NewRef(Py_None);
     return Py_BuildValue("(NN)", names, namespaces);
 fail:
     Py_XDECREF(fast);
     Py_XDECREF(names);
     Py_XDECREF(namespaces);
+    if (verdict == 0) Py_RETURN_NONE;
     return NULL;
 }
 

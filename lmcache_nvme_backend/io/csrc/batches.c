@@ -4,8 +4,8 @@
  * A batch holds what its requests point into: the tuple of its shares and a copy of each
  * share's columns (every string and bytes object; the name arena is made from them) and
  * the buffers of its destinations or payloads, acquired while it is built and let go when
- * it is freed; the threads see only the batch inside (engine.h).  What a malformed share holds is let go at once: a refused
- * batch leaves every buffer resizable again. */
+ * it is freed; the threads see only the batch inside (engine.h).  What a malformed share
+ * holds is let go at once: a refused batch leaves every buffer resizable again. */
 #include "batches.h"
 
 #include <limits.h>
@@ -41,17 +41,12 @@ void batch_free(batch *b) {
     free(p);
 }
 
-void batch_set_token(batch *b, PyObject *token) {
-    Py_INCREF(token);
-    ((py_batch *)b)->token = token;
-}
+void batch_set_token(batch *b, PyObject *token) { ((py_batch *)b)->token = Py_NewRef(token); }
 
 /* -- shares -------------------------------------------------------------------------------- */
 
-/* The two shapes of a share (io/engine.py): a read share (root_fd, naming, direct,
- * payload_len, meta, digests, dests, keys) and a write share (root_fd, naming, namespace,
- * meta, direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys,
- * gpu_checksums); the columns are lists of one length, from `digests` on. */
+/* The two shapes of a share (io/engine.py), a read share and a write share, their fields
+ * named below; the columns are lists of one length, from `digests` on. */
 typedef struct {
     const char *what;
     const char *const *names; /* of the fields */
@@ -98,13 +93,6 @@ static int field_int(PyObject *share, const share_shape *shape, Py_ssize_t s, Py
         return -1;
     }
     *out = (int)v;
-    return 0;
-}
-
-static int field_flag(PyObject *share, Py_ssize_t k, int *out) {
-    int v = PyObject_IsTrue(PyTuple_GET_ITEM(share, k));
-    if (v < 0) return -1;
-    *out = v;
     return 0;
 }
 
@@ -191,10 +179,7 @@ enum { COL_DIGESTS, COL_BUFFERS, COL_KEYS, COL_GPU };
  * reference, or NULL with an exception. */
 static PyObject *gpu_checksums_of(PyObject *share, Py_ssize_t s, Py_ssize_t size) {
     PyObject *sums = PyTuple_GET_ITEM(share, 12);
-    if (sums == Py_None) {
-        Py_INCREF(sums);
-        return sums;
-    }
+    if (sums == Py_None) return Py_NewRef(sums);
     if (!PyList_Check(sums)) {
         PyErr_Format(PyExc_TypeError, "share %zd: gpu_checksums must be None or a list, not "
                      "%.100s", s, Py_TYPE(sums)->tp_name);
@@ -226,12 +211,7 @@ static PyObject *columns_of(PyObject *share, const share_shape *shape, Py_ssize_
         PyErr_Format(PyExc_ValueError, "share %zd has no chunks", s);
         return NULL;
     }
-    if (shape == &WRITE_SHARE) {
-        gpu = gpu_checksums_of(share, s, size);
-    } else {
-        gpu = Py_None;
-        Py_INCREF(gpu);
-    }
+    gpu = shape == &WRITE_SHARE ? gpu_checksums_of(share, s, size) : Py_NewRef(Py_None);
     if (gpu == NULL || (cols = PyTuple_New(4)) == NULL) {
         Py_XDECREF(gpu);
         return NULL;
@@ -352,97 +332,40 @@ static char *put_file_name(char *at, const naming *nm, const char *d, Py_ssize_t
     return at;
 }
 
-/* A batch of `n` chunks of `kind` holding `shares` and their `columns`, with room for their
- * buffers and `arena` bytes of their file names; NULL with an exception. */
-static py_batch *batch_alloc(PyObject *shares, PyObject *columns, int kind, Py_ssize_t n,
-                             size_t arena) {
+/* A batch of the chunks of `shares` (a sequence of `shape`), checked and measured, with
+ * room for their requests (reads) or jobs (writes), buffers and file names; NULL with an
+ * exception. */
+static py_batch *shares_batch(PyObject *shares, const share_shape *shape, int kind) {
     py_batch *p = calloc(1, sizeof(py_batch));
     if (p == NULL) return (py_batch *)PyErr_NoMemory();
-    Py_INCREF(shares);
-    p->shares = shares;
-    Py_INCREF(columns);
-    p->columns = columns;
+    Py_ssize_t n;
+    size_t arena;
+    if ((p->shares = PySequence_Tuple(shares)) == NULL ||
+        (p->columns = PyTuple_New(PyTuple_GET_SIZE(p->shares))) == NULL ||
+        shares_measure(p->shares, shape, p->columns, &n, &arena) != 0) {
+        batch_free(&p->b);
+        return NULL;
+    }
+    size_t room = n ? (size_t)n : 1;
     p->b.kind = kind;
     p->b.n = (size_t)n;
-    p->bufs = calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    p->bufs = calloc(room, sizeof(Py_buffer));
     p->b.names = malloc(arena ? arena : 1);
-    if (p->bufs == NULL || p->b.names == NULL) {
+    int failed = p->bufs == NULL || p->b.names == NULL;
+    if (kind == BATCH_READ)
+        failed = failed || (p->b.reqs = calloc(room, sizeof(chunk_read))) == NULL ||
+                 posix_memalign((void **)&p->b.headers, CHUNK_ALIGNMENT,
+                                room * CHUNK_HEADER_SIZE) != 0;
+    else
+        failed = failed || (p->b.jobs = calloc(room, sizeof(write_job))) == NULL;
+    if (failed) {
         batch_free(&p->b);
         return (py_batch *)PyErr_NoMemory();
     }
     return p;
 }
 
-/* A batch of the chunks of `shares` (a sequence of `shape`), checked and measured; NULL
- * with an exception. */
-static py_batch *shares_batch(PyObject *shares, const share_shape *shape, int kind) {
-    PyObject *tuple = PySequence_Tuple(shares), *columns = NULL;
-    py_batch *p = NULL;
-    Py_ssize_t n;
-    size_t arena;
-    if (tuple && (columns = PyTuple_New(PyTuple_GET_SIZE(tuple))) != NULL &&
-        shares_measure(tuple, shape, columns, &n, &arena) == 0)
-        p = batch_alloc(tuple, columns, kind, n, arena);
-    Py_XDECREF(tuple);
-    Py_XDECREF(columns);
-    return p;
-}
-
 /* -- reads --------------------------------------------------------------------------------- */
-
-/* The requests and headers of a read batch of b->n chunks; 0, or -1 with an exception. */
-static int read_batch_alloc(batch *b) {
-    b->reqs = calloc(b->n ? b->n : 1, sizeof(chunk_read));
-    if (b->reqs == NULL ||
-        posix_memalign((void **)&b->headers, CHUNK_ALIGNMENT,
-                       (b->n ? b->n : 1) * CHUNK_HEADER_SIZE) != 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
-}
-
-/* Request i (chunk j of share s) reads into the buffer p->bufs[i] (acquired); 0, or -1
- * with an exception. */
-static int read_request_set(py_batch *p, Py_ssize_t i, Py_ssize_t s, Py_ssize_t j,
-                            unsigned long long payload_len, size_t task_size) {
-    chunk_read *r = &p->b.reqs[i];
-    r->dest = p->bufs[i].buf;
-    r->dest_len = (size_t)p->bufs[i].len;
-    r->payload_len = payload_len;
-    r->header = p->b.headers + (size_t)i * CHUNK_HEADER_SIZE;
-    r->owner = &p->b;
-    if (r->dest_len < payload_len) {
-        PyErr_Format(PyExc_ValueError, "share %zd: destination %zd holds %zu bytes, need %llu",
-                     s, j, r->dest_len, payload_len);
-        return -1;
-    }
-    p->b.npieces += chunk_read_piece_count(r, task_size);
-    return 0;
-}
-
-/* Splits every request of a filled read batch into pieces; the batch, or NULL with an
- * exception (and the batch freed). */
-static batch *read_batch_plan(batch *b, size_t task_size) {
-    b->pieces = calloc(b->npieces ? b->npieces : 1, sizeof(chunk_piece));
-    if (b->pieces == NULL) {
-        PyErr_NoMemory();
-        batch_free(b);
-        return NULL;
-    }
-    size_t at = 0;
-    for (size_t i = 0; i < b->n; i++) {
-        int planned = chunk_read_plan(&b->reqs[i], task_size, b->pieces + at);
-        if (planned < 0) {
-            PyErr_NoMemory();
-            batch_free(b);
-            return NULL;
-        }
-        at += (size_t)planned;
-    }
-    atomic_store(&b->left, (long)b->n);
-    return b;
-}
 
 /* A read call's chunks as shares, one per root, namespace and layout: each chunk's path
  * made here from its digest as RootLayout.chunk_rel makes it, the directory, "/" and the
@@ -451,25 +374,25 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
     py_batch *p = shares_batch(shares, &READ_SHARE, BATCH_READ);
     if (p == NULL) return NULL;
     batch *b = &p->b;
-    if (read_batch_alloc(b) != 0) goto fail;
     char *at = b->names;
     Py_ssize_t i = 0;
     for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(p->shares); s++) {
         PyObject *share = PyTuple_GET_ITEM(p->shares, s), *cols = PyTuple_GET_ITEM(p->columns, s);
         PyObject *dests = PyTuple_GET_ITEM(cols, COL_BUFFERS);
-        int root_fd, direct;
+        chunk_read common = {.owner = b}; /* what the share's chunks share */
         unsigned long long payload_len;
-        const uint8_t *meta;
-        size_t meta_len;
         naming nm;
         const share_shape *shape = &READ_SHARE;
         if (naming_parse(share, shape, s, &nm) != 0 ||
-            field_int(share, shape, s, 0, &root_fd) != 0 || field_flag(share, 2, &direct) != 0 ||
+            field_int(share, shape, s, 0, &common.root_fd) != 0 ||
+            (common.direct = PyObject_IsTrue(PyTuple_GET_ITEM(share, 2))) < 0 ||
             field_u64(share, shape, s, 3, &payload_len) != 0 ||
-            field_bytes(share, shape, s, 4, &meta, &meta_len) != 0)
+            field_bytes(share, shape, s, 4, &common.meta, &common.meta_len) != 0)
             goto fail;
+        common.payload_len = payload_len;
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dests); j++, i++) {
             chunk_read *r = &b->reqs[i];
+            *r = common;
             Py_ssize_t len;
             const char *d = digest_at(cols, j, &len);
             if (d == NULL || key_at(cols, s, j, &r->key, &r->key_len) != 0 ||
@@ -480,14 +403,29 @@ batch *read_batch_new(PyObject *shares, size_t task_size) {
             at = put_shard_dir(at, &nm, d);
             *at++ = '/';
             at = put_file_name(at, &nm, d, len, 0);
-            r->root_fd = root_fd;
-            r->direct = direct;
-            r->meta = meta;
-            r->meta_len = meta_len;
-            if (read_request_set(p, i, s, j, payload_len, task_size) != 0) goto fail;
+            r->dest = p->bufs[i].buf;
+            r->dest_len = (size_t)p->bufs[i].len;
+            r->header = b->headers + (size_t)i * CHUNK_HEADER_SIZE;
+            if (r->dest_len < payload_len) {
+                PyErr_Format(PyExc_ValueError, "share %zd: destination %zd holds %zu bytes, "
+                             "need %llu", s, j, r->dest_len, payload_len);
+                goto fail;
+            }
+            b->npieces += chunk_read_piece_count(r, task_size);
         }
     }
-    return read_batch_plan(b, task_size);
+    b->pieces = calloc(b->npieces ? b->npieces : 1, sizeof(chunk_piece));
+    if (b->pieces == NULL) goto no_memory;
+    chunk_piece *next = b->pieces;
+    for (size_t k = 0; k < b->n; k++) {
+        int planned = chunk_read_plan(&b->reqs[k], task_size, next);
+        if (planned < 0) goto no_memory;
+        next += planned;
+    }
+    atomic_store(&b->left, (long)b->n);
+    return b;
+no_memory:
+    PyErr_NoMemory();
 fail:
     batch_free(b);
     return NULL;
@@ -554,35 +492,32 @@ batch *write_batch_new(PyObject *shares) {
     py_batch *p = shares_batch(shares, &WRITE_SHARE, BATCH_WRITE);
     if (p == NULL) return NULL;
     batch *b = &p->b;
-    b->jobs = calloc(b->n ? b->n : 1, sizeof(write_job));
-    if (b->jobs == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
     char *at = b->names;
     Py_ssize_t i = 0;
     for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(p->shares); s++) {
         PyObject *share = PyTuple_GET_ITEM(p->shares, s), *cols = PyTuple_GET_ITEM(p->columns, s);
         PyObject *payloads = PyTuple_GET_ITEM(cols, COL_BUFFERS);
         PyObject *sums = PyTuple_GET_ITEM(cols, COL_GPU);
-        Py_ssize_t size = PyTuple_GET_SIZE(payloads);
-        int root_fd, direct, mode, dir_mode, fsync_level;
-        const uint8_t *ns, *meta;
-        size_t ns_len, meta_len;
+        chunk_write common = {.status = CHUNK_FAILED}; /* what the share's chunks share */
+        int mode, dir_mode;
         naming nm;
         const share_shape *shape = &WRITE_SHARE;
         if (naming_parse(share, shape, s, &nm) != 0 ||
-            field_int(share, shape, s, 0, &root_fd) != 0 ||
-            field_bytes(share, shape, s, 2, &ns, &ns_len) != 0 ||
-            field_bytes(share, shape, s, 3, &meta, &meta_len) != 0 ||
-            field_flag(share, 4, &direct) != 0 || field_int(share, shape, s, 5, &mode) != 0 ||
+            field_int(share, shape, s, 0, &common.root_fd) != 0 ||
+            field_bytes(share, shape, s, 2, &common.ns, &common.ns_len) != 0 ||
+            field_bytes(share, shape, s, 3, &common.meta, &common.meta_len) != 0 ||
+            (common.direct = PyObject_IsTrue(PyTuple_GET_ITEM(share, 4))) < 0 ||
+            field_int(share, shape, s, 5, &mode) != 0 ||
             field_int(share, shape, s, 6, &dir_mode) != 0 ||
-            field_int(share, shape, s, 7, &fsync_level) != 0 ||
+            field_int(share, shape, s, 7, &common.fsync_level) != 0 ||
             victims_set(&b->jobs[i], share, s) != 0)
             goto fail;
-        for (Py_ssize_t j = 0; j < size; j++, i++) {
+        common.mode = (mode_t)mode;
+        common.dir_mode = (mode_t)dir_mode;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(payloads); j++, i++) {
             write_job *job = &b->jobs[i];
             chunk_write *w = &job->w;
+            *w = common;
             Py_ssize_t len;
             const char *d = digest_at(cols, j, &len);
             if (d == NULL || key_at(cols, s, j, &w->key, &w->key_len) != 0 ||
@@ -597,18 +532,8 @@ batch *write_batch_new(PyObject *shares) {
             at = put_file_name(at, &nm, d, len, 0);
             w->tmp_name = at;
             at = put_file_name(at, &nm, d, len, 1);
-            w->root_fd = root_fd;
             w->payload = p->bufs[i].buf;
             w->payload_len = (size_t)p->bufs[i].len;
-            w->ns = ns;
-            w->ns_len = ns_len;
-            w->meta = meta;
-            w->meta_len = meta_len;
-            w->direct = direct;
-            w->mode = (mode_t)mode;
-            w->dir_mode = (mode_t)dir_mode;
-            w->fsync_level = fsync_level;
-            w->status = CHUNK_FAILED;
             job->b = b;
         }
     }
@@ -621,51 +546,28 @@ fail:
 
 /* -- results ------------------------------------------------------------------------------- */
 
-static PyObject *read_details(batch *b, PyObject *details) {
-    for (Py_ssize_t i = 0; i < (Py_ssize_t)b->n; i++) {
-        chunk_read *r = &b->reqs[i];
-        if (r->status == CHUNK_OK) continue;
+PyObject *batch_results(batch *b) {
+    PyObject *statuses = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)b->n);
+    PyObject *details = PyList_New(0);
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; statuses && details && i < (Py_ssize_t)b->n; i++) {
+        chunk_read *r = b->kind == BATCH_READ ? &b->reqs[i] : NULL;
+        int status = r ? r->status : b->jobs[i].w.status;
+        PyBytes_AS_STRING(statuses)[i] = (char)status;
+        if (status == CHUNK_OK) continue;
         PyObject *item;
-        if (r->status == CHUNK_JUDGE)
+        if (r == NULL)
+            item = Py_BuildValue("(nii)", i, status, b->jobs[i].w.error);
+        else if (status == CHUNK_JUDGE)
             item = Py_BuildValue("(niy#K)", i, 0, (const char *)r->header,
                                  (Py_ssize_t)CHUNK_HEADER_SIZE,
                                  (unsigned long long)r->computed);
         else
             item = Py_BuildValue("(niOK)", i, atomic_load(&r->error), Py_None, 0ULL);
-        if (item == NULL || PyList_Append(details, item) != 0) {
-            Py_XDECREF(item);
-            return NULL;
-        }
-        Py_DECREF(item);
+        if (item == NULL || PyList_Append(details, item) != 0) Py_CLEAR(details);
+        Py_XDECREF(item);
     }
-    return details;
-}
-
-static PyObject *write_details(batch *b, PyObject *details) {
-    for (Py_ssize_t i = 0; i < (Py_ssize_t)b->n; i++) {
-        chunk_write *w = &b->jobs[i].w;
-        if (w->status == CHUNK_OK) continue;
-        PyObject *item = Py_BuildValue("(nii)", i, w->status, w->error);
-        if (item == NULL || PyList_Append(details, item) != 0) {
-            Py_XDECREF(item);
-            return NULL;
-        }
-        Py_DECREF(item);
-    }
-    return details;
-}
-
-PyObject *batch_results(batch *b) {
-    PyObject *statuses = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)b->n);
-    PyObject *details = PyList_New(0);
-    PyObject *result = NULL;
-    if (statuses && details) {
-        char *out = PyBytes_AS_STRING(statuses);
-        for (size_t i = 0; i < b->n; i++)
-            out[i] = (char)(b->kind == BATCH_READ ? b->reqs[i].status : b->jobs[i].w.status);
-        if ((b->kind == BATCH_READ ? read_details(b, details) : write_details(b, details)))
-            result = Py_BuildValue("(OO)", statuses, details);
-    }
+    if (statuses && details) result = Py_BuildValue("(OO)", statuses, details);
     Py_XDECREF(statuses);
     Py_XDECREF(details);
     batch_free(b);
@@ -677,17 +579,13 @@ PyObject *batch_list_results(batch *done) {
     while (done) {
         batch *b = done;
         done = b->next;
-        PyObject *token = ((py_batch *)b)->token;
-        Py_INCREF(token);
+        PyObject *token = Py_NewRef(((py_batch *)b)->token);
         PyObject *results = batch_results(b);
         PyObject *item = results ? Py_BuildValue("(NN)", token, results) : NULL;
         if (results == NULL) Py_DECREF(token);
-        if (item == NULL || out == NULL || PyList_Append(out, item) != 0) {
-            Py_XDECREF(item);
-            Py_CLEAR(out);
-            continue; /* still free the remaining batches */
-        }
-        Py_DECREF(item);
+        if (item == NULL || out == NULL || PyList_Append(out, item) != 0)
+            Py_CLEAR(out); /* the remaining batches are still freed */
+        Py_XDECREF(item);
     }
     return out;
 }

@@ -47,7 +47,7 @@ _Atomic uint64_t chunkio_hash_sampled_bytes;
 _Atomic uint64_t chunkio_overlapped_writes;
 _Atomic uint64_t chunkio_recycled_writes;
 
-size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
+static size_t chunk_padded(size_t n) { return (n + CHUNK_ALIGNMENT - 1) / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT; }
 
 static uint64_t rd_u64(const uint8_t *p) {
     uint64_t v;
@@ -109,9 +109,7 @@ static atomic_int openat2_unavailable;
 
 static int walk_open(int root_fd, const char *rel, int flags, mode_t mode) {
     char name[PATH_MAX];
-    size_t n = strlen(rel);
-    if (n >= sizeof(name)) return -ENAMETOOLONG;
-    memcpy(name, rel, n + 1);
+    if (snprintf(name, sizeof(name), "%s", rel) >= (int)sizeof(name)) return -ENAMETOOLONG;
     int fd = root_fd;
     char *part = name;
     for (;;) {
@@ -131,7 +129,9 @@ static int walk_open(int root_fd, const char *rel, int flags, mode_t mode) {
     return out < 0 ? -err : out;
 }
 
-int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
+/* open(root_fd / rel, flags, mode) without following a link in any component;
+ * returns a descriptor or -errno. */
+static int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
     if (!atomic_load_explicit(&openat2_unavailable, memory_order_relaxed)) {
         struct open_how_v0 how = {(uint64_t)(flags | O_CLOEXEC),
                                   (flags & O_CREAT) ? (uint64_t)mode : 0,
@@ -145,6 +145,11 @@ int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode) {
 }
 
 /* -- hashing ------------------------------------------------------------------------------ */
+
+/* The version of a header of this format, or 0. */
+static unsigned header_version(const uint8_t *h) {
+    return memcmp(h, MAGIC, 8) == 0 ? rd_u16(h + OFF_VERSION) : 0;
+}
 
 /* Hashes the format's checksum blocks of the payload that lie wholly in [begin, end). */
 static void hash_blocks(const uint8_t *payload, uint64_t payload_len, size_t begin, size_t end,
@@ -166,13 +171,6 @@ static void hash_blocks(const uint8_t *payload, uint64_t payload_len, size_t beg
 
 static uint64_t combine_digests(const uint64_t *digests, size_t blocks) {
     return xxh3_64(digests, blocks * 8);
-}
-
-static uint64_t whole_checksum(const uint8_t *payload, uint64_t len) {
-    uint64_t started = hash_timer_start();
-    uint64_t sum = xxh3_64(payload, (size_t)len);
-    hash_timer_stop(started, len);
-    return sum;
 }
 
 /* -- the header ----------------------------------------------------------------------- */
@@ -213,23 +211,13 @@ static int utf8_ok(const uint8_t *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         uint8_t c = s[i];
-        size_t more;
-        uint32_t cp;
         if (c < 0x80) {
             i++;
             continue;
-        } else if ((c & 0xE0) == 0xC0) {
-            more = 1;
-            cp = c & 0x1F;
-        } else if ((c & 0xF0) == 0xE0) {
-            more = 2;
-            cp = c & 0x0F;
-        } else if ((c & 0xF8) == 0xF0) {
-            more = 3;
-            cp = c & 0x07;
-        } else {
-            return 0;
         }
+        size_t more = (c & 0xE0) == 0xC0 ? 1 : (c & 0xF0) == 0xE0 ? 2 : (c & 0xF8) == 0xF0 ? 3 : 0;
+        if (more == 0) return 0; /* a continuation byte, or no lead byte of UTF-8 */
+        uint32_t cp = c & (0x3F >> more); /* the lead byte's bits of the code point */
         for (size_t k = 1; k <= more; k++) {
             if (i + k >= n || (s[i + k] & 0xC0) != 0x80) return 0;
             cp = (cp << 6) | (s[i + k] & 0x3F);
@@ -247,8 +235,7 @@ static int utf8_ok(const uint8_t *s, size_t n) {
  * too.  Anything else goes to that validator, which names the defect. */
 static int quick_verdict(const chunk_read *req) {
     const uint8_t *h = req->header;
-    if (memcmp(h, MAGIC, 8) != 0) return 0;
-    unsigned version = rd_u16(h + OFF_VERSION);
+    unsigned version = header_version(h);
     if ((version != 1 && version != 2) || rd_u16(h + OFF_HEADER_SIZE) != CHUNK_HEADER_SIZE)
         return 0;
     if (xxh3_64(h, HEADER_CHECKSUM_OFFSET) != rd_u64(h + HEADER_CHECKSUM_OFFSET)) return 0;
@@ -269,11 +256,6 @@ static int quick_verdict(const chunk_read *req) {
 }
 
 /* -- reads -------------------------------------------------------------------------------- */
-
-static void read_fail(chunk_read *req, int err) {
-    int none = 0;
-    atomic_compare_exchange_strong(&req->error, &none, err);
-}
 
 static void split_for_direct(const chunk_read *req, size_t *in_place, size_t *staged) {
     size_t len = (size_t)req->payload_len;
@@ -307,14 +289,9 @@ int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces) {
     req->digests = calloc(req->blocks ? req->blocks : 1, sizeof(uint64_t) + 1);
     if (req->digests == NULL) return -ENOMEM;
     req->hashed = (uint8_t *)(req->digests + (req->blocks ? req->blocks : 1));
-    if (req->staged) {
-        size_t room = req->direct ? chunk_padded(req->staged) : req->staged;
-        if (posix_memalign((void **)&req->staging, CHUNK_ALIGNMENT, room) != 0) {
-            free(req->digests);
-            req->digests = NULL;
-            return -ENOMEM;
-        }
-    }
+    size_t room = req->direct ? chunk_padded(req->staged) : req->staged;
+    if (req->staged && posix_memalign((void **)&req->staging, CHUNK_ALIGNMENT, room) != 0)
+        return -ENOMEM; /* chunk_read_free frees the digests */
     for (size_t off = 0; off < req->in_place; off += task_size) {
         size_t len = req->in_place - off < task_size ? req->in_place - off : task_size;
         pieces[n++] = (chunk_piece){req, off, len, 0, NULL};
@@ -340,66 +317,49 @@ static void iov_skip(struct iovec **iov, int *count, size_t n) {
     }
 }
 
-/* Reads exactly the iovec's bytes at `offset`; 0, or an errno (ENODATA: end of file). */
-static int preadv_full(int fd, struct iovec *iov, int count, off_t offset) {
+/* Reads (or, `writing`, writes) exactly the iovec's bytes at `offset`; 0, or an errno
+ * (ENODATA: a read met the end of the file). */
+static int pio_full(int fd, struct iovec *iov, int count, off_t offset, int writing) {
     while (count > 0) {
-        ssize_t n = preadv(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) return ENODATA;
+        ssize_t n = writing ? pwritev(fd, iov, count, offset) : preadv(fd, iov, count, offset);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return errno;
+        if (n == 0 && !writing) return ENODATA;
         offset += n;
         iov_skip(&iov, &count, (size_t)n);
     }
     return 0;
 }
 
-static int pwritev_full(int fd, struct iovec *iov, int count, off_t offset) {
-    while (count > 0) {
-        ssize_t n = pwritev(fd, iov, count, offset);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        offset += n;
-        iov_skip(&iov, &count, (size_t)n);
-    }
-    return 0;
-}
-
+/* Reads one piece into place, the header with the first: 0 or an errno. */
 static int transfer(chunk_piece *piece) {
     chunk_read *req = piece->req;
     int fd = chunk_open_beneath(req->root_fd, req->rel,
                                 O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (req->direct ? O_DIRECT : 0),
                                 0);
     if (fd < 0) return -fd;
-    struct stat st;
-    int err = 0;
-    if (fstat(fd, &st) != 0) {
-        err = errno;
-    } else if (!S_ISREG(st.st_mode)) {
-        err = EINVAL; /* not a regular file: never read (the Python path names what it is) */
-    } else {
-        uint8_t *target = piece->staged ? req->staging : req->dest + piece->start;
-        size_t len = piece->staged && req->direct ? chunk_padded(piece->len) : piece->len;
-        struct iovec iov[2];
-        int count = 0;
-        off_t at = CHUNK_HEADER_SIZE + (off_t)piece->start;
-        if (piece->start == 0) {
-            size_t need = CHUNK_HEADER_SIZE + (req->direct ? chunk_padded((size_t)req->payload_len)
-                                                           : (size_t)req->payload_len);
-            if ((size_t)st.st_size < need) {
-                close(fd);
-                return ENODATA;
-            }
-            iov[count++] = (struct iovec){req->header, CHUNK_HEADER_SIZE};
-            at = 0;
-        }
-        if (len) iov[count++] = (struct iovec){target, len};
-        if (count) err = preadv_full(fd, iov, count, at);
-        if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
+    size_t need = CHUNK_HEADER_SIZE + (req->direct ? chunk_padded((size_t)req->payload_len)
+                                                   : (size_t)req->payload_len);
+    uint8_t *target = piece->staged ? req->staging : req->dest + piece->start;
+    size_t len = piece->staged && req->direct ? chunk_padded(piece->len) : piece->len;
+    struct iovec iov[2];
+    int count = 0, err = 0;
+    off_t at = CHUNK_HEADER_SIZE + (off_t)piece->start;
+    if (piece->start == 0) {
+        iov[count++] = (struct iovec){req->header, CHUNK_HEADER_SIZE};
+        at = 0;
     }
+    if (len) iov[count++] = (struct iovec){target, len};
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        err = errno;
+    else if (!S_ISREG(st.st_mode))
+        err = EINVAL; /* not a regular file: never read (the Python path names what it is) */
+    else if (piece->start == 0 && (size_t)st.st_size < need)
+        err = ENODATA;
+    else if (count)
+        err = pio_full(fd, iov, count, at, 0);
+    if (!err && piece->staged) memcpy(req->dest + piece->start, req->staging, piece->len);
     close(fd);
     return err;
 }
@@ -410,9 +370,10 @@ static void finalize(chunk_read *req) {
         req->status = CHUNK_FAILED;
         return;
     }
-    unsigned version = memcmp(req->header, MAGIC, 8) == 0 ? rd_u16(req->header + OFF_VERSION) : 0;
-    if (version == 1) {
-        req->computed = whole_checksum(req->dest, req->payload_len);
+    if (header_version(req->header) == 1) {
+        uint64_t started = hash_timer_start();
+        req->computed = xxh3_64(req->dest, (size_t)req->payload_len);
+        hash_timer_stop(started, req->payload_len);
     } else {
         for (size_t b = 0; b < req->blocks; b++)
             if (!req->hashed[b])
@@ -426,14 +387,12 @@ static void finalize(chunk_read *req) {
 int chunk_read_run(chunk_piece *piece) {
     chunk_read *req = piece->req;
     if (!atomic_load(&req->error)) {
-        int err = transfer(piece);
+        int err = transfer(piece), none = 0;
         if (err) {
-            read_fail(req, err);
+            atomic_compare_exchange_strong(&req->error, &none, err);
         } else {
             /* a version 1 file is checked over the whole payload at the end */
-            int v1 = piece->start == 0 && memcmp(req->header, MAGIC, 8) == 0 &&
-                     rd_u16(req->header + OFF_VERSION) == 1;
-            if (!v1)
+            if (piece->start != 0 || header_version(req->header) != 1)
                 hash_blocks(req->dest, req->payload_len, piece->start,
                             piece->start + piece->len, req->digests, req->hashed);
         }
@@ -446,8 +405,6 @@ int chunk_read_run(chunk_piece *piece) {
 void chunk_read_free(chunk_read *req) {
     free(req->staging);
     free(req->digests);
-    req->staging = NULL;
-    req->digests = NULL;
 }
 
 /* -- writes -------------------------------------------------------------------------------- */
@@ -457,7 +414,7 @@ static pthread_key_t buffers_key;
 static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
 
 typedef struct {
-    uint8_t *header;
+    uint8_t header[CHUNK_HEADER_SIZE] __attribute__((aligned(CHUNK_ALIGNMENT)));
     uint8_t *staging;
     size_t staging_size;
     aio_context_t aio; /* for overlapped writes; aio_state 0 untried, 1 set up, -1 none */
@@ -467,7 +424,6 @@ typedef struct {
 static void free_buffers(void *p) {
     thread_buffers *b = p;
     if (b->aio_state == 1) syscall(SYS_io_destroy, b->aio);
-    free(b->header);
     free(b->staging);
     free(b);
 }
@@ -478,12 +434,8 @@ static thread_buffers *my_buffers(size_t staging) {
     pthread_once(&buffers_once, make_key);
     thread_buffers *b = pthread_getspecific(buffers_key);
     if (b == NULL) {
-        b = calloc(1, sizeof(*b));
-        if (b == NULL) return NULL;
-        if (posix_memalign((void **)&b->header, CHUNK_ALIGNMENT, CHUNK_HEADER_SIZE) != 0) {
-            free(b);
-            return NULL;
-        }
+        if (posix_memalign((void **)&b, CHUNK_ALIGNMENT, sizeof(*b)) != 0) return NULL;
+        memset(b, 0, sizeof(*b));
         pthread_setspecific(buffers_key, b);
     }
     if (staging > b->staging_size) {
@@ -510,7 +462,7 @@ static int write_payload(int fd, const uint8_t *header, const uint8_t *data, siz
         size_t pad = chunk_padded(len) - len;
         if (len) iov[count++] = (struct iovec){(void *)data, len};
         if (pad) iov[count++] = (struct iovec){(void *)ZEROS, pad};
-        return count ? pwritev_full(fd, iov, count, at) : 0;
+        return count ? pio_full(fd, iov, count, at, 1) : 0;
     }
     size_t bulk = is_aligned(data) ? len / CHUNK_ALIGNMENT * CHUNK_ALIGNMENT : 0;
     size_t done = 0;
@@ -528,13 +480,13 @@ static int write_payload(int fd, const uint8_t *header, const uint8_t *data, siz
             memset(b->staging + n, 0, out - n);
             iov[count++] = (struct iovec){b->staging, out};
         }
-        int err = pwritev_full(fd, iov, count, at);
+        int err = pio_full(fd, iov, count, at, 1);
         if (err) return err;
         at += (off_t)out + (count == 2 ? CHUNK_HEADER_SIZE : 0);
         done += n;
         count = 0;
     }
-    return count ? pwritev_full(fd, iov, count, at) : 0; /* an empty payload: the header */
+    return count ? pio_full(fd, iov, count, at, 1) : 0; /* an empty payload: the header */
 }
 
 /* The job's header, into `out`, from its payload's block digests: 0 or EINVAL. */
@@ -588,7 +540,7 @@ static int reap_groups(thread_buffers *b, int fd, struct iovec (*vecs)[2], int i
                 if (!err) err = (int)-events[e].res;
             } else if ((size_t)events[e].res < want && !err) {
                 iov_skip(&iov, &count, (size_t)events[e].res);
-                err = pwritev_full(fd, iov, count, (off_t)cb->aio_offset + events[e].res);
+                err = pio_full(fd, iov, count, (off_t)cb->aio_offset + events[e].res, 1);
             }
         }
         in_flight -= (int)got;
@@ -645,7 +597,7 @@ static int write_overlapped(const chunk_write *job, int fd, int allocated, threa
         if (syscall(SYS_io_submit, ctx, 1, one) == 1)
             in_flight++;
         else
-            err = pwritev_full(fd, iov, (int)cb->aio_nbytes, (off_t)cb->aio_offset);
+            err = pio_full(fd, iov, (int)cb->aio_nbytes, (off_t)cb->aio_offset, 1);
     }
     int reaped = reap_groups(b, fd, vecs, in_flight);
     atomic_fetch_add_explicit(&chunkio_overlapped_writes, 1, memory_order_relaxed);
@@ -689,7 +641,7 @@ static int write_temp(chunk_write *job, int fd, int allocated, size_t task_size)
         if (!err) err = encode_job_header(job, b->header, digests, blocks, created);
         if (!err) {
             struct iovec iov = {b->header, CHUNK_HEADER_SIZE};
-            err = pwritev_full(fd, &iov, 1, 0);
+            err = pio_full(fd, &iov, 1, 0, 1);
         }
     }
     if (digests != stack_digests) free(digests);
@@ -731,9 +683,7 @@ static int make_dir_at(int dir_fd, const char *name, mode_t mode, int *created) 
  * first component created (-1: none); returns a descriptor or -errno. */
 static int make_dirs_beneath(int root_fd, const char *rel, mode_t mode, int *created_at) {
     char name[PATH_MAX];
-    size_t n = strlen(rel);
-    if (n >= sizeof(name)) return -ENAMETOOLONG;
-    memcpy(name, rel, n + 1);
+    if (snprintf(name, sizeof(name), "%s", rel) >= (int)sizeof(name)) return -ENAMETOOLONG;
     *created_at = -1;
     int created, depth = 0;
     char *leaf = strrchr(name, '/');
@@ -855,10 +805,8 @@ int chunk_unlink(chunk_pool *pool, int root_fd, const char *rel) {
     const char *slash = strrchr(rel, '/');
     if (slash == NULL) return unlinkat(root_fd, rel, 0) == 0 ? 0 : errno;
     char dir[PATH_MAX];
-    size_t n = (size_t)(slash - rel);
-    if (n >= sizeof(dir)) return ENAMETOOLONG;
-    memcpy(dir, rel, n);
-    dir[n] = 0;
+    if (snprintf(dir, sizeof(dir), "%.*s", (int)(slash - rel), rel) >= (int)sizeof(dir))
+        return ENAMETOOLONG;
     int dir_fd = chunk_open_beneath(root_fd, dir, O_PATH | O_DIRECTORY, 0);
     if (dir_fd < 0) return -dir_fd;
     int err = pool ? chunk_pool_put(pool, root_fd, dir, dir_fd, slash + 1) : -1;

@@ -42,12 +42,6 @@ extern _Atomic uint64_t chunkio_hash_sampled_bytes;
 extern _Atomic uint64_t chunkio_overlapped_writes; /* chunks written while hashed (AIO) */
 extern _Atomic uint64_t chunkio_recycled_writes;   /* chunks written into a retired file */
 
-size_t chunk_padded(size_t n);
-
-/* open(root_fd / rel, flags, mode) without following a link in any component;
- * returns a descriptor or -errno. */
-int chunk_open_beneath(int root_fd, const char *rel, int flags, mode_t mode);
-
 /* -- reads -------------------------------------------------------------------------- */
 
 typedef struct chunk_read chunk_read;
@@ -90,7 +84,8 @@ struct chunk_read {
 };
 
 /* Splits `req` into pieces of at most `task_size` bytes; fills `pieces` (room for
- * chunk_read_piece_count) and returns how many, or -errno (allocation). */
+ * chunk_read_piece_count) and returns how many, or -errno (allocation; chunk_read_free
+ * frees what it made either way). */
 size_t chunk_read_piece_count(const chunk_read *req, size_t task_size);
 int chunk_read_plan(chunk_read *req, size_t task_size, chunk_piece *pieces);
 /* Runs one piece; returns 1 when it was the request's last (the request is then final). */

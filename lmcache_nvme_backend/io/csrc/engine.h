@@ -1,10 +1,6 @@
-/* The native engine's shared types: a batch of chunk reads or writes as the threads see it,
- * and the engine's state (its queues, threads and finished batches); the calls of
- * workers.c, which runs batches without Python.
- *
- * A batch is made from Python objects (batches.c), and handed back as Python objects, but
- * none of them is here: the threads see a batch's requests, how many are left and where it
- * is queued; batches.c keeps the objects that a batch's requests point into beside it.
+/* The native engine's shared types: a batch of chunk reads or writes as the threads see it
+ * (no Python object: batches.c keeps those beside it), and the engine's state (its queues,
+ * threads and finished batches); the calls of workers.c, which runs batches without Python.
  */
 #ifndef NVME_ENGINE_H
 #define NVME_ENGINE_H
@@ -62,20 +58,21 @@ typedef struct batch {
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t done_cv; /* a batch finished */
-    sem_t read_sem, write_sem;
     _Atomic(batch *) incoming;
     chunk_piece *head, *tail;
     write_job *whead, *wtail;
     batch *done_head, *done_tail;
     atomic_long async_pending;
     atomic_long reads_in_flight;
-    atomic_int read_sleepers, write_sleepers; /* workers in (or entering) sem_wait */
-    atomic_int read_waking, write_waking;     /* of them, woken and not yet running */
     atomic_int stop;
-    int nthreads, nwthreads;
+    /* per kind of worker, indexed by BATCH_READ and BATCH_WRITE */
+    sem_t sem[2];
+    atomic_int sleepers[2]; /* workers in (or entering) sem_wait */
+    atomic_int waking[2];   /* of them, woken and not yet running */
+    int nthreads[2];        /* created */
+    int started[2];         /* running, their kernel ids recorded */
     pthread_t *threads;
-    pid_t *tids; /* kernel thread ids: readers first, then writers (recorded at start) */
-    int readers_started, writers_started, readers_wanted;
+    pid_t *tids; /* kernel thread ids: readers first, then writers */
     size_t task_size;
     chunk_pool *pool; /* removed chunk files kept for writes of their size (or NULL) */
 } engine;
@@ -109,11 +106,13 @@ batch *engine_take_done(engine *e);
 /* Waits up to `timeout` seconds for finished batches; sets *closed when the engine is
  * closed and drained (nothing more will come back). */
 batch *engine_wait_done(engine *e, double timeout, int *closed);
-/* Adds 1 to each eventfd (a full counter already signals). */
+/* Adds 1 to each eventfd (a full counter, EAGAIN, already signals): a system call that may
+ * cost a VM tens of microseconds, so the binding makes it without the GIL. */
 void engine_signal_eventfds(const int *fds, size_t n);
 
 /* Lets the threads finish the queued work, joins them, and removes the pool's files; only
- * the first caller waits, the others return at once. */
+ * the first caller does (two would join each thread twice), the others return at once:
+ * engine_wait_done tells when all is drained. */
 void engine_stop(engine *e);
 /* Frees what engine_start made, the pool included (stopped, finished batches taken). */
 void engine_destroy(engine *e);

@@ -9,40 +9,19 @@
  * finished yet, or to signal the eventfds the previous batches' callbacks left to it) hands
  * back every batch finished by then.
  *
- * A batch is a sequence of shares, the two shapes of io/engine.py (ReadShare, WriteShare):
- * the chunks of one root in one namespace and layout, what is common said once, then
- * columns; each chunk's file names are made here from its digest and the share's naming.
- * Its chunks are numbered share by share, in order.
- *
  * Engine(threads, write_threads, task_size, recycle_bytes=0, recycle_suffix=None):
  *   recycle_bytes: up to this many bytes of removed chunk files (unlink, a write's victims)
  *   are kept, renamed <name><recycle_suffix> in their directory, and overwritten in place
- *   by later writes of their size (pool.h); close() removes the rest
- *   read_shares(shares) -> (statuses, details)
- *                                             blocking; the caller helps the read workers
- *   submit_read_shares(shares, token)         asynchronous; the batch comes back from wait
- *   submit_shares(shares, token)              asynchronous, on the write workers (nice 10,
- *                                             each waits up to 50 ms while reads are in flight)
- *   wait(timeout_s, signals=()) -> [(token, (statuses, details))], or None once closed and
- *                                             drained; first adds 1 to each eventfd in
- *                                             signals (at most MAX_WAIT_SIGNALS), in the
- *                                             same release of the GIL
- *   cancel_writes() -> int                    queued writes not started end as ECANCELED
- *   unlink(items) -> [errno]                  blocking, on the calling thread; with
- *                                             recycle_bytes, files kept for reuse (above)
- *   retired_bytes() -> int                    bytes in the files kept for reuse now
- *   thread_ids() -> [int]                     kernel ids, readers then writers
- *   close()                                   queued work finishes first
- * read share:  (root_fd, (shard_prefix, shard_levels, final_suffix), direct, payload_len,
- *               meta, digests, dests, keys); digests str (lowercase hex), keys and meta
- *               bytes (a key may hold lone surrogates, see format.text_bytes)
- * write share: (root_fd, (shard_prefix, shard_levels, final_suffix, temp_suffix), namespace,
- *               meta, direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys,
- *               gpu_checksums); victims a tuple of files (rel, str) beneath the same root
- *               removed before the share's first write; gpu_checksums None or an (a, b) per
- *               chunk, recorded in its header
- * statuses: bytes, one chunk_status per chunk; details: for every chunk not CHUNK_OK,
- *   reads (index, errno, header or None, computed checksum), writes (index, status, errno).
+ *   by later writes of their size (pool.h); close() removes the rest.  The methods'
+ *   docstrings say what each takes and gives.
+ *
+ * A batch is a sequence of shares, the two shapes of io/engine.py (ReadShare, WriteShare;
+ * their fields are listed in batches.c): the chunks of one root in one namespace and
+ * layout, what is common said once, then columns; each chunk's file names are made from
+ * its digest and the share's naming; its chunks are numbered share by share, in order.
+ * Its outcome is (statuses, details): statuses bytes, one chunk_status per chunk; details,
+ * for every chunk not CHUNK_OK, reads (index, errno, header or None, computed checksum),
+ * writes (index, status, errno).
  */
 #include "batches.h"
 
@@ -149,12 +128,16 @@ static PyObject *Engine_read_shares(Engine *self, PyObject *shares) {
     return batch_results(b);
 }
 
-/* Hands an asynchronous batch to the threads; it comes back from wait() with its token.
- * Waking a worker that sleeps is a system call, made without the GIL (engine.h). */
-static PyObject *submit(Engine *self, batch *b, PyObject *token) {
-    int kind = b->kind; /* b is not read once submitted */
+/* Hands an asynchronous batch of `kind` to the threads; it comes back from wait() with its
+ * token.  Waking a worker that sleeps is a system call, made without the GIL (engine.h). */
+static PyObject *submit(Engine *self, PyObject *args, int kind) {
+    PyObject *shares, *token;
+    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_taking(self)) return NULL;
+    batch *b = kind == BATCH_READ ? read_batch_new(shares, self->e.task_size)
+                                  : write_batch_new(shares);
+    if (b == NULL) return NULL;
     batch_set_token(b, token);
-    int count = engine_submit(&self->e, b);
+    int count = engine_submit(&self->e, b); /* b is not read once submitted */
     if (count < 0) {
         batch_free(b);
         return closed_error();
@@ -171,17 +154,11 @@ static PyObject *submit(Engine *self, batch *b, PyObject *token) {
 }
 
 static PyObject *Engine_submit_read_shares(Engine *self, PyObject *args) {
-    PyObject *shares, *token;
-    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_taking(self)) return NULL;
-    batch *b = read_batch_new(shares, self->e.task_size);
-    return b == NULL ? NULL : submit(self, b, token);
+    return submit(self, args, BATCH_READ);
 }
 
 static PyObject *Engine_submit_shares(Engine *self, PyObject *args) {
-    PyObject *shares, *token;
-    if (!PyArg_ParseTuple(args, "OO", &shares, &token) || !engine_taking(self)) return NULL;
-    batch *b = write_batch_new(shares);
-    return b == NULL ? NULL : submit(self, b, token);
+    return submit(self, args, BATCH_WRITE);
 }
 
 static PyObject *Engine_cancel_writes(Engine *self, PyObject *Py_UNUSED(ignored)) {
@@ -229,30 +206,27 @@ static PyObject *Engine_unlink(Engine *self, PyObject *items) {
     PyObject *tuple = PySequence_Tuple(items);
     if (tuple == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-    int *fds = calloc(n ? (size_t)n : 1, sizeof(int));
-    const char **rels = calloc(n ? (size_t)n : 1, sizeof(char *));
-    int *errors = calloc(n ? (size_t)n : 1, sizeof(int));
+    struct { int fd; const char *rel; int error; } *todo = calloc(n ? (size_t)n : 1, sizeof(*todo));
     PyObject *result = NULL;
-    if (fds == NULL || rels == NULL || errors == NULL) {
+    if (todo == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++)
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "is;an unlink item is (root_fd, rel)",
-                              &fds[i], &rels[i]))
+                              &todo[i].fd, &todo[i].rel))
             goto done;
     if (n) {
         RELEASE_GIL_BEGIN
-        for (Py_ssize_t i = 0; i < n; i++) errors[i] = chunk_unlink(self->e.pool, fds[i], rels[i]);
+        for (Py_ssize_t i = 0; i < n; i++)
+            todo[i].error = chunk_unlink(self->e.pool, todo[i].fd, todo[i].rel);
         RELEASE_GIL_END
     }
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result && i < n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+        PyList_SET_ITEM(result, i, PyLong_FromLong(todo[i].error));
 done:
-    free(fds);
-    free(rels);
-    free(errors);
+    free(todo);
     Py_DECREF(tuple);
     return result;
 }
@@ -372,18 +346,15 @@ static PyObject *py_encode_header(PyObject *Py_UNUSED(mod), PyObject *args) {
 }
 
 static PyObject *py_counters(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "gil_releases",
-                         (unsigned long long)atomic_load(&gil_releases), "wake_releases",
-                         (unsigned long long)atomic_load(&wake_releases), "hashed_bytes",
-                         (unsigned long long)atomic_load(&chunkio_hashed_bytes),
-                         "hash_sampled_ns",
-                         (unsigned long long)atomic_load(&chunkio_hash_sampled_ns),
-                         "hash_sampled_bytes",
-                         (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
-                         "overlapped_writes",
-                         (unsigned long long)atomic_load(&chunkio_overlapped_writes),
-                         "recycled_writes",
-                         (unsigned long long)atomic_load(&chunkio_recycled_writes));
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsK}",
+        "gil_releases", (unsigned long long)atomic_load(&gil_releases),
+        "wake_releases", (unsigned long long)atomic_load(&wake_releases),
+        "hashed_bytes", (unsigned long long)atomic_load(&chunkio_hashed_bytes),
+        "hash_sampled_ns", (unsigned long long)atomic_load(&chunkio_hash_sampled_ns),
+        "hash_sampled_bytes", (unsigned long long)atomic_load(&chunkio_hash_sampled_bytes),
+        "overlapped_writes", (unsigned long long)atomic_load(&chunkio_overlapped_writes),
+        "recycled_writes", (unsigned long long)atomic_load(&chunkio_recycled_writes));
 }
 
 /* The cycle collector stops tracking each object (if it did): for objects that can never be

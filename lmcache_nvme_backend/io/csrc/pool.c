@@ -75,10 +75,6 @@ uint64_t chunk_pool_bytes(chunk_pool *pool) {
     return bytes;
 }
 
-/* Moves `name` of `dir_fd` (shard directory `dir_rel`) into the pool: 0 when it went there,
- * an errno when it could not be touched (ENOENT: already gone), -1 when the pool does not
- * take it (full, not a lone regular file, a file of that name already retired, or a
- * filesystem without RENAME_NOREPLACE): the caller removes it. */
 int chunk_pool_put(chunk_pool *pool, int root_fd, const char *dir_rel, int dir_fd,
                     const char *name) {
     pthread_mutex_lock(&pool->mu);
@@ -118,8 +114,6 @@ int chunk_pool_put(chunk_pool *pool, int root_fd, const char *dir_rel, int dir_f
     return err;
 }
 
-/* Takes the file last retired beneath `root_fd` whose size is `size` out of the pool;
- * 1 when there was one. */
 int chunk_pool_take(chunk_pool *pool, int root_fd, off_t size, pooled_file *out) {
     int found = 0;
     pthread_mutex_lock(&pool->mu);

@@ -32,7 +32,8 @@ typedef struct {
 void pooled_file_clear(pooled_file *f);
 /* Moves `name` of `dir_fd` (directory `dir_rel` beneath `root_fd`) into the pool: 0 when it
  * went there, an errno when it could not be touched (ENOENT: gone), -1 when the pool does
- * not take it (the caller removes it). */
+ * not take it (full, not a lone regular file, a file of that name already retired, or a
+ * filesystem without RENAME_NOREPLACE): the caller removes it. */
 int chunk_pool_put(chunk_pool *pool, int root_fd, const char *dir_rel, int dir_fd,
                    const char *name);
 /* Takes the file last put beneath `root_fd` whose size is `size` out of the pool into

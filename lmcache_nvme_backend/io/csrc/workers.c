@@ -66,14 +66,12 @@ static void run_write(engine *e, write_job *job) {
     batch_request_done(e, job->b);
 }
 
-/* Hands a batch to the threads without waiting for any of them (see engine.h); returns how
- * many workers to wake for it, or -1 when the engine is closed (the batch is not taken).
- * The batch may be finished (and freed) by the time this returns, so nothing of it is read
- * after it is pushed. */
+/* Pushes a batch without waiting (see engine.h): the workers to wake for it, or -1 when
+ * closed.  Nothing of it is read once pushed: it may be finished and freed already. */
 static int push_batch(engine *e, batch *b) {
     int reading = b->kind == BATCH_READ;
     size_t work = reading ? b->npieces : b->n;
-    int threads = reading ? e->nthreads : e->nwthreads;
+    int threads = e->nthreads[b->kind];
     if (reading) atomic_fetch_add(&e->reads_in_flight, 1);
     batch *top = atomic_load(&e->incoming);
     do {
@@ -156,74 +154,61 @@ static int may_leave(engine *e) {
 
 /* -- the threads --------------------------------------------------------------------------- */
 
-/* A worker sleeps until a post (and no longer counts as being woken). */
-static void sleep_on(sem_t *sem, atomic_int *sleepers, atomic_int *waking) {
-    atomic_fetch_add(sleepers, 1);
-    while (sem_wait(sem) != 0 && errno == EINTR) {}
-    atomic_fetch_sub(sleepers, 1);
-    int w = atomic_load(waking);
-    while (w > 0 && !atomic_compare_exchange_weak(waking, &w, w - 1)) {}
-}
-
 /* Records the calling thread's kernel id (readers first in `tids`, then writers), and
  * makes it a batch thread: waking it never preempts the thread that woke it (SCHED_BATCH,
  * same share of the CPU otherwise), so a submitter that holds the GIL keeps running. */
-static void thread_started(engine *e, int writer) {
+static void thread_started(engine *e, int kind) {
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
     pthread_mutex_lock(&e->mu);
-    int slot = writer ? e->readers_wanted + e->writers_started++ : e->readers_started++;
+    int slot = (kind == BATCH_WRITE ? e->nthreads[BATCH_READ] : 0) + e->started[kind]++;
     e->tids[slot] = (pid_t)syscall(SYS_gettid);
     pthread_cond_broadcast(&e->done_cv);
     pthread_mutex_unlock(&e->mu);
 }
 
-static void *read_worker(void *arg) {
-    engine *e = arg;
-    pthread_setname_np(pthread_self(), "nvme-native-rd");
-    thread_started(e, 0);
-    for (;;) {
-        pthread_mutex_lock(&e->mu);
-        drain_incoming(e);
-        chunk_piece *p = pop_piece(e);
-        int leave = p == NULL && may_leave(e);
-        pthread_mutex_unlock(&e->mu);
-        if (p) {
-            run_piece(e, p);
-        } else if (leave) {
-            break; /* stopped and drained */
-        } else if (!atomic_load(&e->stop)) { /* stopped: never sleeps (see may_leave) */
-            sleep_on(&e->read_sem, &e->read_sleepers, &e->read_waking);
-        }
-    }
-    return NULL;
-}
-
-static void *write_worker(void *arg) {
-    engine *e = arg;
-    pthread_setname_np(pthread_self(), "nvme-native-wr");
+/* A reader runs read pieces, a writer write jobs, until the engine is stopped and drained. */
+static void worker(engine *e, int kind) {
+    int writer = kind == BATCH_WRITE;
+    pthread_setname_np(pthread_self(), writer ? "nvme-native-wr" : "nvme-native-rd");
     /* background work: never take a core from the inference engine (a thread's own nice) */
-    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WRITER_NICE);
-    thread_started(e, 1);
+    if (writer) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WRITER_NICE);
+    thread_started(e, kind);
     for (;;) {
         pthread_mutex_lock(&e->mu);
         drain_incoming(e);
-        write_job *j = pop_write(e);
-        int leave = j == NULL && may_leave(e);
+        chunk_piece *p = writer ? NULL : pop_piece(e);
+        write_job *j = writer ? pop_write(e) : NULL;
+        int leave = p == NULL && j == NULL && may_leave(e);
         if (j && atomic_load(&e->reads_in_flight) > 0 && !atomic_load(&e->stop)) {
             struct timespec until = seconds_from_now(WRITERS_YIELD_S); /* reads go first */
             while (atomic_load(&e->reads_in_flight) > 0 && !atomic_load(&e->stop))
                 if (pthread_cond_timedwait(&e->done_cv, &e->mu, &until) == ETIMEDOUT) break;
         }
         pthread_mutex_unlock(&e->mu);
-        if (j) {
+        if (p) {
+            run_piece(e, p);
+        } else if (j) {
             run_write(e, j);
         } else if (leave) {
             break; /* stopped and drained */
         } else if (!atomic_load(&e->stop)) { /* stopped: never sleeps (see may_leave) */
-            sleep_on(&e->write_sem, &e->write_sleepers, &e->write_waking);
+            atomic_fetch_add(&e->sleepers[kind], 1);
+            while (sem_wait(&e->sem[kind]) != 0 && errno == EINTR) {}
+            atomic_fetch_sub(&e->sleepers[kind], 1);
+            int w = atomic_load(&e->waking[kind]); /* no longer being woken */
+            while (w > 0 && !atomic_compare_exchange_weak(&e->waking[kind], &w, w - 1)) {}
         }
     }
+}
+
+static void *read_worker(void *arg) {
+    worker(arg, BATCH_READ);
+    return NULL;
+}
+
+static void *write_worker(void *arg) {
+    worker(arg, BATCH_WRITE);
     return NULL;
 }
 
@@ -231,11 +216,10 @@ int engine_start(engine *e, int threads, int write_threads, size_t task_size,
                  chunk_pool *pool) {
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->done_cv, NULL);
-    sem_init(&e->read_sem, 0, 0);
-    sem_init(&e->write_sem, 0, 0);
+    sem_init(&e->sem[BATCH_READ], 0, 0);
+    sem_init(&e->sem[BATCH_WRITE], 0, 0);
     e->task_size = task_size;
     e->pool = pool;
-    e->readers_wanted = threads;
     e->threads = calloc((size_t)(threads + write_threads), sizeof(pthread_t));
     e->tids = calloc((size_t)(threads + write_threads), sizeof(pid_t));
     if (e->threads == NULL || e->tids == NULL) {
@@ -245,12 +229,12 @@ int engine_start(engine *e, int threads, int write_threads, size_t task_size,
         e->tids = NULL;
         return ENOMEM;
     }
+    /* the readers are all created before the first writer, which takes the ids after theirs */
     for (int i = 0; i < threads + write_threads; i++) {
         int err = pthread_create(&e->threads[i], NULL, i < threads ? read_worker : write_worker,
                                  e);
         if (err) return err;
-        if (i < threads) e->nthreads = i + 1;
-        else e->nwthreads = i + 1 - threads;
+        e->nthreads[i < threads ? BATCH_READ : BATCH_WRITE]++;
     }
     return 0;
 }
@@ -258,47 +242,42 @@ int engine_start(engine *e, int threads, int write_threads, size_t task_size,
 int engine_open(engine *e) { return e->threads != NULL && !atomic_load(&e->stop); }
 
 const pid_t *engine_thread_ids(engine *e, int *count) {
-    *count = e->nthreads + e->nwthreads;
+    *count = e->nthreads[BATCH_READ] + e->nthreads[BATCH_WRITE];
     if (e->threads == NULL) return e->tids;
     pthread_mutex_lock(&e->mu);
-    while (e->readers_started + e->writers_started < *count)
+    while (e->started[BATCH_READ] + e->started[BATCH_WRITE] < *count)
         pthread_cond_wait(&e->done_cv, &e->mu);
     pthread_mutex_unlock(&e->mu);
     return e->tids;
 }
 
-/* Only the first caller stops and joins the threads (two at once would join each thread
- * twice); the others return at once, and engine_wait_done tells when all is drained. */
 void engine_stop(engine *e) {
     if (e->threads == NULL || atomic_exchange(&e->stop, 1)) return;
     pthread_mutex_lock(&e->mu);
     pthread_cond_broadcast(&e->done_cv); /* writers waiting for reads go at once */
     pthread_mutex_unlock(&e->mu);
-    for (int i = 0; i < e->nthreads; i++) sem_post(&e->read_sem);
-    for (int i = 0; i < e->nwthreads; i++) sem_post(&e->write_sem);
-    for (int i = 0; i < e->nthreads + e->nwthreads; i++) pthread_join(e->threads[i], NULL);
+    engine_wake(e, BATCH_READ, e->nthreads[BATCH_READ]);
+    engine_wake(e, BATCH_WRITE, e->nthreads[BATCH_WRITE]);
+    for (int i = 0; i < e->nthreads[BATCH_READ] + e->nthreads[BATCH_WRITE]; i++)
+        pthread_join(e->threads[i], NULL);
     chunk_pool_drain(e->pool); /* a closed store leaves no retired file behind */
 }
 
 void engine_destroy(engine *e) {
     chunk_pool_free(e->pool);
-    e->pool = NULL;
     if (e->threads == NULL) return;
     free(e->threads);
     free(e->tids);
-    e->threads = NULL;
-    e->tids = NULL;
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->done_cv);
-    sem_destroy(&e->read_sem);
-    sem_destroy(&e->write_sem);
+    sem_destroy(&e->sem[BATCH_READ]);
+    sem_destroy(&e->sem[BATCH_WRITE]);
 }
 
 /* -- batches in and out -------------------------------------------------------------------- */
 
 void engine_wake(engine *e, int kind, int count) {
-    sem_t *sem = kind == BATCH_READ ? &e->read_sem : &e->write_sem;
-    for (int i = 0; i < count; i++) sem_post(sem);
+    for (int i = 0; i < count; i++) sem_post(&e->sem[kind]);
 }
 
 /* Waking a sleeping thread is a system call that costs a VM tens of microseconds, so the
@@ -308,18 +287,18 @@ void engine_wake(engine *e, int kind, int count) {
  * to wake, and the GIL is kept.  Every post is made either way: `waking` only decides
  * whether to let go of the GIL. */
 int engine_wakes_sleeper(engine *e, int kind, int count) {
-    int reading = kind == BATCH_READ;
-    atomic_int *sleepers = reading ? &e->read_sleepers : &e->write_sleepers;
-    atomic_int *waking = reading ? &e->read_waking : &e->write_waking;
-    int asleep = atomic_load(sleepers) - atomic_load(waking);
+    int asleep = atomic_load(&e->sleepers[kind]) - atomic_load(&e->waking[kind]);
     if (asleep <= 0) return 0;
-    atomic_fetch_add(waking, count < asleep ? count : asleep);
+    atomic_fetch_add(&e->waking[kind], count < asleep ? count : asleep);
     return 1;
 }
 
-/* The calling thread runs queued pieces (its own or others') until its batch is done. */
-static void help_until_done(engine *e, batch *b) {
-    pthread_mutex_lock(&e->mu);
+int engine_read(engine *e, batch *b) {
+    if (b->n == 0) return 0;
+    int count = push_batch(e, b);
+    if (count < 0) return -1;
+    engine_wake(e, BATCH_READ, count);
+    pthread_mutex_lock(&e->mu); /* then runs queued pieces, its own or others' */
     while (atomic_load(&b->left) > 0) {
         drain_incoming(e);
         chunk_piece *p = pop_piece(e);
@@ -332,14 +311,6 @@ static void help_until_done(engine *e, batch *b) {
         }
     }
     pthread_mutex_unlock(&e->mu);
-}
-
-int engine_read(engine *e, batch *b) {
-    if (b->n == 0) return 0;
-    int count = push_batch(e, b);
-    if (count < 0) return -1;
-    engine_wake(e, BATCH_READ, count);
-    help_until_done(e, b);
     return 0;
 }
 
@@ -417,8 +388,6 @@ batch *engine_wait_done(engine *e, double timeout, int *closed) {
     return done;
 }
 
-/* A waiter's wake-up: a system call that may cost a VM tens of microseconds, so the binding
- * makes it without the GIL.  A full counter (EAGAIN) already signals. */
 void engine_signal_eventfds(const int *fds, size_t n) {
     const uint64_t one = 1;
     for (size_t i = 0; i < n; i++) {

@@ -125,10 +125,6 @@ static uint64_t hash_129to240(const uint8_t *in, size_t len) {
 
 /* -- the long-input loop: accumulate stripes, scramble after every block -------------- */
 
-typedef void (*accumulate_fn)(uint64_t *acc, const uint8_t *in, const uint8_t *secret,
-                              size_t stripes);
-typedef void (*scramble_fn)(uint64_t *acc, const uint8_t *secret);
-
 static void accumulate_scalar(uint64_t *acc, const uint8_t *in, const uint8_t *secret,
                               size_t stripes) {
     for (size_t s = 0; s < stripes; s++) {
@@ -216,8 +212,9 @@ __attribute__((target("avx2"))) static void scramble_avx2(uint64_t *acc, const u
 }
 #endif
 
-static accumulate_fn accumulate = accumulate_scalar;
-static scramble_fn scramble = scramble_scalar;
+static void (*accumulate)(uint64_t *acc, const uint8_t *in, const uint8_t *secret,
+                          size_t stripes) = accumulate_scalar;
+static void (*scramble)(uint64_t *acc, const uint8_t *secret) = scramble_scalar;
 
 int xxh3_select(int simd) {
     switch (simd) {
@@ -246,10 +243,9 @@ int xxh3_init(void) {
 #ifdef XXH3_X86
     __builtin_cpu_init();
 #endif
-    for (int simd = XXH3_AVX2; simd > XXH3_SCALAR; simd--)
-        if (xxh3_select(simd) == 0) return simd;
-    xxh3_select(XXH3_SCALAR);
-    return XXH3_SCALAR;
+    int simd = XXH3_AVX2;
+    while (xxh3_select(simd) != 0) simd--; /* the scalar loop always runs */
+    return simd;
 }
 
 static uint64_t hash_long(const uint8_t *in, size_t len) {
