@@ -251,8 +251,15 @@ def shard_dir(prefix: str, levels: int, digest: str) -> str:
     return prefix + digest[0:2] + ("/" + digest[2:4] if levels == 2 else "")
 
 
-def _naming(naming: object, fields: int, what: str) -> tuple[str, int, list[str]]:
-    """(prefix, levels, suffixes) of a share's naming; TypeError or ValueError when bad."""
+def _checked(share: object, n: int, kind: str, length: int, at: int
+             ) -> tuple[str, str, int, list[str]]:
+    """What reads and writes check of a share: a tuple of ``length``, its naming (3 fields
+    for reads, 4 for writes), its columns from ``at`` (digests, buffers, keys: lists of one
+    length; keys bytes; digests lowercase hex); ``(what, prefix, levels, suffixes)``."""
+    what = f"{kind} share {n}"
+    if not isinstance(share, tuple) or len(share) != length:
+        raise TypeError(f"{what} is not a tuple of {length}")
+    naming, fields = share[1], 3 if kind == "read" else 4
     if not isinstance(naming, tuple) or len(naming) != fields or \
             not all(isinstance(naming[i], str) for i in range(fields) if i != 1):
         raise TypeError(f"{what}'s naming is (shard_prefix, shard_levels, final_suffix"
@@ -262,24 +269,18 @@ def _naming(naming: object, fields: int, what: str) -> tuple[str, int, list[str]
         raise ValueError(f"shard_levels must be 1 or 2, not {levels}")
     if any("\0" in text for text in (prefix, *suffixes)):
         raise ValueError(f"{what}'s naming holds a NUL character")
-    return prefix, levels, suffixes
-
-
-def _digests(digests: list[str], levels: int) -> None:
-    for digest in digests:
-        if not isinstance(digest, str):
-            raise TypeError(f"a digest must be str, not {type(digest).__name__}")
-        if len(digest) < 2 * levels or not _HEX.fullmatch(digest):
-            raise ValueError(f"digest {digest!r} is not lowercase hex of {2 * levels} "
-                             "characters or more")
-
-
-def _columns(share: tuple[object, ...], at: int, what: str) -> None:
     columns = [c for c in share[at : at + 3] if isinstance(c, list)]
     if len(columns) != 3 or len({len(c) for c in columns}) != 1:
         raise TypeError(f"{what}'s digests, buffers and keys must be lists of one length")
     if not all(isinstance(key, bytes) for key in columns[2]):
         raise TypeError(f"{what}'s keys must be bytes")
+    for digest in columns[0]:
+        if not isinstance(digest, str):
+            raise TypeError(f"a digest must be str, not {type(digest).__name__}")
+        if len(digest) < 2 * levels or not _HEX.fullmatch(digest):
+            raise ValueError(f"digest {digest!r} is not lowercase hex of {2 * levels} "
+                             "characters or more")
+    return what, prefix, levels, suffixes
 
 
 def _byte_view(buf: object, writable: bool) -> memoryview:
@@ -301,13 +302,8 @@ def shares_to_reads(shares: Sequence[ReadShare]) -> list[ShareRead]:
     reads: list[ShareRead] = []
     try:
         for n, share in enumerate(shares):
-            what = f"read share {n}"
-            if not isinstance(share, tuple) or len(share) != 8:
-                raise TypeError(f"{what} is not a tuple of 8")
-            root_fd, naming, direct, payload_len, meta, digests, dests, keys = share
-            prefix, levels, (suffix,) = _naming(naming, 3, what)
-            _columns(share, 5, what)
-            _digests(digests, levels)
+            what, prefix, levels, (suffix,) = _checked(share, n, "read", 8, 5)
+            root_fd, _, direct, payload_len, meta, digests, dests, keys = share
             if not isinstance(meta, bytes):
                 raise TypeError(f"{what}'s metadata must be bytes")
             for digest, dest, key in zip(digests, dests, keys, strict=True):
@@ -331,16 +327,11 @@ def shares_to_writes(shares: Sequence[WriteShare]) -> list[ShareWrite]:
     writes: list[ShareWrite] = []
     try:
         for n, share in enumerate(shares):
-            what = f"write share {n}"
-            if not isinstance(share, tuple) or len(share) != 13:
-                raise TypeError(f"{what} is not a tuple of 13")
-            (root_fd, naming, namespace, meta, direct, mode, dir_mode, fsync_level, victims,
+            what, prefix, levels, (final_suffix, temp_suffix) = _checked(share, n, "write", 13, 9)
+            (root_fd, _, namespace, meta, direct, mode, dir_mode, fsync_level, victims,
              digests, payloads, keys, gpu) = share
-            prefix, levels, (final_suffix, temp_suffix) = _naming(naming, 4, what)
-            _columns(share, 9, what)
             if not digests:  # its victims would be left
                 raise ValueError(f"{what} has no chunks")
-            _digests(digests, levels)
             if not isinstance(victims, tuple) or not all(isinstance(v, str) for v in victims):
                 raise TypeError(f"{what}: victims must be a tuple of str")
             if not isinstance(namespace, bytes) or not isinstance(meta, bytes):
