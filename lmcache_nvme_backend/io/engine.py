@@ -1,21 +1,13 @@
 """The seam between the chunk store and an I/O engine: two batch shapes, one result, one protocol.
 
 The store decides (which chunks, which root, how many bytes, what a result means); an
-engine moves bytes.  Everything that crosses between them is one of two batch shapes,
-plain values and never store objects:
-
-* a **read share**: the chunks of one read call that live on one root, in one namespace,
-  with one layout (tensor metadata): what is common said once, then three columns of one
-  length (digests, destination buffers, keys);
-* a **write share**: the chunks of one store task that go to one root, in one namespace and
-  layout, with the files evicted for them, then the same columns (digests, payloads, keys)
-  and an optional fourth, the GPU checksum of each payload (``disk/gpusum.py``).
-
-A batch is a sequence of shares; the engine reads or writes it and hands back one
-``Batch``: a status byte per chunk, in the batch's order (share by share), and details for
-the chunks that were not plainly done.  The engine makes each chunk's file names from its
-digest and the share's naming (``disk.layout.RootLayout.chunk_naming`` / ``write_naming``):
-no Python per chunk on the native engine.
+engine moves bytes.  What crosses between them is plain values, never store objects: a
+batch is a sequence of shares (``ReadShare``, ``WriteShare``: the chunks of one call or
+store task on one root, in one namespace and layout, what is common said once, then
+columns of one length), and the engine hands back one ``Batch``.  The engine makes each
+chunk's file names from its digest and the share's naming
+(``disk.layout.RootLayout.chunk_naming`` / ``write_naming``): no Python per chunk on the
+native engine.
 
 Two engines implement ``ChunkEngine``: the compiled one (``native.py``) and the Python one
 (``python_engine.py``); ``tests/unit/test_engine_contract.py`` runs one suite against both.

@@ -1,11 +1,10 @@
 """Opening chunk files: only regular files, never through a link, and the O_DIRECT probe.
 
-Every read of a chunk file by path opens it with :func:`open_for_read`, every chunk (temp)
-file is created with :func:`create_in_dir`, in a shard directory the writer has open;
-neither follows a link (a path inside a cache tree resolves beneath the root without
-following one in any component, ``disk/safe_fs.py``).
-A batch engine reports a failed read as an errno; :func:`read_failure` turns it into
-the exception these functions raise for the same file, so callers classify it alike.
+Every read of a chunk file by path opens it with :func:`open_for_read`, which never
+follows a link (a path inside a cache tree resolves beneath the root without following one
+in any component, ``disk/safe_fs.py``).  A batch engine reports a failed read as an errno;
+:func:`read_failure` turns it into the exception ``open_for_read`` and the reads raise for
+the same file, so callers classify it alike.
 """
 
 from __future__ import annotations
@@ -19,20 +18,13 @@ from pathlib import Path
 
 from ..disk.format import ALIGNMENT
 from ..disk.layout import split_tree_path
-from ..disk.safe_fs import (
-    NotAChunkFile,
-    create_in,
-    kind_of,
-    open_beneath,
-    require_regular,
-)
+from ..disk.safe_fs import NotAChunkFile, kind_of, open_beneath, require_regular
 from .buffers import AlignedBuffer
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 class ShortFileError(OSError):
@@ -99,17 +91,15 @@ def probe_direct_read(path: Path) -> bool:
         return False
     buf = AlignedBuffer(ALIGNMENT)
     try:
-        fd = open_for_read(path, direct=True)
-    except OSError:
-        buf.close()
-        return False
-    try:
-        os.preadv(fd, [buf.view], 0)
+        fd, _ = open_for_read(path, direct=True)
+        try:
+            os.preadv(fd, [buf.view], 0)
+        finally:
+            os.close(fd)
         return True
     except OSError:
         return False
     finally:
-        os.close(fd)
         buf.close()
 
 
@@ -118,13 +108,8 @@ def _unlink_missing_ok(path: Path) -> None:
         os.unlink(path)
 
 
-def open_for_read(path: Path, direct: bool) -> int:
-    """Open a chunk file for reading (see :func:`open_for_read_sized`)."""
-    return open_for_read_sized(path, direct)[0]
-
-
-def open_for_read_sized(path: Path, direct: bool) -> tuple[int, int]:
-    """Open a chunk file for reading; every read of a chunk file opens it here.
+def open_for_read(path: Path, direct: bool) -> tuple[int, int]:
+    """Open a chunk file for reading; every read of a chunk file by path opens it here.
     Returns the descriptor and the file's size (from the ``fstat`` of the check).
 
     ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks the reader) and an ``fstat``
@@ -133,13 +118,10 @@ def open_for_read_sized(path: Path, direct: bool) -> tuple[int, int]:
     opened beneath its root without following a link in any component
     (``disk/safe_fs.py``).
     """
-    flags = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+    flags = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC | (_O_DIRECT if direct else 0)
     where = split_tree_path(path)
     try:
-        if where is not None:
-            fd = open_beneath(where[0], where[1], flags | (_O_DIRECT if direct else 0))
-        else:
-            fd = os.open(path, flags | (_O_DIRECT if direct else 0))
+        fd = open_beneath(*where, flags) if where is not None else os.open(path, flags)
     except OSError as exc:
         if isinstance(exc, NotAChunkFile):
             raise
@@ -157,12 +139,6 @@ def open_for_read_sized(path: Path, direct: bool) -> tuple[int, int]:
                                     str(path)) from None
         raise
     return fd, require_regular(fd, path, "a chunk file").st_size
-
-
-def create_in_dir(dir_fd: int, name: str, direct: bool, mode: int) -> int:
-    """Create the new chunk (temp) file ``name`` with exactly ``mode`` in an open directory
-    (``O_EXCL | O_NOFOLLOW``: never an existing file or link)."""
-    return create_in(dir_fd, name, mode, _write_flags(direct))
 
 
 def read_failure(path: Path, err: int) -> OSError:
@@ -216,7 +192,3 @@ def _found_at(path: Path) -> tuple[str, Path] | None:
         if not stat.S_ISDIR(mode) or at == path:
             return kind_of(mode), at
     return None
-
-
-def _write_flags(direct: bool) -> int:
-    return os.O_WRONLY | (_O_DIRECT if direct else 0)

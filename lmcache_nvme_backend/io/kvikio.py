@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..disk.format import HEADER_SIZE
-from .posix import open_for_read
+from .files import open_for_read
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,7 @@ class KvikioPayloadReader:
             try:
                 # kvikio opens by name: first make sure the name holds a regular file
                 # (no link, no FIFO that would block a kvikio thread); see docs/robustness.md
-                os.close(open_for_read(r.path, direct=False))
+                os.close(open_for_read(r.path, direct=False)[0])
                 handle = self._kvikio.CuFile(r.path, "r")
             except OSError as exc:
                 r.error = exc
@@ -103,7 +103,7 @@ class PosixTensorPayloadReader:
     def read(self, reads: Sequence[PayloadRead]) -> None:
         for r in reads:
             try:
-                fd = open_for_read(r.path, direct=False)
+                fd, _ = open_for_read(r.path, direct=False)
             except OSError as exc:
                 r.error = exc
                 continue

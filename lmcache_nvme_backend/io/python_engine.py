@@ -4,18 +4,20 @@ It implements ``ChunkEngine`` with the behaviour of the compiled engine (``nativ
 ``csrc/``): the same statuses, details and errnos for the same files, from the same plain
 values (``tests/unit/test_engine_contract.py`` runs one suite against both).  It is what a
 store runs where the extension was not built, and the reference the compiled engine is
-checked against.  Each chunk's steps are ``python_chunks.py``; this module owns the threads
-and the batches:
+checked against.  Each chunk is one job (``python_chunks.py``); this module owns the
+threads and the batches:
 
-* **reads**: ``threads`` reader threads take a batch's pieces (``task_size`` bytes at most)
-  in order, several chunks and pieces of one chunk in parallel (the system calls and the
-  checksum let go of the GIL); ``read`` helps with its own batch's pieces on the calling
-  thread (a batch of at most two pieces runs there alone, no hand-off), ``submit_read``
-  hands the batch to the readers and ``on_done`` runs on the one that ends its last chunk;
-* **writes**: ``write_threads`` writer threads at nice 10 take the chunks of the batches in
-  order; before each chunk a writer lets this engine's reads in flight go first, for at
-  most 50 ms (``priority.py``); ``on_done`` runs on the writer that ends a batch's last
-  chunk.
+* **reads**: ``threads`` reader threads take a batch's chunks in order, several at once
+  (the system calls and the checksum let go of the GIL); ``read`` helps with its own
+  batch on the calling thread (a batch of at most ``INLINE_CHUNKS`` runs there alone, no
+  hand-off), ``submit_read`` hands the batch to the readers and ``on_done`` runs on the one
+  that ends its last chunk;
+* **writes**: ``write_threads`` writer threads take the chunks of the batches in order;
+  they are background work (a read is what an inference request waits for), so they run
+  at nice ``WRITER_NICE`` (never taking a core from the inference engine's threads when
+  the host is busy) and before each chunk a writer lets reads in flight go first, for at
+  most ``READS_FIRST_S`` so that writes never starve (the compiled engine does the same,
+  ``csrc/module.c``); ``on_done`` runs on the writer that ends a batch's last chunk.
 
 A callback that raises is logged; no thread ever dies of one.  ``close`` lets every queued
 batch finish and hands it back before the threads end.
@@ -23,36 +25,87 @@ batch finish and hands it back before the threads end.
 
 from __future__ import annotations
 
-import errno
-import functools
 import logging
+import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TypeVar
 
 from ..disk.format import ALIGNMENT
-from .beneath import unlink_at
-from .engine import FAILED, OK, Batch, OnDone, ReadShare, WriteShare
-from .posix import ChunkFileIO
-from .priority import ReadPriorityGate, lower_thread_cpu_priority
-from .python_chunks import ShareRead, ShareWrite, shares_to_reads, shares_to_writes
+from .engine import Batch, OnDone, ReadShare, WriteShare
+from .python_chunks import ShareRead, ShareWrite, shares_to_reads, shares_to_writes, unlink_at
 
 logger = logging.getLogger(__name__)
 
-#: Pieces of a blocking read at most this many run on the calling thread alone.
-INLINE_PIECES = 2
+#: The nice value of a writer thread.
+WRITER_NICE = 10
+
+#: How long a writer waits at most for the reads in flight before each chunk.
+READS_FIRST_S = 0.05
+
+#: Chunks of a blocking read at most this many run on the calling thread alone.
+INLINE_CHUNKS = 2
+
+_Entry = TypeVar("_Entry")
 
 
-class _ReadBatch:
-    """A read batch in flight: its chunks, the pieces not taken yet, and who hears of it."""
+class ReadPriorityGate:
+    """Writers yield to reads in flight, for at most ``max_wait_s`` so writes never starve."""
 
-    def __init__(self, reads: list[ShareRead], on_done: OnDone | None) -> None:
-        self.reads = reads
-        self.pending = deque((read, piece) for read in reads for piece in read.pieces)
-        self.on_done = on_done  # None: a blocking read, which waits for ``finished``
-        self.finished = threading.Event()
-        self._left = len(reads)
+    def __init__(self, max_wait_s: float = READS_FIRST_S) -> None:
+        self.max_wait_s = max_wait_s
+        self._readers = 0
+        self._released = False
+        self._cond = threading.Condition()
+
+    def begin_read(self) -> None:
+        """A read starts (pair with ``end_read``; an asynchronous read ends on another thread)."""
+        with self._cond:
+            self._readers += 1
+
+    def end_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """``begin_read`` and ``end_read`` around a block."""
+        self.begin_read()
+        try:
+            yield
+        finally:
+            self.end_read()
+
+    def wait_for_readers(self) -> bool:
+        """Block while reads are in flight, at most ``max_wait_s``; True if the writer had
+        to wait."""
+        with self._cond:
+            if self._readers == 0 or self._released:
+                return False
+            self._cond.wait_for(lambda: self._readers == 0 or self._released,
+                                timeout=self.max_wait_s)
+            return True
+
+    def release_writers(self) -> None:
+        """From now on writers never wait (an engine that closes: its queued writes go at
+        once); a writer waiting now goes on."""
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
+
+class _Batch:
+    """A batch in flight: its chunks, those not taken yet (reads), and who hears of it."""
+
+    def __init__(self, chunks: Sequence[ShareRead | ShareWrite], on_done: OnDone) -> None:
+        self.chunks = chunks
+        self.pending = deque(chunks)
+        self.on_done = on_done
+        self._left = len(chunks)
         self._lock = threading.Lock()
 
     def chunk_done(self) -> bool:
@@ -62,35 +115,9 @@ class _ReadBatch:
             return self._left == 0
 
     def result(self) -> Batch:
-        statuses = bytes([read.status for read in self.reads])
-        details = [(i, *read.detail) for i, read in enumerate(self.reads)
-                   if read.detail is not None]
-        return Batch(statuses, details)
-
-
-class _WriteBatch:
-    """A write batch in flight: its chunks and each one's outcome."""
-
-    def __init__(self, writes: list[ShareWrite], on_done: OnDone) -> None:
-        self.writes = writes
-        self.on_done = on_done
-        self._statuses = bytearray([FAILED] * len(writes))
-        self._errors = [0] * len(writes)
-        self._left = len(writes)
-        self._lock = threading.Lock()
-
-    def chunk_done(self, index: int, status: int, err: int) -> bool:
-        """Chunk ``index`` ended so; True when it was the batch's last."""
-        with self._lock:
-            self._statuses[index] = status
-            self._errors[index] = err
-            self._left -= 1
-            return self._left == 0
-
-    def result(self) -> Batch:
-        return Batch(bytes(self._statuses),
-                     [(i, status, self._errors[i]) for i, status in enumerate(self._statuses)
-                      if status != OK])
+        return Batch(bytes([chunk.status for chunk in self.chunks]),
+                     [(i, *chunk.detail) for i, chunk in enumerate(self.chunks)
+                      if chunk.detail is not None])
 
 
 class PythonEngine:
@@ -99,24 +126,24 @@ class PythonEngine:
     name = "python"
 
     def __init__(self, threads: int, write_threads: int, task_size: int) -> None:
-        """``threads`` readers, ``write_threads`` writers (nice 10), I/Os of at most
-        ``task_size`` bytes (a positive multiple of 4 KiB)."""
+        """``threads`` readers, ``write_threads`` writers, I/Os of at most ``task_size`` bytes
+        (a positive multiple of 4 KiB)."""
         if threads < 1 or write_threads < 1 or task_size < ALIGNMENT or task_size % ALIGNMENT:
             raise ValueError("threads and write_threads must be >= 1 and task_size a "
                              f"positive multiple of {ALIGNMENT}")
         self.task_size = task_size
-        self._io = ChunkFileIO(task_size)
         self._gate = ReadPriorityGate()
         self._lock = threading.Lock()
         self._reads_ready = threading.Condition(self._lock)
         self._writes_ready = threading.Condition(self._lock)
-        self._reads: deque[Callable[[], object]] = deque()  # one entry per piece
-        # a chunk of a batch, or a batch's hand-back (cancelled, or empty)
-        self._writes: deque[tuple[_WriteBatch, int] | Callable[[], object]] = deque()
+        self._reads: deque[_Batch] = deque()  # the batch once per chunk
+        # a chunk of a batch, or (None) a batch to hand back: empty, or cancelled
+        self._writes: deque[tuple[_Batch, ShareWrite | None]] = deque()
         self._closing = False
         # set by each writer once at its nice value (writer_thread_ids waits for them)
         self._writer_ready = [threading.Event() for _ in range(write_threads)]
-        self._readers = [threading.Thread(target=self._read_worker, name=f"nvme-py-rd-{i}",
+        self._readers = [threading.Thread(target=self._serve, name=f"nvme-py-rd-{i}",
+                                          args=(self._reads, self._reads_ready, self._read_next),
                                           daemon=True) for i in range(threads)]
         self._writers = [threading.Thread(target=self._write_worker, args=(ready,),
                                           name=f"nvme-py-wr-{i}", daemon=True)
@@ -129,123 +156,89 @@ class PythonEngine:
     def read(self, shares: Sequence[ReadShare]) -> Batch:
         """Read and verify a batch; the calling thread helps and returns when all are done."""
         self._refuse_if_closed()
-        batch = _ReadBatch(shares_to_reads(shares, self.task_size), None)
-        if not batch.reads:
+        finished = threading.Event()
+        batch = _Batch(shares_to_reads(shares), lambda _: finished.set())
+        if not batch.chunks:
             return Batch(b"", [])
         self._gate.begin_read()
-        if len(batch.pending) > INLINE_PIECES:
+        if len(batch.chunks) > INLINE_CHUNKS:
             with self._lock:
-                self._reads.extend([functools.partial(self._run_from, batch)] *
-                                   len(batch.pending))
-                self._reads_ready.notify(len(batch.pending))
-        while self._run_from(batch):
+                self._reads.extend([batch] * len(batch.chunks))
+                self._reads_ready.notify(len(batch.chunks))
+        while self._read_next(batch):
             pass
-        batch.finished.wait()
+        finished.wait()
         return batch.result()
 
     def submit_read(self, shares: Sequence[ReadShare], on_done: OnDone) -> None:
         """Start reading a batch; ``on_done(batch)`` runs on the reader that ends it."""
-        batch = _ReadBatch(shares_to_reads(shares, self.task_size), on_done)
+        batch = _Batch(shares_to_reads(shares), on_done)
         with self._lock:
-            if self._closing:
-                for read in batch.reads:
-                    read.release()
-                raise _closed()
+            self._refuse_if_closed(batch.chunks)
             self._gate.begin_read()
-            if batch.reads:
-                self._reads.extend([functools.partial(self._run_from, batch)] *
-                                   len(batch.pending))
-            else:  # nothing to read: handed back at once, on a reader
-                self._reads.append(functools.partial(self._read_done, batch))
-            self._reads_ready.notify(max(1, len(batch.pending)))
+            self._reads.extend([batch] * max(1, len(batch.chunks)))
+            self._reads_ready.notify(max(1, len(batch.chunks)))
 
-    def _run_from(self, batch: _ReadBatch) -> bool:
-        """Run the batch's next piece not taken yet; False when none was left."""
+    def _read_next(self, batch: _Batch) -> bool:
+        """Run the batch's next chunk not taken yet; False when none was left (a batch with
+        none at all is handed back then)."""
         try:
-            read, piece = batch.pending.popleft()
+            chunk = batch.pending.popleft()
         except IndexError:
+            if not batch.chunks:
+                self._read_done(batch)
             return False
-        if read.run_piece(piece, self._io.header_buffer()) and batch.chunk_done():
+        chunk.run(self.task_size)
+        if batch.chunk_done():
             self._read_done(batch)
         return True
 
-    def _read_done(self, batch: _ReadBatch) -> None:
+    def _read_done(self, batch: _Batch) -> None:
         self._gate.end_read()
-        if batch.on_done is None:
-            batch.finished.set()
-        else:
-            _hand_back(batch.on_done, batch.result())
-
-    def _read_worker(self) -> None:
-        self._io.prepare_thread()
-        while True:
-            with self._lock:
-                while not self._reads and not self._closing:
-                    self._reads_ready.wait()
-                if not self._reads:
-                    return  # closing, and every queued piece ran
-                entry = self._reads.popleft()
-            _guarded(entry)
+        _hand_back(batch)
 
     # -- writes ----------------------------------------------------------------------------
 
     def submit_write(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
         """Start writing a batch; ``on_done(batch)`` runs on the writer that ends it (the
         batch's chunks come back share by share, in order)."""
-        batch = _WriteBatch(shares_to_writes(shares), on_done)
+        batch = _Batch(writes := shares_to_writes(shares), on_done)
         with self._lock:
-            if self._closing:
-                for write in batch.writes:
-                    write.release()
-                raise _closed()
-            if batch.writes:
-                self._writes.extend((batch, i) for i in range(len(batch.writes)))
-            else:  # nothing to write: handed back at once, on a writer
-                self._writes.append(functools.partial(_hand_back, on_done, batch.result()))
-            self._writes_ready.notify(max(1, len(batch.writes)))
+            self._refuse_if_closed(writes)
+            self._writes.extend([(batch, write) for write in writes] or [(batch, None)])
+            self._writes_ready.notify(max(1, len(writes)))
 
     def cancel_writes(self) -> int:
         """Chunks not started yet end as ``ECANCELED`` (a closing store); how many.  Their
         batches are handed back on a writer, as any other."""
         with self._lock:
-            queued = [entry for entry in self._writes if isinstance(entry, tuple)]
-            kept: deque[tuple[_WriteBatch, int] | Callable[[], object]] = deque(
-                entry for entry in self._writes if not isinstance(entry, tuple))
-            for batch, index in queued:
-                batch.writes[index].release()
-                if batch.chunk_done(index, FAILED, errno.ECANCELED):
-                    kept.appendleft(functools.partial(_hand_back, batch.on_done,
-                                                      batch.result()))
-            self._writes = kept
+            queued = list(self._writes)
+            self._writes.clear()
+            for batch, write in queued:
+                if write is not None:
+                    write.cancel()
+                    if not batch.chunk_done():
+                        continue
+                self._writes.append((batch, None))
             self._writes_ready.notify_all()
-        return len(queued)
+        return sum(write is not None for _, write in queued)
 
     def _write_worker(self, ready: threading.Event) -> None:
-        lower_thread_cpu_priority()
-        ready.set()
-        self._io.prepare_thread()
-        while True:
-            with self._lock:
-                while not self._writes and not self._closing:
-                    self._writes_ready.wait()
-                if not self._writes:
-                    return  # closing, and every queued chunk ran
-                entry = self._writes.popleft()
-            if isinstance(entry, tuple):
-                _guarded(functools.partial(self._write, *entry))
-            else:
-                _guarded(entry)
-
-    def _write(self, batch: _WriteBatch, index: int) -> None:
-        write = batch.writes[index]
         try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError) as exc:  # refused: the writer keeps its priority
+            logger.debug("could not lower the writer thread's priority: %s", exc)
+        ready.set()
+        self._serve(self._writes, self._writes_ready, self._write)
+
+    def _write(self, entry: tuple[_Batch, ShareWrite | None]) -> None:
+        batch, write = entry
+        if write is not None:
             self._gate.wait_for_readers()  # reads in flight go first, for a while
-            status, err = write.run(self._io)
-        except Exception:  # never: run reports its errors; counted all the same
-            logger.exception("NVMe tier: writing a chunk failed unexpectedly")
-            status, err = FAILED, errno.EIO
-        if batch.chunk_done(index, status, err):
-            _hand_back(batch.on_done, batch.result())
+            write.run(self.task_size)
+            if not batch.chunk_done():
+                return
+        _hand_back(batch)
 
     # -- the rest of the protocol ------------------------------------------------------------
 
@@ -285,26 +278,33 @@ class PythonEngine:
             if thread is not threading.current_thread():
                 thread.join()
 
-    def _refuse_if_closed(self) -> None:
+    def _serve(self, queue: deque[_Entry], ready: threading.Condition,
+               run: Callable[[_Entry], object]) -> None:
+        """An engine thread: ``run`` each entry of ``queue`` as it comes, until the engine
+        closes and every queued entry ran."""
+        while True:
+            with self._lock:
+                while not queue and not self._closing:
+                    ready.wait()
+                if not queue:
+                    return
+                entry = queue.popleft()
+            try:
+                run(entry)
+            except Exception:  # an engine thread survives anything one entry does
+                logger.exception("NVMe tier: an I/O engine step failed unexpectedly")
+
+    def _refuse_if_closed(self, chunks: Sequence[ShareRead | ShareWrite] = ()) -> None:
+        """``RuntimeError`` once closed, the refused batch's buffers let go of."""
         if self._closing:
-            raise _closed()
+            for chunk in chunks:
+                chunk.release()
+            raise RuntimeError("the Python I/O engine is closed")
 
 
-def _closed() -> RuntimeError:
-    return RuntimeError("the Python I/O engine is closed")
-
-
-def _hand_back(on_done: OnDone, batch: Batch) -> None:
+def _hand_back(batch: _Batch) -> None:
     """Give a batch to its callback; one that raises is logged, and the thread goes on."""
     try:
-        on_done(batch)
+        batch.on_done(batch.result())
     except Exception:
         logger.exception("NVMe tier: completing an I/O batch failed")
-
-
-def _guarded(work: Callable[[], object]) -> None:
-    """Run one queued step; an engine thread survives anything one step does."""
-    try:
-        work()
-    except Exception:
-        logger.exception("NVMe tier: an I/O engine step failed unexpectedly")

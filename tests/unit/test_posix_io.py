@@ -14,30 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_nvme_backend.disk.format import (
-    BLOCK_SIZE,
-    HEADER_SIZE,
-    TensorMeta,
-    block_digests,
-    combine_block_digests,
-    decode_header,
-    encode_header,
-    padded_length,
-    payload_checksum,
-)
+from lmcache_nvme_backend.disk.format import HEADER_SIZE, TensorMeta, encode_header, padded_length
+from lmcache_nvme_backend.disk.safe_fs import create_in
 from lmcache_nvme_backend.io import buffers as buffers_mod
 from lmcache_nvme_backend.io import posix as posix_io
-from lmcache_nvme_backend.io.files import create_in_dir, open_for_read_sized
+from lmcache_nvme_backend.io.buffers import AlignedBuffer, is_aligned
+from lmcache_nvme_backend.io.files import open_for_read
 from lmcache_nvme_backend.io.posix import (
-    AlignedBuffer,
-    ChunkFileIO,
     NotAChunkFile,
     ShortFileError,
-    is_aligned,
-    plan_pieces,
     probe_direct_io,
+    read_chunk,
     read_header,
-    read_piece,
+    write_chunk,
 )
 
 TASK_SIZE = 8192
@@ -56,11 +45,6 @@ def payload_for(n: int, seed: int = 0) -> bytes:
 def header_for(n: int, key: str = "k") -> bytes:
     meta = TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
     return encode_header(key, "ns", meta, n, 0x0123456789ABCDEF, created_unix_ns=1)
-
-
-@pytest.fixture
-def engine() -> ChunkFileIO:
-    return ChunkFileIO(TASK_SIZE)
 
 
 @pytest.fixture
@@ -114,38 +98,30 @@ def create(path: Path, direct: bool, mode: int = 0o600) -> int:
     """A new chunk file in ``path``'s directory, as the Python engine creates its temp files."""
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return create_in_dir(dir_fd, path.name, direct, mode)
+        return create_in(dir_fd, path.name, mode, os.O_WRONLY | (os.O_DIRECT if direct else 0))
     finally:
         os.close(dir_fd)
 
 
-def write(engine: ChunkFileIO, path: Path, payload: bytes, direct: bool,
-          source: memoryview | None = None, mode: int = 0o600) -> bytes:
+def write(path: Path, payload: bytes, direct: bool, source: memoryview | None = None,
+          mode: int = 0o600) -> bytes:
     header = header_for(len(payload), key=path.name)
     fd = create(path, direct, mode)
     try:
-        engine.write_hashed_to(fd, source if source is not None else memoryview(payload),
-                               lambda digests: header, direct=direct, sync_data=False)
+        write_chunk(fd, header, source if source is not None else memoryview(payload), direct,
+                    TASK_SIZE)
     finally:
         os.close(fd)
     return header
 
 
-def read_back(path: Path, n: int, dest: memoryview, direct: bool) -> bytes | None:
-    """Read a chunk file into ``dest`` piece by piece, as a Python engine reader does; its
-    header."""
-    header = None
-    fd, size = open_for_read_sized(path, direct)
+def read_back(path: Path, n: int, dest: memoryview, direct: bool) -> bytes:
+    """Read a chunk file into ``dest``, as a Python engine reader does; its header."""
+    fd, size = open_for_read(path, direct)
     try:
-        for piece in plan_pieces(dest, n, direct, TASK_SIZE):
-            header = read_piece(fd, size, piece, n, direct, AlignedBuffer(HEADER_SIZE).view,
-                                str(path)) or header
-            if piece.copy is not None:
-                src, dst = piece.copy
-                dst[:] = src
+        return read_chunk(fd, size, dest, n, direct, TASK_SIZE, str(path))
     finally:
         os.close(fd)
-    return header
 
 
 def assert_file_bytes(path: Path, header: bytes, payload: bytes) -> None:
@@ -162,7 +138,7 @@ def assert_file_bytes(path: Path, header: bytes, payload: bytes) -> None:
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("source", ["bytes", "aligned", "unaligned"])
 @pytest.mark.parametrize("n", SIZES)
-def test_write_produces_documented_file(engine: ChunkFileIO, tmp_path: Path,
+def test_write_produces_documented_file(tmp_path: Path,
                                         buffers: Callable[[int], AlignedBuffer], direct: bool,
                                         source: str, n: int) -> None:
     payload = payload_for(n)
@@ -175,35 +151,35 @@ def test_write_produces_documented_file(engine: ChunkFileIO, tmp_path: Path,
     else:
         view = memoryview(payload)
     path = tmp_path / "c.kv"
-    header = write(engine, path, payload, direct, view)
+    header = write(path, payload, direct, view)
     assert_file_bytes(path, header, payload)
     assert os.stat(path).st_size == HEADER_SIZE + padded_length(n)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_write_applies_mode(engine: ChunkFileIO, tmp_path: Path, direct: bool) -> None:
+def test_write_applies_mode(tmp_path: Path, direct: bool) -> None:
     path = tmp_path / "m.kv"
     old = os.umask(0)
     try:
-        write(engine, path, b"abc", direct, mode=0o640)
+        write(path, b"abc", direct, mode=0o640)
     finally:
         os.umask(old)
     assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_write_refuses_existing_file(engine: ChunkFileIO, tmp_path: Path,
+def test_write_refuses_existing_file(tmp_path: Path,
                                      direct: bool) -> None:
     path = tmp_path / "x.kv"
-    header = write(engine, path, payload_for(100), direct)
+    header = write(path, payload_for(100), direct)
     with pytest.raises(FileExistsError):
-        write(engine, path, payload_for(200, seed=1), direct)
+        write(path, payload_for(200, seed=1), direct)
     assert_file_bytes(path, header, payload_for(100))
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("target_exists", [True, False])
-def test_write_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, direct: bool,
+def test_write_does_not_follow_symlink(tmp_path: Path, direct: bool,
                                        target_exists: bool) -> None:
     target = tmp_path / "victim"
     if target_exists:
@@ -211,7 +187,7 @@ def test_write_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, dire
     link = tmp_path / "l.kv"
     link.symlink_to(target)
     with pytest.raises(FileExistsError):
-        write(engine, link, payload_for(10), direct)
+        write(link, payload_for(10), direct)
     assert link.is_symlink()
     if target_exists:
         assert target.read_bytes() == b"precious"
@@ -225,11 +201,11 @@ def test_write_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, dire
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("dest_kind", ["aligned_padded", "aligned_exact", "unaligned"])
 @pytest.mark.parametrize("n", SIZES)
-def test_round_trip(engine: ChunkFileIO, tmp_path: Path, make_dest, direct: bool,
+def test_round_trip(tmp_path: Path, make_dest, direct: bool,
                     dest_kind: str, n: int) -> None:
     payload = payload_for(n)
     path = tmp_path / "r.kv"
-    header = write(engine, path, payload, direct)
+    header = write(path, payload, direct)
     dest, untouched_outside = make_dest(dest_kind, n)
     assert read_back(path, n, dest, direct) == header
     assert bytes(dest[:n]) == payload
@@ -237,66 +213,78 @@ def test_round_trip(engine: ChunkFileIO, tmp_path: Path, make_dest, direct: bool
 
 
 @pytest.mark.parametrize(("write_direct", "read_direct"), [(True, False), (False, True)])
-def test_direct_and_buffered_files_are_interchangeable(engine: ChunkFileIO, tmp_path: Path,
+def test_direct_and_buffered_files_are_interchangeable(tmp_path: Path,
                                                        make_dest, write_direct: bool,
                                                        read_direct: bool) -> None:
     payload = payload_for(3 * 4096 + 5)
     path = tmp_path / "i.kv"
-    header = write(engine, path, payload, write_direct)
+    header = write(path, payload, write_direct)
     dest, _ = make_dest("aligned_exact", len(payload))
     assert read_back(path, len(payload), dest, read_direct) == header
     assert bytes(dest) == payload
 
 
+@pytest.mark.parametrize("dest_kind", ["aligned_exact", "unaligned"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_a_large_payload_is_read_in_task_size_pieces(make_dest, direct: bool) -> None:
+def test_a_large_payload_moves_in_task_size_pieces(tmp_path: Path, make_dest, direct: bool,
+                                                   dest_kind: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call moves at most ``task_size`` payload bytes (the header with the first), in
+    file order, both ways."""
     n = 3 * MIB + 17
-    dest, _ = make_dest("aligned_exact", n)
-    pieces = plan_pieces(dest, n, direct, TASK_SIZE)
-    assert [piece.start for piece in pieces] == list(range(0, n, TASK_SIZE))
-    assert all(piece.length <= TASK_SIZE for piece in pieces)
-    assert pieces[-1].start + pieces[-1].length == n
-    assert (pieces[-1].copy is not None) == direct  # the sub-4 KiB tail, staged
-    assert plan_pieces(dest[:0], 0, direct, TASK_SIZE) == [posix_io.Piece(0, 0, [])]
+    calls: list[tuple[int, int]] = []  # (offset, bytes)
+    real = {"preadv": os.preadv, "pwritev": os.pwritev}
+    for name in real:
+        def spy(fd: int, bufs: list, offset: int, name: str = name) -> int:
+            calls.append((offset, sum(len(memoryview(b)) for b in bufs)))
+            return real[name](fd, bufs, offset)
+
+        monkeypatch.setattr(posix_io.os, name, spy)
+    path = tmp_path / "l.kv"
+    header = write(path, payload_for(n), direct)
+    dest, _ = make_dest(dest_kind, n)
+    assert read_back(path, n, dest, direct) == header and bytes(dest) == payload_for(n)
+    starts = [i for i, (offset, _) in enumerate(calls) if offset == 0]
+    assert len(starts) == 2  # the write, then the read
+    for phase in (calls[: starts[1]], calls[starts[1] :]):
+        assert phase[0][1] <= HEADER_SIZE + TASK_SIZE
+        assert all(size <= TASK_SIZE for _, size in phase[1:])
+        assert all(at + size == after
+                   for (at, size), (after, _) in zip(phase, phase[1:], strict=False))
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("keep", ["half_payload", "header_only", "partial_header", "empty",
                                   "one_byte_short"])
-def test_a_truncated_file_is_short(engine: ChunkFileIO, tmp_path: Path, make_dest,
+def test_a_truncated_file_is_short(tmp_path: Path, make_dest,
                                    direct: bool, keep: str) -> None:
     n = 5 * 4096 + 7
     sizes = {"half_payload": HEADER_SIZE + n // 2, "header_only": HEADER_SIZE,
              "partial_header": 100, "empty": 0,
              "one_byte_short": HEADER_SIZE + (padded_length(n) if direct else n) - 1}
     path = tmp_path / "t.kv"
-    write(engine, path, payload_for(n), direct)
+    write(path, payload_for(n), direct)
     os.truncate(path, sizes[keep])
     with pytest.raises(ShortFileError):
         read_back(path, n, make_dest("aligned_padded", n)[0], direct)
 
 
-def test_buffered_read_accepts_file_without_padding(engine: ChunkFileIO, tmp_path: Path,
+def test_buffered_read_accepts_file_without_padding(tmp_path: Path,
                                                     make_dest) -> None:
     n = 4097
     path = tmp_path / "np.kv"
-    header = write(engine, path, payload_for(n), direct=False)
+    header = write(path, payload_for(n), direct=False)
     os.truncate(path, HEADER_SIZE + n)
     dest, _ = make_dest("unaligned", n)
     assert read_back(path, n, dest, direct=False) == header
     assert bytes(dest) == payload_for(n)
 
 
-def test_an_undersized_destination_is_refused() -> None:
-    with pytest.raises(ValueError, match="holds 10 bytes, need 9000"):
-        plan_pieces(memoryview(bytearray(10)), 9000, True, TASK_SIZE)
-
-
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_read_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, make_dest,
+def test_read_does_not_follow_symlink(tmp_path: Path, make_dest,
                                       direct: bool) -> None:
     real = tmp_path / "real.kv"
-    write(engine, real, payload_for(100), direct)
+    write(real, payload_for(100), direct)
     link = tmp_path / "link.kv"
     link.symlink_to(real)
     dest, _ = make_dest("unaligned", 100)
@@ -309,9 +297,9 @@ def test_read_does_not_follow_symlink(engine: ChunkFileIO, tmp_path: Path, make_
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_read_header(engine: ChunkFileIO, tmp_path: Path, direct: bool) -> None:
+def test_read_header(tmp_path: Path, direct: bool) -> None:
     path = tmp_path / "h.kv"
-    header = write(engine, path, payload_for(4097), direct)
+    header = write(path, payload_for(4097), direct)
     assert read_header(path, direct) == (header, HEADER_SIZE + 8192)
 
 
@@ -320,39 +308,6 @@ def test_read_header_of_short_file(tmp_path: Path) -> None:
     path.write_bytes(b"LMCNVME\x00" + bytes(100))
     with pytest.raises(ShortFileError):
         read_header(path, direct=False)
-
-
-def test_task_size_must_be_aligned() -> None:
-    with pytest.raises(ValueError, match="4096"):
-        ChunkFileIO(4096 + 512)
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-@pytest.mark.parametrize("n", [0, 4097, 3 * BLOCK_SIZE + 17])
-def test_hashed_write_puts_the_header_from_the_digests_last(tmp_path: Path, n: int,
-                                                            direct: bool) -> None:
-    engine = ChunkFileIO(BLOCK_SIZE)
-    payload = payload_for(n)
-    given: list[list[int]] = []
-
-    def header_from(digests: list[int]) -> bytes:
-        given.append(digests)
-        meta = TensorMeta(shapes=((n,),), dtypes=("uint8",), fmt=1, nbytes=n)
-        return encode_header("k", "ns", meta, n, combine_block_digests(digests))
-
-    path = tmp_path / "h.kv"
-    fd = create(path, direct, 0o640)
-    try:
-        engine.write_hashed_to(fd, memoryview(payload), header_from, direct=direct,
-                               sync_data=True)
-    finally:
-        os.close(fd)
-    assert given == [block_digests(payload)]
-    raw = path.read_bytes()
-    assert len(raw) == HEADER_SIZE + padded_length(n)
-    assert raw[HEADER_SIZE : HEADER_SIZE + n] == payload
-    assert decode_header(raw[:HEADER_SIZE]).payload_checksum == payload_checksum(payload)
-    assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 # -- buffers and O_DIRECT probing -------------------------------------------------------------
@@ -382,7 +337,7 @@ def test_large_buffer_starts_on_a_huge_page(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_header_travels_with_the_first_piece(engine: ChunkFileIO, tmp_path: Path,
+def test_header_travels_with_the_first_piece(tmp_path: Path,
                                              make_dest, direct: bool,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """One vectored call carries header + first payload piece, in both directions."""
@@ -404,16 +359,16 @@ def test_header_travels_with_the_first_piece(engine: ChunkFileIO, tmp_path: Path
     path = tmp_path / "v.kv"
     source, _ = make_dest("aligned_padded", n)
     source[:n] = payload
-    header = write(engine, path, payload, direct, source=source[:n])
+    header = write(path, payload, direct, source=source[:n])
     dest, _ = make_dest("aligned_padded", n)
     assert read_back(path, n, dest, direct) == header and bytes(dest[:n]) == payload
-    assert ("write", 0, 2) in calls if direct else ("write", 0, 3) in calls
+    assert ("write", 0, 2) in calls
     assert ("read", 0, 2) in calls
     assert not any(offset == 0 and nbufs == 1 for _, offset, nbufs in calls)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_partial_transfers_are_resumed(engine: ChunkFileIO, tmp_path: Path, make_dest,
+def test_partial_transfers_are_resumed(tmp_path: Path, make_dest,
                                        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel may move fewer bytes than asked; every byte still lands in place."""
     n = 3 * TASK_SIZE + 7
@@ -428,7 +383,7 @@ def test_partial_transfers_are_resumed(engine: ChunkFileIO, tmp_path: Path, make
     monkeypatch.setattr(posix_io.os, "preadv", lambda fd, bufs, offset: real_preadv(
         fd, first_buffer_and_a_page(bufs), offset))
     path = tmp_path / "p.kv"
-    header = write(engine, path, payload, direct)
+    header = write(path, payload, direct)
     dest, _ = make_dest("aligned_padded", n)
     assert read_back(path, n, dest, direct) == header and bytes(dest[:n]) == payload
 

@@ -1,7 +1,7 @@
-"""The Python engine's own parts (io/python_engine.py and what it is built from: beneath.py,
-format.encode_raw_header and quick_verdict, priority.py, python_chunks.py,
-files.read_failure); the behaviour it shares with the compiled engine is
-tests/unit/test_engine_contract.py."""
+"""The Python engine's own parts (io/python_engine.py and what it is built from:
+disk/resolve.py beneath a root's descriptor, format.encode_raw_header and quick_verdict, the
+read-priority gate, python_chunks.py, files.read_failure); the behaviour it shares with the
+compiled engine is tests/unit/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from support.engine_contract import (
     write_share,
 )
 
+from lmcache_nvme_backend.disk import format as fmt
+from lmcache_nvme_backend.disk import resolve
 from lmcache_nvme_backend.disk.format import (
     BLOCK_SIZE,
     HEADER_SIZE,
@@ -43,11 +45,11 @@ from lmcache_nvme_backend.disk.format import (
 )
 from lmcache_nvme_backend.disk.safe_fs import NotAChunkFile, root_descriptor
 from lmcache_nvme_backend.disk.validate import Expected, judge_chunk
-from lmcache_nvme_backend.io import beneath, native, python_chunks
 from lmcache_nvme_backend.io import engine as seam
+from lmcache_nvme_backend.io import native
 from lmcache_nvme_backend.io.files import ShortFileError, read_failure
-from lmcache_nvme_backend.io.priority import ReadPriorityGate
-from lmcache_nvme_backend.io.python_engine import PythonEngine
+from lmcache_nvme_backend.io.python_chunks import unlink_at
+from lmcache_nvme_backend.io.python_engine import PythonEngine, ReadPriorityGate
 
 
 @pytest.fixture
@@ -59,11 +61,11 @@ def engine() -> Iterator[PythonEngine]:
 
 @pytest.fixture(params=["openat2", "walk"])
 def resolver(request: pytest.FixtureRequest) -> Iterator[str]:
-    old = beneath.use_openat2(request.param == "openat2")
+    old = resolve.use_openat2(request.param == "openat2")
     try:
         yield request.param
     finally:
-        beneath.use_openat2(old)
+        resolve.use_openat2(old)
 
 
 # -- beneath a root's descriptor --------------------------------------------------------------
@@ -78,14 +80,14 @@ def test_opens_beneath_the_root_and_never_through_a_link(tmp_path: Path, resolve
     (tmp_path / "a" / "file").write_bytes(b"")
     root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fd = beneath.open_at(root, "a/b/f", os.O_RDONLY)
+        fd = resolve.open_at(root, "a/b/f", os.O_RDONLY)
         assert os.read(fd, 10) == b"data"
         os.close(fd)
         for rel, errnos in (("a/link/f", (errno.ELOOP, errno.ENOTDIR)),
                             ("a/b/flink", (errno.ELOOP,)), ("a/file/x", (errno.ENOTDIR,)),
                             ("a/../../etc", (errno.EXDEV,)), ("a/missing", (errno.ENOENT,))):
             with pytest.raises(OSError) as raised:
-                beneath.open_at(root, rel, os.O_RDONLY)
+                resolve.open_at(root, rel, os.O_RDONLY)
             assert raised.value.errno in errnos, rel
     finally:
         os.close(root)
@@ -100,7 +102,7 @@ def test_makes_missing_directories_with_exactly_their_mode(tmp_path: Path, resol
     root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     old = os.umask(0o077)
     try:
-        fd, made_at = beneath.make_dirs_at(root, "ns/n/ab", 0o751)
+        fd, made_at = resolve.make_dirs_at(root, "ns/n/ab", 0o751)
         os.close(fd)
     finally:
         os.umask(old)
@@ -118,7 +120,7 @@ def test_make_dirs_at_never_walks_out_of_the_root(tmp_path: Path, resolver: str,
     root = os.open(tmp_path / "root", os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError) as raised:
-            beneath.make_dirs_at(root, rel, 0o700)
+            resolve.make_dirs_at(root, rel, 0o700)
     finally:
         os.close(root)
     assert raised.value.errno == errno.EXDEV
@@ -131,7 +133,7 @@ def test_unlink_at_removes_a_link_never_its_target(tmp_path: Path, resolver: str
     os.symlink(tmp_path / "target", tmp_path / "d" / "l")
     root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert [beneath.unlink_at(root, rel) for rel in ("d/l", "d/l", "target")] == \
+        assert [unlink_at(root, rel) for rel in ("d/l", "d/l", "target")] == \
             [0, errno.ENOENT, 0]
     finally:
         os.close(root)
@@ -199,7 +201,7 @@ def test_writers_wait_for_reads_at_most_a_while_and_never_once_released() -> Non
     started = time.monotonic()
     assert gate.wait_for_readers() is True and time.monotonic() - started < 0.19
     with gate.reading():
-        assert gate.readers == 1
+        assert gate._readers == 1
         gate.release_writers()
         assert gate.wait_for_readers() is False
 
@@ -245,19 +247,19 @@ def test_a_small_blocking_read_runs_on_the_calling_thread(engine: PythonEngine,
                                                           tmp_path: Path) -> None:
     write_now(engine, [write_share(tmp_path, ["a", "b"], [b"x" * 5000] * 2)])
     seen: set[str] = set()
-    real = engine._run_from
+    real = engine._read_next
 
     def spy(batch: object) -> bool:
         seen.add(threading.current_thread().name)
         return real(batch)  # type: ignore[arg-type]
 
-    engine._run_from = spy  # type: ignore[method-assign]
+    engine._read_next = spy  # type: ignore[method-assign]
     dests = [buffer_for(5000, "aligned") for _ in range(2)]
     assert engine.read([read_share(tmp_path, ["a", "b"], dests, 5000)]).statuses == bytes(2)
     assert seen == {threading.current_thread().name}
 
 
-def test_many_pieces_are_read_by_the_readers_and_the_caller(engine: PythonEngine,
+def test_many_chunks_are_read_by_the_readers_and_the_caller(engine: PythonEngine,
                                                             tmp_path: Path) -> None:
     n = 5 * (1 << 20) + 3
     keys = [f"k{i}" for i in range(6)]
@@ -277,7 +279,8 @@ def test_many_pieces_are_read_by_the_readers_and_the_caller(engine: PythonEngine
 @pytest.mark.parametrize("n", [BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 4097])
 def test_pieces_that_split_checksum_blocks_still_verify(tmp_path: Path, n: int,
                                                         task_size: int, kind: str) -> None:
-    """A block that two pieces land in is hashed by whichever lands second."""
+    """I/Os of ``task_size`` that end inside checksum blocks: the payload is still hashed whole
+    once it landed."""
     engine = PythonEngine(3, 1, task_size)
     try:
         write_now(engine, [write_share(tmp_path, ["k"], [payload_for(n)])])
@@ -295,15 +298,13 @@ def test_pieces_that_split_checksum_blocks_still_verify(tmp_path: Path, n: int,
 def test_block_digests_are_hashed_only_for_version_2(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      version: int) -> None:
-    """A version 1 file is checked over its whole payload: no block is hashed as it lands
-    (one piece here, so the header lands with every block)."""
+    """A version 1 file is checked over its whole payload: no block digest is hashed for it."""
     hashed: list[int] = []
 
     def counting(view: memoryview) -> list[int]:
         hashed.append(len(view))
         return block_digests(view)
 
-    monkeypatch.setattr(python_chunks, "hash_blocks", counting)
     n = 3 * BLOCK_SIZE + 5
     payload = payload_for(n)
     path = tmp_path / rel_of(tmp_path, "k")
@@ -312,6 +313,7 @@ def test_block_digests_are_hashed_only_for_version_2(tmp_path: Path,
                                    payload_checksum(payload, version), version=version)
                      + payload + bytes(padded_length(n) - n))
     dest = buffer_for(n, "aligned")
+    monkeypatch.setattr(fmt, "block_digests", counting)
     engine = PythonEngine(1, 1, 4 << 20)
     try:
         assert engine.read([read_share(tmp_path, ["k"], [dest], n)]).statuses == bytes(1)

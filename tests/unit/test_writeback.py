@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lmcache_nvme_backend.disk.format import TensorMeta
-from lmcache_nvme_backend.io.priority import ReadPriorityGate
+from lmcache_nvme_backend.io.python_engine import ReadPriorityGate
 from lmcache_nvme_backend.store.writeback import (
     ChunkWrite,
     WriteBackQueue,
