@@ -1,18 +1,10 @@
-"""What ``lmcache-nvme bench`` measures: the backend's own I/O engine on real chunk files.
+"""What ``lmcache-nvme bench`` measures: the store's I/O engine on real chunk files.
 
-Every timed I/O goes through the I/O engine the store runs (``io.engine_for``: the
-compiled one when built, else the Python one; ``--engine`` picks), in the store's batch
-shapes: a caller's read batch is one read share (``ChunkEngine.read``), each written chunk
-a write share of its own (``submit_write``: written, hashed, renamed into place), on files
-in the backend's chunk format (4 KiB header, aligned padded payload, sharded directories
-from :class:`~lmcache_nvme_backend.disk.layout.RootLayout`) and page-aligned
-:class:`~lmcache_nvme_backend.io.buffers.AlignedBuffer` memory.  The engines hash every
+Every timed I/O goes through the engine the store runs (``io.engine_for``; ``--engine``
+picks), in the store's shapes: a caller's read batch is one read share, each written
+chunk a write share of its own (written, hashed, renamed into place), on files in the
+backend's chunk format and layout, from page-aligned buffers.  The engines hash every
 chunk written and verify every chunk read, as the store's do.
-
-This module holds the bench workspace (``Workspace``) and the timed runs
-(``EngineBench``); ``model.py`` defines what a configuration and a result are
-(and the vocabulary: ``bs``, ``threads``, ``iodepth``, ``callers``, latency),
-``gpu_reads.py`` the ``--dest gpu`` reads.
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,15 +38,14 @@ from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
 BENCH_NAMESPACE = "lmcache-nvme-bench"
 FILE_MODE = 0o600
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+T = TypeVar("T")
 
 
 def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
     """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only), then ``stat`` the given files.
 
-    Dropping caches also drops dentries and inodes, which makes every later
-    open a metadata read.  fio loads its files' metadata in its untimed setup
-    phase; stat-ing the engine's files here (untimed) puts both on equal terms,
-    so the timed runs compare the data path.
+    Dropping caches also drops dentries and inodes; fio loads its files' metadata in its
+    untimed setup, so stat-ing ours here (untimed) makes the timed runs compare data paths.
     """
     os.sync()
     try:
@@ -64,6 +56,31 @@ def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
                        "(or a privileged container), or leave out --drop-caches") from exc
     for path in keep_metadata_of:
         os.stat(path)
+
+
+def in_threads(name: str, bodies: list[Callable[[], T]],
+               errors: list[BaseException] | None = None) -> list[T]:
+    """Run each body on a thread of its own and return what each returned; the first
+    exception (collected in ``errors``, which bodies may watch to stop early) is raised
+    once every thread has ended."""
+    errors = [] if errors is None else errors
+    results: dict[int, T] = {}
+
+    def guarded(k: int) -> None:
+        try:
+            results[k] = bodies[k]()
+        except BaseException as exc:  # re-raised after every thread ends
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(k,), name=f"{name}-{k}")
+               for k in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[k] for k in range(len(bodies))]
 
 
 class Workspace:
@@ -142,9 +159,7 @@ class EngineBench:
     def _engine(self, readers: int, writers: int, task_size: int) -> ChunkEngine:
         return engine_for(self.native_io, max(1, readers), max(1, writers), task_size)
 
-    # -- layout -------------------------------------------------------------------
-
-    def layout_read_set(self, n: int, threads: int, direct: bool) -> ChunkSet:
+    def layout_read_set(self, n: int, threads: int, direct: bool) -> None:
         """Write the files reads will read (untimed; reused by every read run)."""
         chunks = self.ws.chunk_set("r", n)
         missing = [i for i, p in enumerate(chunks.paths) if not p.exists()]
@@ -158,14 +173,11 @@ class EngineBench:
             finally:
                 engine.close()
                 progress.close()
-        return chunks
 
     def read_paths(self, cfg: BenchConfig) -> list[Path]:
         """The files the reads of ``cfg`` open (none for pure writes)."""
         n_read = cfg.chunk_counts()[0]
         return self.ws.chunk_set("r", n_read).paths if n_read else []
-
-    # -- runs ---------------------------------------------------------------------
 
     def run(self, cfg: BenchConfig) -> RunResult:
         """One timed run of ``cfg``.  Read files must have been laid out."""
@@ -176,40 +188,22 @@ class EngineBench:
         progress = Progress(self.progress_enabled, total,
                             f"{cfg.rw} T={cfg.threads} QD={cfg.iodepth}",
                             unit="seconds" if cfg.runtime else "bytes")
-        outcome: dict[str, Timed] = {}
-        errors: list[BaseException] = []
-
-        def side(direction: str, fn: Callable[[], Timed]) -> Callable[[], None]:
-            def body() -> None:
-                try:
-                    outcome[direction] = fn()
-                except BaseException as exc:  # re-raised after both sides finish
-                    errors.append(exc)
-            return body
-
         # One engine for both sides, as a store has: its writers let reads in flight go first.
         engine = self._engine(readers, writers, cfg.task_size)
-        sides = []
+        sides: dict[str, Callable[[], Timed]] = {}
         if n_read:
-            sides.append(side("read", lambda: self._timed_reads(cfg, engine, n_read,
-                                                                progress)))
+            sides["read"] = lambda: self._timed_reads(cfg, engine, n_read, progress)
         if n_write:
-            sides.append(side("write", lambda: self._timed_writes(cfg, engine, writers,
-                                                                  n_write, progress)))
+            sides["write"] = lambda: self._timed_writes(cfg, engine, writers, n_write,
+                                                        progress)
         try:
             started = time.perf_counter()
-            workers = [threading.Thread(target=s, name="bench-side") for s in sides]
-            for t in workers:
-                t.start()
-            for t in workers:
-                t.join()
+            outcome = in_threads("bench-side", list(sides.values()))
             elapsed = time.perf_counter() - started
         finally:
             engine.close()
             progress.close()
-        if errors:
-            raise errors[0]
-        for direction, timed in outcome.items():
+        for direction, timed in zip(sides, outcome, strict=True):
             # Mixed runs report both directions over the common wall time, as fio does.
             seconds = elapsed if cfg.rw == "rw" else timed.seconds
             result.dirs[direction] = DirStats.from_latencies(direction, timed.nbytes, seconds,
@@ -218,12 +212,11 @@ class EngineBench:
 
     def _timed_reads(self, cfg: BenchConfig, engine: ChunkEngine, n: int,
                      progress: Progress) -> Timed:
+        chunks = self.ws.chunk_set("r", n)
         if cfg.dest == "gpu":
             from .gpu_reads import timed_gpu_reads
 
-            return timed_gpu_reads(self.ws.chunk_set("r", n).paths, cfg,
-                                   cfg.split_threads()[0], progress)
-        chunks = self.ws.chunk_set("r", n)
+            return timed_gpu_reads(chunks.paths, cfg, cfg.split_threads()[0], progress)
         bufs = [[AlignedBuffer(cfg.bs) for _ in range(cfg.iodepth)]
                 for _ in range(cfg.callers)]
         timed = Timed()
@@ -231,44 +224,33 @@ class EngineBench:
         errors: list[BaseException] = []
 
         def caller(mine: list[AlignedBuffer], batches: Iterator[list[int]]) -> None:
-            try:
-                while True:
-                    with lock:
-                        batch = next(batches, None)
-                    if batch is None or errors:
-                        return
-                    share = self.ws.read_share(chunks, batch,
-                                               [buf.view for buf in mine[: len(batch)]],
-                                               cfg.direct)
-                    t0 = time.perf_counter()
-                    result = engine.read([share])
-                    t1 = time.perf_counter()
-                    if result.details:
-                        raise self._read_error(chunks, batch, result)
-                    with lock:
-                        timed.latencies.extend([t1 - t0] * len(batch))
-                        timed.nbytes += cfg.bs * len(batch)
-                        progress.advance(cfg.bs * len(batch))
-            except BaseException as exc:
-                errors.append(exc)
+            while True:
+                with lock:
+                    batch = next(batches, None)
+                if batch is None or errors:
+                    return
+                share = self.ws.read_share(chunks, batch,
+                                           [buf.view for buf in mine[: len(batch)]], cfg.direct)
+                t0 = time.perf_counter()
+                result = engine.read([share])
+                t1 = time.perf_counter()
+                if result.details:
+                    raise self._read_error(chunks, batch, result)
+                with lock:
+                    timed.latencies.extend([t1 - t0] * len(batch))
+                    timed.nbytes += cfg.bs * len(batch)
+                    progress.advance(cfg.bs * len(batch))
 
         try:
             started = time.perf_counter()
             batches = read_batches(n, cfg, started)
-            callers = [threading.Thread(target=caller, args=(mine, batches),
-                                        name=f"bench-caller-{k}")
-                       for k, mine in enumerate(bufs)]
-            for t in callers:
-                t.start()
-            for t in callers:
-                t.join()
+            in_threads("bench-caller", [functools.partial(caller, mine, batches)
+                                        for mine in bufs], errors)
             timed.seconds = time.perf_counter() - started
         finally:
             for mine in bufs:
                 for b in mine:
                     b.close()
-        if errors:
-            raise errors[0]
         return timed
 
     def _read_error(self, chunks: ChunkSet, batch: list[int], result: Batch) -> CLIError:
