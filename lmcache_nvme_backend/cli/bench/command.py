@@ -36,7 +36,7 @@ from ..common import (
     size_list_arg,
 )
 from . import fio, report
-from .iobench import EngineBench, Workspace, drop_page_cache
+from .iobench import EngineBench, drop_page_cache, remove_files
 from .model import RW_MODES, WRITE_MODES, BenchConfig, RunResult
 from .plot import plot_runs, plot_sweep, require_matplotlib
 from .tuning import Setting, advice_doc, advise
@@ -243,9 +243,8 @@ def run(args: argparse.Namespace) -> int:
         print("note: buffered reads of files just written are served from the page cache; "
               "add --drop-caches (root) for cold reads", file=sys.stderr)
 
-    ws = Workspace(path, args.bs, keep=args.keep)
+    bench = EngineBench(path, args.bs, args.keep, progress, native_io)
     try:
-        bench = EngineBench(ws, progress, native_io)
         n_read = max(c.chunk_counts()[0] for c in configs)
         if n_read:
             bench.layout_read_set(n_read, threads=max(4, args.threads), direct=args.direct)
@@ -254,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             doc, show = _run_configs(args, configs, bench, repeat, where)
     finally:
-        ws.close()
+        bench.close()
     if args.json:
         print_json(doc)
         return 0
@@ -298,7 +297,7 @@ def _run_configs(args: argparse.Namespace, configs: list[BenchConfig], bench: En
 def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
                 fio_binary: str, repeat: int, where: str) -> Outcome:
     """The engine and fio on the same files, in interleaved repetitions."""
-    fio_dir = bench.ws.dir / "fio"
+    fio_dir = bench.dir / "fio"
     fio_dir.mkdir()
     n_read, n_write = cfg.chunk_counts()
     nfiles = cfg.nchunks if cfg.rw == "rw" else (n_read or n_write)
@@ -311,7 +310,7 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
     files = fio.fio_files(fio_dir, nfiles, shape.numjobs)
     if cfg.rw in ("read", "randread"):
         # fio reads the very files the engine reads (hard links to the same inodes)
-        for src, dst in zip(bench.ws.chunk_set("r", n_read).paths, files, strict=True):
+        for src, dst in zip(bench.chunk_set("r", n_read).paths, files, strict=True):
             os.link(src, dst)
     jobfile = fio_dir / "job.fio"
     job = fio.build_jobfile(cfg, shape, fio_dir, nfiles)
@@ -330,7 +329,7 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
                     print(f"fio repetition {rep + 1}/{repeat} ...", file=sys.stderr)
                 theirs.append(fio.run_fio(fio_binary, jobfile, cfg, shape))
                 if cfg.writes and cfg.rw != "rw":
-                    bench.ws.remove_files(files)
+                    remove_files(files)
     comparison = report.compare(ours, theirs)
     if args.plot is not None:
         plot_runs(ours, theirs, args.plot, where)

@@ -30,7 +30,7 @@ from ...disk.safe_fs import dir_mode_for
 from ...disk.validate import Expected, judge_chunk
 from ...io import engine_for
 from ...io.buffers import AlignedBuffer
-from ...io.engine import FAILED, Batch, ChunkEngine, ReadShare
+from ...io.engine import FAILED, Batch, ChunkEngine
 from ...io.files import read_failure
 from ..common import MIB, CLIError, Progress
 from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
@@ -83,16 +83,34 @@ def in_threads(name: str, bodies: list[Callable[[], T]],
     return [results[k] for k in range(len(bodies))]
 
 
-class Workspace:
-    """A private bench directory under PATH holding chunk files in the backend's format.
+@dataclass
+class ChunkSet:
+    """Names of a set of bench chunk files: keys (as the header holds them), digests, paths."""
 
-    It is a cache root of its own (``<PATH>/.lmcache-nvme-bench-<pid>``), so a
-    real cache in PATH is never touched, and it is removed at the end.
-    """
+    keys: list[bytes]
+    digests: list[str]
+    paths: list[Path]
 
-    def __init__(self, path: Path, bs: int, keep: bool = False) -> None:
+
+def remove_files(paths: list[Path]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+class EngineBench:
+    """Timed runs of configurations with the backend's I/O engine (``native_io`` as
+    ``nvme.native_io`` takes it) on chunk files in the backend's format, in a private
+    directory under PATH (``<PATH>/.lmcache-nvme-bench-<pid>``): a cache root of its own,
+    so a real cache in PATH is never touched, removed at the end unless ``keep``."""
+
+    def __init__(self, path: Path, bs: int, keep: bool, progress_enabled: bool,
+                 native_io: str = "auto") -> None:
         self.dir = path / f".lmcache-nvme-bench-{os.getpid()}"
         self.keep = keep
+        self.progress_enabled = progress_enabled
+        self.native_io = native_io
+        self._write_pass = 0
         self.layout = RootLayout(self.dir)
         self.ns_id = namespace_id(BENCH_NAMESPACE)
         self.bs = bs
@@ -104,6 +122,12 @@ class Workspace:
             0, 256, bs, dtype=np.uint8)
         self.meta = TensorMeta(shapes=((bs,),), dtypes=("uint8",), fmt=0, nbytes=bs)
         self.sets: dict[str, ChunkSet] = {}
+
+    def close(self) -> None:
+        self.payload.close()
+        os.close(self.root_fd)
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def chunk_set(self, tag: str, n: int) -> ChunkSet:
         """``n`` chunk names (keys, digests, paths) of one set; directories pre-created."""
@@ -118,54 +142,15 @@ class Workspace:
         self.sets[tag] = ChunkSet([text_bytes(k) for k in keys], digests, paths)
         return self.sets[tag]
 
-    def read_share(self, chunks: ChunkSet, batch: list[int], dests: list[memoryview],
-                   direct: bool) -> ReadShare:
-        """The chunks ``batch`` of a set, read into ``dests``."""
-        return (self.root_fd, self.layout.chunk_naming(self.ns_id), direct, self.bs,
-                self.meta.to_json(), [chunks.digests[i] for i in batch], dests,
-                [chunks.keys[i] for i in batch])
-
-    def remove_files(self, paths: list[Path]) -> None:
-        for p in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-
-    def close(self) -> None:
-        self.payload.close()
-        os.close(self.root_fd)
-        if not self.keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@dataclass
-class ChunkSet:
-    """Names of a set of bench chunk files: keys (as the header holds them), digests, paths."""
-
-    keys: list[bytes]
-    digests: list[str]
-    paths: list[Path]
-
-
-class EngineBench:
-    """Runs configurations against one workspace with the backend's I/O engine:
-    ``native_io`` as ``nvme.native_io`` takes it (``auto``, ``on``, ``off``)."""
-
-    def __init__(self, ws: Workspace, progress_enabled: bool, native_io: str = "auto") -> None:
-        self.ws = ws
-        self.progress_enabled = progress_enabled
-        self.native_io = native_io
-        self._write_pass = 0
-
     def _engine(self, readers: int, writers: int, task_size: int) -> ChunkEngine:
         return engine_for(self.native_io, max(1, readers), max(1, writers), task_size)
 
     def layout_read_set(self, n: int, threads: int, direct: bool) -> None:
         """Write the files reads will read (untimed; reused by every read run)."""
-        chunks = self.ws.chunk_set("r", n)
+        chunks = self.chunk_set("r", n)
         missing = [i for i, p in enumerate(chunks.paths) if not p.exists()]
         if missing:
-            progress = Progress(self.progress_enabled, len(missing) * self.ws.bs,
-                                "laying out")
+            progress = Progress(self.progress_enabled, len(missing) * self.bs, "laying out")
             engine = self._engine(1, threads, 4 * MIB)
             try:
                 self._write_files(engine, chunks, missing, threads, direct, None,
@@ -177,7 +162,7 @@ class EngineBench:
     def read_paths(self, cfg: BenchConfig) -> list[Path]:
         """The files the reads of ``cfg`` open (none for pure writes)."""
         n_read = cfg.chunk_counts()[0]
-        return self.ws.chunk_set("r", n_read).paths if n_read else []
+        return self.chunk_set("r", n_read).paths if n_read else []
 
     def run(self, cfg: BenchConfig) -> RunResult:
         """One timed run of ``cfg``.  Read files must have been laid out."""
@@ -212,7 +197,7 @@ class EngineBench:
 
     def _timed_reads(self, cfg: BenchConfig, engine: ChunkEngine, n: int,
                      progress: Progress) -> Timed:
-        chunks = self.ws.chunk_set("r", n)
+        chunks = self.chunk_set("r", n)
         if cfg.dest == "gpu":
             from .gpu_reads import timed_gpu_reads
 
@@ -229,8 +214,10 @@ class EngineBench:
                     batch = next(batches, None)
                 if batch is None or errors:
                     return
-                share = self.ws.read_share(chunks, batch,
-                                           [buf.view for buf in mine[: len(batch)]], cfg.direct)
+                share = (self.root_fd, self.layout.chunk_naming(self.ns_id), cfg.direct,
+                         self.bs, self.meta.to_json(), [chunks.digests[i] for i in batch],
+                         [buf.view for buf in mine[: len(batch)]],
+                         [chunks.keys[i] for i in batch])
                 t0 = time.perf_counter()
                 result = engine.read([share])
                 t1 = time.perf_counter()
@@ -260,7 +247,7 @@ class EngineBench:
         if header is None:
             return CLIError(f"read of {path} failed: {read_failure(path, err)}")
         verdict = judge_chunk(header, Expected(key=chunks.keys[batch[index]].decode(),
-                                               payload_len=self.ws.bs, meta=self.ws.meta),
+                                               payload_len=self.bs, meta=self.meta),
                               lambda h: h.payload_checksum == computed)
         return CLIError(f"{verdict.reason} in {path}: the bench file changed under the "
                         "benchmark or the drive returned wrong data")
@@ -273,10 +260,10 @@ class EngineBench:
         """
         timed = Timed()
         deadline = time.perf_counter() + cfg.runtime if cfg.runtime else None
-        chunks = self.ws.chunk_set("w", n)
+        chunks = self.chunk_set("w", n)
         while True:
             self._write_pass += 1
-            self.ws.remove_files(chunks.paths)
+            remove_files(chunks.paths)
             order = list(range(n))
             if cfg.random_order:
                 random.Random(self._write_pass).shuffle(order)
@@ -287,7 +274,7 @@ class EngineBench:
             timed.nbytes += written * cfg.bs
             if deadline is None or time.perf_counter() >= deadline:
                 break
-        self.ws.remove_files(chunks.paths)
+        remove_files(chunks.paths)
         return timed
 
     def _write_files(self, engine: ChunkEngine, chunks: ChunkSet, order: list[int],
@@ -301,10 +288,9 @@ class EngineBench:
         slots = threading.Semaphore(in_flight)
         count = [0]
         errors: list[int] = []
-        ws = self.ws
-        naming = ws.layout.write_naming(ws.ns_id, temp_name("", writer=0))
-        namespace, meta = text_bytes(BENCH_NAMESPACE), ws.meta.to_json()
-        payload = ws.payload.view[: ws.bs]
+        naming = self.layout.write_naming(self.ns_id, temp_name("", writer=0))
+        namespace, meta = text_bytes(BENCH_NAMESPACE), self.meta.to_json()
+        payload = self.payload.view[: self.bs]
 
         def done(started: float, result: Batch) -> None:
             try:
@@ -315,7 +301,7 @@ class EngineBench:
                     count[0] += 1
                     if latencies is not None:
                         latencies.append(time.perf_counter() - started)
-                    on_done(ws.bs)
+                    on_done(self.bs)
             finally:
                 slots.release()
 
@@ -325,7 +311,7 @@ class EngineBench:
                     break
                 slots.acquire()
                 try:
-                    engine.submit_write([(ws.root_fd, naming, namespace, meta, direct,
+                    engine.submit_write([(self.root_fd, naming, namespace, meta, direct,
                                           FILE_MODE, dir_mode_for(FILE_MODE), 0, (),
                                           [chunks.digests[i]], [payload], [chunks.keys[i]],
                                           None)], functools.partial(done, time.perf_counter()))
