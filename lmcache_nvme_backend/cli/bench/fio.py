@@ -154,31 +154,23 @@ def run_fio(binary: str, jobfile: Path, cfg: BenchConfig, shape: FioShape) -> Ru
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise CLIError(f"fio failed (exit {proc.returncode}): {tail[:800]}")
-    doc = parse_json_output(proc.stdout)
+    start = proc.stdout.find("{")  # fio may print warning lines before its JSON
+    if start < 0:
+        raise CLIError("fio printed no JSON: " + proc.stdout[:300])
+    try:
+        doc: dict[str, Any] = json.loads(proc.stdout[start:])
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"cannot parse fio's JSON output: {exc}") from exc
     result = RunResult("fio", cfg, extra={"fio": {"numjobs": shape.numjobs, "mem": shape.mem,
                                                   "iodepth": shape.iodepth,
                                                   "ioengine": shape.ioengine}})
-    job = doc["jobs"][0]
     for direction in ("read", "write"):
-        section = job.get(direction, {})
-        if not section or not section.get("io_bytes"):
-            continue
-        result.dirs[direction] = _dir_stats(direction, section)
+        section = doc["jobs"][0].get(direction) or {}
+        if section.get("io_bytes"):
+            result.dirs[direction] = _dir_stats(direction, section)
     if not result.dirs:
         raise CLIError("fio reported no I/O; its output: " + proc.stdout[:500])
     return result
-
-
-def parse_json_output(stdout: str) -> dict[str, Any]:
-    """fio's JSON document (fio may print warning lines before it)."""
-    start = stdout.find("{")
-    if start < 0:
-        raise CLIError("fio printed no JSON: " + stdout[:300])
-    try:
-        doc: dict[str, Any] = json.loads(stdout[start:])
-    except json.JSONDecodeError as exc:
-        raise CLIError(f"cannot parse fio's JSON output: {exc}") from exc
-    return doc
 
 
 def _dir_stats(direction: str, section: dict[str, Any]) -> DirStats:
