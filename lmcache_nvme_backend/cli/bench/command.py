@@ -282,16 +282,11 @@ def _run_configs(args: argparse.Namespace, configs: list[BenchConfig], bench: En
         return (report.json_doc(args.plot, where=where, repeat=repeat, results=results),
                 lambda: report.print_summary(groups[0], where))
     advice = advise(groups, default_setting(args))
-    reads = configs[0].reads
     if args.plot is not None:
         plot_sweep(medians, groups, args.plot, where)
-
-    def show() -> None:
-        report.print_sweep(medians, groups, where)
-        report.print_recommendation(advice, reads)
-
     return (report.json_doc(args.plot, where=where, repeat=repeat, results=results,
-                            recommendation=advice_doc(advice, reads)), show)
+                            recommendation=advice_doc(advice, configs[0].reads)),
+            lambda: report.print_sweep(medians, groups, where, advice))
 
 
 def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,

@@ -142,22 +142,16 @@ class EngineBench:
         self.sets[tag] = ChunkSet([text_bytes(k) for k in keys], digests, paths)
         return self.sets[tag]
 
-    def _engine(self, readers: int, writers: int, task_size: int) -> ChunkEngine:
-        return engine_for(self.native_io, max(1, readers), max(1, writers), task_size)
-
     def layout_read_set(self, n: int, threads: int, direct: bool) -> None:
         """Write the files reads will read (untimed; reused by every read run)."""
-        chunks = self.chunk_set("r", n)
-        missing = [i for i, p in enumerate(chunks.paths) if not p.exists()]
-        if missing:
-            progress = Progress(self.progress_enabled, len(missing) * self.bs, "laying out")
-            engine = self._engine(1, threads, 4 * MIB)
-            try:
-                self._write_files(engine, chunks, missing, threads, direct, None,
-                                  progress.update)
-            finally:
-                engine.close()
-                progress.close()
+        progress = Progress(self.progress_enabled, n * self.bs, "laying out")
+        engine = engine_for(self.native_io, 1, threads, 4 * MIB)
+        try:
+            self._write_files(engine, self.chunk_set("r", n), list(range(n)), threads, direct,
+                              None, progress, [])
+        finally:
+            engine.close()
+            progress.close()
 
     def read_paths(self, cfg: BenchConfig) -> list[Path]:
         """The files the reads of ``cfg`` open (none for pure writes)."""
@@ -174,7 +168,7 @@ class EngineBench:
                             f"{cfg.rw} T={cfg.threads} QD={cfg.iodepth}",
                             unit="seconds" if cfg.runtime else "bytes")
         # One engine for both sides, as a store has: its writers let reads in flight go first.
-        engine = self._engine(readers, writers, cfg.task_size)
+        engine = engine_for(self.native_io, max(1, readers), max(1, writers), cfg.task_size)
         sides: dict[str, Callable[[], Timed]] = {}
         if n_read:
             sides["read"] = lambda: self._timed_reads(cfg, engine, n_read, progress)
@@ -269,7 +263,7 @@ class EngineBench:
                 random.Random(self._write_pass).shuffle(order)
             t0 = time.perf_counter()
             written = self._write_files(engine, chunks, order, writers, cfg.direct, deadline,
-                                        progress.advance, latencies=timed.latencies)
+                                        progress, timed.latencies)
             timed.seconds += time.perf_counter() - t0
             timed.nbytes += written * cfg.bs
             if deadline is None or time.perf_counter() >= deadline:
@@ -279,8 +273,7 @@ class EngineBench:
 
     def _write_files(self, engine: ChunkEngine, chunks: ChunkSet, order: list[int],
                      in_flight: int, direct: bool, deadline: float | None,
-                     on_done: Callable[[int], None],
-                     latencies: list[float] | None = None) -> int:
+                     progress: Progress, latencies: list[float]) -> int:
         """Publish the files in ``order`` through ``engine``, ``in_flight`` chunks at a time,
         each a write share of its own (written, hashed and renamed into place); a chunk's
         latency runs from its submission to its batch's hand-back."""
@@ -299,9 +292,8 @@ class EngineBench:
                         errors.append(result.details[0][2])
                         return
                     count[0] += 1
-                    if latencies is not None:
-                        latencies.append(time.perf_counter() - started)
-                    on_done(self.bs)
+                    latencies.append(time.perf_counter() - started)
+                    progress.advance(self.bs)
             finally:
                 slots.release()
 

@@ -87,14 +87,12 @@ def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path
         ax.set_xlabel("I/O threads (nvme.io_threads)" if reads
                       else "writer threads (nvme.write_threads)")
         ax.grid(True, which="major", alpha=0.3)
-    ax_bw.set_ylabel("bandwidth (GB/s, 10^9 bytes per second)")
-    ax_bw.set_ylim(bottom=0)
-    ax_bw.set_title(f"Bandwidth (payload bytes): median of {len(groups[0])} run(s), bars "
+    ax_bw.set(ylabel="bandwidth (GB/s, 10^9 bytes per second)", ylim=(0, None),
+              title=f"Bandwidth (payload bytes): median of {len(groups[0])} run(s), bars "
                     "from the slowest to the fastest")
     ax_bw.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    ax_lat.set_ylabel("latency per chunk (ms, log scale)")
-    ax_lat.set_yscale("log")
-    ax_lat.set_title("Latency per chunk as the caller sees it (median run)")
+    ax_lat.set(ylabel="latency per chunk (ms, log scale)", yscale="log",
+               title="Latency per chunk as the caller sees it (median run)")
     ax_lat.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     _save(plt, fig, points[0], where, out)
 

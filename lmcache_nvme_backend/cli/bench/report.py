@@ -75,8 +75,10 @@ def print_summary(runs: list[RunResult], where: str, header: str | None = None) 
             print("    lat (ms): " + ", ".join(f"{k}={v:.2f}" for k, v in d.lat_ms.items()))
 
 
-def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str) -> None:
-    """One table row per swept configuration: its median run, and the range of its runs."""
+def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str,
+                advice: Advice) -> None:
+    """One table row per swept configuration (its median run, and the range of its runs),
+    then the advice and why, and the settings as YAML lines to paste."""
     c = medians[0].config
     print(f"lmcache-nvme bench sweep: rw={c.rw}, bs={short_size(c.bs)}, "
           f"size={short_size(c.nchunks * c.bs)}, direct={int(c.direct)}, dest={c.dest}, "
@@ -96,11 +98,8 @@ def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: 
               f"{d.iops:>8.1f} {d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
               f"{d.lat_ms.get('p99.9', 0):>9.2f}")
 
-
-def print_recommendation(advice: Advice, reads: bool) -> None:
-    """The sweep's advice and why, then the settings as YAML lines to paste."""
     def line(label: str, m: Measured) -> str:
-        named = ", ".join(f"{k} {v:g}" for k, v in settings_of(m.setting, reads).items())
+        named = ", ".join(f"{k} {v:g}" for k, v in settings_of(m.setting, c.reads).items())
         return (f"  {label:<8} {named}: {m.median / 1e9:.2f} GB/s (runs "
                 f"{m.low / 1e9:.2f}-{m.high / 1e9:.2f})")
 
@@ -113,7 +112,7 @@ def print_recommendation(advice: Advice, reads: bool) -> None:
         print(line("chosen", advice.chosen))
     print(f"  -> {advice.reason}")
     print("paste under extra_config in the LMCache YAML (bare names in adapter_params):")
-    for k, v in settings_of(advice.chosen.setting, reads).items():
+    for k, v in settings_of(advice.chosen.setting, c.reads).items():
         print(f"{k}: {v:g}")
 
 
