@@ -36,13 +36,12 @@ from ..common import (
     size_list_arg,
 )
 from . import fio, report
+from .gpu_reads import check_gpu_destination
 from .iobench import EngineBench, drop_page_cache, remove_files
 from .model import RW_MODES, WRITE_MODES, BenchConfig, RunResult
 from .plot import plot_runs, plot_sweep, require_matplotlib
 from .tuning import Setting, advice_doc, advise
 
-DEFAULT_SWEEP_THREADS = [1, 2, 4, 8, 16]
-DEFAULT_SWEEP_IODEPTH = [1, 4, 16]
 MAX_BUFFER_BYTES = 8 * GIB
 # what a mode returns: its --json document, and what prints its text report
 Outcome = tuple[dict[str, Any], Callable[[], None]]
@@ -116,10 +115,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "print the settings to use: a change from the defaults only "
                             "when it beats them beyond the run-to-run spread")
     sweep.add_argument("--sweep-threads", type=int_list_arg, metavar="LIST",
-                       default=DEFAULT_SWEEP_THREADS,
+                       default=[1, 2, 4, 8, 16],
                        help="threads to sweep (default 1,2,4,8,16)")
-    sweep.add_argument("--sweep-iodepth", type=int_list_arg, metavar="LIST",
-                       default=DEFAULT_SWEEP_IODEPTH,
+    sweep.add_argument("--sweep-iodepth", type=int_list_arg, metavar="LIST", default=[1, 4, 16],
                        help="read batch sizes to sweep (default 1,4,16; writes ignore it)")
     sweep.add_argument("--sweep-task-size", type=size_list_arg, metavar="LIST",
                        help="task sizes to sweep, e.g. 1M,4M,16M (default: --task-size)")
@@ -204,8 +202,6 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     _validate(args, parser)
     if args.dest == "gpu":
-        from .gpu_reads import check_gpu_destination
-
         check_gpu_destination()
     if args.plot is not None:
         require_matplotlib()
@@ -294,8 +290,7 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
     """The engine and fio on the same files, in interleaved repetitions."""
     fio_dir = bench.dir / "fio"
     fio_dir.mkdir()
-    n_read, n_write = cfg.chunk_counts()
-    nfiles = cfg.nchunks if cfg.rw == "rw" else (n_read or n_write)
+    nfiles = cfg.nchunks  # as many files as the engine reads and writes in a pass
     shape = fio.fio_shape(cfg, args.fio_numjobs, args.fio_ioengine, nfiles)
     mem, mem_note = fio.choose_fio_mem(args.fio_mem, cfg, shape.numjobs, shape.iodepth,
                                        fio.free_huge_pages())
@@ -305,7 +300,7 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
     files = fio.fio_files(fio_dir, nfiles, shape.numjobs)
     if cfg.rw in ("read", "randread"):
         # fio reads the very files the engine reads (hard links to the same inodes)
-        for src, dst in zip(bench.chunk_set("r", n_read).paths, files, strict=True):
+        for src, dst in zip(bench.chunk_set("r", nfiles).paths, files, strict=True):
             os.link(src, dst)
     jobfile = fio_dir / "job.fio"
     job = fio.build_jobfile(cfg, shape, fio_dir, nfiles)

@@ -33,6 +33,7 @@ from ...io.buffers import AlignedBuffer
 from ...io.engine import FAILED, Batch, ChunkEngine
 from ...io.files import read_failure
 from ..common import MIB, CLIError, Progress
+from .gpu_reads import timed_gpu_reads
 from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
 
 BENCH_NAMESPACE = "lmcache-nvme-bench"
@@ -148,7 +149,7 @@ class EngineBench:
         engine = engine_for(self.native_io, 1, threads, 4 * MIB)
         try:
             self._write_files(engine, self.chunk_set("r", n), list(range(n)), threads, direct,
-                              None, progress, [])
+                              None, progress, Timed())
         finally:
             engine.close()
             progress.close()
@@ -193,8 +194,6 @@ class EngineBench:
                      progress: Progress) -> Timed:
         chunks = self.chunk_set("r", n)
         if cfg.dest == "gpu":
-            from .gpu_reads import timed_gpu_reads
-
             return timed_gpu_reads(chunks.paths, cfg, cfg.split_threads()[0], progress)
         bufs = [[AlignedBuffer(cfg.bs) for _ in range(cfg.iodepth)]
                 for _ in range(cfg.callers)]
@@ -248,10 +247,8 @@ class EngineBench:
 
     def _timed_writes(self, cfg: BenchConfig, engine: ChunkEngine, writers: int, n: int,
                       progress: Progress) -> Timed:
-        """Write ``n`` new chunk files per pass; passes repeat until ``runtime`` if given.
-
-        Between passes the previous pass's files are deleted, off the clock.
-        """
+        """Write ``n`` new chunk files per pass; passes repeat until ``runtime`` if given,
+        the previous pass's files deleted in between, off the clock."""
         timed = Timed()
         deadline = time.perf_counter() + cfg.runtime if cfg.runtime else None
         chunks = self.chunk_set("w", n)
@@ -262,10 +259,9 @@ class EngineBench:
             if cfg.random_order:
                 random.Random(self._write_pass).shuffle(order)
             t0 = time.perf_counter()
-            written = self._write_files(engine, chunks, order, writers, cfg.direct, deadline,
-                                        progress, timed.latencies)
+            self._write_files(engine, chunks, order, writers, cfg.direct, deadline, progress,
+                              timed)
             timed.seconds += time.perf_counter() - t0
-            timed.nbytes += written * cfg.bs
             if deadline is None or time.perf_counter() >= deadline:
                 break
         remove_files(chunks.paths)
@@ -273,13 +269,12 @@ class EngineBench:
 
     def _write_files(self, engine: ChunkEngine, chunks: ChunkSet, order: list[int],
                      in_flight: int, direct: bool, deadline: float | None,
-                     progress: Progress, latencies: list[float]) -> int:
+                     progress: Progress, timed: Timed) -> None:
         """Publish the files in ``order`` through ``engine``, ``in_flight`` chunks at a time,
-        each a write share of its own (written, hashed and renamed into place); a chunk's
-        latency runs from its submission to its batch's hand-back."""
+        each a write share of its own (written, hashed and renamed into place), counted in
+        ``timed``; a chunk's latency runs from its submission to its batch's hand-back."""
         lock = threading.Lock()
         slots = threading.Semaphore(in_flight)
-        count = [0]
         errors: list[int] = []
         naming = self.layout.write_naming(self.ns_id, temp_name("", writer=0))
         namespace, meta = text_bytes(BENCH_NAMESPACE), self.meta.to_json()
@@ -291,8 +286,8 @@ class EngineBench:
                     if result.statuses[0] == FAILED:
                         errors.append(result.details[0][2])
                         return
-                    count[0] += 1
-                    latencies.append(time.perf_counter() - started)
+                    timed.latencies.append(time.perf_counter() - started)
+                    timed.nbytes += self.bs
                     progress.advance(self.bs)
             finally:
                 slots.release()
@@ -319,4 +314,3 @@ class EngineBench:
             if errors[0] == errno.ENOSPC:
                 raise CLIError("the filesystem is full; use a smaller --size") from exc
             raise CLIError(f"write failed: {exc}") from exc
-        return count[0]
