@@ -56,10 +56,8 @@ class FioShape:
 
 
 def fio_shape(cfg: BenchConfig, numjobs: int | None, ioengine: str, nfiles: int) -> FioShape:
-    """Split the engine's in-flight count into fio jobs (default: one job per thread).
-
-    ``numjobs`` must divide the queue depth; each job needs at least one file.
-    """
+    """Split the engine's in-flight count into fio jobs (default: one per I/O in flight):
+    as many as divide it and have at least one file each."""
     qd = cfg.in_flight()
     jobs = numjobs if numjobs is not None else qd
     jobs = max(1, min(jobs, qd, nfiles))
@@ -80,9 +78,8 @@ def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
                    free_pages: int) -> tuple[str, str | None]:
     """fio's ``mem=`` and, when it differs from the engine's buffers, a note saying so.
 
-    The engine's buffers of 2 MiB and more use transparent huge pages; fio's
-    nearest equivalent is ``shmhuge`` (the hugetlb pool).  ``auto`` takes it
-    when the pool has room for every job's buffers, else fio's ``malloc``.
+    The engine's buffers of 2 MiB and more use transparent huge pages; fio's nearest
+    equivalent, ``shmhuge`` (the hugetlb pool), is ``auto``'s choice when the pool has room.
     """
     if requested != "auto":
         return requested, None
@@ -106,10 +103,8 @@ def assign_files(n: int, numjobs: int) -> list[int]:
 def fio_files(fio_dir: Path, n: int, numjobs: int) -> list[Path]:
     """fio's names for ``n`` files (``filename_format``): file ``i`` is job ``i % numjobs``'s.
 
-    fio's options are limited to 4 KiB, too short for a list of thousands of sharded
-    paths, so fio addresses its files through ``directory`` + ``filename_format`` +
-    ``nrfiles``; for reads they are hard links to the engine's files: the same inodes.
-    """
+    fio's options (4 KiB at most) cannot list thousands of sharded paths, so reads go
+    through hard links to the engine's files under these names: the same inodes."""
     return [fio_dir / f"job{i % numjobs}.{i // numjobs}" for i in range(n)]
 
 

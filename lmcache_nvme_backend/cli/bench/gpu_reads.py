@@ -1,9 +1,6 @@
-"""``bench --dest gpu``: reads straight into CUDA tensors through kvikio.
-
-kvikio uses cuFile/GPUDirect Storage when the stack allows it and its compat
-mode (POSIX reads through a bounce buffer) otherwise; ``lmcache-nvme doctor``
-says which.  torch and kvikio are imported only here, and only for this mode.
-"""
+"""``bench --dest gpu``: reads straight into CUDA tensors through kvikio (cuFile/GDS when
+the stack allows it, else its compat mode; ``lmcache-nvme doctor`` says which).  torch
+and kvikio are imported only here, and only for this mode."""
 
 from __future__ import annotations
 
@@ -43,11 +40,8 @@ def check_gpu_destination() -> None:
 
 def timed_gpu_reads(paths: list[Path], cfg: BenchConfig, threads: int,
                     progress: Progress) -> Timed:
-    """kvikio (cuFile/GDS, or kvikio's compat mode) straight into CUDA tensors.
-
-    The header is read on the host (``io.posix.read_header``), the payload by
-    kvikio into a CUDA tensor, with no host copy.
-    """
+    """Headers read on the host (``io.posix.read_header``), payloads by kvikio straight
+    into CUDA tensors, with no host copy."""
     import kvikio  # availability checked by check_gpu_destination
     import kvikio.defaults
     import torch

@@ -1,7 +1,5 @@
-"""``bench --plot``: PNG charts of bandwidth and latency (matplotlib, Agg backend).
-
-matplotlib is an optional dependency: ``pip install 'lmcache-nvme-backend[plot]'``.
-"""
+"""``bench --plot``: PNG charts of bandwidth and latency (matplotlib, Agg backend; the
+optional ``[plot]`` extra)."""
 
 from __future__ import annotations
 
@@ -25,16 +23,15 @@ def require_matplotlib() -> None:
                        "(or pip install matplotlib)") from exc
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def _figure(height: float) -> tuple[Any, Any, Any]:
+    """A figure of two axes side by side, without pyplot: no display, no global state."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=(13, height))
+    return (fig, *fig.subplots(1, 2))
 
 
-def _save(plt: Any, fig: Any, run: RunResult, where: str, out: Path) -> None:
+def _save(fig: Any, run: RunResult, where: str, out: Path) -> None:
     """Title the figure with the configuration and ``where``, and write it."""
     c = run.config
     fig.suptitle(f"lmcache-nvme bench: {c.rw}, {short_size(c.bs)} chunks, "
@@ -42,26 +39,20 @@ def _save(plt: Any, fig: Any, run: RunResult, where: str, out: Path) -> None:
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path,
                where: str) -> None:
-    """Bandwidth (median, with the range of the runs as error bars) and latency against I/O
-    threads, one line per batch size (and task size).
-
-    ``points`` are the median runs of each sweep configuration, ``groups`` all its runs.
-    Legends sit below the axes, where they cover no line.
-    """
-    plt = _pyplot()
+    """Bandwidth (``points``: each configuration's median run, with the range of its runs in
+    ``groups`` as error bars) and latency against threads, one line per batch (and task)
+    size; legends below the axes, where they cover no line."""
     reads = points[0].config.reads
     direction = "read" if reads else "write"
     several_tasks = len({p.config.task_size for p in points}) > 1
     series: dict[tuple[int, int], list[tuple[RunResult, list[RunResult]]]] = defaultdict(list)
     for p, runs in zip(points, groups, strict=True):
         series[(p.config.iodepth if reads else 0, p.config.task_size)].append((p, runs))
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 6.4))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax_bw, ax_lat = _figure(6.4)
     threads = sorted({p.config.threads for p in points})
     for k, ((iodepth, task), line) in enumerate(sorted(series.items())):
         parts = [f"iodepth {iodepth} (chunks per batch)"] if reads else []
@@ -70,7 +61,7 @@ def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path
         name = ", ".join(parts)
         line.sort(key=lambda pr: pr[0].config.threads)
         x = [p.config.threads for p, _ in line]
-        color = colors[k % len(colors)]
+        color = f"C{k}"  # the colour cycle's k-th, wrapping around
         median = [p.bw_bytes() / 1e9 for p, _ in line]
         bws = [[r.bw_bytes() / 1e9 for r in runs] for _, runs in line]
         ax_bw.errorbar(x, median, yerr=[[m - min(b) for m, b in zip(median, bws, strict=True)],
@@ -94,16 +85,13 @@ def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path
     ax_lat.set(ylabel="latency per chunk (ms, log scale)", yscale="log",
                title="Latency per chunk as the caller sees it (median run)")
     ax_lat.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    _save(plt, fig, points[0], where, out)
+    _save(fig, points[0], where, out)
 
 
 def plot_runs(ours: list[RunResult], fio: list[RunResult], out: Path, where: str) -> None:
-    """Bandwidth of every repetition and latency percentiles of the median run.
-
-    Used without ``--sweep``: the engine alone, or the engine against fio.
-    """
-    plt = _pyplot()
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 5.2))
+    """Bandwidth of every repetition and latency percentiles of the median run, of the
+    engine alone or against fio (without ``--sweep``)."""
+    fig, ax_bw, ax_lat = _figure(5.2)
     tools = [("lmcache-nvme", ours, "tab:blue")] + ([("fio", fio, "tab:orange")] if fio else [])
     directions = sorted({d for r in ours for d in r.dirs})
     labels = [f"{d} {q}" for d in directions for q in LAT_KEYS]
@@ -133,4 +121,4 @@ def plot_runs(ours: list[RunResult], fio: list[RunResult], out: Path, where: str
     for ax in (ax_bw, ax_lat):
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
-    _save(plt, fig, ours[0], where, out)
+    _save(fig, ours[0], where, out)
