@@ -81,9 +81,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="reads: chunks per engine read call, the batch LMCache hands the "
                         "backend (default 8)")
     p.add_argument("--callers", type=positive_int, default=1, metavar="N",
-                   help="reads: concurrent engine read callers, each with its own batch, "
-                        "like several requests retrieving at once (NVMeBackend runs 2; "
-                        "default 1)")
+                   help="reads: concurrent engine read callers, each with its own batch, like "
+                        "several requests retrieving at once (NVMeBackend runs 2; default 1)")
     p.add_argument("--engine", choices=("native", "python"),
                    help="the I/O engine timed: the compiled one or the Python one "
                         "(default: the one the store runs, native when it is built)")
@@ -170,18 +169,16 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     depth = max([args.iodepth, *(args.sweep_iodepth if args.sweep else [])]) * args.callers
     if depth * args.bs > MAX_BUFFER_BYTES:
         parser.error(f"argument --iodepth: {depth} x {short_size(args.bs)} buffers (iodepth x "
-                     "callers) exceed "
-                     f"{short_size(MAX_BUFFER_BYTES)} of host memory")
+                     f"callers) exceed {short_size(MAX_BUFFER_BYTES)} of host memory")
 
 
 def default_setting(args: argparse.Namespace) -> Setting:
     """What the tier runs without tuning lines: ``nvme.io_threads`` (reads) or one writer
     per path (writes), and ``nvme.task_size_mb`` when task sizes are swept."""
     defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(NVMeSettings)}
-    threads = int(defaults["io_threads"]) if args.rw not in WRITE_MODES else 1
-    task = (int(float(defaults["task_size_mb"]) * MIB) if args.sweep_task_size
-            else args.task_size)
-    return Setting(threads, task)
+    return Setting(int(defaults["io_threads"]) if args.rw not in WRITE_MODES else 1,
+                   int(float(defaults["task_size_mb"]) * MIB) if args.sweep_task_size
+                   else args.task_size)
 
 
 def _configs(args: argparse.Namespace) -> list[BenchConfig]:
@@ -308,8 +305,7 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
     ours: list[RunResult] = []
     theirs: list[RunResult] = []
     for rep in range(repeat):
-        order = ("ours", "fio") if rep % 2 == 0 else ("fio", "ours")
-        for tool in order:
+        for tool in ("ours", "fio") if rep % 2 == 0 else ("fio", "ours"):
             if args.drop_caches and cfg.reads:
                 drop_page_cache(bench.read_paths(cfg))
             if tool == "ours":
@@ -324,8 +320,7 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
     if args.plot is not None:
         plot_runs(ours, theirs, args.plot, where)
     version = fio.fio_version(fio_binary)
-    fio_doc = {"version": version, "numjobs": shape.numjobs, "iodepth": shape.iodepth,
-               "ioengine": shape.ioengine, "mem": shape.mem, "mem_note": mem_note,
+    fio_doc = {"version": version, **dataclasses.asdict(shape), "mem_note": mem_note,
                "jobfile": job}
     doc = report.json_doc(args.plot, mode="vs-fio", where=where, repeat=repeat,
                           config=cfg.label(), fio=fio_doc,

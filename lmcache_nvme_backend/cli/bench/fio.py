@@ -19,8 +19,6 @@ from ...io.buffers import HUGE_PAGE
 from ..common import CLIError
 from .model import PERCENTILES, BenchConfig, DirStats, RunResult
 
-HUGETLB_FREE_PAGES = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
-
 
 def find_fio(explicit: str | None) -> str:
     """Path of the fio binary, or a ``CLIError`` that says how to install it."""
@@ -69,7 +67,7 @@ def fio_shape(cfg: BenchConfig, numjobs: int | None, ioengine: str, nfiles: int)
 def free_huge_pages() -> int:
     """Free pages in the 2 MiB hugetlb pool (0 when there is none)."""
     try:
-        return int(HUGETLB_FREE_PAGES.read_text())
+        return int(Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages").read_text())
     except (OSError, ValueError):
         return 0
 

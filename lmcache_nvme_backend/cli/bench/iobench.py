@@ -1,10 +1,9 @@
 """What ``lmcache-nvme bench`` measures: the store's I/O engine on real chunk files.
 
-Every timed I/O goes through the engine the store runs (``io.engine_for``; ``--engine``
-picks), in the store's shapes: a caller's read batch is one read share, each written
-chunk a write share of its own (written, hashed, renamed into place), on files in the
-backend's chunk format and layout, from page-aligned buffers.  The engines hash every
-chunk written and verify every chunk read, as the store's do.
+Every timed I/O goes through the engine the store runs (``io.engine_for``), in the store's
+shapes (a caller's read batch is one read share, each written chunk a write share of its
+own), on chunk files in the backend's format, from page-aligned buffers, hashed and
+verified as in the store.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
 
 def in_threads(name: str, bodies: list[Callable[[], T]],
                errors: list[BaseException] | None = None) -> list[T]:
-    """Run each body on a thread of its own and return what each returned; the first
-    exception (collected in ``errors``, which bodies may watch to stop early) is raised
-    once every thread has ended."""
+    """Each body on a thread of its own, and what each returned; the first exception (in
+    ``errors``, which bodies may watch to stop early) is raised once all have ended."""
     errors = [] if errors is None else errors
     results: dict[int, T] = {}
 
@@ -161,7 +159,6 @@ class EngineBench:
 
     def run(self, cfg: BenchConfig) -> RunResult:
         """One timed run of ``cfg``.  Read files must have been laid out."""
-        result = RunResult("lmcache-nvme", cfg)
         readers, writers = cfg.split_threads()
         n_read, n_write = cfg.chunk_counts()
         total = cfg.runtime if cfg.runtime else (n_read + n_write) * cfg.bs
@@ -183,12 +180,10 @@ class EngineBench:
         finally:
             engine.close()
             progress.close()
-        for direction, timed in zip(sides, outcome, strict=True):
-            # Mixed runs report both directions over the common wall time, as fio does.
-            seconds = elapsed if cfg.rw == "rw" else timed.seconds
-            result.dirs[direction] = DirStats.from_latencies(direction, timed.nbytes, seconds,
-                                                             timed.latencies)
-        return result
+        # Mixed runs report both directions over the common wall time, as fio does.
+        return RunResult("lmcache-nvme", cfg, {
+            d: DirStats.from_latencies(d, t.nbytes, elapsed if cfg.rw == "rw" else t.seconds,
+                                       t.latencies) for d, t in zip(sides, outcome, strict=True)})
 
     def _timed_reads(self, cfg: BenchConfig, engine: ChunkEngine, n: int,
                      progress: Progress) -> Timed:

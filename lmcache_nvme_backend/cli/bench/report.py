@@ -14,8 +14,7 @@ from .tuning import Advice, Measured, settings_of
 
 def median_run(runs: list[RunResult]) -> RunResult:
     """The run of median total bandwidth (the lower middle one of an even count)."""
-    ordered = sorted(runs, key=lambda r: r.bw_bytes())
-    return ordered[(len(ordered) - 1) // 2]
+    return sorted(runs, key=lambda r: r.bw_bytes())[(len(runs) - 1) // 2]
 
 
 def compare(ours: list[RunResult], theirs: list[RunResult]) -> dict[str, dict[str, Any]]:
