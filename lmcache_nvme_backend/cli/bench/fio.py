@@ -93,11 +93,6 @@ def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
         f"(echo {per_job * numjobs} > /proc/sys/vm/nr_hugepages) or pass --fio-mem")
 
 
-def assign_files(n: int, numjobs: int) -> list[int]:
-    """How many of ``n`` files each job gets (as even as possible)."""
-    return [n // numjobs + (1 if k < n % numjobs else 0) for k in range(numjobs)]
-
-
 def fio_files(fio_dir: Path, n: int, numjobs: int) -> list[Path]:
     """fio's names for ``n`` files (``filename_format``): file ``i`` is job ``i % numjobs``'s.
 
@@ -131,8 +126,9 @@ def build_jobfile(cfg: BenchConfig, shape: FioShape, fio_dir: Path, nfiles: int)
         lines.append("rwmixread=50")
     if cfg.runtime:
         lines += ["time_based=1", f"runtime={cfg.runtime:g}"]
-    for job, count in enumerate(assign_files(nfiles, shape.numjobs)):
-        lines += ["", f"[job{job}]", f"nrfiles={count}", f"iodepth={shape.iodepth}"]
+    for job in range(shape.numjobs):  # file i is job i % numjobs's, as in fio_files
+        lines += ["", f"[job{job}]", f"nrfiles={len(range(job, nfiles, shape.numjobs))}",
+                  f"iodepth={shape.iodepth}"]
     return "\n".join(lines) + "\n"
 
 

@@ -55,14 +55,12 @@ def timed_gpu_reads(paths: list[Path], cfg: BenchConfig, threads: int,
     started = time.perf_counter()
     for batch in read_batches(len(paths), cfg, started):
         t0 = time.perf_counter()
-        files = []
-        futures = []
+        reads = []
         for j, i in enumerate(batch):
             read_header(paths[i], cfg.direct)
             f = kvikio.CuFile(paths[i], "r")
-            files.append(f)
-            futures.append(f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE))
-        for fut, f in zip(futures, files, strict=True):
+            reads.append((f, f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE)))
+        for f, fut in reads:
             got = fut.get()
             f.close()
             if got != cfg.bs:

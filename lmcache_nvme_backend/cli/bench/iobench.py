@@ -153,9 +153,8 @@ class EngineBench:
             progress.close()
 
     def read_paths(self, cfg: BenchConfig) -> list[Path]:
-        """The files the reads of ``cfg`` open (none for pure writes)."""
-        n_read = cfg.chunk_counts()[0]
-        return self.chunk_set("r", n_read).paths if n_read else []
+        """The files the reads of ``cfg`` open."""
+        return self.chunk_set("r", cfg.chunk_counts()[0]).paths
 
     def run(self, cfg: BenchConfig) -> RunResult:
         """One timed run of ``cfg``.  Read files must have been laid out."""
