@@ -59,10 +59,9 @@ def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
 
 
 def in_threads(name: str, bodies: list[Callable[[], T]],
-               errors: list[BaseException] | None = None) -> list[T]:
+               errors: list[BaseException]) -> list[T]:
     """Each body on a thread of its own, and what each returned; the first exception (in
     ``errors``, which bodies may watch to stop early) is raised once all have ended."""
-    errors = [] if errors is None else errors
     results: dict[int, T] = {}
 
     def guarded(k: int) -> None:
@@ -98,10 +97,9 @@ def remove_files(paths: list[Path]) -> None:
 
 
 class EngineBench:
-    """Timed runs of configurations with the backend's I/O engine (``native_io`` as
-    ``nvme.native_io`` takes it) on chunk files in the backend's format, in a private
-    directory under PATH (``<PATH>/.lmcache-nvme-bench-<pid>``): a cache root of its own,
-    so a real cache in PATH is never touched, removed at the end unless ``keep``."""
+    """Timed runs with the backend's I/O engine (``native_io`` as ``nvme.native_io`` takes it)
+    on chunk files in a private directory, ``<PATH>/.lmcache-nvme-bench-<pid>``: a cache root
+    of its own, so a real cache in PATH is never touched, removed at the end unless ``keep``."""
 
     def __init__(self, path: Path, bs: int, keep: bool, progress_enabled: bool,
                  native_io: str = "auto") -> None:
@@ -116,9 +114,8 @@ class EngineBench:
         self.dir.mkdir(parents=True, exist_ok=False)
         self.root_fd = os.open(self.dir, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self.payload = AlignedBuffer(bs)
-        rng = np.random.default_rng(0x4C4D43)
-        np.frombuffer(self.payload.view, dtype=np.uint8)[:bs] = rng.integers(
-            0, 256, bs, dtype=np.uint8)
+        np.frombuffer(self.payload.view, dtype=np.uint8)[:bs] = np.random.default_rng(
+            0x4C4D43).integers(0, 256, bs, dtype=np.uint8)
         self.meta = TensorMeta(shapes=((bs,),), dtypes=("uint8",), fmt=0, nbytes=bs)
         self.sets: dict[str, ChunkSet] = {}
 
@@ -174,7 +171,7 @@ class EngineBench:
                                                         progress)
         try:
             started = time.perf_counter()
-            outcome = in_threads("bench-side", list(sides.values()))
+            outcome = in_threads("bench-side", list(sides.values()), [])
             elapsed = time.perf_counter() - started
         finally:
             engine.close()
@@ -189,8 +186,7 @@ class EngineBench:
         chunks = self.chunk_set("r", n)
         if cfg.dest == "gpu":
             return timed_gpu_reads(chunks.paths, cfg, cfg.split_threads()[0], progress)
-        bufs = [[AlignedBuffer(cfg.bs) for _ in range(cfg.iodepth)]
-                for _ in range(cfg.callers)]
+        bufs = [AlignedBuffer(cfg.bs) for _ in range(cfg.callers * cfg.iodepth)]
         timed = Timed()
         lock = threading.Lock()
         errors: list[BaseException] = []
@@ -218,13 +214,12 @@ class EngineBench:
         try:
             started = time.perf_counter()
             batches = read_batches(n, cfg, started)
-            in_threads("bench-caller", [functools.partial(caller, mine, batches)
-                                        for mine in bufs], errors)
+            in_threads("bench-caller", [functools.partial(caller, bufs[k :: cfg.callers], batches)
+                                        for k in range(cfg.callers)], errors)
             timed.seconds = time.perf_counter() - started
         finally:
-            for mine in bufs:
-                for b in mine:
-                    b.close()
+            for b in bufs:
+                b.close()
         return timed
 
     def _read_error(self, chunks: ChunkSet, batch: list[int], result: Batch) -> CLIError:

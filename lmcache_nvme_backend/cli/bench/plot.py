@@ -67,10 +67,9 @@ def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path
         ax_bw.errorbar(x, median, yerr=[[m - min(b) for m, b in zip(median, bws, strict=True)],
                                         [max(b) - m for m, b in zip(median, bws, strict=True)]],
                        marker="o", color=color, capsize=3, label=name)
-        p50 = [p.dirs[direction].lat_ms.get("p50", 0.0) for p, _ in line]
-        p99 = [p.dirs[direction].lat_ms.get("p99", 0.0) for p, _ in line]
-        ax_lat.plot(x, p50, marker="o", color=color, label=f"p50, {name}")
-        ax_lat.plot(x, p99, marker="^", linestyle="--", color=color, label=f"p99, {name}")
+        for q, marker, style in (("p50", "o", "-"), ("p99", "^", "--")):
+            ax_lat.plot(x, [p.dirs[direction].lat_ms.get(q, 0.0) for p, _ in line],
+                        marker=marker, linestyle=style, color=color, label=f"{q}, {name}")
     for ax in (ax_bw, ax_lat):
         ax.set_xscale("log", base=2)
         ax.set_xticks(threads)

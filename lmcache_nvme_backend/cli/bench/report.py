@@ -45,9 +45,6 @@ def json_doc(plot: Path | None, **fields: Any) -> dict[str, Any]:
     return doc
 
 
-# -- text -------------------------------------------------------------------------------
-
-
 def print_summary(runs: list[RunResult], where: str, header: str | None = None) -> None:
     """fio-style summary of one configuration's runs (the median run in detail); ``header``
     replaces the description of our configuration (for fio's runs)."""

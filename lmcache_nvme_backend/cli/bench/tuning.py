@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from ..common import MIB
 from .model import RunResult
 
-#: Fewer runs per point than this give no spread to judge a difference against.
-MIN_RUNS_FOR_ADVICE = 2
-
 
 @dataclass(frozen=True)
 class Setting:
@@ -73,7 +70,7 @@ def advise(groups: list[list[RunResult]], default: Setting) -> Advice:
     base = measured[default]
     best = max(measured.values(), key=lambda m: m.median)
     runs = min(len(runs) for runs in groups)
-    if runs < MIN_RUNS_FOR_ADVICE:
+    if runs < 2:  # one run per point gives no spread to judge a difference against
         return Advice(base, base, best, runs, "one run per point shows no spread, so no "
                       "difference can be told from noise: keep the defaults (--repeat 3, "
                       "the default with --sweep, measures the spread)")
