@@ -1,11 +1,8 @@
-"""``lmcache-nvme bench PATH``: fio-style benchmark of the backend's own I/O engine.
+"""``lmcache-nvme bench PATH``: the arguments, and running the configurations.
 
-Single runs, ``--sweep`` over threads x queue depth (repeated points, and a
-tuning recommendation that changes a default only beyond the noise:
-``tuning.py``), and ``--vs-fio`` (fio with the same parameters on the same
-files, interleaved repetitions, ratio of medians).  This module holds the
-arguments and runs the configurations; ``iobench.py`` says what is measured,
-``report.py`` prints it, and ``docs/cli.md`` is the user's view.
+Single runs, ``--sweep`` (threads x queue depth, with the advice of ``tuning.py``) and
+``--vs-fio`` (fio on the same files, interleaved repetitions, ratio of medians);
+``docs/cli.md`` is the user's view.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +35,16 @@ from ..common import (
     size_arg,
     size_list_arg,
 )
-from . import report
-from .iobench import EngineBench, Workspace, drop_page_cache
+from . import fio, report
+from .gpu_reads import check_gpu_destination
+from .iobench import EngineBench, drop_page_cache, remove_files
 from .model import RW_MODES, WRITE_MODES, BenchConfig, RunResult
+from .plot import plot_runs, plot_sweep, require_matplotlib
 from .tuning import Setting, advice_doc, advise
 
-DEFAULT_SWEEP_THREADS = [1, 2, 4, 8, 16]
-DEFAULT_SWEEP_IODEPTH = [1, 4, 16]
 MAX_BUFFER_BYTES = 8 * GIB
+# what a mode returns: its --json document, and what prints its text report
+Outcome = tuple[dict[str, Any], Callable[[], None]]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -81,9 +81,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="reads: chunks per engine read call, the batch LMCache hands the "
                         "backend (default 8)")
     p.add_argument("--callers", type=positive_int, default=1, metavar="N",
-                   help="reads: concurrent engine read callers, each with its own batch, "
-                        "like several requests retrieving at once (NVMeBackend runs 2; "
-                        "default 1)")
+                   help="reads: concurrent engine read callers, each with its own batch, like "
+                        "several requests retrieving at once (NVMeBackend runs 2; default 1)")
     p.add_argument("--engine", choices=("native", "python"),
                    help="the I/O engine timed: the compiled one or the Python one "
                         "(default: the one the store runs, native when it is built)")
@@ -115,27 +114,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "print the settings to use: a change from the defaults only "
                             "when it beats them beyond the run-to-run spread")
     sweep.add_argument("--sweep-threads", type=int_list_arg, metavar="LIST",
-                       default=DEFAULT_SWEEP_THREADS,
+                       default=[1, 2, 4, 8, 16],
                        help="threads to sweep (default 1,2,4,8,16)")
-    sweep.add_argument("--sweep-iodepth", type=int_list_arg, metavar="LIST",
-                       default=DEFAULT_SWEEP_IODEPTH,
+    sweep.add_argument("--sweep-iodepth", type=int_list_arg, metavar="LIST", default=[1, 4, 16],
                        help="read batch sizes to sweep (default 1,4,16; writes ignore it)")
     sweep.add_argument("--sweep-task-size", type=size_list_arg, metavar="LIST",
                        help="task sizes to sweep, e.g. 1M,4M,16M (default: --task-size)")
-    fio = p.add_argument_group("fio comparison")
-    fio.add_argument("--vs-fio", action="store_true",
-                     help="also run fio with the same parameters on the same files, "
-                          "interleaved, and print the ratio of medians")
-    fio.add_argument("--fio-binary", metavar="PATH", help="fio executable (default: fio)")
-    fio.add_argument("--fio-numjobs", type=positive_int, metavar="N",
-                     help="fio jobs; each gets queue depth in_flight/N (default: one job "
-                          "per in-flight I/O, iodepth 1)")
-    fio.add_argument("--fio-mem", default="auto", metavar="MEM",
-                     help="fio's mem= (buffer memory). auto: shmhuge (hugetlb pool) when "
-                          "--bs >= 2M and the pool has room, to match the engine's huge-page "
-                          "buffers, else malloc (default auto)")
-    fio.add_argument("--fio-ioengine", default="libaio", metavar="ENGINE",
-                     help="fio ioengine (default libaio)")
+    vs = p.add_argument_group("fio comparison")
+    vs.add_argument("--vs-fio", action="store_true",
+                    help="also run fio with the same parameters on the same files, "
+                         "interleaved, and print the ratio of medians")
+    vs.add_argument("--fio-binary", metavar="PATH", help="fio executable (default: fio)")
+    vs.add_argument("--fio-numjobs", type=positive_int, metavar="N",
+                    help="fio jobs; each gets queue depth in_flight/N (default: one job "
+                         "per in-flight I/O, iodepth 1)")
+    vs.add_argument("--fio-mem", default="auto", metavar="MEM",
+                    help="fio's mem= (buffer memory). auto: shmhuge (hugetlb pool) when "
+                         "--bs >= 2M and the pool has room, to match the engine's huge-page "
+                         "buffers, else malloc (default auto)")
+    vs.add_argument("--fio-ioengine", default="libaio", metavar="ENGINE",
+                    help="fio ioengine (default libaio)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of text")
     out.add_argument("--plot", type=Path, metavar="PNG",
@@ -171,18 +169,16 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     depth = max([args.iodepth, *(args.sweep_iodepth if args.sweep else [])]) * args.callers
     if depth * args.bs > MAX_BUFFER_BYTES:
         parser.error(f"argument --iodepth: {depth} x {short_size(args.bs)} buffers (iodepth x "
-                     "callers) exceed "
-                     f"{short_size(MAX_BUFFER_BYTES)} of host memory")
+                     f"callers) exceed {short_size(MAX_BUFFER_BYTES)} of host memory")
 
 
 def default_setting(args: argparse.Namespace) -> Setting:
     """What the tier runs without tuning lines: ``nvme.io_threads`` (reads) or one writer
     per path (writes), and ``nvme.task_size_mb`` when task sizes are swept."""
     defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(NVMeSettings)}
-    threads = int(defaults["io_threads"]) if args.rw not in WRITE_MODES else 1
-    task = (int(float(defaults["task_size_mb"]) * MIB) if args.sweep_task_size
-            else args.task_size)
-    return Setting(threads, task)
+    return Setting(int(defaults["io_threads"]) if args.rw not in WRITE_MODES else 1,
+                   int(float(defaults["task_size_mb"]) * MIB) if args.sweep_task_size
+                   else args.task_size)
 
 
 def _configs(args: argparse.Namespace) -> list[BenchConfig]:
@@ -203,22 +199,14 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     _validate(args, parser)
     if args.dest == "gpu":
-        from .gpu_reads import check_gpu_destination
-
         check_gpu_destination()
     if args.plot is not None:
-        from .plot import require_matplotlib
-
         require_matplotlib()
     if args.engine == "native" and not native.available():
         raise CLIError(f"--engine native: {native.unavailable_reason()}")
     native_io = {"native": "on", "python": "off"}.get(args.engine, "auto")
     engine_name = "python" if native_io == "off" or not native.available() else "native"
-    fio_binary = None
-    if args.vs_fio:
-        from .fio import find_fio
-
-        fio_binary = find_fio(args.fio_binary)
+    fio_binary = fio.find_fio(args.fio_binary) if args.vs_fio else ""
     repeat = args.repeat or (6 if args.vs_fio else 3 if args.sweep else 1)
     path: Path = args.path.absolute()
     try:
@@ -248,87 +236,76 @@ def run(args: argparse.Namespace) -> int:
         print("note: buffered reads of files just written are served from the page cache; "
               "add --drop-caches (root) for cold reads", file=sys.stderr)
 
-    ws = Workspace(path, args.bs, keep=args.keep)
+    bench = EngineBench(path, args.bs, args.keep, progress, native_io)
     try:
-        bench = EngineBench(ws, progress, native_io)
         n_read = max(c.chunk_counts()[0] for c in configs)
         if n_read:
             bench.layout_read_set(n_read, threads=max(4, args.threads), direct=args.direct)
         if args.vs_fio:
-            assert fio_binary is not None
-            return _run_vs_fio(args, configs[0], bench, ws, fio_binary, repeat, where)
-        groups: list[list[RunResult]] = [[] for _ in configs]
-        for _ in range(repeat):  # rounds over every point: drift spreads over all of them
-            for cfg, runs in zip(configs, groups, strict=True):
-                if args.drop_caches and cfg.reads:
-                    drop_page_cache(bench.read_paths(cfg))
-                runs.append(bench.run(cfg))
-    finally:
-        ws.close()
-    medians = [report.median_run(runs) for runs in groups]
-    advice = advise(groups, default_setting(args)) if args.sweep else None
-    if args.plot is not None:
-        from .plot import plot_runs, plot_sweep
-
-        if args.sweep:
-            plot_sweep(medians, groups, args.plot, where)
+            doc, show = _run_vs_fio(args, configs[0], bench, fio_binary, repeat, where)
         else:
-            plot_runs(groups[0], [], args.plot, where)
+            doc, show = _run_configs(args, configs, bench, repeat, where)
+    finally:
+        bench.close()
     if args.json:
-        print_json(report.results_doc(where, repeat, medians, groups,
-                                      None if advice is None else
-                                      advice_doc(advice, configs[0].reads), args.plot))
+        print_json(doc)
         return 0
-    if advice is not None:
-        report.print_sweep(medians, groups, where)
-        report.print_recommendation(advice, configs[0].reads)
-    else:
-        report.print_summary("lmcache-nvme", groups[0], where)
+    show()
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
 
 
-# -- vs fio -------------------------------------------------------------------------
+def _run_configs(args: argparse.Namespace, configs: list[BenchConfig], bench: EngineBench,
+                 repeat: int, where: str) -> Outcome:
+    """A single configuration, or the points of a sweep and its advice."""
+    groups: list[list[RunResult]] = [[] for _ in configs]
+    for _ in range(repeat):  # rounds over every point: drift spreads over all of them
+        for cfg, runs in zip(configs, groups, strict=True):
+            if args.drop_caches and cfg.reads:
+                drop_page_cache(bench.read_paths(cfg))
+            runs.append(bench.run(cfg))
+    medians = [report.median_run(runs) for runs in groups]
+    results = [{"config": m.config.label(), "median": m.to_json(),
+                "runs": [r.to_json() for r in runs]} for m, runs in zip(medians, groups,
+                                                                          strict=True)]
+    if not args.sweep:
+        if args.plot is not None:
+            plot_runs(groups[0], [], args.plot, where)
+        return (report.json_doc(args.plot, where=where, repeat=repeat, results=results),
+                lambda: report.print_summary(groups[0], where))
+    advice = advise(groups, default_setting(args))
+    if args.plot is not None:
+        plot_sweep(medians, groups, args.plot, where)
+    return (report.json_doc(args.plot, where=where, repeat=repeat, results=results,
+                            recommendation=advice_doc(advice, configs[0].reads)),
+            lambda: report.print_sweep(medians, groups, where, advice))
 
 
-def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench, ws: Workspace,
-                fio_binary: str, repeat: int, where: str) -> int:
-    from .fio import (
-        assign_files,
-        build_jobfile,
-        choose_fio_mem,
-        fio_file_name,
-        fio_shape,
-        fio_version,
-        free_huge_pages,
-        link_files,
-        run_fio,
-    )
-
-    fio_dir = ws.dir / "fio"
+def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench,
+                fio_binary: str, repeat: int, where: str) -> Outcome:
+    """The engine and fio on the same files, in interleaved repetitions."""
+    fio_dir = bench.dir / "fio"
     fio_dir.mkdir()
-    n_read, n_write = cfg.chunk_counts()
-    nfiles = cfg.nchunks if cfg.rw == "rw" else (n_read or n_write)
-    shape = fio_shape(cfg, args.fio_numjobs, args.fio_ioengine, nfiles)
-    mem, mem_note = choose_fio_mem(args.fio_mem, cfg, shape.numjobs, shape.iodepth,
-                                   free_huge_pages())
+    nfiles = cfg.nchunks  # as many files as the engine reads and writes in a pass
+    shape = fio.fio_shape(cfg, args.fio_numjobs, args.fio_ioengine, nfiles)
+    mem, mem_note = fio.choose_fio_mem(args.fio_mem, cfg, shape.numjobs, shape.iodepth,
+                                       fio.free_huge_pages())
     shape = dataclasses.replace(shape, mem=mem)
     if mem_note and not args.json:
         print(f"note: {mem_note}", file=sys.stderr)
+    files = fio.fio_files(fio_dir, nfiles, shape.numjobs)
     if cfg.rw in ("read", "randread"):
         # fio reads the very files the engine reads (hard links to the same inodes)
-        link_files(ws.chunk_set("r", n_read).paths, fio_dir, shape.numjobs)
-    files = [fio_dir / fio_file_name(job, i)
-             for job, count in enumerate(assign_files(nfiles, shape.numjobs))
-             for i in range(count)]
+        for src, dst in zip(bench.chunk_set("r", nfiles).paths, files, strict=True):
+            os.link(src, dst)
     jobfile = fio_dir / "job.fio"
-    jobfile.write_text(build_jobfile(cfg, shape, fio_dir, nfiles))
+    job = fio.build_jobfile(cfg, shape, fio_dir, nfiles)
+    jobfile.write_text(job)
     ours: list[RunResult] = []
     theirs: list[RunResult] = []
     for rep in range(repeat):
-        order = ("ours", "fio") if rep % 2 == 0 else ("fio", "ours")
-        for tool in order:
+        for tool in ("ours", "fio") if rep % 2 == 0 else ("fio", "ours"):
             if args.drop_caches and cfg.reads:
                 drop_page_cache(bench.read_paths(cfg))
             if tool == "ours":
@@ -336,25 +313,20 @@ def _run_vs_fio(args: argparse.Namespace, cfg: BenchConfig, bench: EngineBench, 
             else:
                 if bench.progress_enabled:
                     print(f"fio repetition {rep + 1}/{repeat} ...", file=sys.stderr)
-                theirs.append(run_fio(fio_binary, jobfile, cfg, shape))
+                theirs.append(fio.run_fio(fio_binary, jobfile, cfg, shape))
                 if cfg.writes and cfg.rw != "rw":
-                    ws.remove_files(files)
+                    remove_files(files)
     comparison = report.compare(ours, theirs)
     if args.plot is not None:
-        from .plot import plot_runs
-
         plot_runs(ours, theirs, args.plot, where)
-    version = fio_version(fio_binary)
-    if args.json:
-        fio = {"version": version, "numjobs": shape.numjobs, "iodepth": shape.iodepth,
-               "ioengine": shape.ioengine, "mem": shape.mem, "mem_note": mem_note,
-               "jobfile": jobfile.read_text()}
-        print_json(report.vs_fio_doc(where, repeat, cfg, fio, ours, theirs, comparison,
-                                     args.plot))
-        return 0
+    version = fio.fio_version(fio_binary)
+    fio_doc = {"version": version, **dataclasses.asdict(shape), "mem_note": mem_note,
+               "jobfile": job}
+    doc = report.json_doc(args.plot, mode="vs-fio", where=where, repeat=repeat,
+                          config=cfg.label(), fio=fio_doc,
+                          ours=[r.to_json() for r in ours],
+                          fio_runs=[r.to_json() for r in theirs], comparison=comparison)
     fio_desc = (f"{version}, numjobs={shape.numjobs} iodepth={shape.iodepth} "
                 f"ioengine={shape.ioengine} mem={shape.mem} (total queue depth {shape.total})")
-    report.print_vs_fio(ours, theirs, where, fio_desc, repeat, cfg, comparison)
-    if args.plot is not None:
-        print(f"plot written to {args.plot}")
-    return 0
+    return doc, lambda: report.print_vs_fio(ours, theirs, where, fio_desc, repeat, cfg,
+                                            comparison)

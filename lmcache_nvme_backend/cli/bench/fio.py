@@ -1,22 +1,13 @@
 """``bench --vs-fio``: run fio with the same parameters as the engine, on the same files.
 
-Mapping (``docs/cli.md`` explains it):
-
-* same block size, same direct flag, same filesystem;
-* reads: fio reads the very chunk files the engine reads, payload only
-  (``offset=4096`` skips the header, one I/O of ``bs`` per file);
-* writes: fio creates the same number of new files of the same size
-  (``filesize = 4096 + bs``, sparse, no preallocation, payload region only),
-  so block allocation happens during the timed writes, as for the engine;
-* mixed ``rw``: fio's ``rw=rw`` at 50 % reads on its own laid-out files;
-* the same total queue depth: ``numjobs x iodepth`` equals the I/Os the engine
-  keeps in flight (``BenchConfig.in_flight``), each job on its own subset of files.
+Same block size, direct flag and total queue depth (``BenchConfig.in_flight``).  Reads
+read the engine's own chunk files (hard links), writes create as many new files of the
+same size (``offset`` skips the header); ``docs/cli.md`` explains the mapping.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -26,11 +17,7 @@ from typing import Any
 from ...disk.format import HEADER_SIZE
 from ...io.buffers import HUGE_PAGE
 from ..common import CLIError
-from .model import BenchConfig, DirStats, RunResult
-
-HUGETLB_SYSFS = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
-FIO_RW = {"read": "read", "write": "write", "randread": "randread",
-          "randwrite": "randwrite", "rw": "rw"}
+from .model import PERCENTILES, BenchConfig, DirStats, RunResult
 
 
 def find_fio(explicit: str | None) -> str:
@@ -66,24 +53,21 @@ class FioShape:
         return self.numjobs * self.iodepth
 
 
-def fio_shape(cfg: BenchConfig, numjobs: int | None, ioengine: str, nfiles: int,
-              mem: str = "malloc") -> FioShape:
-    """Split the engine's in-flight count into fio jobs (default: one job per thread).
-
-    ``numjobs`` must divide the queue depth; each job needs at least one file.
-    """
+def fio_shape(cfg: BenchConfig, numjobs: int | None, ioengine: str, nfiles: int) -> FioShape:
+    """Split the engine's in-flight count into fio jobs (default: one per I/O in flight):
+    as many as divide it and have at least one file each."""
     qd = cfg.in_flight()
     jobs = numjobs if numjobs is not None else qd
     jobs = max(1, min(jobs, qd, nfiles))
     while qd % jobs:
         jobs -= 1
-    return FioShape(jobs, qd // jobs, ioengine, mem)
+    return FioShape(jobs, qd // jobs, ioengine)
 
 
-def free_huge_pages(sysfs: Path = HUGETLB_SYSFS) -> int:
+def free_huge_pages() -> int:
     """Free pages in the 2 MiB hugetlb pool (0 when there is none)."""
     try:
-        return int((sysfs / "free_hugepages").read_text())
+        return int(Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages").read_text())
     except (OSError, ValueError):
         return 0
 
@@ -92,9 +76,8 @@ def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
                    free_pages: int) -> tuple[str, str | None]:
     """fio's ``mem=`` and, when it differs from the engine's buffers, a note saying so.
 
-    The engine's buffers of 2 MiB and more use transparent huge pages; fio's
-    nearest equivalent is ``shmhuge`` (the hugetlb pool).  ``auto`` takes it
-    when the pool has room for every job's buffers, else fio's ``malloc``.
+    The engine's buffers of 2 MiB and more use transparent huge pages; fio's nearest
+    equivalent, ``shmhuge`` (the hugetlb pool), is ``auto``'s choice when the pool has room.
     """
     if requested != "auto":
         return requested, None
@@ -110,28 +93,12 @@ def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
         f"(echo {per_job * numjobs} > /proc/sys/vm/nr_hugepages) or pass --fio-mem")
 
 
-def assign_files(n: int, numjobs: int) -> list[int]:
-    """How many of ``n`` files each job gets (as even as possible)."""
-    return [n // numjobs + (1 if k < n % numjobs else 0) for k in range(numjobs)]
+def fio_files(fio_dir: Path, n: int, numjobs: int) -> list[Path]:
+    """fio's names for ``n`` files (``filename_format``): file ``i`` is job ``i % numjobs``'s.
 
-
-def fio_file_name(job: int, index: int) -> str:
-    """Name of file ``index`` of job ``job`` in fio's directory (``filename_format``)."""
-    return f"job{job}.{index}"
-
-
-def link_files(files: list[Path], fio_dir: Path, numjobs: int) -> None:
-    """Hard-link the engine's chunk files under fio's names: the very same inodes.
-
-    fio's options are limited to 4 KiB, too short for a list of thousands of
-    sharded paths, so fio addresses the files through ``directory`` +
-    ``filename_format`` + ``nrfiles`` instead.  File ``i`` goes to job ``i % numjobs``.
-    """
-    counters = [0] * numjobs
-    for i, path in enumerate(files):
-        job = i % numjobs
-        os.link(path, fio_dir / fio_file_name(job, counters[job]))
-        counters[job] += 1
+    fio's options (4 KiB at most) cannot list thousands of sharded paths, so reads go
+    through hard links to the engine's files under these names: the same inodes."""
+    return [fio_dir / f"job{i % numjobs}.{i // numjobs}" for i in range(n)]
 
 
 def build_jobfile(cfg: BenchConfig, shape: FioShape, fio_dir: Path, nfiles: int) -> str:
@@ -142,7 +109,7 @@ def build_jobfile(cfg: BenchConfig, shape: FioShape, fio_dir: Path, nfiles: int)
         f"mem={shape.mem}",
         f"direct={int(cfg.direct)}",
         f"bs={cfg.bs}",
-        f"rw={FIO_RW[cfg.rw]}",
+        f"rw={cfg.rw}",
         f"directory={str(fio_dir).replace(':', chr(92) + ':')}",
         "filename_format=$jobname.$filenum",
         f"offset={HEADER_SIZE}",
@@ -159,8 +126,9 @@ def build_jobfile(cfg: BenchConfig, shape: FioShape, fio_dir: Path, nfiles: int)
         lines.append("rwmixread=50")
     if cfg.runtime:
         lines += ["time_based=1", f"runtime={cfg.runtime:g}"]
-    for job, count in enumerate(assign_files(nfiles, shape.numjobs)):
-        lines += ["", f"[job{job}]", f"nrfiles={count}", f"iodepth={shape.iodepth}"]
+    for job in range(shape.numjobs):  # file i is job i % numjobs's, as in fio_files
+        lines += ["", f"[job{job}]", f"nrfiles={len(range(job, nfiles, shape.numjobs))}",
+                  f"iodepth={shape.iodepth}"]
     return "\n".join(lines) + "\n"
 
 
@@ -175,31 +143,23 @@ def run_fio(binary: str, jobfile: Path, cfg: BenchConfig, shape: FioShape) -> Ru
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise CLIError(f"fio failed (exit {proc.returncode}): {tail[:800]}")
-    doc = parse_json_output(proc.stdout)
+    start = proc.stdout.find("{")  # fio may print warning lines before its JSON
+    if start < 0:
+        raise CLIError("fio printed no JSON: " + proc.stdout[:300])
+    try:
+        doc: dict[str, Any] = json.loads(proc.stdout[start:])
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"cannot parse fio's JSON output: {exc}") from exc
     result = RunResult("fio", cfg, extra={"fio": {"numjobs": shape.numjobs, "mem": shape.mem,
                                                   "iodepth": shape.iodepth,
                                                   "ioengine": shape.ioengine}})
-    job = doc["jobs"][0]
     for direction in ("read", "write"):
-        section = job.get(direction, {})
-        if not section or not section.get("io_bytes"):
-            continue
-        result.dirs[direction] = _dir_stats(direction, section)
+        section = doc["jobs"][0].get(direction) or {}
+        if section.get("io_bytes"):
+            result.dirs[direction] = _dir_stats(direction, section)
     if not result.dirs:
         raise CLIError("fio reported no I/O; its output: " + proc.stdout[:500])
     return result
-
-
-def parse_json_output(stdout: str) -> dict[str, Any]:
-    """fio's JSON document (fio may print warning lines before it)."""
-    start = stdout.find("{")
-    if start < 0:
-        raise CLIError("fio printed no JSON: " + stdout[:300])
-    try:
-        doc: dict[str, Any] = json.loads(stdout[start:])
-    except json.JSONDecodeError as exc:
-        raise CLIError(f"cannot parse fio's JSON output: {exc}") from exc
-    return doc
 
 
 def _dir_stats(direction: str, section: dict[str, Any]) -> DirStats:
@@ -207,13 +167,6 @@ def _dir_stats(direction: str, section: dict[str, Any]) -> DirStats:
     bw = float(section["bw_bytes"]) or 1.0
     lat = section.get("lat_ns") or section.get("clat_ns") or {}
     pct = lat.get("percentile", {})
-    lat_ms: dict[str, float] = {}
-    for key, name in (("50.000000", "p50"), ("90.000000", "p90"), ("99.000000", "p99"),
-                      ("99.900000", "p99.9")):
-        if key in pct:
-            lat_ms[name] = pct[key] / 1e6
-    if "max" in lat:
-        lat_ms["max"] = lat["max"] / 1e6
-    if "mean" in lat:
-        lat_ms["mean"] = lat["mean"] / 1e6
+    lat_ms = {f"p{p:g}": pct[f"{p:f}"] / 1e6 for p in PERCENTILES if f"{p:f}" in pct}
+    lat_ms.update({k: lat[k] / 1e6 for k in ("max", "mean") if k in lat})
     return DirStats(direction, nbytes, nbytes / bw, int(section.get("total_ios", 0)), lat_ms)

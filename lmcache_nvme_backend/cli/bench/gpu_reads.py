@@ -1,12 +1,10 @@
-"""``bench --dest gpu``: reads straight into CUDA tensors through kvikio.
-
-kvikio uses cuFile/GPUDirect Storage when the stack allows it and its compat
-mode (POSIX reads through a bounce buffer) otherwise; ``lmcache-nvme doctor``
-says which.  torch and kvikio are imported only here, and only for this mode.
-"""
+"""``bench --dest gpu``: reads straight into CUDA tensors through kvikio (cuFile/GDS when
+the stack allows it, else its compat mode; ``lmcache-nvme doctor`` says which).  torch
+and kvikio are imported only here, and only for this mode."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -42,34 +40,27 @@ def check_gpu_destination() -> None:
 
 def timed_gpu_reads(paths: list[Path], cfg: BenchConfig, threads: int,
                     progress: Progress) -> Timed:
-    """kvikio (cuFile/GDS, or kvikio's compat mode) straight into CUDA tensors.
-
-    The header is read on the host (``io.posix.read_header``), the payload by
-    kvikio into a CUDA tensor, with no host copy.
-    """
+    """Headers read on the host (``io.posix.read_header``), payloads by kvikio straight
+    into CUDA tensors, with no host copy."""
     import kvikio  # availability checked by check_gpu_destination
     import kvikio.defaults
     import torch
 
-    try:
+    with contextlib.suppress(Exception):  # another kvikio version: keep its defaults
         kvikio.defaults.set("num_threads", threads)
         kvikio.defaults.set("task_size", cfg.task_size)
-    except Exception:  # another kvikio version: keep its defaults
-        pass
     bufs = [torch.empty(cfg.bs, dtype=torch.uint8, device="cuda")
             for _ in range(cfg.iodepth)]
     timed = Timed()
     started = time.perf_counter()
     for batch in read_batches(len(paths), cfg, started):
         t0 = time.perf_counter()
-        files = []
-        futures = []
+        reads = []
         for j, i in enumerate(batch):
             read_header(paths[i], cfg.direct)
             f = kvikio.CuFile(paths[i], "r")
-            files.append(f)
-            futures.append(f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE))
-        for fut, f in zip(futures, files, strict=True):
+            reads.append((f, f.pread(bufs[j], cfg.bs, file_offset=HEADER_SIZE)))
+        for f, fut in reads:
             got = fut.get()
             f.close()
             if got != cfg.bs:

@@ -1,18 +1,9 @@
-"""What ``lmcache-nvme bench`` measures: the backend's own I/O engine on real chunk files.
+"""What ``lmcache-nvme bench`` measures: the store's I/O engine on real chunk files.
 
-Every timed I/O goes through the I/O engine the store runs (``io.engine_for``: the
-compiled one when built, else the Python one; ``--engine`` picks), in the store's batch
-shapes: a caller's read batch is one read share (``ChunkEngine.read``), each written chunk
-a write share of its own (``submit_write``: written, hashed, renamed into place), on files
-in the backend's chunk format (4 KiB header, aligned padded payload, sharded directories
-from :class:`~lmcache_nvme_backend.disk.layout.RootLayout`) and page-aligned
-:class:`~lmcache_nvme_backend.io.buffers.AlignedBuffer` memory.  The engines hash every
-chunk written and verify every chunk read, as the store's do.
-
-This module holds the bench workspace (``Workspace``) and the timed runs
-(``EngineBench``); ``model.py`` defines what a configuration and a result are
-(and the vocabulary: ``bs``, ``threads``, ``iodepth``, ``callers``, latency),
-``gpu_reads.py`` the ``--dest gpu`` reads.
+Every timed I/O goes through the engine the store runs (``io.engine_for``), in the store's
+shapes (a caller's read batch is one read share, each written chunk a write share of its
+own), on chunk files in the backend's format, from page-aligned buffers, hashed and
+verified as in the store.
 """
 
 from __future__ import annotations
@@ -28,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -37,23 +29,23 @@ from ...disk.safe_fs import dir_mode_for
 from ...disk.validate import Expected, judge_chunk
 from ...io import engine_for
 from ...io.buffers import AlignedBuffer
-from ...io.engine import FAILED, Batch, ChunkEngine, ReadShare
+from ...io.engine import FAILED, Batch, ChunkEngine
 from ...io.files import read_failure
 from ..common import MIB, CLIError, Progress
+from .gpu_reads import timed_gpu_reads
 from .model import BenchConfig, DirStats, RunResult, Timed, read_batches
 
 BENCH_NAMESPACE = "lmcache-nvme-bench"
 FILE_MODE = 0o600
 _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+T = TypeVar("T")
 
 
 def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
     """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only), then ``stat`` the given files.
 
-    Dropping caches also drops dentries and inodes, which makes every later
-    open a metadata read.  fio loads its files' metadata in its untimed setup
-    phase; stat-ing the engine's files here (untimed) puts both on equal terms,
-    so the timed runs compare the data path.
+    Dropping caches also drops dentries and inodes; fio loads its files' metadata in its
+    untimed setup, so stat-ing ours here (untimed) makes the timed runs compare data paths.
     """
     os.sync()
     try:
@@ -66,27 +58,72 @@ def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
         os.stat(path)
 
 
-class Workspace:
-    """A private bench directory under PATH holding chunk files in the backend's format.
+def in_threads(name: str, bodies: list[Callable[[], T]],
+               errors: list[BaseException]) -> list[T]:
+    """Each body on a thread of its own, and what each returned; the first exception (in
+    ``errors``, which bodies may watch to stop early) is raised once all have ended."""
+    results: dict[int, T] = {}
 
-    It is a cache root of its own (``<PATH>/.lmcache-nvme-bench-<pid>``), so a
-    real cache in PATH is never touched, and it is removed at the end.
-    """
+    def guarded(k: int) -> None:
+        try:
+            results[k] = bodies[k]()
+        except BaseException as exc:  # re-raised after every thread ends
+            errors.append(exc)
 
-    def __init__(self, path: Path, bs: int, keep: bool = False) -> None:
+    threads = [threading.Thread(target=guarded, args=(k,), name=f"{name}-{k}")
+               for k in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[k] for k in range(len(bodies))]
+
+
+@dataclass
+class ChunkSet:
+    """Names of a set of bench chunk files: keys (as the header holds them), digests, paths."""
+
+    keys: list[bytes]
+    digests: list[str]
+    paths: list[Path]
+
+
+def remove_files(paths: list[Path]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+class EngineBench:
+    """Timed runs with the backend's I/O engine (``native_io`` as ``nvme.native_io`` takes it)
+    on chunk files in a private directory, ``<PATH>/.lmcache-nvme-bench-<pid>``: a cache root
+    of its own, so a real cache in PATH is never touched, removed at the end unless ``keep``."""
+
+    def __init__(self, path: Path, bs: int, keep: bool, progress_enabled: bool,
+                 native_io: str = "auto") -> None:
         self.dir = path / f".lmcache-nvme-bench-{os.getpid()}"
         self.keep = keep
+        self.progress_enabled = progress_enabled
+        self.native_io = native_io
+        self._write_pass = 0
         self.layout = RootLayout(self.dir)
         self.ns_id = namespace_id(BENCH_NAMESPACE)
         self.bs = bs
         self.dir.mkdir(parents=True, exist_ok=False)
         self.root_fd = os.open(self.dir, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self.payload = AlignedBuffer(bs)
-        rng = np.random.default_rng(0x4C4D43)
-        np.frombuffer(self.payload.view, dtype=np.uint8)[:bs] = rng.integers(
-            0, 256, bs, dtype=np.uint8)
+        np.frombuffer(self.payload.view, dtype=np.uint8)[:bs] = np.random.default_rng(
+            0x4C4D43).integers(0, 256, bs, dtype=np.uint8)
         self.meta = TensorMeta(shapes=((bs,),), dtypes=("uint8",), fmt=0, nbytes=bs)
         self.sets: dict[str, ChunkSet] = {}
+
+    def close(self) -> None:
+        self.payload.close()
+        os.close(self.root_fd)
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def chunk_set(self, tag: str, n: int) -> ChunkSet:
         """``n`` chunk names (keys, digests, paths) of one set; directories pre-created."""
@@ -101,174 +138,88 @@ class Workspace:
         self.sets[tag] = ChunkSet([text_bytes(k) for k in keys], digests, paths)
         return self.sets[tag]
 
-    def read_share(self, chunks: ChunkSet, batch: list[int], dests: list[memoryview],
-                   direct: bool) -> ReadShare:
-        """The chunks ``batch`` of a set, read into ``dests``."""
-        return (self.root_fd, self.layout.chunk_naming(self.ns_id), direct, self.bs,
-                self.meta.to_json(), [chunks.digests[i] for i in batch], dests,
-                [chunks.keys[i] for i in batch])
-
-    def remove_files(self, paths: list[Path]) -> None:
-        for p in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-
-    def close(self) -> None:
-        self.payload.close()
-        os.close(self.root_fd)
-        if not self.keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@dataclass
-class ChunkSet:
-    """Names of a set of bench chunk files: keys (as the header holds them), digests, paths."""
-
-    keys: list[bytes]
-    digests: list[str]
-    paths: list[Path]
-
-
-class EngineBench:
-    """Runs configurations against one workspace with the backend's I/O engine:
-    ``native_io`` as ``nvme.native_io`` takes it (``auto``, ``on``, ``off``)."""
-
-    def __init__(self, ws: Workspace, progress_enabled: bool, native_io: str = "auto") -> None:
-        self.ws = ws
-        self.progress_enabled = progress_enabled
-        self.native_io = native_io
-        self._write_pass = 0
-
-    def _engine(self, readers: int, writers: int, task_size: int) -> ChunkEngine:
-        return engine_for(self.native_io, max(1, readers), max(1, writers), task_size)
-
-    # -- layout -------------------------------------------------------------------
-
-    def layout_read_set(self, n: int, threads: int, direct: bool) -> ChunkSet:
+    def layout_read_set(self, n: int, threads: int, direct: bool) -> None:
         """Write the files reads will read (untimed; reused by every read run)."""
-        chunks = self.ws.chunk_set("r", n)
-        missing = [i for i, p in enumerate(chunks.paths) if not p.exists()]
-        if missing:
-            progress = Progress(self.progress_enabled, len(missing) * self.ws.bs,
-                                "laying out")
-            engine = self._engine(1, threads, 4 * MIB)
-            try:
-                self._write_files(engine, chunks, missing, threads, direct, None,
-                                  progress.update)
-            finally:
-                engine.close()
-                progress.close()
-        return chunks
+        progress = Progress(self.progress_enabled, n * self.bs, "laying out")
+        engine = engine_for(self.native_io, 1, threads, 4 * MIB)
+        try:
+            self._write_files(engine, self.chunk_set("r", n), list(range(n)), threads, direct,
+                              None, progress, Timed())
+        finally:
+            engine.close()
+            progress.close()
 
     def read_paths(self, cfg: BenchConfig) -> list[Path]:
-        """The files the reads of ``cfg`` open (none for pure writes)."""
-        n_read = cfg.chunk_counts()[0]
-        return self.ws.chunk_set("r", n_read).paths if n_read else []
-
-    # -- runs ---------------------------------------------------------------------
+        """The files the reads of ``cfg`` open."""
+        return self.chunk_set("r", cfg.chunk_counts()[0]).paths
 
     def run(self, cfg: BenchConfig) -> RunResult:
         """One timed run of ``cfg``.  Read files must have been laid out."""
-        result = RunResult("lmcache-nvme", cfg)
         readers, writers = cfg.split_threads()
         n_read, n_write = cfg.chunk_counts()
         total = cfg.runtime if cfg.runtime else (n_read + n_write) * cfg.bs
         progress = Progress(self.progress_enabled, total,
                             f"{cfg.rw} T={cfg.threads} QD={cfg.iodepth}",
                             unit="seconds" if cfg.runtime else "bytes")
-        outcome: dict[str, Timed] = {}
-        errors: list[BaseException] = []
-
-        def side(direction: str, fn: Callable[[], Timed]) -> Callable[[], None]:
-            def body() -> None:
-                try:
-                    outcome[direction] = fn()
-                except BaseException as exc:  # re-raised after both sides finish
-                    errors.append(exc)
-            return body
-
         # One engine for both sides, as a store has: its writers let reads in flight go first.
-        engine = self._engine(readers, writers, cfg.task_size)
-        sides = []
+        engine = engine_for(self.native_io, max(1, readers), max(1, writers), cfg.task_size)
+        sides: dict[str, Callable[[], Timed]] = {}
         if n_read:
-            sides.append(side("read", lambda: self._timed_reads(cfg, engine, n_read,
-                                                                progress)))
+            sides["read"] = lambda: self._timed_reads(cfg, engine, n_read, progress)
         if n_write:
-            sides.append(side("write", lambda: self._timed_writes(cfg, engine, writers,
-                                                                  n_write, progress)))
+            sides["write"] = lambda: self._timed_writes(cfg, engine, writers, n_write,
+                                                        progress)
         try:
             started = time.perf_counter()
-            workers = [threading.Thread(target=s, name="bench-side") for s in sides]
-            for t in workers:
-                t.start()
-            for t in workers:
-                t.join()
+            outcome = in_threads("bench-side", list(sides.values()), [])
             elapsed = time.perf_counter() - started
         finally:
             engine.close()
             progress.close()
-        if errors:
-            raise errors[0]
-        for direction, timed in outcome.items():
-            # Mixed runs report both directions over the common wall time, as fio does.
-            seconds = elapsed if cfg.rw == "rw" else timed.seconds
-            result.dirs[direction] = DirStats.from_latencies(direction, timed.nbytes, seconds,
-                                                             timed.latencies)
-        return result
+        # Mixed runs report both directions over the common wall time, as fio does.
+        return RunResult("lmcache-nvme", cfg, {
+            d: DirStats.from_latencies(d, t.nbytes, elapsed if cfg.rw == "rw" else t.seconds,
+                                       t.latencies) for d, t in zip(sides, outcome, strict=True)})
 
     def _timed_reads(self, cfg: BenchConfig, engine: ChunkEngine, n: int,
                      progress: Progress) -> Timed:
+        chunks = self.chunk_set("r", n)
         if cfg.dest == "gpu":
-            from .gpu_reads import timed_gpu_reads
-
-            return timed_gpu_reads(self.ws.chunk_set("r", n).paths, cfg,
-                                   cfg.split_threads()[0], progress)
-        chunks = self.ws.chunk_set("r", n)
-        bufs = [[AlignedBuffer(cfg.bs) for _ in range(cfg.iodepth)]
-                for _ in range(cfg.callers)]
+            return timed_gpu_reads(chunks.paths, cfg, cfg.split_threads()[0], progress)
+        bufs = [AlignedBuffer(cfg.bs) for _ in range(cfg.callers * cfg.iodepth)]
         timed = Timed()
         lock = threading.Lock()
         errors: list[BaseException] = []
 
         def caller(mine: list[AlignedBuffer], batches: Iterator[list[int]]) -> None:
-            try:
-                while True:
-                    with lock:
-                        batch = next(batches, None)
-                    if batch is None or errors:
-                        return
-                    share = self.ws.read_share(chunks, batch,
-                                               [buf.view for buf in mine[: len(batch)]],
-                                               cfg.direct)
-                    t0 = time.perf_counter()
-                    result = engine.read([share])
-                    t1 = time.perf_counter()
-                    if result.details:
-                        raise self._read_error(chunks, batch, result)
-                    with lock:
-                        timed.latencies.extend([t1 - t0] * len(batch))
-                        timed.nbytes += cfg.bs * len(batch)
-                        progress.advance(cfg.bs * len(batch))
-            except BaseException as exc:
-                errors.append(exc)
+            while True:
+                with lock:
+                    batch = next(batches, None)
+                if batch is None or errors:
+                    return
+                share = (self.root_fd, self.layout.chunk_naming(self.ns_id), cfg.direct,
+                         self.bs, self.meta.to_json(), [chunks.digests[i] for i in batch],
+                         [buf.view for buf in mine[: len(batch)]],
+                         [chunks.keys[i] for i in batch])
+                t0 = time.perf_counter()
+                result = engine.read([share])
+                t1 = time.perf_counter()
+                if result.details:
+                    raise self._read_error(chunks, batch, result)
+                with lock:
+                    timed.latencies.extend([t1 - t0] * len(batch))
+                    timed.nbytes += cfg.bs * len(batch)
+                    progress.advance(cfg.bs * len(batch))
 
         try:
             started = time.perf_counter()
             batches = read_batches(n, cfg, started)
-            callers = [threading.Thread(target=caller, args=(mine, batches),
-                                        name=f"bench-caller-{k}")
-                       for k, mine in enumerate(bufs)]
-            for t in callers:
-                t.start()
-            for t in callers:
-                t.join()
+            in_threads("bench-caller", [functools.partial(caller, bufs[k :: cfg.callers], batches)
+                                        for k in range(cfg.callers)], errors)
             timed.seconds = time.perf_counter() - started
         finally:
-            for mine in bufs:
-                for b in mine:
-                    b.close()
-        if errors:
-            raise errors[0]
+            for b in bufs:
+                b.close()
         return timed
 
     def _read_error(self, chunks: ChunkSet, batch: list[int], result: Batch) -> CLIError:
@@ -278,51 +229,45 @@ class EngineBench:
         if header is None:
             return CLIError(f"read of {path} failed: {read_failure(path, err)}")
         verdict = judge_chunk(header, Expected(key=chunks.keys[batch[index]].decode(),
-                                               payload_len=self.ws.bs, meta=self.ws.meta),
+                                               payload_len=self.bs, meta=self.meta),
                               lambda h: h.payload_checksum == computed)
         return CLIError(f"{verdict.reason} in {path}: the bench file changed under the "
                         "benchmark or the drive returned wrong data")
 
     def _timed_writes(self, cfg: BenchConfig, engine: ChunkEngine, writers: int, n: int,
                       progress: Progress) -> Timed:
-        """Write ``n`` new chunk files per pass; passes repeat until ``runtime`` if given.
-
-        Between passes the previous pass's files are deleted, off the clock.
-        """
+        """Write ``n`` new chunk files per pass; passes repeat until ``runtime`` if given,
+        the previous pass's files deleted in between, off the clock."""
         timed = Timed()
         deadline = time.perf_counter() + cfg.runtime if cfg.runtime else None
-        chunks = self.ws.chunk_set("w", n)
+        chunks = self.chunk_set("w", n)
         while True:
             self._write_pass += 1
-            self.ws.remove_files(chunks.paths)
+            remove_files(chunks.paths)
             order = list(range(n))
             if cfg.random_order:
                 random.Random(self._write_pass).shuffle(order)
             t0 = time.perf_counter()
-            written = self._write_files(engine, chunks, order, writers, cfg.direct, deadline,
-                                        progress.advance, latencies=timed.latencies)
+            self._write_files(engine, chunks, order, writers, cfg.direct, deadline, progress,
+                              timed)
             timed.seconds += time.perf_counter() - t0
-            timed.nbytes += written * cfg.bs
             if deadline is None or time.perf_counter() >= deadline:
                 break
-        self.ws.remove_files(chunks.paths)
+        remove_files(chunks.paths)
         return timed
 
     def _write_files(self, engine: ChunkEngine, chunks: ChunkSet, order: list[int],
                      in_flight: int, direct: bool, deadline: float | None,
-                     on_done: Callable[[int], None],
-                     latencies: list[float] | None = None) -> int:
+                     progress: Progress, timed: Timed) -> None:
         """Publish the files in ``order`` through ``engine``, ``in_flight`` chunks at a time,
-        each a write share of its own (written, hashed and renamed into place); a chunk's
-        latency runs from its submission to its batch's hand-back."""
+        each a write share of its own (written, hashed and renamed into place), counted in
+        ``timed``; a chunk's latency runs from its submission to its batch's hand-back."""
         lock = threading.Lock()
         slots = threading.Semaphore(in_flight)
-        count = [0]
         errors: list[int] = []
-        ws = self.ws
-        naming = ws.layout.write_naming(ws.ns_id, temp_name("", writer=0))
-        namespace, meta = text_bytes(BENCH_NAMESPACE), ws.meta.to_json()
-        payload = ws.payload.view[: ws.bs]
+        naming = self.layout.write_naming(self.ns_id, temp_name("", writer=0))
+        namespace, meta = text_bytes(BENCH_NAMESPACE), self.meta.to_json()
+        payload = self.payload.view[: self.bs]
 
         def done(started: float, result: Batch) -> None:
             try:
@@ -330,10 +275,9 @@ class EngineBench:
                     if result.statuses[0] == FAILED:
                         errors.append(result.details[0][2])
                         return
-                    count[0] += 1
-                    if latencies is not None:
-                        latencies.append(time.perf_counter() - started)
-                    on_done(ws.bs)
+                    timed.latencies.append(time.perf_counter() - started)
+                    timed.nbytes += self.bs
+                    progress.advance(self.bs)
             finally:
                 slots.release()
 
@@ -343,7 +287,7 @@ class EngineBench:
                     break
                 slots.acquire()
                 try:
-                    engine.submit_write([(ws.root_fd, naming, namespace, meta, direct,
+                    engine.submit_write([(self.root_fd, naming, namespace, meta, direct,
                                           FILE_MODE, dir_mode_for(FILE_MODE), 0, (),
                                           [chunks.digests[i]], [payload], [chunks.keys[i]],
                                           None)], functools.partial(done, time.perf_counter()))
@@ -359,4 +303,3 @@ class EngineBench:
             if errors[0] == errno.ENOSPC:
                 raise CLIError("the filesystem is full; use a smaller --size") from exc
             raise CLIError(f"write failed: {exc}") from exc
-        return count[0]

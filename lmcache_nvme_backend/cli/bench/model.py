@@ -1,25 +1,14 @@
-"""What one ``lmcache-nvme bench`` run is: its configuration and its results.
+"""What one ``lmcache-nvme bench`` run is: its configuration and its results, ours or fio's.
 
-Vocabulary (``docs/cli.md`` has the long form):
-
-* ``bs``: payload bytes of one chunk file; one chunk is one I/O in the counts.
-* ``threads``: reads: the engine's read threads (``nvme.io_threads``);
-  writes: its writer threads (``nvme.write_threads``), one chunk in flight each.
-* ``iodepth``: reads: chunks per engine read call (the batch LMCache hands
-  the backend).  At most ``min(threads, pieces of the batch)`` reads are in
-  flight, where a chunk is ``ceil(bs / task_size)`` I/Os (the header rides with the
-  first).
-* ``callers``: reads: threads calling the engine's read concurrently, each with its
-  own batch (several requests retrieving at once; ``NVMeBackend`` runs two).
-* latency: what the caller sees.  A read chunk completes when its batch returns;
-  a written chunk when the engine hands it back, written and renamed into place.
-
-The same records hold fio's results (``fio.py``), so reports and plots treat
-both tools alike.
+``bs`` is one chunk file's payload, one I/O in the counts; ``threads``, ``iodepth`` and
+``callers`` mean what the command's options say (``docs/cli.md``).  Latency is what the
+caller sees: a read chunk completes when its batch returns, a written chunk when the
+engine hands it back, written and renamed into place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -82,28 +71,20 @@ class BenchConfig:
             return readers, max(1, self.threads - readers)
         return (self.threads, 0) if self.reads else (0, self.threads)
 
-    def pieces_per_chunk(self) -> int:
-        """I/Os the engine issues for one chunk (the header rides with the first piece)."""
-        return -(-self.bs // self.task_size)
-
     def in_flight(self) -> int:
-        """Most I/Os the engine keeps in flight in this configuration.
-
-        This is the queue depth fio is given in ``--vs-fio`` (numjobs x iodepth).
-        """
+        """Most I/Os the engine keeps in flight: the queue depth fio gets in ``--vs-fio``."""
         readers, writers = self.split_threads()
         total = writers
         if readers:
-            pieces = self.iodepth * self.pieces_per_chunk()
+            # a chunk is ceil(bs / task_size) I/Os (the header rides with the first piece)
+            pieces = self.iodepth * -(-self.bs // self.task_size)
             # an engine read of at most two pieces runs on its caller, one at a time
             total += self.callers if pieces <= 2 else min(readers, self.callers * pieces)
         return max(1, total)
 
     def label(self) -> dict[str, Any]:
-        return {"rw": self.rw, "bs": self.bs, "size": self.nchunks * self.bs,
-                "threads": self.threads, "iodepth": self.iodepth, "task_size": self.task_size,
-                "direct": self.direct, "dest": self.dest, "runtime": self.runtime,
-                "checksum": self.checksum, "callers": self.callers,
+        """The fields as JSON, ``size`` as a pass moves it (whole chunks)."""
+        return {**dataclasses.asdict(self), "size": self.nchunks * self.bs,
                 "in_flight": self.in_flight()}
 
 
@@ -138,10 +119,9 @@ class DirStats:
         lat = np.asarray(latencies_s, dtype=np.float64) * 1e3
         pct: dict[str, float] = {}
         if len(lat):
-            for p, v in zip(PERCENTILES, np.percentile(lat, PERCENTILES), strict=True):
-                pct[f"p{p:g}"] = float(v)
-            pct["max"] = float(lat.max())
-            pct["mean"] = float(lat.mean())
+            pct = {f"p{p:g}": float(v)
+                   for p, v in zip(PERCENTILES, np.percentile(lat, PERCENTILES), strict=True)}
+            pct.update(max=float(lat.max()), mean=float(lat.mean()))
         return cls(direction, nbytes, seconds, len(lat), pct)
 
 
@@ -158,12 +138,9 @@ class RunResult:
         return sum(d.bw_bytes for d in self.dirs.values())
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"tool": self.tool, "config": self.config.label(),
-                               "bw_bytes": round(self.bw_bytes()),
-                               "bw_gb_s": round(self.bw_bytes() / 1e9, 3)}
-        doc.update({name: d.to_json() for name, d in self.dirs.items()})
-        doc.update(self.extra)
-        return doc
+        return {"tool": self.tool, "config": self.config.label(),
+                "bw_bytes": round(self.bw_bytes()), "bw_gb_s": round(self.bw_bytes() / 1e9, 3),
+                **{name: d.to_json() for name, d in self.dirs.items()}, **self.extra}
 
 
 @dataclass

@@ -1,7 +1,5 @@
-"""``bench --plot``: PNG charts of bandwidth and latency (matplotlib, Agg backend).
-
-matplotlib is an optional dependency: ``pip install 'lmcache-nvme-backend[plot]'``.
-"""
+"""``bench --plot``: PNG charts of bandwidth and latency (matplotlib, Agg backend; the
+optional ``[plot]`` extra)."""
 
 from __future__ import annotations
 
@@ -25,128 +23,101 @@ def require_matplotlib() -> None:
                        "(or pip install matplotlib)") from exc
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def _figure(height: float) -> tuple[Any, Any, Any]:
+    """A figure of two axes side by side, without pyplot: no display, no global state."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=(13, height))
+    return (fig, *fig.subplots(1, 2))
 
 
-def _title(run: RunResult, where: str) -> str:
+def _save(fig: Any, run: RunResult, where: str, out: Path) -> None:
+    """Title the figure with the configuration and ``where``, and write it."""
     c = run.config
-    return (f"lmcache-nvme bench: {c.rw}, {short_size(c.bs)} chunks, "
-            f"{'O_DIRECT' if c.direct else 'buffered'}, {c.dest} destination\n{where}")
+    fig.suptitle(f"lmcache-nvme bench: {c.rw}, {short_size(c.bs)} chunks, "
+                 f"{'O_DIRECT' if c.direct else 'buffered'}, {c.dest} destination\n{where}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path,
                where: str) -> None:
-    """Bandwidth (median, with the range of the runs as error bars) and latency against I/O
-    threads, one line per batch size (and task size).
-
-    ``points`` are the median runs of each sweep configuration, ``groups`` all its runs.
-    Legends sit below the axes, where they cover no line.
-    """
-    plt = _pyplot()
-    first = points[0].config
-    series: dict[str, list[tuple[RunResult, list[RunResult]]]] = defaultdict(list)
-    task_sizes = {p.config.task_size for p in points}
+    """Bandwidth (``points``: each configuration's median run, with the range of its runs in
+    ``groups`` as error bars) and latency against threads, one line per batch (and task)
+    size; legends below the axes, where they cover no line."""
+    reads = points[0].config.reads
+    direction = "read" if reads else "write"
+    several_tasks = len({p.config.task_size for p in points}) > 1
+    series: dict[tuple[int, int], list[tuple[RunResult, list[RunResult]]]] = defaultdict(list)
     for p, runs in zip(points, groups, strict=True):
-        parts = []
-        if first.reads:
-            parts.append(f"iodepth {p.config.iodepth} (chunks per batch)")
-        if len(task_sizes) > 1 or not parts:
-            parts.append(f"task {short_size(p.config.task_size)}")
-        series[", ".join(parts)].append((p, runs))
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 6.4))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        series[(p.config.iodepth if reads else 0, p.config.task_size)].append((p, runs))
+    fig, ax_bw, ax_lat = _figure(6.4)
     threads = sorted({p.config.threads for p in points})
-    for k, (name, line) in enumerate(sorted(series.items(), key=lambda kv: _series_key(kv[0]))):
+    for k, ((iodepth, task), line) in enumerate(sorted(series.items())):
+        parts = [f"iodepth {iodepth} (chunks per batch)"] if reads else []
+        if several_tasks or not parts:
+            parts.append(f"task {short_size(task)}")
+        name = ", ".join(parts)
         line.sort(key=lambda pr: pr[0].config.threads)
         x = [p.config.threads for p, _ in line]
-        color = colors[k % len(colors)]
+        color = f"C{k}"  # the colour cycle's k-th, wrapping around
         median = [p.bw_bytes() / 1e9 for p, _ in line]
-        low = [m - min(r.bw_bytes() for r in runs) / 1e9 for m, (_, runs) in zip(median, line,
-                                                                                strict=True)]
-        high = [max(r.bw_bytes() for r in runs) / 1e9 - m for m, (_, runs) in zip(median, line,
-                                                                                 strict=True)]
-        ax_bw.errorbar(x, median, yerr=[low, high], marker="o", color=color, capsize=3,
-                       label=name)
-        direction = "read" if first.reads else "write"
-        p50 = [p.dirs[direction].lat_ms.get("p50", 0.0) for p, _ in line]
-        p99 = [p.dirs[direction].lat_ms.get("p99", 0.0) for p, _ in line]
-        ax_lat.plot(x, p50, marker="o", color=color, label=f"p50, {name}")
-        ax_lat.plot(x, p99, marker="^", linestyle="--", color=color, label=f"p99, {name}")
-    thread_label = ("I/O threads (nvme.io_threads)" if first.reads
-                    else "writer threads (nvme.write_threads)")
+        bws = [[r.bw_bytes() / 1e9 for r in runs] for _, runs in line]
+        ax_bw.errorbar(x, median, yerr=[[m - min(b) for m, b in zip(median, bws, strict=True)],
+                                        [max(b) - m for m, b in zip(median, bws, strict=True)]],
+                       marker="o", color=color, capsize=3, label=name)
+        for q, marker, style in (("p50", "o", "-"), ("p99", "^", "--")):
+            ax_lat.plot(x, [p.dirs[direction].lat_ms.get(q, 0.0) for p, _ in line],
+                        marker=marker, linestyle=style, color=color, label=f"{q}, {name}")
     for ax in (ax_bw, ax_lat):
         ax.set_xscale("log", base=2)
         ax.set_xticks(threads)
         ax.set_xticklabels([str(t) for t in threads])
-        ax.set_xlabel(thread_label)
+        ax.set_xlabel("I/O threads (nvme.io_threads)" if reads
+                      else "writer threads (nvme.write_threads)")
         ax.grid(True, which="major", alpha=0.3)
-    ax_bw.set_ylabel("bandwidth (GB/s, 10^9 bytes per second)")
-    ax_bw.set_ylim(bottom=0)
-    ax_bw.set_title(f"Bandwidth (payload bytes): median of {len(groups[0])} run(s), bars "
+    ax_bw.set(ylabel="bandwidth (GB/s, 10^9 bytes per second)", ylim=(0, None),
+              title=f"Bandwidth (payload bytes): median of {len(groups[0])} run(s), bars "
                     "from the slowest to the fastest")
     ax_bw.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    ax_lat.set_ylabel("latency per chunk (ms, log scale)")
-    ax_lat.set_yscale("log")
-    ax_lat.set_title("Latency per chunk as the caller sees it (median run)")
+    ax_lat.set(ylabel="latency per chunk (ms, log scale)", yscale="log",
+               title="Latency per chunk as the caller sees it (median run)")
     ax_lat.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    fig.suptitle(_title(points[0], where), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def _series_key(name: str) -> tuple[int, ...]:
-    return tuple(int(t) for t in name.replace("(", " ").split() if t.isdigit())
+    _save(fig, points[0], where, out)
 
 
 def plot_runs(ours: list[RunResult], fio: list[RunResult], out: Path, where: str) -> None:
-    """Bandwidth of every repetition and latency percentiles of the median run.
-
-    Used without ``--sweep``: the engine alone, or the engine against fio.
-    """
-    plt = _pyplot()
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 5.2))
+    """Bandwidth of every repetition and latency percentiles of the median run, of the
+    engine alone or against fio (without ``--sweep``)."""
+    fig, ax_bw, ax_lat = _figure(5.2)
     tools = [("lmcache-nvme", ours, "tab:blue")] + ([("fio", fio, "tab:orange")] if fio else [])
     directions = sorted({d for r in ours for d in r.dirs})
+    labels = [f"{d} {q}" for d in directions for q in LAT_KEYS]
     width = 0.8 / len(tools)
     for t, (tool, runs, color) in enumerate(tools):
+        shift = (t - (len(tools) - 1) / 2) * width
         for k, direction in enumerate(directions):
             values = [r.dirs[direction].bw_bytes / 1e9 for r in runs if direction in r.dirs]
-            xs = [k + (t - (len(tools) - 1) / 2) * width] * len(values)
             median = sorted(values)[len(values) // 2] if values else 0.0
-            ax_bw.bar(xs[0] if xs else k, median, width=width * 0.9, color=color, alpha=0.5,
-                      label=f"{tool} (median)" if k == 0 else None)
-            ax_bw.scatter(xs, values, color=color, s=18, zorder=3,
+            ax_bw.bar(k + shift if values else k, median, width=width * 0.9, color=color,
+                      alpha=0.5, label=f"{tool} (median)" if k == 0 else None)
+            ax_bw.scatter([k + shift] * len(values), values, color=color, s=18, zorder=3,
                           label=f"{tool} (each repetition)" if k == 0 else None)
+        run = median_run(runs)
+        ax_lat.bar([i + shift for i in range(len(labels))],
+                   [run.dirs[d].lat_ms.get(q, 0.0) if d in run.dirs else 0.0
+                    for d in directions for q in LAT_KEYS],
+                   width=width * 0.9, color=color, label=tool)
     ax_bw.set_xticks(range(len(directions)))
     ax_bw.set_xticklabels(directions)
-    ax_bw.set_xlabel("direction")
-    ax_bw.set_ylabel("bandwidth (GB/s, 10^9 bytes per second)")
-    ax_bw.set_title(f"Bandwidth over {len(ours)} repetition(s)")
-    ax_bw.legend(fontsize=8)
-    ax_bw.grid(True, axis="y", alpha=0.3)
-    median_runs = [(tool, median_run(runs), color) for tool, runs, color in tools]
-    labels = [f"{d} {q}" for d in directions for q in LAT_KEYS]
-    for t, (tool, run, color) in enumerate(median_runs):
-        values = [run.dirs[d].lat_ms.get(q, 0.0) if d in run.dirs else 0.0
-                  for d in directions for q in LAT_KEYS]
-        xs = [i + (t - (len(tools) - 1) / 2) * width for i in range(len(labels))]
-        ax_lat.bar(xs, values, width=width * 0.9, color=color, label=tool)
+    ax_bw.set(xlabel="direction", ylabel="bandwidth (GB/s, 10^9 bytes per second)",
+              title=f"Bandwidth over {len(ours)} repetition(s)")
     ax_lat.set_xticks(range(len(labels)))
     ax_lat.set_xticklabels(labels, rotation=30, ha="right")
-    ax_lat.set_xlabel("percentile")
-    ax_lat.set_ylabel("latency (ms)")
-    ax_lat.set_title("Latency percentiles of the median run")
-    ax_lat.legend(fontsize=8)
-    ax_lat.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(_title(ours[0], where), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
+    ax_lat.set(xlabel="percentile", ylabel="latency (ms)",
+               title="Latency percentiles of the median run")
+    for ax in (ax_bw, ax_lat):
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    _save(fig, ours[0], where, out)

@@ -1,9 +1,5 @@
-"""What ``lmcache-nvme bench`` prints: text and JSON reports, the comparison with fio,
-and the tuning advice of a ``--sweep`` (decided in ``tuning.py``).
-
-Every function here works on finished ``RunResult`` records (``model.py``);
-nothing here runs I/O.
-"""
+"""What ``lmcache-nvme bench`` prints, text and JSON, from finished ``RunResult`` records:
+the comparison with fio and the ``--sweep``'s advice (decided in ``tuning.py``)."""
 
 from __future__ import annotations
 
@@ -12,17 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ..common import MIB, short_size
-from .model import BenchConfig, DirStats, RunResult
+from .model import BenchConfig, RunResult
 from .tuning import Advice, Measured, settings_of
 
 
 def median_run(runs: list[RunResult]) -> RunResult:
     """The run of median total bandwidth (the lower middle one of an even count)."""
-    ordered = sorted(runs, key=lambda r: r.bw_bytes())
-    return ordered[(len(ordered) - 1) // 2]
-
-
-# -- comparison with fio ----------------------------------------------------------------
+    return sorted(runs, key=lambda r: r.bw_bytes())[(len(runs) - 1) // 2]
 
 
 def compare(ours: list[RunResult], theirs: list[RunResult]) -> dict[str, dict[str, Any]]:
@@ -45,64 +37,24 @@ def compare(ours: list[RunResult], theirs: list[RunResult]) -> dict[str, dict[st
     return out
 
 
-# -- JSON -------------------------------------------------------------------------------
-
-
-def results_doc(where: str, repeat: int, medians: list[RunResult],
-                groups: list[list[RunResult]], recommendation: dict[str, Any] | None,
-                plot: Path | None) -> dict[str, Any]:
-    """The ``--json`` document of a single run or a sweep."""
-    doc: dict[str, Any] = {"command": "bench", "where": where, "repeat": repeat,
-                           "results": [{"config": m.config.label(),
-                                        "median": m.to_json(),
-                                        "runs": [r.to_json() for r in runs]}
-                                       for m, runs in zip(medians, groups, strict=True)]}
-    if recommendation is not None:
-        doc["recommendation"] = recommendation
+def json_doc(plot: Path | None, **fields: Any) -> dict[str, Any]:
+    """A ``--json`` document: ``fields`` in order, then the chart's path if one was written."""
+    doc: dict[str, Any] = {"command": "bench", **fields}
     if plot is not None:
         doc["plot"] = str(plot)
     return doc
 
 
-def vs_fio_doc(where: str, repeat: int, cfg: BenchConfig, fio: dict[str, Any],
-               ours: list[RunResult], theirs: list[RunResult],
-               comparison: dict[str, dict[str, Any]], plot: Path | None) -> dict[str, Any]:
-    """The ``--json`` document of ``--vs-fio``; ``fio`` describes fio's version and shape."""
-    doc: dict[str, Any] = {
-        "command": "bench", "mode": "vs-fio", "where": where, "repeat": repeat,
-        "config": cfg.label(), "fio": fio,
-        "ours": [r.to_json() for r in ours], "fio_runs": [r.to_json() for r in theirs],
-        "comparison": comparison}
-    if plot is not None:
-        doc["plot"] = str(plot)
-    return doc
-
-
-# -- text -------------------------------------------------------------------------------
-
-
-def _fmt_dir(d: DirStats) -> list[str]:
-    lat = d.lat_ms
-    lines = [f"  {d.direction}: IOPS={d.iops:.1f}, BW={d.bw_bytes / MIB:.0f}MiB/s "
-             f"({d.bw_bytes / 1e9:.2f}GB/s)({d.bytes / MIB:.0f}MiB/{d.seconds:.3f}s)"]
-    if lat:
-        parts = [f"{k}={lat[k]:.2f}" for k in ("p50", "p90", "p99", "p99.9", "max", "mean")
-                 if k in lat]
-        lines.append("    lat (ms): " + ", ".join(parts))
-    return lines
-
-
-def print_summary(tool: str, runs: list[RunResult], where: str,
-                  header: str | None = None) -> None:
-    """fio-style summary of one configuration's runs (the median run in detail)."""
+def print_summary(runs: list[RunResult], where: str, header: str | None = None) -> None:
+    """fio-style summary of one configuration's runs (the median run in detail); ``header``
+    replaces the description of our configuration (for fio's runs)."""
     median = median_run(runs)
     c = median.config
     if header is None:
-        header = (f"{tool}: rw={c.rw}, bs={short_size(c.bs)}, size={short_size(c.nchunks * c.bs)}"
-                  f", threads={c.threads}, iodepth={c.iodepth}, callers={c.callers}, task_size="
-                  f"{short_size(c.task_size)}, direct={int(c.direct)}, dest={c.dest}"
-                  f" (up to {c.in_flight()} I/Os in flight)")
-        print(header)
+        print(f"lmcache-nvme: rw={c.rw}, bs={short_size(c.bs)}, size="
+              f"{short_size(c.nchunks * c.bs)}, threads={c.threads}, iodepth={c.iodepth}, "
+              f"callers={c.callers}, task_size={short_size(c.task_size)}, "
+              f"direct={int(c.direct)}, dest={c.dest} (up to {c.in_flight()} I/Os in flight)")
         print(f"  path: {where}")
         print(f"  files: {c.nchunks} chunk files of {short_size(c.bs)} payload + 4KiB header")
     else:
@@ -113,12 +65,16 @@ def print_summary(tool: str, runs: list[RunResult], where: str,
                              if direction in r.dirs)
             print(f"  {direction} MiB/s of {len(runs)} runs: {each} (median run below)")
     for d in median.dirs.values():
-        for line in _fmt_dir(d):
-            print(line)
+        print(f"  {d.direction}: IOPS={d.iops:.1f}, BW={d.bw_bytes / MIB:.0f}MiB/s "
+              f"({d.bw_bytes / 1e9:.2f}GB/s)({d.bytes / MIB:.0f}MiB/{d.seconds:.3f}s)")
+        if d.lat_ms:
+            print("    lat (ms): " + ", ".join(f"{k}={v:.2f}" for k, v in d.lat_ms.items()))
 
 
-def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str) -> None:
-    """One table row per swept configuration: its median run, and the range of its runs."""
+def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: str,
+                advice: Advice) -> None:
+    """One table row per swept configuration (its median run, and the range of its runs),
+    then the advice and why, and the settings as YAML lines to paste."""
     c = medians[0].config
     print(f"lmcache-nvme bench sweep: rw={c.rw}, bs={short_size(c.bs)}, "
           f"size={short_size(c.nchunks * c.bs)}, direct={int(c.direct)}, dest={c.dest}, "
@@ -138,11 +94,8 @@ def print_sweep(medians: list[RunResult], groups: list[list[RunResult]], where: 
               f"{d.iops:>8.1f} {d.lat_ms.get('p50', 0):>8.2f} {d.lat_ms.get('p99', 0):>8.2f} "
               f"{d.lat_ms.get('p99.9', 0):>9.2f}")
 
-
-def print_recommendation(advice: Advice, reads: bool) -> None:
-    """The sweep's advice and why, then the settings as YAML lines to paste."""
     def line(label: str, m: Measured) -> str:
-        named = ", ".join(f"{k} {v:g}" for k, v in settings_of(m.setting, reads).items())
+        named = ", ".join(f"{k} {v:g}" for k, v in settings_of(m.setting, c.reads).items())
         return (f"  {label:<8} {named}: {m.median / 1e9:.2f} GB/s (runs "
                 f"{m.low / 1e9:.2f}-{m.high / 1e9:.2f})")
 
@@ -155,16 +108,16 @@ def print_recommendation(advice: Advice, reads: bool) -> None:
         print(line("chosen", advice.chosen))
     print(f"  -> {advice.reason}")
     print("paste under extra_config in the LMCache YAML (bare names in adapter_params):")
-    for k, v in settings_of(advice.chosen.setting, reads).items():
+    for k, v in settings_of(advice.chosen.setting, c.reads).items():
         print(f"{k}: {v:g}")
 
 
 def print_vs_fio(ours: list[RunResult], theirs: list[RunResult], where: str, fio_desc: str,
                  repeat: int, cfg: BenchConfig, comparison: dict[str, dict[str, Any]]) -> None:
     """Both tools' summaries, then the table of bandwidth ratios."""
-    print_summary("lmcache-nvme", ours, where)
+    print_summary(ours, where)
     print()
-    print_summary("fio", theirs, where, header=f"fio: {fio_desc}")
+    print_summary(theirs, where, header=f"fio: {fio_desc}")
     print()
     print(f"lmcache-nvme vs fio, {repeat} interleaved repetitions, queue depth "
           f"{cfg.in_flight()} each:")

@@ -1,13 +1,10 @@
 """The tuning advice of ``bench --sweep``: change a default only for a measured, clear gain.
 
-Every point of the sweep (threads x batch size x task size) runs several times, in
-interleaved rounds so that drift of a noisy drive spreads over all points.  A setting
-(threads, task size) is scored by the median bandwidth of each of its points, averaged
-over the swept batch sizes, with the range of its runs (lowest to highest, averaged the
-same way) as the noise.  The defaults are always measured too, and stay recommended
-unless some setting's lowest runs beat the defaults' highest runs: only then is the
-gain larger than the run-to-run spread.  Among the settings that do, the advice is the
-one with the fewest threads whose range still reaches the best setting's range.
+A setting (threads, task size) is scored by the median bandwidth of each of its points,
+averaged over the swept batch sizes, with the range of its runs (averaged the same way) as
+the noise.  The defaults stay recommended unless some setting's lowest runs beat their
+highest: only then is the gain larger than the run-to-run spread.  Among the settings
+that do, the advice is the one with the fewest threads whose range reaches the best's.
 """
 
 from __future__ import annotations
@@ -17,9 +14,6 @@ from dataclasses import dataclass
 
 from ..common import MIB
 from .model import RunResult
-
-#: Fewer runs per point than this give no spread to judge a difference against.
-MIN_RUNS_FOR_ADVICE = 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,7 @@ def advise(groups: list[list[RunResult]], default: Setting) -> Advice:
     base = measured[default]
     best = max(measured.values(), key=lambda m: m.median)
     runs = min(len(runs) for runs in groups)
-    if runs < MIN_RUNS_FOR_ADVICE:
+    if runs < 2:  # one run per point gives no spread to judge a difference against
         return Advice(base, base, best, runs, "one run per point shows no spread, so no "
                       "difference can be told from noise: keep the defaults (--repeat 3, "
                       "the default with --sweep, measures the spread)")
