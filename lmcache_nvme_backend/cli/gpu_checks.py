@@ -57,7 +57,6 @@ def _libcufile_candidates() -> list[str]:
     found = []
     for site in sys.path:
         found += glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcufile.so*"))
-        found += glob.glob(os.path.join(site, "nvidia", "cufile", "lib", "libcufile.so*"))
     found += glob.glob("/usr/local/cuda*/lib64/libcufile.so*")
     found += glob.glob("/usr/lib/x86_64-linux-gnu/libcufile.so*")
     return sorted({f for f in found if "rdma" not in os.path.basename(f)})

@@ -1,10 +1,6 @@
-"""Checks of one cache directory: used by ``doctor`` and ``check-config``.
-
-Whether the path exists (or can be created) and is writable, and whether its tree is
-usable (both rendered from ``disk/probe.py``, the probe the store runs at start), its
-filesystem, O_DIRECT (the store's probe too), free space against a budget, and
-alignment.  The only thing written is a probe file in an existing directory, removed at
-once; a missing path is checked in its nearest existing parent and is never created.
+"""Checks of one cache directory for ``doctor`` and ``check-config``: the path and its tree
+(from ``disk/probe.py``, the probe the store runs at start), filesystem, O_DIRECT, free space
+against a budget, alignment.  A missing path is checked in its nearest existing parent.
 """
 
 from __future__ import annotations
@@ -35,12 +31,8 @@ EXT4_SYSFS = Path("/sys/fs/ext4")
 
 def check_path(probe: PathProbe, mount: MountInfo | None,
                missing_status: str = WARN) -> tuple[Check, Path | None]:
-    """Exists (or can be created) and is writable, from the probe (``disk/probe.py``) the
-    store runs at start; returns the directory the checks below run in.
-
-    A missing path is reported with ``missing_status`` when its nearest existing parent
-    is writable (the tier creates it at start).
-    """
+    """Exists (or can be created) and is writable; and the directory the other checks run
+    in.  A missing path whose nearest existing parent is writable is ``missing_status``."""
     path, where = probe.path, probe.where
     if probe.state is PathState.NOT_A_DIRECTORY:
         return Check("path", FAIL, f"{path} exists and is not a directory",
@@ -79,10 +71,8 @@ def _unwritable(probe: PathProbe, mount: MountInfo | None, exc: OSError) -> Chec
 
 
 def check_tree(probe: PathProbe) -> Check | None:
-    """An existing cache tree whose directories this user cannot use (made by another
-    user), or whose marker is a newer version's: what the store refuses at start.  None
-    when there is no tree, or it was not walked (a read-only filesystem, which the path
-    check reports)."""
+    """An existing tree whose directories this user cannot use, or whose marker is a newer
+    version's: what the store refuses at start.  None when no tree was walked."""
     path = probe.path
     if probe.layout_error is not None:
         return Check("cache tree", FAIL, probe.layout_error,
