@@ -1,33 +1,13 @@
 """A payload checksum that a GPU can compute where the payload lands (``lin32x2``).
 
-The header's ``xxh3_64`` needs the payload in host memory.  On the GPU read
-path the payload goes from the drive straight into device memory, and copying
-it back to the host only to hash it would cost the PCIe bandwidth the path
-saves.  So the writer also records this checksum, which torch computes on the
-device with a handful of elementwise kernels and two reductions, and which the
-writer computes on the host with numpy.  Both give the same bits (the tests
-check it on CPU tensors; ``tests/gpu`` on CUDA tensors).
-
-Definition (``docs/format.md``):
-
-* the payload, zero padded to a multiple of 4 bytes, is read as little-endian
-  unsigned 32-bit words ``w[i]``, arranged in rows of ``ROW_WORDS`` words:
-  ``i = r * ROW_WORDS + c``;
-* ``A[c]``, ``B[c]`` (column weights) and ``G[r]``, ``H[r]`` (row weights) are
-  ``splitmix64(index + seed) | 1``: odd 64-bit numbers;
-* ``sum_a = sum_r G[r] * (sum_c w[r, c] * A[c])`` and ``sum_b`` likewise with
-  ``B`` and ``H``, all modulo 2**64.
-
-Every word has its own odd weight ``A[c] * G[r]``, so any change confined to one
-32-bit word changes both sums (an odd number times a nonzero value below 2**32
-is never 0 modulo 2**64); moved, swapped or zeroed blocks change the weights
-they are multiplied with.  For other error patterns the two independent lanes
-leave roughly a 2**-64 chance (at worst 2**-66 for errors that are all
-multiples of 2**31, a pattern random corruption does not favour).  It is an
-error-detecting code, like xxh3 in this format, not a defence against someone
-who forges files: whoever can write the cache directory can write any header.
-
-This module imports numpy only; ``device_checksum`` imports torch when called.
+On the GPU read path the payload goes from the drive straight into device memory, and
+copying it back only to hash it would cost the bandwidth the path saves.  So the writer
+also records this checksum, which torch computes on the device with a few elementwise
+kernels and two reductions and the writer with numpy, to the same bits.  Definition and
+properties in ``docs/format.md``: the payload as little-endian u32 words in rows of
+``ROW_WORDS``, each word weighted by the odd ``splitmix64`` column and row weights of two
+independent lanes (``sum_a``, ``sum_b``, modulo 2**64).  It detects errors, like xxh3 in
+this format; it does not authenticate.  ``device_checksum`` imports torch when called.
 """
 
 from __future__ import annotations
