@@ -13,7 +13,8 @@ this format; it does not authenticate.  ``device_checksum`` imports torch when c
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,23 +41,25 @@ def splitmix64(index: np.ndarray, seed: int) -> np.ndarray:
 
 
 class _Weights:
-    """Column weights (fixed) and row weights (grown on demand), shared by all threads."""
+    """Column weights (fixed) and row weights (grown on demand), shared by all threads: uint64
+    arrays, or what ``convert`` makes of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, convert: Callable[[np.ndarray], Any] = lambda values: values) -> None:
+        self._convert = convert
         cols = np.arange(ROW_WORDS, dtype=np.uint64)
-        self.col_a = splitmix64(cols, _SEED_A)
-        self.col_b = splitmix64(cols, _SEED_B)
+        self.col_a = convert(splitmix64(cols, _SEED_A))
+        self.col_b = convert(splitmix64(cols, _SEED_B))
+        self.row_g = self.row_h = convert(np.empty(0, dtype=np.uint64))
         self._lock = threading.Lock()
-        self.row_g = np.empty(0, dtype=np.uint64)
-        self.row_h = np.empty(0, dtype=np.uint64)
 
-    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, n: int) -> tuple[Any, Any]:
         if len(self.row_g) < n:
             with self._lock:
                 if len(self.row_g) < n:
-                    size = max(n, 2 * len(self.row_g), 64)
-                    idx = np.arange(size, dtype=np.uint64)
-                    self.row_g, self.row_h = splitmix64(idx, _SEED_G), splitmix64(idx, _SEED_H)
+                    idx = np.arange(max(n, 2 * len(self.row_g), 64), dtype=np.uint64)
+                    # row_h first: a reader that finds row_g long enough finds row_h so too
+                    self.row_h = self._convert(splitmix64(idx, _SEED_H))
+                    self.row_g = self._convert(splitmix64(idx, _SEED_G))
         return self.row_g[:n], self.row_h[:n]
 
 
@@ -98,32 +101,18 @@ def host_checksum(payload: memoryview | bytes | np.ndarray) -> tuple[int, int]:
     return int(sum_a), int(sum_b)
 
 
-class DeviceWeights:
+class DeviceWeights(_Weights):
     """The weights as int64 tensors on one device (uploaded once, rows grown on demand)."""
 
     def __init__(self, device: torch.device | str) -> None:
         import torch
 
         self.device = torch.device(device)
-        self.col_a = _as_int64(_WEIGHTS.col_a, self.device)
-        self.col_b = _as_int64(_WEIGHTS.col_b, self.device)
-        self.row_g = self.row_h = _as_int64(np.empty(0, dtype=np.uint64), self.device)
-        self._lock = threading.Lock()
 
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.row_g.numel() < n:
-            with self._lock:
-                if self.row_g.numel() < n:
-                    g, h = _WEIGHTS.rows(max(n, 2 * self.row_g.numel(), 64))
-                    self.row_g, self.row_h = (_as_int64(g, self.device),
-                                              _as_int64(h, self.device))
-        return self.row_g[:n], self.row_h[:n]
+        def upload(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values.view(np.int64).copy()).to(self.device)
 
-
-def _as_int64(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    import torch
-
-    return torch.from_numpy(values.view(np.int64).copy()).to(device)
+        super().__init__(upload)
 
 
 def device_checksum(data: torch.Tensor, nbytes: int, weights: DeviceWeights) -> torch.Tensor:
