@@ -49,7 +49,6 @@ class PathProbe:
     state: PathState
     where: Path  # the path when it exists, else its nearest existing ancestor
     error: OSError | None = None  # why the probe file could not be created
-    read_only: bool = False  # the filesystem of ``where`` is mounted read-only
     marker: bool = False  # the path holds the cache marker
     layout: RootLayout | None = None  # None: absent, or its marker is unreadable
     layout_error: str | None = None  # the marker names a layout of a newer version
@@ -62,11 +61,6 @@ class PathProbe:
     @property
     def exists(self) -> bool:
         return self.where == self.path
-
-    @property
-    def takes_files(self) -> bool:
-        """Files can be created where the path is (or would be created)."""
-        return self.state in (PathState.READY, PathState.MISSING)
 
 
 def nearest_existing(path: Path) -> Path:
@@ -93,17 +87,16 @@ def probe_path(path: Path, *, look_only: bool = False, tree: bool = True) -> Pat
     error = _probe_file(where)
     if error is not None:
         state = PathState.FULL if error.errno in FULL_ERRNOS else PathState.UNWRITABLE
-    read_only = _read_only(where)
     if where != path:
-        return PathProbe(path, state, where, error, read_only)
+        return PathProbe(path, state, where, error)
     marker = (path / MARKER_NAME).is_file()
     try:
         layout = RootLayout.of(path)  # reads only
     except ValueError as exc:  # a marker from a newer version
-        return PathProbe(path, state, where, error, read_only, marker, layout_error=str(exc))
-    walk = tree and not read_only
+        return PathProbe(path, state, where, error, marker, layout_error=str(exc))
+    walk = tree and not _read_only(path)  # nothing can be written there anyway
     unusable = tuple(unusable_dirs(layout)) if walk else ()
-    return PathProbe(path, state, where, error, read_only, marker, layout, None, unusable, walk)
+    return PathProbe(path, state, where, error, marker, layout, None, unusable, walk)
 
 
 def path_problem(probe: PathProbe, shared: bool = False) -> tuple[str, str] | None:
