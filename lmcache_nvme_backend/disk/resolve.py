@@ -102,11 +102,17 @@ def _walkable(rel: str) -> list[str]:
     return parts
 
 
-def exact_mode(fd: int, mode: int) -> None:
-    """Give a file or directory just created exactly ``mode`` whatever the umask: a chmod
-    only where the creation left another mode (as the compiled engine does)."""
-    if os.fstat(fd).st_mode & 0o7777 != mode:
-        os.fchmod(fd, mode)
+def exact_mode(fd: int, mode: int) -> int:
+    """``fd``, a file or directory just created, with exactly ``mode`` whatever the umask (a
+    chmod only where the creation left another mode, as the compiled engine does); ``fd`` is
+    closed on failure."""
+    try:
+        if os.fstat(fd).st_mode & 0o7777 != mode:
+            os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
@@ -120,11 +126,7 @@ def make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
         created = False
     fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
     if created:
-        try:
-            exact_mode(fd, mode)  # mkdir applied the umask
-        except OSError:
-            os.close(fd)
-            raise
+        exact_mode(fd, mode)  # mkdir applied the umask
     return fd, created
 
 

@@ -18,10 +18,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from .resolve import _O_CLOEXEC, _O_DIRECTORY, _O_NOFOLLOW, _O_PATH, make_dirs_at, open_at
+from .resolve import exact_mode, make_dirs_at, open_at
 from .resolve import use_openat2 as use_openat2  # tests of the walk switch it here
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 
 
 def dir_mode_for(file_mode: int) -> int:
@@ -190,7 +194,7 @@ def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
     """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
     ``mode``; returns its descriptor."""
-    return _with_exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
+    return exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
 
 
 def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> int:
@@ -200,17 +204,7 @@ def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> in
         raise ValueError(f"not a file name: {name!r}")
     fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode,
                  dir_fd=dir_fd)
-    return _with_exact_mode(fd, mode)
-
-
-def _with_exact_mode(fd: int, mode: int) -> int:
-    """``fd`` with exactly ``mode`` (``open`` applied the umask); closed on failure."""
-    try:
-        os.fchmod(fd, mode)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    return exact_mode(fd, mode)
 
 
 @contextlib.contextmanager
