@@ -60,11 +60,6 @@ class StrChoice(str, enum.Enum):
     def __format__(self, format_spec: str) -> str:
         return str.__format__(str.__str__(self), format_spec)
 
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        """The accepted strings, in definition order."""
-        return tuple(str(member) for member in cls)
-
 
 class DirectIOMode(StrChoice):
     """``direct_io``: probe O_DIRECT and fall back, require it, or never use it."""
@@ -168,7 +163,7 @@ class _Choice(_Rule):
     choices: type[StrChoice]
 
     def parse(self, raw: Any, fail: _Fail) -> StrChoice:
-        allowed = self.choices.values()
+        allowed = [str(member) for member in self.choices]
         if isinstance(raw, bool) and "on" in allowed:
             raw = "on" if raw else "off"  # YAML 1.1 reads unquoted on/off as booleans
         value = str(raw).strip().lower()

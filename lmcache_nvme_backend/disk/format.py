@@ -236,10 +236,8 @@ def texts_bytes(texts: Sequence[str]) -> list[bytes]:
         return list(map(text_bytes, texts))
 
 
-@functools.lru_cache(maxsize=1024)
-def namespace_bytes(namespace: str) -> bytes:
-    """``text_bytes`` of a namespace (a process sees a few: one encoding each)."""
-    return text_bytes(namespace)
+#: ``text_bytes`` of a namespace, cached (a process sees a few).
+namespace_bytes = functools.lru_cache(maxsize=1024)(text_bytes)
 
 
 def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:

@@ -142,11 +142,10 @@ def shard_levels_of(root: Path) -> int:
 
 def _shard_levels_in_tree(root: Path) -> int:
     """The levels a marker-less tree's files sit at (``SHARD_LEVELS`` when it holds none)."""
-    for ns in RootLayout(root).iter_namespace_ids():
-        for shard in _scandir_dirs(root, f"ns/{ns}"):
-            if not _SHARD_RE.match(shard.name):
-                continue
-            for entry in scandir_beneath(root, f"ns/{ns}/{shard.name}"):
+    layout = RootLayout(root)  # one level: each ns/<ns16>/<aa> once
+    for ns in layout.iter_namespace_ids():
+        for _shard, rel, _leaf in layout._walk_shards(ns):
+            for entry in scandir_beneath(root, rel):
                 if _SHARD_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
                     return LEGACY_SHARD_LEVELS
                 if entry.name.endswith(CHUNK_SUFFIX) or TEMP_INFIX in entry.name:
