@@ -224,9 +224,9 @@ class _Directories(_Rule):
         return tuple(paths)
 
 
-def _rule(rule: _Rule, key: str | None = None) -> dict[str, Any]:
-    """Field metadata: the setting's rule, and its key when it differs from the field name."""
-    return {_RULE: rule, _KEY: key}
+def _setting(rule: _Rule, default: Any = MISSING, key: str | None = None) -> Any:
+    """A settings field: its rule, and its key when it differs from the field name."""
+    return field(default=default, metadata={_RULE: rule, _KEY: key})
 
 
 # -- the settings ----------------------------------------------------------------------------
@@ -236,44 +236,38 @@ def _rule(rule: _Rule, key: str | None = None) -> dict[str, Any]:
 class NVMeSettings:
     """Validated settings.  ``docs/configuration.md`` documents each one."""
 
-    paths: tuple[Path, ...] = field(metadata=_rule(_Directories(), key="path"))
-    max_size_gb: float = field(metadata=_rule(_Number(0.0, exclusive=True)))
+    paths: tuple[Path, ...] = _setting(_Directories(), key="path")
+    max_size_gb: float = _setting(_Number(0.0, exclusive=True))
     # None ("auto"): min_free_bytes_for each path's filesystem
-    min_free_gb: float | None = field(default=None,
-                                      metadata=_rule(_NumberOrAuto(_Number(0.0))))
-    direct_io: DirectIOMode = field(default=DirectIOMode.AUTO,
-                                    metadata=_rule(_Choice(DirectIOMode)))
-    io_threads: int = field(default=8, metadata=_rule(_Number(1, integer=True)))
+    min_free_gb: float | None = _setting(_NumberOrAuto(_Number(0.0)), None)
+    direct_io: DirectIOMode = _setting(_Choice(DirectIOMode), DirectIOMode.AUTO)
+    io_threads: int = _setting(_Number(1, integer=True), 8)
     # 0: one writer per path
-    write_threads: int = field(default=0, metadata=_rule(_Number(0, integer=True)))
-    task_size_mb: float = field(default=64.0, metadata=_rule(_Number(0.0, exclusive=True)))
+    write_threads: int = _setting(_Number(0, integer=True), 0)
+    task_size_mb: float = _setting(_Number(0.0, exclusive=True), 64.0)
     # removed chunk files kept for writes of their size to overwrite (native engine); 0: none
-    recycle_mb: float = field(default=256.0, metadata=_rule(_Number(0.0)))
+    recycle_mb: float = _setting(_Number(0.0), 256.0)
     # the compiled batch engine (io/native.py): auto = when built, on = refuse without it
-    native_io: NativeIOMode = field(default=NativeIOMode.AUTO,
-                                    metadata=_rule(_Choice(NativeIOMode)))
-    write_queue_mb: float = field(default=1024.0, metadata=_rule(_Number(0.0, exclusive=True)))
-    queue_full_policy: QueueFullPolicy = field(default=QueueFullPolicy.DROP,
-                                               metadata=_rule(_Choice(QueueFullPolicy)))
-    fsync: FsyncPolicy = field(default=FsyncPolicy.NONE, metadata=_rule(_Choice(FsyncPolicy)))
-    file_mode: int = field(default=0o600, metadata=_rule(_FileMode()))
-    manifest_interval_s: float = field(default=60.0, metadata=_rule(_Number(0.0)))
-    close_timeout_s: float = field(default=30.0, metadata=_rule(_Number(0.0)))
+    native_io: NativeIOMode = _setting(_Choice(NativeIOMode), NativeIOMode.AUTO)
+    write_queue_mb: float = _setting(_Number(0.0, exclusive=True), 1024.0)
+    queue_full_policy: QueueFullPolicy = _setting(_Choice(QueueFullPolicy), QueueFullPolicy.DROP)
+    fsync: FsyncPolicy = _setting(_Choice(FsyncPolicy), FsyncPolicy.NONE)
+    file_mode: int = _setting(_FileMode(), 0o600)
+    manifest_interval_s: float = _setting(_Number(0.0), 60.0)
+    close_timeout_s: float = _setting(_Number(0.0), 30.0)
     # other processes write the same directories
-    shared: bool = field(default=False, metadata=_rule(_Flag()))
+    shared: bool = _setting(_Flag(), False)
     # GPU read path (docs/gpu.md): used by NVMeBackend on a CUDA dst_device only
-    gds_mode: GdsMode = field(default=GdsMode.AUTO, metadata=_rule(_Choice(GdsMode)))
+    gds_mode: GdsMode = _setting(_Choice(GdsMode), GdsMode.AUTO)
     # 0: no pool of its own, retrieved chunks stay in host memory
-    gpu_pool_mb: float = field(default=2048.0, metadata=_rule(_Number(0.0)))
-    kvikio_threads: int = field(default=16, metadata=_rule(_Number(1, integer=True)))
-    kvikio_task_size_mb: float = field(default=4.0,
-                                       metadata=_rule(_Number(0.0, exclusive=True)))
+    gpu_pool_mb: float = _setting(_Number(0.0), 2048.0)
+    kvikio_threads: int = _setting(_Number(1, integer=True), 16)
+    kvikio_task_size_mb: float = _setting(_Number(0.0, exclusive=True), 4.0)
     # Observability (docs/metrics.md)
     # 0: no endpoint of its own; the default registry is always filled
-    metrics_port: int = field(default=0,
-                              metadata=_rule(_Number(0, integer=True, maximum=65535)))
+    metrics_port: int = _setting(_Number(0, integer=True, maximum=65535), 0)
     # 0: no periodic stats line
-    stats_log_interval_s: float = field(default=0.0, metadata=_rule(_Number(0.0)))
+    stats_log_interval_s: float = _setting(_Number(0.0), 0.0)
     # Not a setting: the prefix of the keys these were read from (``nvme.``, ``adapter_params.``
     # or none), so that errors found when the store opens its directories name the key too.
     key_prefix: str = field(default=EXTRA_CONFIG_PREFIX, compare=False, repr=False,
