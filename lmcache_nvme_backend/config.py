@@ -47,9 +47,6 @@ class NVMeConfigError(ValueError):
     """A setting of the NVMe tier is missing or invalid; the message names it and the fix."""
 
 
-# -- choice settings -------------------------------------------------------------------------
-
-
 class StrChoice(str, enum.Enum):
     """An enum member that is also its string: ``str()``, f-strings, ``%s`` and JSON give
     ``full``, not ``FsyncPolicy.FULL``, on every supported Python."""
@@ -229,9 +226,6 @@ def _setting(rule: _Rule, default: Any = MISSING, key: str | None = None) -> Any
     return field(default=default, metadata={_RULE: rule, _KEY: key})
 
 
-# -- the settings ----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NVMeSettings:
     """Validated settings.  ``docs/configuration.md`` documents each one."""
@@ -284,9 +278,8 @@ class NVMeSettings:
 
     @property
     def recycle_bytes(self) -> int:
-        """Bytes of removed chunk files the native engine keeps for reuse: ``recycle_mb``,
-        at most 1 % of the budget (they are on disk beside it); none in shared mode, where
-        removals are the members' ledger's to record."""
+        """Bytes of removed chunk files the native engine keeps for reuse: ``recycle_mb``, at
+        most 1 % of the budget; none in shared mode (removals are the ledger's to record)."""
         return 0 if self.shared else min(int(self.recycle_mb * MIB), self.max_size_bytes // 100)
 
     @property

@@ -152,8 +152,7 @@ def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
         checks += [check_direct_io(probe_dir),
                    check_free_space(probe_dir, max_size_gb, min_free_gb),
                    check_alignment(probe_dir, mount)]
-    checks.append(check_lmcache())
-    checks.append(check_token_hashing(config))
+    checks += [check_lmcache(), check_token_hashing(config)]
     if config is not None:
         checks.append(check_config_settings(config))
     return checks + gpu_stack(skip_gpu, gpu_strict)

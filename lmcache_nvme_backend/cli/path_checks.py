@@ -90,23 +90,23 @@ def check_tree(probe: PathProbe) -> Check | None:
                  f"as root: chown -R {me}: {path} (or run the server as the owner)")
 
 
-def ext4_has_journal(mount: MountInfo, sysfs: Path = EXT4_SYSFS) -> bool | None:
+def ext4_has_journal(mount: MountInfo) -> bool | None:
     """Whether an ext4 mount keeps a journal (its ``journal_task`` in sysfs is not
     ``<none>``); None when sysfs does not say."""
     name = os.path.basename(os.path.realpath(mount.device))
     try:
-        return (sysfs / name / "journal_task").read_text().strip() != "<none>"
+        return (EXT4_SYSFS / name / "journal_task").read_text().strip() != "<none>"
     except OSError:
         return None
 
 
-def check_filesystem(mount: MountInfo | None, ext4_sysfs: Path = EXT4_SYSFS) -> Check:
+def check_filesystem(mount: MountInfo | None) -> Check:
     if mount is None:
         return Check("filesystem", WARN, "not found in /proc/mounts",
                      "check that /proc is mounted")
     where = f"{mount.fstype} ({mount.device} on {mount.mountpoint})"
     fs = mount.fstype
-    if fs == "ext4" and ext4_has_journal(mount, ext4_sysfs) is False:
+    if fs == "ext4" and ext4_has_journal(mount) is False:
         return Check("filesystem", INFO, f"{where}: ext4 without a journal, which does not "
                      "reuse an inode deleted in the last minute and checks every candidate: "
                      "creating chunk files costs more kernel CPU the more the cache evicts "

@@ -101,10 +101,8 @@ def _whole(value: object, what: str, high: int) -> int:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a reader needs to allocate the destination memory object.
-
-    ``nbytes`` is the payload length: the memory object's used bytes.
-    """
+    """What a reader needs to allocate the destination memory object (``nbytes``: the
+    payload length)."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
@@ -117,11 +115,8 @@ class TensorMeta:
 
     @functools.cached_property
     def _json(self) -> bytes:
-        return json.dumps(
-            {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
-             "fmt": self.fmt, "nbytes": self.nbytes},
-            separators=(",", ":"),
-        ).encode()
+        return json.dumps({"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
+                           "fmt": self.fmt, "nbytes": self.nbytes}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> TensorMeta:

@@ -116,14 +116,10 @@ class DeviceWeights(_Weights):
 
 
 def device_checksum(data: torch.Tensor, nbytes: int, weights: DeviceWeights) -> torch.Tensor:
-    """``[sum_a, sum_b]`` as an int64 tensor on ``data``'s device, without a host copy.
-
-    ``data`` is a contiguous uint8 tensor holding at least ``nbytes`` bytes
-    (padding beyond ``nbytes`` is ignored).  int64 products and sums wrap
-    modulo 2**64 on CPU and CUDA alike, so the bits equal ``host_checksum``'s
-    (``to_unsigned`` converts).  Kernels are queued on the current stream;
-    reading the result synchronizes.
-    """
+    """``[sum_a, sum_b]`` of the first ``nbytes`` of a contiguous uint8 tensor, as an int64
+    tensor on its device, without a host copy: int64 arithmetic wraps modulo 2**64 on CPU and
+    CUDA alike, so the bits equal ``host_checksum``'s (``to_unsigned`` converts).  Kernels are
+    queued on the current stream; reading the result synchronizes."""
     import torch
 
     flat = data.reshape(-1)[:nbytes]

@@ -102,10 +102,8 @@ class TempFile:
     pid: int
 
     def is_stale(self, max_age_s: float = STALE_TEMP_S, now: float | None = None) -> bool:
-        """Whether the writer is gone: a dead process on this host, or older than ``max_age_s``.
-
-        A file that vanished meanwhile is not stale (there is nothing to remove).
-        """
+        """Whether the writer is gone: a dead process on this host, or older than ``max_age_s``
+        (a file that vanished meanwhile is not: there is nothing to remove)."""
         if self.host == this_host() and self.pid > 0 and not pid_alive(self.pid):
             return self.path.exists()
         try:
@@ -178,8 +176,7 @@ class RootLayout:
         return Path(self._root_prefix + self.chunk_rel(ns_id, digest))
 
     def has_chunk(self, ns_id: str, digest: str) -> bool:
-        """Whether the chunk file is there now (shared mode: another member may have
-        removed it)."""
+        """Whether the chunk file is there now (another member may have removed it)."""
         return exists_beneath(self.root, self.chunk_rel(ns_id, digest))
 
     def chunk_rel(self, ns_id: str, digest: str) -> str:
@@ -235,8 +232,7 @@ class RootLayout:
         skipped, a directory that cannot be listed is yielded without its contents."""
         for ns in self.iter_namespace_ids():
             yield f"ns/{ns}"
-            for _shard, rel, _leaf in self._walk_shards(ns):
-                yield rel
+            yield from (rel for _shard, rel, _leaf in self._walk_shards(ns))
 
     def _walk_shards(self, ns: str) -> Iterator[tuple[str, str, bool]]:
         """(hex prefix, path relative to the root, whether it holds chunk files) of each

@@ -35,9 +35,8 @@ def dir_mode_for(file_mode: int) -> int:
 
 
 class NotAChunkFile(OSError):
-    """A path in the cache tree holds something the store never uses: a symbolic link, a
-    directory or a special file (FIFO, socket, device) where a regular file belongs, or a
-    link or file where a directory of the tree belongs.  Never followed, never read."""
+    """A path in the cache tree holds something the store never uses (a link, a directory
+    or a special file where a regular file belongs, a link or file where a directory does)."""
 
 
 def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
@@ -48,10 +47,6 @@ def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
     if exc.errno in (errno.ENOTDIR, errno.EXDEV):
         return NotAChunkFile(exc.errno, "not a directory of the cache tree", str(Path(root) / rel))
     return exc
-
-
-def _open_root(root: Path | str) -> int:
-    return os.open(root, _O_PATH | _O_DIRECTORY | _O_CLOEXEC)
 
 
 # One descriptor per cache root, opened on first use and kept: a read then costs one
@@ -67,7 +62,7 @@ def _root_fd(root: Path | str, fresh: bool = False) -> int:
         fd = _ROOT_FDS.get(key)
         if fd is not None and not fresh:
             return fd
-        new = _open_root(key)
+        new = os.open(key, _O_PATH | _O_DIRECTORY | _O_CLOEXEC)
         _ROOT_FDS[key] = new
         if fd is not None:
             _STALE_FDS.append(fd)  # another thread may still be using it: left open
@@ -112,11 +107,9 @@ def _check_rel(rel: str) -> list[str]:
 
 
 def open_beneath(root: Path | str, rel: str, flags: int, mode: int = 0o600) -> int:
-    """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``.
-
-    A link (or a file where a directory belongs) raises :class:`NotAChunkFile`; other
-    errors (ENOENT, EACCES, EEXIST, ENOSPC, ...) are raised as they come.
-    """
+    """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``:
+    :class:`NotAChunkFile` for a link (or a file where a directory belongs), other errors as
+    they come."""
     rel = "/".join(_check_rel(rel))
     root_fd = _root_fd(root)
     try:

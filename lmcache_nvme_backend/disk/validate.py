@@ -44,9 +44,7 @@ class Verdict:
     @property
     def reason(self) -> str:
         """What is wrong, as a reader logs it (empty for a good file)."""
-        if self.defect is None:
-            return ""
-        return self.detail or self.defect.value
+        return "" if self.defect is None else self.detail or self.defect.value
 
     def __str__(self) -> str:
         return self.reason or "valid chunk file"
