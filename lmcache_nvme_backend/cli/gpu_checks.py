@@ -65,21 +65,17 @@ def _libcufile_candidates() -> list[str]:
 def check_libcufile() -> Check:
     loaded = None
     for name in ("libcufile.so.0", "libcufile.so"):
-        try:
+        with contextlib.suppress(OSError):
             ctypes.CDLL(name)
             loaded = name
             break
-        except OSError:
-            continue
     files = _libcufile_candidates()
     version = ""
-    try:
+    with contextlib.suppress(Exception):
         import kvikio.cufile_driver
 
         major, minor = kvikio.cufile_driver.libcufile_version()
         version = f"version {major}.{minor}"
-    except Exception:
-        pass
     if loaded or files:
         where = f"loadable as {loaded}" if loaded else f"found at {files[0]}"
         return Check("libcufile", PASS, " ".join(x for x in (where, version) if x))

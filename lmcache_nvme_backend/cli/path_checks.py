@@ -182,8 +182,7 @@ def _logical_block_size(mount: MountInfo | None) -> int | None:
     for candidate in (f"/sys/class/block/{name}/queue/logical_block_size",
                       f"/sys/class/block/{name}/../queue/logical_block_size"):
         try:
-            with open(candidate) as f:
-                return int(f.read().strip())
+            return int(Path(candidate).read_text())
         except (OSError, ValueError):
             continue
     return None

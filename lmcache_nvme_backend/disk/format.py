@@ -240,16 +240,10 @@ def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:
     return _VARIABLE_SPACE - len(namespace_bytes(namespace)) - len(tensor_meta.to_json())
 
 
-def encode_header(
-    key: str,
-    namespace: str,
-    tensor_meta: TensorMeta,
-    payload_len: int,
-    checksum: int,
-    created_unix_ns: int | None = None,
-    gpu_checksum: tuple[int, int] | None = None,
-    version: int = FORMAT_VERSION,
-) -> bytes:
+def encode_header(key: str, namespace: str, tensor_meta: TensorMeta, payload_len: int,
+                  checksum: int, created_unix_ns: int | None = None,
+                  gpu_checksum: tuple[int, int] | None = None,
+                  version: int = FORMAT_VERSION) -> bytes:
     """Build the 4 KiB header; ``FormatError`` when the strings do not fit.  ``checksum``
     is ``payload_checksum(payload, version)``; ``gpu_checksum`` is left out when the strings
     leave no room for it; ``version`` 1 is only written to test readers of old caches."""
