@@ -1,18 +1,10 @@
-"""Settings of the NVMe tier, shared by every LMCache hook.
+"""Settings of the NVMe tier, shared by every LMCache hook: ``nvme.<name>`` keys in
+LMCache's ``extra_config``, the bare ``<name>`` in an L2 adapter's ``adapter_params``.
 
-One vocabulary everywhere: ``nvme.<name>`` keys in LMCache's ``extra_config``,
-the bare ``<name>`` in an L2 adapter's ``adapter_params``.  Every problem is
-reported at construction as an ``NVMeConfigError`` that names the key and says
-how to fix it; what only opening a directory tells (can this process create files
-there, use the tree another user made?) is reported the same way when the store
-opens it, before it serves anything.
-
-Each field of :class:`NVMeSettings` carries its validation rule in its
-``metadata`` (``_Number``, ``_Choice``, ...); one loop in ``_Parser.review``
-reads every setting through its rule.  The tier raises the first problem
-(``from_params``); ``lmcache-nvme check-config`` asks for every problem (``review``).
-Validating creates and writes nothing: a path is only looked at (``disk/probe.py``);
-the store creates and probes its directories when it opens them (``store/roots.py``).
+Each field of :class:`NVMeSettings` carries its validation rule in its ``metadata``; every
+problem is an ``NVMeConfigError`` that names the key and the fix.  The tier raises the first
+(``from_params``), ``check-config`` asks for all (``review``).  Validating creates and writes
+nothing: a path is only looked at; the store probes its directories when it opens them.
 """
 
 from __future__ import annotations
@@ -55,26 +47,15 @@ class NVMeConfigError(ValueError):
     """A setting of the NVMe tier is missing or invalid; the message names it and the fix."""
 
 
-# -- choice settings -------------------------------------------------------------------------
-
-
 class StrChoice(str, enum.Enum):
-    """The value of a choice setting: an enum member that is also its string.
-
-    ``FsyncPolicy.FULL == "full"``, and ``str()``, f-strings, ``%s`` logging and
-    JSON all give ``full`` (not ``FsyncPolicy.FULL``) on every supported Python.
-    """
+    """An enum member that is also its string: ``str()``, f-strings, ``%s`` and JSON give
+    ``full``, not ``FsyncPolicy.FULL``, on every supported Python."""
 
     def __str__(self) -> str:
         return str.__str__(self)
 
     def __format__(self, format_spec: str) -> str:
         return str.__format__(str.__str__(self), format_spec)
-
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        """The accepted strings, in definition order."""
-        return tuple(str(member) for member in cls)
 
 
 class DirectIOMode(StrChoice):
@@ -121,7 +102,6 @@ class GdsMode(StrChoice):
 _Fail = Callable[[str, str], NVMeConfigError]  # (problem, fix) -> error naming the key
 _RULE = "nvme_rule"
 _KEY = "nvme_key"
-_MISSING_NUMBER_FIX = "Set it to the tier's byte budget in GiB, e.g. 100."
 
 
 class _Rule:
@@ -140,7 +120,7 @@ class _Number(_Rule):
 
     def parse(self, raw: Any, fail: _Fail) -> float | int:
         if raw is None:
-            raise fail("missing", _MISSING_NUMBER_FIX)
+            raise fail("missing", "Set it to the tier's byte budget in GiB, e.g. 100.")
         try:
             value = float(raw)
         except (TypeError, ValueError):
@@ -180,7 +160,7 @@ class _Choice(_Rule):
     choices: type[StrChoice]
 
     def parse(self, raw: Any, fail: _Fail) -> StrChoice:
-        allowed = self.choices.values()
+        allowed = [str(member) for member in self.choices]
         if isinstance(raw, bool) and "on" in allowed:
             raw = "on" if raw else "off"  # YAML 1.1 reads unquoted on/off as booleans
         value = str(raw).strip().lower()
@@ -215,9 +195,8 @@ class _FileMode(_Rule):
 
 
 class _Directories(_Rule):
-    """One directory or several (a list, or a comma-separated string).  Each is looked at,
-    never created or written (``disk/probe.py``, ``look_only``): a path that is a file, or
-    lies below one, is an error here; the store creates a missing one at start."""
+    """One directory or several (a list, or a comma-separated string), only looked at: a
+    path that is a file, or lies below one, is an error; the store creates a missing one."""
 
     def parse(self, raw: Any, fail: _Fail) -> tuple[Path, ...]:
         if raw is None or raw == "" or raw == []:
@@ -242,56 +221,47 @@ class _Directories(_Rule):
         return tuple(paths)
 
 
-def _rule(rule: _Rule, key: str | None = None) -> dict[str, Any]:
-    """Field metadata: the setting's rule, and its key when it differs from the field name."""
-    return {_RULE: rule, _KEY: key}
-
-
-# -- the settings ----------------------------------------------------------------------------
+def _setting(rule: _Rule, default: Any = MISSING, key: str | None = None) -> Any:
+    """A settings field: its rule, and its key when it differs from the field name."""
+    return field(default=default, metadata={_RULE: rule, _KEY: key})
 
 
 @dataclass(frozen=True)
 class NVMeSettings:
     """Validated settings.  ``docs/configuration.md`` documents each one."""
 
-    paths: tuple[Path, ...] = field(metadata=_rule(_Directories(), key="path"))
-    max_size_gb: float = field(metadata=_rule(_Number(0.0, exclusive=True)))
+    paths: tuple[Path, ...] = _setting(_Directories(), key="path")
+    max_size_gb: float = _setting(_Number(0.0, exclusive=True))
     # None ("auto"): min_free_bytes_for each path's filesystem
-    min_free_gb: float | None = field(default=None,
-                                      metadata=_rule(_NumberOrAuto(_Number(0.0))))
-    direct_io: DirectIOMode = field(default=DirectIOMode.AUTO,
-                                    metadata=_rule(_Choice(DirectIOMode)))
-    io_threads: int = field(default=8, metadata=_rule(_Number(1, integer=True)))
+    min_free_gb: float | None = _setting(_NumberOrAuto(_Number(0.0)), None)
+    direct_io: DirectIOMode = _setting(_Choice(DirectIOMode), DirectIOMode.AUTO)
+    io_threads: int = _setting(_Number(1, integer=True), 8)
     # 0: one writer per path
-    write_threads: int = field(default=0, metadata=_rule(_Number(0, integer=True)))
-    task_size_mb: float = field(default=64.0, metadata=_rule(_Number(0.0, exclusive=True)))
+    write_threads: int = _setting(_Number(0, integer=True), 0)
+    task_size_mb: float = _setting(_Number(0.0, exclusive=True), 64.0)
     # removed chunk files kept for writes of their size to overwrite (native engine); 0: none
-    recycle_mb: float = field(default=256.0, metadata=_rule(_Number(0.0)))
+    recycle_mb: float = _setting(_Number(0.0), 256.0)
     # the compiled batch engine (io/native.py): auto = when built, on = refuse without it
-    native_io: NativeIOMode = field(default=NativeIOMode.AUTO,
-                                    metadata=_rule(_Choice(NativeIOMode)))
-    write_queue_mb: float = field(default=1024.0, metadata=_rule(_Number(0.0, exclusive=True)))
-    queue_full_policy: QueueFullPolicy = field(default=QueueFullPolicy.DROP,
-                                               metadata=_rule(_Choice(QueueFullPolicy)))
-    fsync: FsyncPolicy = field(default=FsyncPolicy.NONE, metadata=_rule(_Choice(FsyncPolicy)))
-    file_mode: int = field(default=0o600, metadata=_rule(_FileMode()))
-    manifest_interval_s: float = field(default=60.0, metadata=_rule(_Number(0.0)))
-    close_timeout_s: float = field(default=30.0, metadata=_rule(_Number(0.0)))
+    native_io: NativeIOMode = _setting(_Choice(NativeIOMode), NativeIOMode.AUTO)
+    write_queue_mb: float = _setting(_Number(0.0, exclusive=True), 1024.0)
+    queue_full_policy: QueueFullPolicy = _setting(_Choice(QueueFullPolicy), QueueFullPolicy.DROP)
+    fsync: FsyncPolicy = _setting(_Choice(FsyncPolicy), FsyncPolicy.NONE)
+    file_mode: int = _setting(_FileMode(), 0o600)
+    manifest_interval_s: float = _setting(_Number(0.0), 60.0)
+    close_timeout_s: float = _setting(_Number(0.0), 30.0)
     # other processes write the same directories
-    shared: bool = field(default=False, metadata=_rule(_Flag()))
+    shared: bool = _setting(_Flag(), False)
     # GPU read path (docs/gpu.md): used by NVMeBackend on a CUDA dst_device only
-    gds_mode: GdsMode = field(default=GdsMode.AUTO, metadata=_rule(_Choice(GdsMode)))
+    gds_mode: GdsMode = _setting(_Choice(GdsMode), GdsMode.AUTO)
     # 0: no pool of its own, retrieved chunks stay in host memory
-    gpu_pool_mb: float = field(default=2048.0, metadata=_rule(_Number(0.0)))
-    kvikio_threads: int = field(default=16, metadata=_rule(_Number(1, integer=True)))
-    kvikio_task_size_mb: float = field(default=4.0,
-                                       metadata=_rule(_Number(0.0, exclusive=True)))
+    gpu_pool_mb: float = _setting(_Number(0.0), 2048.0)
+    kvikio_threads: int = _setting(_Number(1, integer=True), 16)
+    kvikio_task_size_mb: float = _setting(_Number(0.0, exclusive=True), 4.0)
     # Observability (docs/metrics.md)
     # 0: no endpoint of its own; the default registry is always filled
-    metrics_port: int = field(default=0,
-                              metadata=_rule(_Number(0, integer=True, maximum=65535)))
+    metrics_port: int = _setting(_Number(0, integer=True, maximum=65535), 0)
     # 0: no periodic stats line
-    stats_log_interval_s: float = field(default=0.0, metadata=_rule(_Number(0.0)))
+    stats_log_interval_s: float = _setting(_Number(0.0), 0.0)
     # Not a setting: the prefix of the keys these were read from (``nvme.``, ``adapter_params.``
     # or none), so that errors found when the store opens its directories name the key too.
     key_prefix: str = field(default=EXTRA_CONFIG_PREFIX, compare=False, repr=False,
@@ -302,24 +272,14 @@ class NVMeSettings:
         return int(self.max_size_gb * GIB)
 
     @property
-    def min_free_bytes(self) -> int | None:
-        """The free-space guard in bytes; None: ``auto`` (scaled to each filesystem)."""
-        return None if self.min_free_gb is None else int(self.min_free_gb * GIB)
-
-    def min_free_bytes_on(self, filesystem_bytes: int) -> int:
-        """The free-space guard of a path on a filesystem of ``filesystem_bytes``."""
-        return min_free_bytes_for(self.min_free_gb, filesystem_bytes)
-
-    @property
     def dir_mode(self) -> int:
         """Mode of the directories the tier creates (``file_mode`` plus search bits)."""
         return dir_mode_for(self.file_mode)
 
     @property
     def recycle_bytes(self) -> int:
-        """Bytes of removed chunk files the native engine keeps for reuse: ``recycle_mb``,
-        at most 1 % of the budget (they are on disk beside it); none in shared mode, where
-        removals are the members' ledger's to record."""
+        """Bytes of removed chunk files the native engine keeps for reuse: ``recycle_mb``, at
+        most 1 % of the budget; none in shared mode (removals are the ledger's to record)."""
         return 0 if self.shared else min(int(self.recycle_mb * MIB), self.max_size_bytes // 100)
 
     @property
@@ -340,7 +300,7 @@ class NVMeSettings:
 
     @classmethod
     def setting_names(cls) -> list[str]:
-        return [f.metadata[_KEY] or f.name for f in _setting_fields()]
+        return list(_settings())
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> NVMeSettings:
@@ -350,14 +310,36 @@ class NVMeSettings:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], key_prefix: str = "") -> NVMeSettings:
-        """Validate bare setting names (``path``, ``max_size_gb``, ...)."""
-        return _Parser(params, key_prefix).parse()
+        """Validate bare setting names (``path``, ``max_size_gb``, ...); the first problem
+        is raised."""
+        review = cls.review(params, key_prefix)
+        if review.settings is None:
+            raise review.errors[0]
+        return review.settings
 
     @classmethod
     def review(cls, params: Mapping[str, Any], key_prefix: str = "") -> SettingsReview:
-        """Every problem of bare setting names, by the rules ``from_params`` applies (for
-        tools that check a config before a deploy); like it, creates and writes nothing."""
-        return _Parser(params, key_prefix).review()
+        """Every problem of bare setting names (unknown keys first, then the settings in
+        field order) and the values that passed, by the rules ``from_params`` applies."""
+        known = _settings()
+        errors: list[NVMeConfigError] = []
+        for name in params:
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f"did you mean '{key_prefix}{close[0]}'? " if close else ""
+                errors.append(_error(
+                    key_prefix, name, "unknown setting",
+                    f"{hint}Known settings: {', '.join(key_prefix + k for k in known)}."))
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            default = None if f.default is MISSING else f.default
+            try:
+                values[f.name] = f.metadata[_RULE].parse(params.get(name, default),
+                                                         _failer(key_prefix, name))
+            except NVMeConfigError as exc:
+                errors.append(exc)
+        settings = None if errors else cls(**values, key_prefix=key_prefix)
+        return SettingsReview(settings, errors, values)
 
     @classmethod
     def extra_config_params(cls, extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -370,61 +352,25 @@ class NVMeSettings:
     def parse_setting(cls, name: str, raw: Any, key_prefix: str = EXTRA_CONFIG_PREFIX) -> Any:
         """One setting's value as the tier reads it (``name`` bare, e.g. ``gds_mode``), for
         tools that check a config without opening a tier; raises :class:`NVMeConfigError`."""
-        parser = _Parser({}, key_prefix)
-        for f in _setting_fields():
-            if (f.metadata[_KEY] or f.name) == name:
-                rule: _Rule = f.metadata[_RULE]
-                return rule.parse(raw, parser.failer(name))
-        raise parser.fail(name, "unknown setting",
-                          f"Known settings: {', '.join(cls.setting_names())}.")
+        f = _settings().get(name)
+        if f is None:
+            raise _error(key_prefix, name, "unknown setting",
+                         f"Known settings: {', '.join(cls.setting_names())}.")
+        return f.metadata[_RULE].parse(raw, _failer(key_prefix, name))
 
 
-def _setting_fields() -> list[Field[Any]]:
-    """The fields of :class:`NVMeSettings` that are settings (each has a rule)."""
-    return [f for f in fields(NVMeSettings) if f.metadata[_RULE] is not None]
+def _settings() -> dict[str, Field[Any]]:
+    """The fields of :class:`NVMeSettings` that are settings (each has a rule), by key."""
+    return {f.metadata[_KEY] or f.name: f for f in fields(NVMeSettings)
+            if f.metadata[_RULE] is not None}
 
 
-class _Parser:
-    def __init__(self, params: Mapping[str, Any], key_prefix: str) -> None:
-        self.params = dict(params)
-        self.prefix = key_prefix
+def _error(prefix: str, name: str, problem: str, fix: str) -> NVMeConfigError:
+    return NVMeConfigError(f"{prefix}{name}: {problem}. {fix}")
 
-    def fail(self, name: str, problem: str, fix: str) -> NVMeConfigError:
-        return NVMeConfigError(f"{self.prefix}{name}: {problem}. {fix}")
 
-    def failer(self, name: str) -> _Fail:
-        return lambda problem, fix: self.fail(name, problem, fix)
-
-    def parse(self) -> NVMeSettings:
-        """The settings; the first problem is raised."""
-        review = self.review()
-        if review.settings is None:
-            raise review.errors[0]
-        return review.settings
-
-    def review(self) -> SettingsReview:
-        """Every problem (unknown keys first, then the settings in field order) and the
-        values that passed."""
-        known = NVMeSettings.setting_names()
-        errors: list[NVMeConfigError] = []
-        for name in self.params:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"did you mean '{self.prefix}{close[0]}'? " if close else ""
-                errors.append(self.fail(
-                    name, "unknown setting",
-                    f"{hint}Known settings: {', '.join(self.prefix + k for k in known)}."))
-        values: dict[str, Any] = {}
-        for f in _setting_fields():
-            name = f.metadata[_KEY] or f.name
-            default = None if f.default is MISSING else f.default
-            rule: _Rule = f.metadata[_RULE]
-            try:
-                values[f.name] = rule.parse(self.params.get(name, default), self.failer(name))
-            except NVMeConfigError as exc:
-                errors.append(exc)
-        settings = None if errors else NVMeSettings(**values, key_prefix=self.prefix)
-        return SettingsReview(settings, errors, values)
+def _failer(prefix: str, name: str) -> _Fail:
+    return lambda problem, fix: _error(prefix, name, problem, fix)
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,10 @@
 """``lmcache-nvme check-config FILE``: will this config load the NVMe tier, and is each path
-ready?  Run it before a deploy, as the user the engine or server runs as.
-
-FILE is an LMCache YAML (``LMCACHE_CONFIG_FILE``; the ``storage_plugins`` and
-``remote_storage_plugins`` hooks) or the ``--l2-adapter`` JSON of ``lmcache server``.
-Each check is PASS, INFO, WARN, FAIL or SKIP with the fix:
-
-* the hook: the plugin keys LMCache needs to load the tier, and ``local_cpu`` for
-  ``NVMeBackend``;
-* every setting, by the tier's own rules (``NVMeSettings.review``: unknown keys with a
-  did-you-mean, types, ranges), every problem at once;
-* each ``nvme.path``: exists or can be created, a tree this user can use, filesystem,
-  O_DIRECT (a refusal fails with ``nvme.direct_io: on``), free space against the
-  path's share of ``nvme.max_size_gb`` plus the guard, alignment;
-* token hashing of the in-process hooks (``pre_caching_hash_algorithm``);
-* the GPU I/O stack where ``NVMeBackend`` may read into GPU memory, as ``doctor``.
-
-Exit status as ``doctor``: 0 nothing to fix, 1 warnings, 2 failures.  Nothing is
-created: a missing path is checked in its nearest existing parent, where, as in an
-existing path, one probe file is created and removed.
+ready?  FILE is an LMCache YAML (the ``storage_plugins`` / ``remote_storage_plugins`` hooks)
+or the ``--l2-adapter`` JSON of ``lmcache server``.  Checked: the plugin keys (and
+``local_cpu`` for ``NVMeBackend``), every setting by the tier's own rules, each ``nvme.path``
+as ``doctor`` checks it plus its tree and its share of the budget, token hashing, and the GPU
+stack where ``NVMeBackend`` may read into GPU memory.  Exit status as ``doctor``; nothing is
+created.
 """
 
 from __future__ import annotations
@@ -89,9 +76,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def is_l2_adapter(doc: dict[str, Any]) -> bool:
     """An ``--l2-adapter`` JSON object rather than an LMCache YAML."""
     return "adapter_params" in doc or "class_name" in doc or doc.get("type") == "plugin"
-
-
-# -- the hook ---------------------------------------------------------------------------
 
 
 def yaml_hooks(config: dict[str, Any]) -> tuple[list[Check], set[str]]:
@@ -179,9 +163,6 @@ def l2_hook(doc: dict[str, Any]) -> tuple[list[Check], dict[str, Any] | None]:
     return checks, adapter_params_of(params)
 
 
-# -- settings and paths -----------------------------------------------------------------
-
-
 def settings_checks(review: SettingsReview, given: int) -> list[Check]:
     """One FAIL per problem, or one PASS."""
     if review.settings is not None:
@@ -204,13 +185,12 @@ def path_checks(review: SettingsReview) -> list[Check]:
         probe = probe_path(path)
         first, probe_dir = check_path(probe, mount, missing_status=INFO)
         found = [first, check_filesystem(mount)]
-        tree = check_tree(probe) if probe_dir is not None else None
-        if tree is not None:
-            found.insert(1, tree)
         if probe_dir is not None:
-            found.append(SKIP_DIRECT_IO if direct_io == "off" else
-                         check_direct_io(probe_dir, required=direct_io == "on"))
-            found.append(check_alignment(probe_dir, mount))
+            tree = check_tree(probe)
+            found[1:1] = [] if tree is None else [tree]
+            found += [SKIP_DIRECT_IO if direct_io == "off" else
+                      check_direct_io(probe_dir, required=direct_io == "on"),
+                      check_alignment(probe_dir, mount)]
             probed.append((path, probe_dir))
         checks += _named(found, path, len(paths))
     for path, probe_dir in probed:  # several paths on one filesystem share its space
@@ -240,12 +220,11 @@ def run_checks(doc: dict[str, Any], skip_gpu: bool, gpu: bool) -> tuple[str, lis
         extra = doc.get("extra_config")
         params = NVMeSettings.extra_config_params(extra if isinstance(extra, dict) else {})
         prefix, hashing = EXTRA_CONFIG_PREFIX, [check_token_hashing(doc, source="this file")]
+    gds_strict = False
     if params is not None:
         review = NVMeSettings.review(params, key_prefix=prefix)
         checks += settings_checks(review, len(params)) + path_checks(review)
         gds_strict = review.values.get("gds_mode") is GdsMode.ON
-    else:
-        gds_strict = False
     checks += [check_lmcache(), *hashing]
     if "NVMeBackend" in loaded:  # the only hook with a GPU read path
         checks += gpu_stack(skip_gpu, gpu or gds_strict)

@@ -1,24 +1,20 @@
 """``lmcache-nvme doctor PATH``: is this path, and this machine's GPU I/O stack, ready?
 
-Each check prints PASS, INFO, WARN, FAIL (or SKIP) with what it found and, when not
-PASS, the fix.  Exit status: 0 nothing to fix (PASS, INFO, SKIP), 1 at least one
-warning, 2 at least one failure.  The GPU checks (kvikio, libcufile, nvidia-fs,
-/run/udev, GPU) are INFO unless the deployment needs them: ``--gpu``, or a
-``--config`` whose ``nvme.gds_mode`` is ``on``, makes their problems count.
-Nothing is changed except a probe file created and removed in PATH (the same
-O_DIRECT probe the backend runs at start).
+Exit status: 0 nothing to fix (PASS, INFO, SKIP), 1 a warning, 2 a failure.  The GPU checks
+are INFO unless ``--gpu`` or a ``--config`` with ``nvme.gds_mode: on`` makes them count.
+Nothing is changed except a probe file created and removed in PATH.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
-from importlib import metadata
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ..adapters.hashing import FIX as HASHING_FIX
 from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing, unknown_algorithm
+from ..adapters.lmcache_range import in_range, lmcache_version, supported_range
 from ..config import EXTRA_CONFIG_PREFIX, GdsMode, NVMeConfigError, NVMeSettings
 from ..disk.probe import probe_path
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
@@ -32,7 +28,7 @@ from .path_checks import (
     check_path,
 )
 
-GPU_CHECKS = ("kvikio", "kvikio compat mode", "libcufile", "nvidia-fs", "/run/udev", "GPU")
+GPU_CHECKS = ("kvikio", "libcufile", "nvidia-fs", "/run/udev", "GPU")  # as --skip-gpu lists them
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -73,23 +69,14 @@ def add_gpu_and_json_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-# -- GPU stack checks -----------------------------------------------------------------
-
-
 def check_lmcache() -> Check:
-    try:
-        version = metadata.version("lmcache")
-    except metadata.PackageNotFoundError:
-        return Check("lmcache", WARN, "lmcache is not installed",
-                     "pip install 'lmcache>=0.5.6,<0.6'")
-    try:
-        parts = tuple(int(x) for x in version.split(".")[:3])
-    except ValueError:
-        parts = ()
-    if parts and (0, 5, 6) <= parts < (0, 6):
-        return Check("lmcache", PASS, f"lmcache {version} (tested range >=0.5.6,<0.6)")
-    return Check("lmcache", WARN, f"lmcache {version} is outside the tested range "
-                 ">=0.5.6,<0.6", "pip install 'lmcache>=0.5.6,<0.6'")
+    version, spec = lmcache_version(), supported_range()
+    fix = f"pip install 'lmcache{spec}'"
+    if version is None:
+        return Check("lmcache", WARN, "lmcache is not installed", fix)
+    if in_range(version, spec):
+        return Check("lmcache", PASS, f"lmcache {version} (tested range {spec})")
+    return Check("lmcache", WARN, f"lmcache {version} is outside the tested range {spec}", fix)
 
 
 def check_token_hashing(config: dict[str, Any] | None, source: str = "the --config") -> Check:
@@ -143,21 +130,15 @@ def gds_mode_of(config: dict[str, Any] | None) -> GdsMode | None:
     return mode
 
 
-def informational(check: Check) -> Check:
-    """A GPU check the deployment does not need: its problem is INFO (exit 0)."""
-    if check.status in (WARN, FAIL):
-        return Check(check.name, INFO, check.detail, check.fix)
-    return check
-
-
 def gpu_stack(skip_gpu: bool, gpu_strict: bool) -> list[Check]:
-    """The GPU I/O stack checks: skipped, informational, or counted (``gpu_strict``)."""
+    """The GPU I/O stack checks: skipped, counted (``gpu_strict``), or informational (a
+    problem is INFO: the deployment does not need the GPU path)."""
     if skip_gpu:
-        return [Check(name, SKIP, "skipped (--skip-gpu)") for name in GPU_CHECKS
-                if name != "kvikio compat mode"]
+        return [Check(name, SKIP, "skipped (--skip-gpu)") for name in GPU_CHECKS]
     gpu = check_kvikio(gpu_strict) + [check_libcufile(), check_nvidia_fs(), check_run_udev(),
                                       check_gpu()]
-    return gpu if gpu_strict else [informational(c) for c in gpu]
+    return gpu if gpu_strict else [replace(c, status=INFO) if c.status in (WARN, FAIL) else c
+                                   for c in gpu]
 
 
 def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
@@ -171,8 +152,7 @@ def run_checks(path: Path, max_size_gb: float | None, min_free_gb: float | None,
         checks += [check_direct_io(probe_dir),
                    check_free_space(probe_dir, max_size_gb, min_free_gb),
                    check_alignment(probe_dir, mount)]
-    checks.append(check_lmcache())
-    checks.append(check_token_hashing(config))
+    checks += [check_lmcache(), check_token_hashing(config)]
     if config is not None:
         checks.append(check_config_settings(config))
     return checks + gpu_stack(skip_gpu, gpu_strict)

@@ -57,7 +57,6 @@ def _libcufile_candidates() -> list[str]:
     found = []
     for site in sys.path:
         found += glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcufile.so*"))
-        found += glob.glob(os.path.join(site, "nvidia", "cufile", "lib", "libcufile.so*"))
     found += glob.glob("/usr/local/cuda*/lib64/libcufile.so*")
     found += glob.glob("/usr/lib/x86_64-linux-gnu/libcufile.so*")
     return sorted({f for f in found if "rdma" not in os.path.basename(f)})
@@ -66,21 +65,17 @@ def _libcufile_candidates() -> list[str]:
 def check_libcufile() -> Check:
     loaded = None
     for name in ("libcufile.so.0", "libcufile.so"):
-        try:
+        with contextlib.suppress(OSError):
             ctypes.CDLL(name)
             loaded = name
             break
-        except OSError:
-            continue
     files = _libcufile_candidates()
     version = ""
-    try:
+    with contextlib.suppress(Exception):
         import kvikio.cufile_driver
 
         major, minor = kvikio.cufile_driver.libcufile_version()
         version = f"version {major}.{minor}"
-    except Exception:
-        pass
     if loaded or files:
         where = f"loadable as {loaded}" if loaded else f"found at {files[0]}"
         return Check("libcufile", PASS, " ".join(x for x in (where, version) if x))

@@ -1,10 +1,6 @@
-"""Checks of one cache directory: used by ``doctor`` and ``check-config``.
-
-Whether the path exists (or can be created) and is writable, and whether its tree is
-usable (both rendered from ``disk/probe.py``, the probe the store runs at start), its
-filesystem, O_DIRECT (the store's probe too), free space against a budget, and
-alignment.  The only thing written is a probe file in an existing directory, removed at
-once; a missing path is checked in its nearest existing parent and is never created.
+"""Checks of one cache directory for ``doctor`` and ``check-config``: the path and its tree
+(from ``disk/probe.py``, the probe the store runs at start), filesystem, O_DIRECT, free space
+against a budget, alignment.  A missing path is checked in its nearest existing parent.
 """
 
 from __future__ import annotations
@@ -35,12 +31,8 @@ EXT4_SYSFS = Path("/sys/fs/ext4")
 
 def check_path(probe: PathProbe, mount: MountInfo | None,
                missing_status: str = WARN) -> tuple[Check, Path | None]:
-    """Exists (or can be created) and is writable, from the probe (``disk/probe.py``) the
-    store runs at start; returns the directory the checks below run in.
-
-    A missing path is reported with ``missing_status`` when its nearest existing parent
-    is writable (the tier creates it at start).
-    """
+    """Exists (or can be created) and is writable; and the directory the other checks run
+    in.  A missing path whose nearest existing parent is writable is ``missing_status``."""
     path, where = probe.path, probe.where
     if probe.state is PathState.NOT_A_DIRECTORY:
         return Check("path", FAIL, f"{path} exists and is not a directory",
@@ -79,10 +71,8 @@ def _unwritable(probe: PathProbe, mount: MountInfo | None, exc: OSError) -> Chec
 
 
 def check_tree(probe: PathProbe) -> Check | None:
-    """An existing cache tree whose directories this user cannot use (made by another
-    user), or whose marker is a newer version's: what the store refuses at start.  None
-    when there is no tree, or it was not walked (a read-only filesystem, which the path
-    check reports)."""
+    """An existing tree whose directories this user cannot use, or whose marker is a newer
+    version's: what the store refuses at start.  None when no tree was walked."""
     path = probe.path
     if probe.layout_error is not None:
         return Check("cache tree", FAIL, probe.layout_error,
@@ -100,23 +90,23 @@ def check_tree(probe: PathProbe) -> Check | None:
                  f"as root: chown -R {me}: {path} (or run the server as the owner)")
 
 
-def ext4_has_journal(mount: MountInfo, sysfs: Path = EXT4_SYSFS) -> bool | None:
+def ext4_has_journal(mount: MountInfo) -> bool | None:
     """Whether an ext4 mount keeps a journal (its ``journal_task`` in sysfs is not
     ``<none>``); None when sysfs does not say."""
     name = os.path.basename(os.path.realpath(mount.device))
     try:
-        return (sysfs / name / "journal_task").read_text().strip() != "<none>"
+        return (EXT4_SYSFS / name / "journal_task").read_text().strip() != "<none>"
     except OSError:
         return None
 
 
-def check_filesystem(mount: MountInfo | None, ext4_sysfs: Path = EXT4_SYSFS) -> Check:
+def check_filesystem(mount: MountInfo | None) -> Check:
     if mount is None:
         return Check("filesystem", WARN, "not found in /proc/mounts",
                      "check that /proc is mounted")
     where = f"{mount.fstype} ({mount.device} on {mount.mountpoint})"
     fs = mount.fstype
-    if fs == "ext4" and ext4_has_journal(mount, ext4_sysfs) is False:
+    if fs == "ext4" and ext4_has_journal(mount) is False:
         return Check("filesystem", INFO, f"{where}: ext4 without a journal, which does not "
                      "reuse an inode deleted in the last minute and checks every candidate: "
                      "creating chunk files costs more kernel CPU the more the cache evicts "
@@ -192,8 +182,7 @@ def _logical_block_size(mount: MountInfo | None) -> int | None:
     for candidate in (f"/sys/class/block/{name}/queue/logical_block_size",
                       f"/sys/class/block/{name}/../queue/logical_block_size"):
         try:
-            with open(candidate) as f:
-                return int(f.read().strip())
+            return int(Path(candidate).read_text())
         except (OSError, ValueError):
             continue
     return None

@@ -10,9 +10,8 @@ is no server::
     shared/members/<member>.<gen>.journal what a member published, deleted and read
     shared/evicting/<member>/<digest>.<size>.<owner>  a victim claimed, not yet deleted
 
-Paths here are relative to the root, as ``disk/safe_fs.py`` takes them.  A member id is
-``<host>-<pid>-<8 hex>``: unique per process start, and it tells on which host and under
-which process id the member ran (``store/shared/leases.py`` judges liveness from it).
+Paths are relative to the root, as ``disk/safe_fs.py`` takes them.  A member id,
+``<host>-<pid>-<8 hex>``, is unique per process start and says where the member ran.
 """
 
 from __future__ import annotations

@@ -5,21 +5,12 @@ One KV chunk is one file::
     offset 0      4 KiB header (this module)
     offset 4096   payload (the memory object's bytes), zero padded to a 4 KiB multiple
 
-The payload starts at a 4 KiB-aligned offset and the file length is a 4 KiB
-multiple, so O_DIRECT and GPUDirect Storage can read the payload in place.
-``docs/format.md`` describes the layout byte by byte for independent readers.
-
-The header is self-validating: a header checksum covers every header byte, the
-payload checksum covers the payload, and the full cache key is stored so that a
-file found under the right name but holding another key is detected.  Decoding
-never allocates more than the fixed header size, whatever the lengths claim.
-
-Version 2 checksums the payload in blocks: the xxh3-64 of every ``BLOCK_SIZE``
-block (the last one may be shorter), and the header's payload checksum is the
-xxh3-64 of those digests (little-endian u64).  A reader hashes each block as soon
-as it lands, on the thread that read it, so verifying a chunk costs no pass over
-the payload after the last read.  Version 1 (one xxh3-64 over the whole payload)
-differs only in that field's meaning.
+so O_DIRECT and GPUDirect Storage can read the payload in place (``docs/format.md`` has
+the layout byte by byte).  A header checksum covers every header byte and the full key is
+stored, so a file holding another key is detected; decoding never allocates more than the
+header, whatever the lengths claim.  Version 2's payload checksum is the xxh3-64 of the
+xxh3-64 of every ``BLOCK_SIZE`` block (a reader hashes each block as it lands); version 1's
+is one xxh3-64 over the payload.
 """
 
 from __future__ import annotations
@@ -110,10 +101,8 @@ def _whole(value: object, what: str, high: int) -> int:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a reader needs to allocate the destination memory object.
-
-    ``nbytes`` is the payload length: the memory object's used bytes.
-    """
+    """What a reader needs to allocate the destination memory object (``nbytes``: the
+    payload length)."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
@@ -121,27 +110,18 @@ class TensorMeta:
     nbytes: int
 
     def to_json(self) -> bytes:
-        """Compact JSON as stored in the header (built once per instance: the adapters reuse
-        one instance per layout, and every chunk written or read asks for it)."""
+        """Compact JSON as stored in the header (built once per instance)."""
         return self._json
 
     @functools.cached_property
     def _json(self) -> bytes:
-        return json.dumps(
-            {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
-             "fmt": self.fmt, "nbytes": self.nbytes},
-            separators=(",", ":"),
-        ).encode()
+        return json.dumps({"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes),
+                           "fmt": self.fmt, "nbytes": self.nbytes}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> TensorMeta:
-        """Parse stored metadata defensively: any value a real chunk cannot hold (deep
-        nesting, non-finite or fractional numbers, negative or huge sizes, unknown keys'
-        shapes, an allocation over ``MAX_PAYLOAD_BYTES``) is a ``FormatError``.
-
-        Results are cached by the raw bytes (a store sees few distinct metadata; every
-        read decodes one), errors are not.
-        """
+        """Parse stored metadata defensively: any value a real chunk cannot hold is a
+        ``FormatError``.  Results (not errors) are cached by the raw bytes."""
         return _parse_meta(bytes(raw))
 
 
@@ -184,7 +164,6 @@ def _parse_meta(raw: bytes) -> TensorMeta:
     return TensorMeta(shapes=tuple(shapes), dtypes=tuple(dtypes), fmt=fmt, nbytes=nbytes)
 
 
-
 @dataclass(frozen=True)
 class ChunkHeader:
     """Decoded header of one chunk file."""
@@ -201,7 +180,7 @@ class ChunkHeader:
 
     @property
     def file_size(self) -> int:
-        return HEADER_SIZE + padded_length(self.payload_len)
+        return file_size_for(self.payload_len)
 
 
 def padded_length(n: int) -> int:
@@ -211,17 +190,13 @@ def padded_length(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def file_size_for(payload_len: int) -> int:
-    """Bytes a chunk file with this payload occupies (header and padding included; a
-    store sees a few payload sizes, and asks for every chunk written)."""
+    """Bytes a chunk file with this payload occupies, header and padding included."""
     return HEADER_SIZE + padded_length(payload_len)
 
 
 def block_digests(data: memoryview | bytes) -> list[int]:
-    """xxh3-64 of each ``BLOCK_SIZE`` block of ``data`` (the last block may be short).
-
-    ``data`` starts at a block boundary of the payload; the digests of all blocks,
-    in order, make the version 2 payload checksum (``combine_block_digests``).
-    """
+    """xxh3-64 of each ``BLOCK_SIZE`` block of ``data`` (which starts at a block boundary
+    of the payload; the last block may be short)."""
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     return [xxhash.xxh3_64_intdigest(view[start : start + BLOCK_SIZE])
             for start in range(0, len(view), BLOCK_SIZE)]
@@ -248,19 +223,16 @@ def text_bytes(text: str) -> bytes:
 
 
 def texts_bytes(texts: Sequence[str]) -> list[bytes]:
-    """``text_bytes`` of each text (every chunk stored, loaded or removed has one): no Python
-    call per text, unless one holds a lone surrogate (about 35 ns a key against 170 for
-    ``str.encode`` with ``errors="surrogatepass"`` by keyword)."""
+    """``text_bytes`` of each text, without a Python call per text unless one holds a lone
+    surrogate."""
     try:
         return list(map(str.encode, texts))
     except UnicodeEncodeError:
         return list(map(text_bytes, texts))
 
 
-@functools.lru_cache(maxsize=1024)
-def namespace_bytes(namespace: str) -> bytes:
-    """``text_bytes`` of a namespace (a process sees a few: one encoding each)."""
-    return text_bytes(namespace)
+#: ``text_bytes`` of a namespace, cached (a process sees a few).
+namespace_bytes = functools.lru_cache(maxsize=1024)(text_bytes)
 
 
 def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:
@@ -268,22 +240,13 @@ def max_key_bytes(namespace: str, tensor_meta: TensorMeta) -> int:
     return _VARIABLE_SPACE - len(namespace_bytes(namespace)) - len(tensor_meta.to_json())
 
 
-def encode_header(
-    key: str,
-    namespace: str,
-    tensor_meta: TensorMeta,
-    payload_len: int,
-    checksum: int,
-    created_unix_ns: int | None = None,
-    gpu_checksum: tuple[int, int] | None = None,
-    version: int = FORMAT_VERSION,
-) -> bytes:
-    """Build the 4 KiB header.  Raises ``FormatError`` when the strings do not fit.
-
-    ``checksum`` is ``payload_checksum(payload, version)``.  ``gpu_checksum`` is
-    optional: it is left out (flag clear) when the strings leave less than its 16
-    bytes free.  ``version`` 1 is only written to test readers of old caches.
-    """
+def encode_header(key: str, namespace: str, tensor_meta: TensorMeta, payload_len: int,
+                  checksum: int, created_unix_ns: int | None = None,
+                  gpu_checksum: tuple[int, int] | None = None,
+                  version: int = FORMAT_VERSION) -> bytes:
+    """Build the 4 KiB header; ``FormatError`` when the strings do not fit.  ``checksum``
+    is ``payload_checksum(payload, version)``; ``gpu_checksum`` is left out when the strings
+    leave no room for it; ``version`` 1 is only written to test readers of old caches."""
     if version not in READABLE_VERSIONS:
         raise FormatError(f"cannot write format version {version}")
     if tensor_meta.nbytes != payload_len:
@@ -299,9 +262,8 @@ def encode_raw_header(key: bytes, namespace: bytes, meta: bytes, payload_len: in
                       checksum: int, created_unix_ns: int,
                       gpu_checksum: tuple[int, int] | None = None,
                       version: int = FORMAT_VERSION) -> bytes:
-    """``encode_header`` from the strings already encoded, as an engine is handed them (the
-    Python engine's writes; ``csrc/chunkio.c`` ``chunk_encode_header`` writes the same
-    bytes).  ``FormatError`` when the strings do not fit or the payload is out of range."""
+    """``encode_header`` from the strings already encoded, as the Python engine has them
+    (``csrc/chunkio.c`` ``chunk_encode_header`` writes the same bytes)."""
     strings = len(key) + len(namespace) + len(meta)
     if strings > _VARIABLE_SPACE:
         raise FormatError(f"key, namespace and tensor metadata need {strings} bytes; a "
@@ -324,11 +286,9 @@ def encode_raw_header(key: bytes, namespace: bytes, meta: bytes, payload_len: in
 
 def quick_verdict(header: bytes, key: bytes, meta: bytes, payload_len: int,
                   computed: int) -> bool:
-    """Whether ``header`` is ours, intact, and names exactly ``key``, ``payload_len`` and
-    ``meta`` (encoded), and ``computed`` (the checksum of the payload that landed) is its
-    payload checksum: then ``validate.judge_chunk`` would serve the chunk too (anything
-    else goes to it, which names the defect).  The engines' check on raw values, step for
-    step as ``csrc/chunkio.c`` ``quick_verdict``."""
+    """Whether ``header`` is ours, intact, names exactly ``key``, ``payload_len`` and
+    ``meta`` (encoded) and has ``computed`` as its payload checksum: then
+    ``validate.judge_chunk`` would serve the chunk too.  As ``csrc/chunkio.c`` does it."""
     if len(header) < HEADER_SIZE or header[:8] != MAGIC:
         return False
     (_, version, header_size, flags, stored_len, stored_sum, _, key_len, ns_len,
@@ -353,11 +313,8 @@ def quick_verdict(header: bytes, key: bytes, meta: bytes, payload_len: int,
 
 
 def stated_version(raw: bytes | memoryview) -> int | None:
-    """The format version a raw header claims, before any check; None when it is not ours.
-
-    Lets a reader skip work that only one version needs while the payload lands;
-    ``decode_header`` still judges the header afterwards.
-    """
+    """The format version a raw header claims before any check (None: not ours), so a
+    reader can skip work only one version needs; ``decode_header`` judges it later."""
     if len(raw) < _FIXED.size or bytes(raw[: len(MAGIC)]) != MAGIC:
         return None
     return int.from_bytes(raw[len(MAGIC) : len(MAGIC) + 2], "little")
@@ -398,13 +355,5 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
         if pos + key_len + ns_len + meta_len > _GPU_CHECKSUM_OFFSET:
             raise FormatError("header strings overlap the GPU checksum field")
         gpu_checksum = _GPU_CHECKSUM.unpack_from(raw, _GPU_CHECKSUM_OFFSET)
-    return ChunkHeader(
-        key=key,
-        namespace=namespace,
-        tensor_meta=meta,
-        payload_len=payload_len,
-        payload_checksum=checksum,
-        created_unix_ns=created,
-        gpu_checksum=gpu_checksum,
-        version=version,
-    )
+    return ChunkHeader(key, namespace, meta, payload_len, checksum, created, gpu_checksum,
+                       version)

@@ -1,39 +1,20 @@
 """A payload checksum that a GPU can compute where the payload lands (``lin32x2``).
 
-The header's ``xxh3_64`` needs the payload in host memory.  On the GPU read
-path the payload goes from the drive straight into device memory, and copying
-it back to the host only to hash it would cost the PCIe bandwidth the path
-saves.  So the writer also records this checksum, which torch computes on the
-device with a handful of elementwise kernels and two reductions, and which the
-writer computes on the host with numpy.  Both give the same bits (the tests
-check it on CPU tensors; ``tests/gpu`` on CUDA tensors).
-
-Definition (``docs/format.md``):
-
-* the payload, zero padded to a multiple of 4 bytes, is read as little-endian
-  unsigned 32-bit words ``w[i]``, arranged in rows of ``ROW_WORDS`` words:
-  ``i = r * ROW_WORDS + c``;
-* ``A[c]``, ``B[c]`` (column weights) and ``G[r]``, ``H[r]`` (row weights) are
-  ``splitmix64(index + seed) | 1``: odd 64-bit numbers;
-* ``sum_a = sum_r G[r] * (sum_c w[r, c] * A[c])`` and ``sum_b`` likewise with
-  ``B`` and ``H``, all modulo 2**64.
-
-Every word has its own odd weight ``A[c] * G[r]``, so any change confined to one
-32-bit word changes both sums (an odd number times a nonzero value below 2**32
-is never 0 modulo 2**64); moved, swapped or zeroed blocks change the weights
-they are multiplied with.  For other error patterns the two independent lanes
-leave roughly a 2**-64 chance (at worst 2**-66 for errors that are all
-multiples of 2**31, a pattern random corruption does not favour).  It is an
-error-detecting code, like xxh3 in this format, not a defence against someone
-who forges files: whoever can write the cache directory can write any header.
-
-This module imports numpy only; ``device_checksum`` imports torch when called.
+On the GPU read path the payload goes from the drive straight into device memory, and
+copying it back only to hash it would cost the bandwidth the path saves.  So the writer
+also records this checksum, which torch computes on the device with a few elementwise
+kernels and two reductions and the writer with numpy, to the same bits.  Definition and
+properties in ``docs/format.md``: the payload as little-endian u32 words in rows of
+``ROW_WORDS``, each word weighted by the odd ``splitmix64`` column and row weights of two
+independent lanes (``sum_a``, ``sum_b``, modulo 2**64).  It detects errors, like xxh3 in
+this format; it does not authenticate.  ``device_checksum`` imports torch when called.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,23 +41,25 @@ def splitmix64(index: np.ndarray, seed: int) -> np.ndarray:
 
 
 class _Weights:
-    """Column weights (fixed) and row weights (grown on demand), shared by all threads."""
+    """Column weights (fixed) and row weights (grown on demand), shared by all threads: uint64
+    arrays, or what ``convert`` makes of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, convert: Callable[[np.ndarray], Any] = lambda values: values) -> None:
+        self._convert = convert
         cols = np.arange(ROW_WORDS, dtype=np.uint64)
-        self.col_a = splitmix64(cols, _SEED_A)
-        self.col_b = splitmix64(cols, _SEED_B)
+        self.col_a = convert(splitmix64(cols, _SEED_A))
+        self.col_b = convert(splitmix64(cols, _SEED_B))
+        self.row_g = self.row_h = convert(np.empty(0, dtype=np.uint64))
         self._lock = threading.Lock()
-        self.row_g = np.empty(0, dtype=np.uint64)
-        self.row_h = np.empty(0, dtype=np.uint64)
 
-    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, n: int) -> tuple[Any, Any]:
         if len(self.row_g) < n:
             with self._lock:
                 if len(self.row_g) < n:
-                    size = max(n, 2 * len(self.row_g), 64)
-                    idx = np.arange(size, dtype=np.uint64)
-                    self.row_g, self.row_h = splitmix64(idx, _SEED_G), splitmix64(idx, _SEED_H)
+                    idx = np.arange(max(n, 2 * len(self.row_g), 64), dtype=np.uint64)
+                    # row_h first: a reader that finds row_g long enough finds row_h so too
+                    self.row_h = self._convert(splitmix64(idx, _SEED_H))
+                    self.row_g = self._convert(splitmix64(idx, _SEED_G))
         return self.row_g[:n], self.row_h[:n]
 
 
@@ -118,43 +101,25 @@ def host_checksum(payload: memoryview | bytes | np.ndarray) -> tuple[int, int]:
     return int(sum_a), int(sum_b)
 
 
-class DeviceWeights:
+class DeviceWeights(_Weights):
     """The weights as int64 tensors on one device (uploaded once, rows grown on demand)."""
 
     def __init__(self, device: torch.device | str) -> None:
         import torch
 
         self.device = torch.device(device)
-        self.col_a = _as_int64(_WEIGHTS.col_a, self.device)
-        self.col_b = _as_int64(_WEIGHTS.col_b, self.device)
-        self.row_g = self.row_h = _as_int64(np.empty(0, dtype=np.uint64), self.device)
-        self._lock = threading.Lock()
 
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.row_g.numel() < n:
-            with self._lock:
-                if self.row_g.numel() < n:
-                    g, h = _WEIGHTS.rows(max(n, 2 * self.row_g.numel(), 64))
-                    self.row_g, self.row_h = (_as_int64(g, self.device),
-                                              _as_int64(h, self.device))
-        return self.row_g[:n], self.row_h[:n]
+        def upload(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values.view(np.int64).copy()).to(self.device)
 
-
-def _as_int64(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    import torch
-
-    return torch.from_numpy(values.view(np.int64).copy()).to(device)
+        super().__init__(upload)
 
 
 def device_checksum(data: torch.Tensor, nbytes: int, weights: DeviceWeights) -> torch.Tensor:
-    """``[sum_a, sum_b]`` as an int64 tensor on ``data``'s device, without a host copy.
-
-    ``data`` is a contiguous uint8 tensor holding at least ``nbytes`` bytes
-    (padding beyond ``nbytes`` is ignored).  int64 products and sums wrap
-    modulo 2**64 on CPU and CUDA alike, so the bits equal ``host_checksum``'s
-    (``to_unsigned`` converts).  Kernels are queued on the current stream;
-    reading the result synchronizes.
-    """
+    """``[sum_a, sum_b]`` of the first ``nbytes`` of a contiguous uint8 tensor, as an int64
+    tensor on its device, without a host copy: int64 arithmetic wraps modulo 2**64 on CPU and
+    CUDA alike, so the bits equal ``host_checksum``'s (``to_unsigned`` converts).  Kernels are
+    queued on the current stream; reading the result synchronizes."""
     import torch
 
     flat = data.reshape(-1)[:nbytes]

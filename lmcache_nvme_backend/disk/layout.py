@@ -9,16 +9,11 @@
     <root>/ns/<ns16>/<aa>/<d32>.kv       one chunk file (aa = d32[0:2])
     <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  the same in a root made by 0.2 or earlier (bb = d32[2:4])
 
-Every path component below the root is derived from a hash (``ns16`` of the
-namespace, ``d32`` of the full key), never from a user string, so keys with
-``/``, ``..``, NUL or any other character always land inside the root.  A root
-made now has one level of 256 shard directories per namespace (a few thousand
-files each in a multi-TB cache, which ext4's and XFS's hashed directories look
-up as fast as a few); a root made by an earlier version keeps its two levels
-(65,536 directories, most of them created while the cache is young, one
-``mkdir`` per chunk stored then).  The marker records which (``shard_levels``).
-Temporary files share the final file's directory (so ``rename`` is atomic) and
-carry a per-writer suffix.
+Every component below the root is derived from a hash (``ns16`` of the namespace, ``d32``
+of the full key), never from a user string, so any key lands inside the root.  A root made
+now has one level of 256 shard directories per namespace; one made by an earlier version
+keeps its two (65,536 directories); the marker records which (``shard_levels``).  Temporary
+files share the final file's directory (so ``rename`` is atomic), with a per-writer suffix.
 """
 
 from __future__ import annotations
@@ -107,10 +102,8 @@ class TempFile:
     pid: int
 
     def is_stale(self, max_age_s: float = STALE_TEMP_S, now: float | None = None) -> bool:
-        """Whether the writer is gone: a dead process on this host, or older than ``max_age_s``.
-
-        A file that vanished meanwhile is not stale (there is nothing to remove).
-        """
+        """Whether the writer is gone: a dead process on this host, or older than ``max_age_s``
+        (a file that vanished meanwhile is not: there is nothing to remove)."""
         if self.host == this_host() and self.pid > 0 and not pid_alive(self.pid):
             return self.path.exists()
         try:
@@ -127,13 +120,9 @@ def marker_text(shard_levels: int) -> bytes:
 
 
 def shard_levels_of(root: Path) -> int:
-    """The shard directory levels of the tree at ``root``: what its marker says (a marker
-    without the line: two, the layout from before it); without a marker, what the tree holds
-    (2-hex directories inside a namespace's shard directories: two), else ``SHARD_LEVELS``.
-
-    Raises ``ValueError`` naming the marker when it names a layout this version does not
-    know (written by a newer version).
-    """
+    """The shard directory levels of the tree at ``root``: what its marker says (no such
+    line: two), without a marker what the tree holds.  ``ValueError`` naming the marker
+    when it names a layout this version does not know (a newer version's)."""
     try:
         text = read_small_file(root, MARKER_NAME, 4096).decode("utf-8", "replace")
     except (OSError, ValueError):  # none (a new root), or not a readable regular file
@@ -151,11 +140,10 @@ def shard_levels_of(root: Path) -> int:
 
 def _shard_levels_in_tree(root: Path) -> int:
     """The levels a marker-less tree's files sit at (``SHARD_LEVELS`` when it holds none)."""
-    for ns in RootLayout(root).iter_namespace_ids():
-        for shard in _scandir_dirs(root, f"ns/{ns}"):
-            if not _SHARD_RE.match(shard.name):
-                continue
-            for entry in scandir_beneath(root, f"ns/{ns}/{shard.name}"):
+    layout = RootLayout(root)  # one level: each ns/<ns16>/<aa> once
+    for ns in layout.iter_namespace_ids():
+        for _shard, rel, _leaf in layout._walk_shards(ns):
+            for entry in scandir_beneath(root, rel):
                 if _SHARD_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
                     return LEGACY_SHARD_LEVELS
                 if entry.name.endswith(CHUNK_SUFFIX) or TEMP_INFIX in entry.name:
@@ -188,8 +176,7 @@ class RootLayout:
         return Path(self._root_prefix + self.chunk_rel(ns_id, digest))
 
     def has_chunk(self, ns_id: str, digest: str) -> bool:
-        """Whether the chunk file is there now (shared mode: another member may have
-        removed it)."""
+        """Whether the chunk file is there now (another member may have removed it)."""
         return exists_beneath(self.root, self.chunk_rel(ns_id, digest))
 
     def chunk_rel(self, ns_id: str, digest: str) -> str:
@@ -204,25 +191,13 @@ class RootLayout:
             return f"ns/{ns_id}/{digest[0:2]}"
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}"
 
-    def write_names(self, ns_id: str, digest: str, temp_suffix: str) -> tuple[str, str, str]:
-        """Where a writer puts a chunk: its shard directory relative to the root, the temp
-        name it writes (``temp_suffix``: the writer's ``temp_name``) and the final name it
-        renames that to, both in that directory."""
-        final = digest + CHUNK_SUFFIX
-        if self._one_level:
-            return f"ns/{ns_id}/{digest[0:2]}", final + temp_suffix, final
-        return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}", final + temp_suffix, final
-
     def chunk_naming(self, ns_id: str) -> tuple[str, int, str]:
-        """``chunk_rel`` as the native engine applies it to each digest (a read share,
-        ``io.engine.ChunkNaming``): ``(shard_prefix, shard_levels, final_suffix)``; a chunk's
-        shard directory is the prefix and the digest's first two characters (and, with two
-        levels, ``/`` and the next two), its file the digest and the suffix."""
+        """``chunk_rel`` as the native engine applies it to each digest
+        (``io.engine.ChunkNaming``): ``(shard_prefix, shard_levels, final_suffix)``."""
         return f"ns/{ns_id}/", self.shard_levels, CHUNK_SUFFIX
 
     def write_naming(self, ns_id: str, temp_suffix: str) -> tuple[str, int, str, str]:
-        """``write_names`` as the native engine applies it to each digest (a store task's
-        share, ``io.engine.WriteNaming``): ``chunk_naming`` and the writer's temp suffix."""
+        """``chunk_naming`` and the writer's temp suffix (``io.engine.WriteNaming``)."""
         return (*self.chunk_naming(ns_id), temp_suffix)
 
     def chunk_rels(self, entries: Iterable[Any]) -> tuple[str, ...]:
@@ -253,14 +228,11 @@ class RootLayout:
                 yield entry.name
 
     def iter_tree_dirs(self) -> Iterator[str]:
-        """Every directory of the tree below ``ns/`` by its path relative to the root
-        (``ns/<ns16>``, ``ns/<ns16>/<aa>`` and with two levels ``ns/<ns16>/<aa>/<bb>``),
-        parents first.  Links are skipped; a directory that cannot be listed is yielded, its
-        contents are not."""
+        """Every directory below ``ns/`` relative to the root, parents first; links are
+        skipped, a directory that cannot be listed is yielded without its contents."""
         for ns in self.iter_namespace_ids():
             yield f"ns/{ns}"
-            for _shard, rel, _leaf in self._walk_shards(ns):
-                yield rel
+            yield from (rel for _shard, rel, _leaf in self._walk_shards(ns))
 
     def _walk_shards(self, ns: str) -> Iterator[tuple[str, str, bool]]:
         """(hex prefix, path relative to the root, whether it holds chunk files) of each
@@ -277,14 +249,13 @@ class RootLayout:
                     yield shard1.name + shard2.name, f"{rel1}/{shard2.name}", True
 
     def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
-        """Every well-named regular chunk file with its ``lstat`` (taken through the open
-        directory: one syscall, nothing followed); links, foreign names and files that
-        vanish meanwhile are skipped."""
+        """Every well-named regular chunk file with its ``lstat``; links, foreign names and
+        files that vanish meanwhile are skipped."""
         return (f for f in self._iter_files(ns_id) if isinstance(f, ChunkLocation))
 
     def iter_special_entries(self, ns_id: str | None = None) -> Iterator[tuple[Path, str]]:
         """(path, what it is) of every entry at a chunk file's name that is not a regular
-        file: a symbolic link, directory, FIFO, socket or device (never followed, never read)."""
+        file (never followed, never read)."""
         for _ns, shard, rel in self._iter_shard_dirs(ns_id):
             for entry in scandir_beneath(self.root, rel):
                 name = entry.name
@@ -301,8 +272,7 @@ class RootLayout:
         return (f for f in self._iter_files(None) if isinstance(f, TempFile))
 
     def scan(self) -> tuple[list[ChunkLocation], list[TempFile]]:
-        """``iter_chunks`` and ``iter_temp_files`` in one walk of the tree (a restart: every
-        directory listed once)."""
+        """``iter_chunks`` and ``iter_temp_files`` in one walk of the tree."""
         chunks: list[ChunkLocation] = []
         temps: list[TempFile] = []
         for found in self._iter_files(None):
@@ -322,8 +292,7 @@ class RootLayout:
                     yield found
 
     def _temp_at(self, rel: str, entry: os.DirEntry[str]) -> TempFile | None:
-        """The temporary file an entry of shard directory ``rel`` is (None: not a regular
-        temp file)."""
+        """The temporary file an entry of shard directory ``rel`` is (None: not one)."""
         _, sep, owner = entry.name.partition(TEMP_INFIX)
         if not sep or not entry.is_file(follow_symlinks=False):
             return None
@@ -333,11 +302,7 @@ class RootLayout:
 
     def _iter_shard_dirs(self, ns_id: str | None) -> Iterator[tuple[str, str, str]]:
         """(namespace id, hex shard prefix, path relative to the root) of each directory
-        that holds chunk files.
-
-        Directories are opened beneath the root without following links (``safe_fs``),
-        so a planted link never takes the walk outside the tree.
-        """
+        that holds chunk files; a planted link never takes the walk outside the tree."""
         if ns_id is not None and not NS_ID_RE.match(ns_id):
             raise ValueError(f"'{ns_id}' is not a namespace id (16 hex digits)")
         ns_ids = [ns for ns in self.iter_namespace_ids() if ns_id is None or ns == ns_id]
@@ -349,8 +314,7 @@ class RootLayout:
 
 def split_tree_path(path: Path | str) -> tuple[str, str] | None:
     """(cache root, path below it) of a file in a shard directory of either layout
-    (``<root>/ns/<ns16>/<aa>[/<bb>]/<name>``: chunk and temp files); None for any other
-    path."""
+    (``<root>/ns/<ns16>/<aa>[/<bb>]/<name>``); None for any other path."""
     text = os.fspath(path)
     for levels, tail_re in _TREE_TAIL_RES.items():
         parts = text.rsplit("/", 3 + levels)
@@ -368,9 +332,7 @@ RETIRED_FILES_WRITER = 1
 
 def temp_name(final_name: str, writer: int | None = None) -> str:
     """The temporary name beside ``final_name`` unique to this host, process and writer
-    (the calling thread, or ``writer``: the native engine's writers never write the same
-    chunk at once, so 0 serves them all); ``RootLayout.iter_temp_files`` parses the owner
-    back out of it."""
+    (the calling thread, or ``writer``: 0 serves all of the native engine's writers)."""
     tid = threading.get_ident() if writer is None else writer
     return f"{final_name}{TEMP_INFIX}{_HOST}-{os.getpid()}-{tid}"
 
@@ -403,8 +365,7 @@ def _scandir_dirs(root: Path, rel: str) -> Iterator[os.DirEntry[str]]:
 
 def _chunk_at(ns: str, shard: str, shard_dir: str, entry: os.DirEntry[str]
               ) -> ChunkLocation | None:
-    """The chunk file a directory entry is (None: not a well-named regular chunk file, or
-    gone)."""
+    """The chunk file a directory entry is (None: not a well-named regular chunk file)."""
     digest = _chunk_digest(entry.name, shard)
     if digest is None:
         return None

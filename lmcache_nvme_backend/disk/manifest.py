@@ -1,11 +1,8 @@
 """Persisted index snapshot of one root: recency order, sizes and tensor metadata.
 
-The directory tree is the truth about which chunks exist; the manifest adds
-what a directory listing cannot give cheaply (LRU order, the tensor metadata
-needed to allocate before reading, sizes without a ``stat`` per file).  It is
-written atomically (temporary file + rename) at close and periodically, and a
-missing, stale or damaged manifest only costs a ``stat`` and a header read per
-chunk during recovery, never a wrong entry.
+The directory tree is the truth about which chunks exist; the manifest adds what a listing
+cannot give cheaply.  A missing, stale or damaged manifest only costs a ``stat`` and a
+header read per chunk during recovery, never a wrong entry.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -60,14 +57,9 @@ class ManifestRow(Protocol):
 
 def save_manifest(index_dir: Path, entries: Sequence[ManifestRow], file_mode: int,
                   batch: int = 4096) -> None:
-    """Write the entries (LRU order) of one root.
-
-    Rows are encoded ``batch`` at a time so this background work never holds the
-    GIL for long: one ``json.dump`` of a million rows would stall the engine's
-    threads for about a second.  The temporary file is created ``O_EXCL`` under a
-    name unique to this host and process, and neither it nor the directory is ever
-    reached through a link (``safe_fs``).
-    """
+    """Write the entries (LRU order) of one root, atomically, never through a link.  Rows
+    are encoded ``batch`` at a time: one ``json.dump`` of a million rows would hold the GIL
+    (and stall the engine's threads) for about a second."""
     metas: dict[TensorMeta, int] = {}
     rows = []
     for e in entries:
@@ -97,11 +89,8 @@ def save_manifest(index_dir: Path, entries: Sequence[ManifestRow], file_mode: in
 
 def load_manifest(index_dir: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, ManifestRecord]:
     """Records by digest; empty (with a log line) when the manifest is missing or unreadable.
-
-    Advice only: any shape is tolerated (a row that is not what this version writes is
-    skipped, a document that is not is ignored), and a file larger than ``max_bytes``,
-    a link or a special file is ignored without being read.
-    """
+    Advice only: a row or document that is not what this version writes is skipped, a file
+    larger than ``max_bytes``, a link or a special file is ignored unread."""
     path = index_dir / MANIFEST_NAME
     try:
         raw = read_small_file(index_dir.parent, f"{index_dir.name}/{MANIFEST_NAME}",
@@ -173,23 +162,16 @@ def _record(row: object, metas: list[TensorMeta | None]) -> ManifestRecord | Non
     return ManifestRecord(ns_id, size, last_access_ns, metas[meta_ref] if meta_ref >= 0 else None)
 
 
-def iter_manifest_temps(index_dir: Path) -> Iterator[TempFile]:
-    """Temporary manifests of any writer: ``.manifest.json.tmp-<host>-<pid>`` (and the
-    ``.manifest.json.tmp-<pid>`` of earlier versions, taken as this host's)."""
+def remove_stale_manifest_temps(index_dir: Path) -> int:
+    """Remove the temporary manifests of dead writers (``TempFile.is_stale``); how many.
+    They are ``.manifest.json.tmp-<host>-<pid>`` (``-<pid>`` by earlier versions: this host)."""
+    removed = 0
     for entry in scandir_beneath(index_dir.parent, index_dir.name):
         if not entry.name.startswith(TEMP_PREFIX):
             continue
-        owner = entry.name[len(TEMP_PREFIX) :]
-        host, _, pid = owner.rpartition("-")
-        yield TempFile(index_dir / entry.name, host or this_host(),
+        host, _, pid = entry.name[len(TEMP_PREFIX) :].rpartition("-")
+        tmp = TempFile(index_dir / entry.name, host or this_host(),
                        int(pid) if pid.isdigit() else -1)
-
-
-def remove_stale_manifest_temps(index_dir: Path) -> int:
-    """Remove temporary manifests of dead writers (see ``TempFile.is_stale``); how many."""
-    removed = 0
-    for tmp in iter_manifest_temps(index_dir):
-        if tmp.is_stale() and remove_quietly(index_dir.parent,
-                                             f"{index_dir.name}/{tmp.path.name}"):
+        if tmp.is_stale() and remove_quietly(index_dir.parent, f"{index_dir.name}/{entry.name}"):
             removed += 1
     return removed

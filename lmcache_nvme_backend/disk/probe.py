@@ -1,20 +1,10 @@
-"""Can this process use a directory as a cache root?  The one probe of an ``nvme.path``.
+"""Can this process use a directory as a cache root?  The one probe of an ``nvme.path``,
+rendered by the settings (``look_only``: nothing read or written), by the store at start
+(``store/access.py``) and by ``doctor`` / ``check-config`` (``cli/path_checks.py``).
 
-Three callers render what :func:`probe_path` finds, each in its own words:
-
-* the settings (``config.py``) look only (``look_only``): a path that is a file, or lies
-  below one, is an error at configuration time, and nothing is read or written;
-* the store, before it creates anything at start (``store/access.py``): the first problem
-  becomes an ``NVMeConfigError`` naming the setting and the fix;
-* ``lmcache-nvme doctor`` and ``check-config`` (``cli/path_checks.py``): one report line
-  per aspect.
-
-The probe creates nothing that stays: it creates one file and removes it at once, in the
-path or, when the path does not exist yet, in its nearest existing parent (where the store
-would create it).  It then reads the tree's marker and, with ``tree``, checks that this
-process can list, enter and write every directory of an existing tree (a tree another user
-made).  O_DIRECT is the I/O layer's probe (``io.posix.probe_direct_io``), run where the
-store and the commands already know the directory takes files.
+The probe creates one file and removes it at once, in the path or, when it does not exist
+yet, in its nearest existing parent; it then reads the tree's marker and, with ``tree``,
+checks that this process can list, enter and write every directory of an existing tree.
 """
 
 from __future__ import annotations
@@ -30,10 +20,9 @@ from .layout import MARKER_NAME, RootLayout
 
 #: Directories the store keeps directly under a root.
 TOP_DIRS = ("index", "quarantine", "ns")
-#: Errors of the probe file that leave a directory usable: no block or no inode left (the
-#: store starts and serves what the directory holds).
+#: Probe file errors that leave a directory usable (the store serves what it holds).
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-#: Errors of the probe file a shared-mode member accepts in a cache directory it only reads.
+#: Probe file errors a shared-mode member accepts in a cache directory it only reads.
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 NOT_A_DIRECTORY_FIX = "Point it at a directory (it is created if missing)."
 CREATE_FIX = "Create it yourself or choose a writable location."
@@ -58,34 +47,20 @@ class PathProbe:
 
     path: Path
     state: PathState
-    # the path itself when it exists, else its nearest existing ancestor: where the probe
-    # file was created (or would have been)
-    where: Path
-    # why the probe file could not be created (UNWRITABLE, FULL)
-    error: OSError | None = None
-    # the filesystem of ``where`` is mounted read-only
-    read_only: bool = False
-    # the path holds the cache marker (a tree the store made)
-    marker: bool = False
-    # the existing tree's layout; None when the path is absent or its marker is unreadable
-    layout: RootLayout | None = None
-    # the marker names a layout this version cannot read (written by a newer one)
-    layout_error: str | None = None
-    # directories of the existing tree this process cannot list, enter and write (first
-    # the root or its top directories, then the namespaces' parents first)
+    where: Path  # the path when it exists, else its nearest existing ancestor
+    error: OSError | None = None  # why the probe file could not be created
+    marker: bool = False  # the path holds the cache marker
+    layout: RootLayout | None = None  # None: absent, or its marker is unreadable
+    layout_error: str | None = None  # the marker names a layout of a newer version
+    # directories of the tree this process cannot list, enter and write (parents first)
     unusable: tuple[Path, ...] = ()
-    # whether the tree was walked for ``unusable`` (not: look_only, absent, no ``tree``,
-    # an unreadable marker, or a read-only filesystem, where nothing can be written anyway)
+    # whether the tree was walked for ``unusable`` (not when look_only, absent, without
+    # ``tree``, with an unreadable marker or on a read-only filesystem)
     tree_checked: bool = False
 
     @property
     def exists(self) -> bool:
         return self.where == self.path
-
-    @property
-    def takes_files(self) -> bool:
-        """Files can be created where the path is (or would be created)."""
-        return self.state in (PathState.READY, PathState.MISSING)
 
 
 def nearest_existing(path: Path) -> Path:
@@ -98,14 +73,8 @@ def nearest_existing(path: Path) -> Path:
 
 
 def probe_path(path: Path, *, look_only: bool = False, tree: bool = True) -> PathProbe:
-    """What this process can do with ``path`` as a cache directory.
-
-    ``look_only``: only the kind of the path and of its nearest existing ancestor (two
-    ``stat`` calls; nothing is read or created).  Otherwise one probe file is created and
-    removed where the path is or would be created, the filesystem's read-only flag and the
-    tree's marker are read and, with ``tree``, every directory of an existing tree is
-    checked with ``access(2)`` (``unusable_dirs``).
-    """
+    """What this process can do with ``path`` as a cache directory; ``look_only``: only
+    the kind of the path and of its nearest existing ancestor."""
     path = path.absolute()
     where = nearest_existing(path)
     if where == path and not path.is_dir():
@@ -118,25 +87,23 @@ def probe_path(path: Path, *, look_only: bool = False, tree: bool = True) -> Pat
     error = _probe_file(where)
     if error is not None:
         state = PathState.FULL if error.errno in FULL_ERRNOS else PathState.UNWRITABLE
-    read_only = _read_only(where)
     if where != path:
-        return PathProbe(path, state, where, error, read_only)
+        return PathProbe(path, state, where, error)
     marker = (path / MARKER_NAME).is_file()
     try:
         layout = RootLayout.of(path)  # reads only
     except ValueError as exc:  # a marker from a newer version
-        return PathProbe(path, state, where, error, read_only, marker, layout_error=str(exc))
-    walk = tree and not read_only
+        return PathProbe(path, state, where, error, marker, layout_error=str(exc))
+    walk = tree and not _read_only(path)  # nothing can be written there anyway
     unusable = tuple(unusable_dirs(layout)) if walk else ()
-    return PathProbe(path, state, where, error, read_only, marker, layout, None, unusable, walk)
+    return PathProbe(path, state, where, error, marker, layout, None, unusable, walk)
 
 
 def path_problem(probe: PathProbe, shared: bool = False) -> tuple[str, str] | None:
-    """(problem, fix) in the words of a setting's error (``<key>: <problem>. <fix>``) when
-    no cache directory can be at the probed path or no file can be created there; None
-    when one can.  A full filesystem is fine (the store serves what the path holds), and
-    so, in ``shared`` mode, is a cache directory this process may not write (a member that
-    only reads there).  The marker and the tree are ``store/access.py``'s to judge."""
+    """(problem, fix) of a setting's error (``<key>: <problem>. <fix>``) when no cache
+    directory can be at the probed path or no file can be created there; None when one
+    can (a full filesystem can, and in ``shared`` mode so can a cache directory this
+    process only reads).  The marker and the tree are ``store/access.py``'s to judge."""
     path, error = probe.path, probe.error
     if probe.state is PathState.NOT_A_DIRECTORY:
         return f"'{path}' exists and is not a directory", NOT_A_DIRECTORY_FIX
@@ -175,9 +142,8 @@ def _usable(path: Path | str, mode: int) -> bool:
 
 
 def unusable_dirs(layout: RootLayout) -> list[Path]:
-    """Directories of the cache tree ``layout`` describes this process cannot list, enter
-    and write (the root itself only needs writing when the store must create something in
-    it).  Links are not followed."""
+    """Directories of the tree this process cannot list, enter and write (the root only
+    needs writing when the store must create something in it); links are not followed."""
     root = layout.root
     missing = [name for name in (*TOP_DIRS, MARKER_NAME) if not (root / name).exists()]
     need = _USE if missing else os.R_OK | os.X_OK

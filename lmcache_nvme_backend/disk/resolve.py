@@ -1,17 +1,10 @@
-"""Opening and making entries beneath a root's descriptor, never through a link.
+"""Opening and making entries beneath a root's descriptor, never through a link: the one
+implementation of ``safe_fs`` and of the Python I/O engine (``io/beneath.py``).
 
-The one implementation both users share: ``safe_fs`` (paths below a named cache root; a
-link or a non-directory where a directory belongs becomes ``NotAChunkFile`` there) and the
-Python I/O engine (``io/beneath.py``: a root handed over as a descriptor, failures as the
-errnos ``csrc/chunkio.c`` reports).  A path is resolved by
-
-* ``openat2(2)`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` (Linux 5.6+), one system
-  call, where the kernel has it;
-* elsewhere (an older kernel, a seccomp filter that refuses it, ``use_openat2(False)``) a
-  walk that opens every directory ``O_NOFOLLOW`` relative to its parent.
-
-A link anywhere is ``ELOOP`` or ``ENOTDIR``, never followed; a path that leaves the root is
-``EXDEV``.  Every failure is an ``OSError`` with its errno.
+A path is resolved by ``openat2(2)`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` (Linux
+5.6+) where the kernel has it, elsewhere by a walk that opens every directory ``O_NOFOLLOW``
+relative to its parent.  A link anywhere is ``ELOOP`` or ``ENOTDIR``, never followed; a path
+that leaves the root is ``EXDEV``; every failure is an ``OSError`` with its errno.
 """
 
 from __future__ import annotations
@@ -73,9 +66,7 @@ def use_openat2(enabled: bool) -> bool:
 
 def open_at(root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
     """``openat(root_fd, rel, flags | O_CLOEXEC, mode)`` without following a link in any
-    component and without leaving the root; raises ``OSError`` (ELOOP / ENOTDIR: a link or a
-    file where a directory belongs; EXDEV: a path out of the root; anything else as it
-    comes)."""
+    component and without leaving the root."""
     flags |= _O_CLOEXEC
     if _openat2.available:
         fd = _openat2(root_fd, rel, flags, mode)
@@ -104,19 +95,24 @@ def _walk_open(root_fd: int, rel: str, flags: int, mode: int) -> int:
 
 def _walkable(rel: str) -> list[str]:
     """The components of ``rel`` for a walk from the root; an absolute path, ``.`` or ``..``
-    (which a walk cannot hold beneath the root) is EXDEV, as ``openat2`` answers a path
-    that leaves it."""
+    is EXDEV, as ``openat2`` answers a path that leaves the root."""
     parts = rel.split("/")
     if rel.startswith("/") or any(part in ("..", ".") for part in parts):
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), rel)
     return parts
 
 
-def exact_mode(fd: int, mode: int) -> None:
-    """Give a file or directory just created exactly ``mode`` whatever the umask: a chmod
-    only where the creation left another mode (as the compiled engine does)."""
-    if os.fstat(fd).st_mode & 0o7777 != mode:
-        os.fchmod(fd, mode)
+def exact_mode(fd: int, mode: int) -> int:
+    """``fd``, a file or directory just created, with exactly ``mode`` whatever the umask (a
+    chmod only where the creation left another mode, as the compiled engine does); ``fd`` is
+    closed on failure."""
+    try:
+        if os.fstat(fd).st_mode & 0o7777 != mode:
+            os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
@@ -130,20 +126,15 @@ def make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
         created = False
     fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
     if created:
-        try:
-            exact_mode(fd, mode)  # mkdir applied the umask
-        except OSError:
-            os.close(fd)
-            raise
+        exact_mode(fd, mode)  # mkdir applied the umask
     return fd, created
 
 
 def make_dirs_at(root_fd: int, rel: str, mode: int) -> tuple[int, int]:
     """Open the directory ``rel`` beneath the root, making its missing components with exactly
-    ``mode``; returns its descriptor (``O_RDONLY``) and the index of the first component this
-    call made (-1: none).  As ``chunkio.c``: a new shard's parent nearly always exists, so it
-    is opened beneath the root and only the leaf made; otherwise every component is made or
-    opened in turn from the root."""
+    ``mode``; its descriptor (``O_RDONLY``) and the index of the first component this call
+    made (-1: none).  As ``chunkio.c``: a new shard's parent nearly always exists, so only
+    the leaf is made; otherwise every component is made or opened in turn from the root."""
     parts = _walkable(rel)
     parent, _, leaf = rel.rpartition("/")
     if parent:

@@ -1,23 +1,11 @@
 """File operations inside a cache tree that never follow a link.
 
-A cache directory may sit on a shared server where another local user can plant
-symbolic links, directories or FIFOs under the names the store uses.  Every
-open, create, mkdir, rename, unlink and directory listing below a cache root
-goes through this module, which resolves the path *beneath the root* without
-following any symbolic link in any component:
-
-* ``openat2(2)`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` (Linux 5.6+), one
-  system call, relative to a descriptor of the root;
-* elsewhere (an older kernel, a seccomp filter that refuses it) the same walk done
-  component by component with ``O_NOFOLLOW | O_DIRECTORY`` relative to each parent's
-  descriptor.
-
-Both are ``resolve.py``'s, which the Python I/O engine uses on the same descriptors.
-
-The root itself is the configured ``nvme.path`` and is trusted (links in it are the
-operator's).  A link, or a non-directory where the tree needs a directory, is
-:class:`NotAChunkFile`, never followed; callers treat it as "not ours": a miss for a
-read, a dropped write, never a drive error.
+Another local user may plant symbolic links, directories or FIFOs under the names the store
+uses.  Every open, create, mkdir, rename, unlink and listing below a cache root goes through
+this module, which resolves the path beneath the root's descriptor without following a link
+in any component (``resolve.py``: ``openat2`` where the kernel has it, else a walk).  The
+root itself (``nvme.path``) is trusted.  A link, or a non-directory where the tree needs a
+directory, is :class:`NotAChunkFile`: a miss for a read, a dropped write, never a drive error.
 """
 
 from __future__ import annotations
@@ -30,26 +18,25 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from .resolve import make_dirs_at, open_at
+from .resolve import exact_mode, make_dirs_at, open_at
 from .resolve import use_openat2 as use_openat2  # tests of the walk switch it here
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_PATH = getattr(os, "O_PATH", 0)
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 
 
 def dir_mode_for(file_mode: int) -> int:
     """Directory mode for a file mode: search (x) added wherever read is granted
-    (0600 -> 0700, 0640 -> 0750, 0644 -> 0755); ``config.dir_mode_for`` is the same rule."""
+    (0600 -> 0700, 0640 -> 0750, 0644 -> 0755)."""
     return file_mode | (file_mode & 0o444) >> 2
 
 
 class NotAChunkFile(OSError):
-    """A path in the cache tree holds something the store never uses: a symbolic link, a
-    directory or a special file (FIFO, socket, device) where a regular file belongs, or a
-    link or file where a directory of the tree belongs.  Never followed, never read."""
+    """A path in the cache tree holds something the store never uses (a link, a directory
+    or a special file where a regular file belongs, a link or file where a directory does)."""
 
 
 def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
@@ -60,10 +47,6 @@ def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
     if exc.errno in (errno.ENOTDIR, errno.EXDEV):
         return NotAChunkFile(exc.errno, "not a directory of the cache tree", str(Path(root) / rel))
     return exc
-
-
-def _open_root(root: Path | str) -> int:
-    return os.open(root, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_CLOEXEC)
 
 
 # One descriptor per cache root, opened on first use and kept: a read then costs one
@@ -79,7 +62,7 @@ def _root_fd(root: Path | str, fresh: bool = False) -> int:
         fd = _ROOT_FDS.get(key)
         if fd is not None and not fresh:
             return fd
-        new = _open_root(key)
+        new = os.open(key, _O_PATH | _O_DIRECTORY | _O_CLOEXEC)
         _ROOT_FDS[key] = new
         if fd is not None:
             _STALE_FDS.append(fd)  # another thread may still be using it: left open
@@ -91,18 +74,14 @@ _STALE_FDS: list[int] = []
 
 def root_descriptor(root: str) -> int:
     """The kept descriptor of a cache root, for a caller that resolves beneath it itself
-    (the native I/O engine) with the same rules.  No system call once opened; a root that
-    was deleted and made again is reopened by the next ``open_beneath`` that misses in it.
-    (Read without the lock, which only serialises opening and replacing one: a dict read
-    is atomic.)"""
+    (the native I/O engine); read without the lock (a dict read is atomic)."""
     fd = _ROOT_FDS.get(root)
     return fd if fd is not None else _root_fd(root)
 
 
 def refresh_root_descriptor(root: str) -> bool:
     """Reopen the kept descriptor of ``root`` if its directory was deleted (and maybe made
-    again): an engine that got ENOENT beneath it goes through the new one next time.
-    Whether the kept descriptor is of a live directory now (False: the root is gone)."""
+    again); whether it is of a live directory now (False: the root is gone)."""
     fd = _ROOT_FDS.get(root)
     if fd is None or not _root_deleted(fd):
         return True
@@ -128,11 +107,9 @@ def _check_rel(rel: str) -> list[str]:
 
 
 def open_beneath(root: Path | str, rel: str, flags: int, mode: int = 0o600) -> int:
-    """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``.
-
-    A link (or a file where a directory belongs) raises :class:`NotAChunkFile`; other
-    errors (ENOENT, EACCES, EEXIST, ENOSPC, ...) are raised as they come.
-    """
+    """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``:
+    :class:`NotAChunkFile` for a link (or a file where a directory belongs), other errors as
+    they come."""
     rel = "/".join(_check_rel(rel))
     root_fd = _root_fd(root)
     try:
@@ -194,12 +171,8 @@ def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
 
 
 def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
-    """``makedirs_beneath``, returning a descriptor (``O_RDONLY``) of the deepest directory.
-
-    One open when it exists; otherwise ``resolve.make_dirs_at`` (the Python engine's, and
-    ``chunkio.c``'s, rule): a new shard directory under an existing one costs one ``mkdir``,
-    not one per component.
-    """
+    """``makedirs_beneath``, returning a descriptor (``O_RDONLY``) of the deepest directory
+    (one open when it exists, else ``resolve.make_dirs_at``)."""
     rel = "/".join(_check_rel(rel))
     try:
         return open_dir_beneath(root, rel)  # (a deleted root's descriptor is renewed here)
@@ -214,7 +187,7 @@ def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
     """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
     ``mode``; returns its descriptor."""
-    return _with_exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
+    return exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
 
 
 def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> int:
@@ -224,75 +197,52 @@ def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> in
         raise ValueError(f"not a file name: {name!r}")
     fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode,
                  dir_fd=dir_fd)
-    return _with_exact_mode(fd, mode)
+    return exact_mode(fd, mode)
 
 
-def _with_exact_mode(fd: int, mode: int) -> int:
-    """``fd`` with exactly ``mode`` (``open`` applied the umask); closed on failure."""
-    try:
-        os.fchmod(fd, mode)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _parent(root: Path | str, rel: str) -> tuple[int, str]:
+@contextlib.contextmanager
+def _parent(root: Path | str, rel: str) -> Iterator[tuple[int, str]]:
+    """The directory holding ``rel``, opened beneath the root, and the entry's name."""
     parts = _check_rel(rel)
-    return open_dir_beneath(root, "/".join(parts[:-1])), parts[-1]
+    fd = open_dir_beneath(root, "/".join(parts[:-1]))
+    try:
+        yield fd, parts[-1]
+    finally:
+        os.close(fd)
 
 
 def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
     """``rename`` within the tree; neither parent is reached through a link (and ``rename``
     itself never follows the names it moves)."""
-    src_fd, src_name = _parent(root, src_rel)
-    try:
+    with _parent(root, src_rel) as (src_fd, src_name):
         if src_rel.rpartition("/")[0] == dst_rel.rpartition("/")[0]:  # one directory
             os.rename(src_name, dst_rel.rpartition("/")[2], src_dir_fd=src_fd,
                       dst_dir_fd=src_fd)
             return
-        dst_fd, dst_name = _parent(root, dst_rel)
-        try:
+        with _parent(root, dst_rel) as (dst_fd, dst_name):
             os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-        finally:
-            os.close(dst_fd)
-    finally:
-        os.close(src_fd)
 
 
 def link_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
     """``link(2)`` within the tree: a new name for an existing file, ``FileExistsError`` when
     ``dst_rel`` exists (an atomic compare-and-set on every POSIX filesystem, network ones
     included); neither parent is reached through a link and ``src`` itself is not followed."""
-    src_fd, src_name = _parent(root, src_rel)
-    try:
-        dst_fd, dst_name = _parent(root, dst_rel)
-        try:
-            os.link(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
-                    follow_symlinks=False)
-        finally:
-            os.close(dst_fd)
-    finally:
-        os.close(src_fd)
+    with (_parent(root, src_rel) as (src_fd, src_name),
+          _parent(root, dst_rel) as (dst_fd, dst_name)):
+        os.link(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
 
 
 def unlink_beneath(root: Path | str, rel: str, directory: bool = False) -> None:
     """``unlink`` within the tree (a link is removed, never its target); ``directory``:
     ``rmdir`` of an empty directory instead."""
-    fd, name = _parent(root, rel)
-    try:
+    with _parent(root, rel) as (fd, name):
         (os.rmdir if directory else os.unlink)(name, dir_fd=fd)
-    finally:
-        os.close(fd)
 
 
 def lstat_beneath(root: Path | str, rel: str) -> os.stat_result:
     """``lstat`` of an entry whose parents are reached without following links."""
-    fd, name = _parent(root, rel)
-    try:
+    with _parent(root, rel) as (fd, name):
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
-    finally:
-        os.close(fd)
 
 
 def exists_beneath(root: Path | str, rel: str) -> bool:

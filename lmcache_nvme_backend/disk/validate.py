@@ -1,13 +1,8 @@
 """The one validator every reader of a chunk file uses: the store, the GPU reader, ``verify``.
 
-A reader knows some facts about the file it opened (the key it asked for, the
-file's name and directory, its size, the payload length its index holds) and
-hands them over with the raw header; :func:`judge_chunk` decodes the header and
-checks each known fact against it, and the payload last (a payload check is the
-expensive part and only runs when everything else holds).  The answer is a
-:class:`Verdict`: the decoded header when it is good, else the :class:`Defect`
-found and the detail that names it.  ``docs/format.md`` ("Validation a reader
-must do") lists the same checks for independent readers.
+A reader hands over the raw header and the facts it knows (key, name, directory, size, the
+index's payload length); :func:`judge_chunk` checks each against the decoded header, and the
+payload last (the expensive part).  ``docs/format.md`` lists the same checks.
 """
 
 from __future__ import annotations
@@ -49,9 +44,7 @@ class Verdict:
     @property
     def reason(self) -> str:
         """What is wrong, as a reader logs it (empty for a good file)."""
-        if self.defect is None:
-            return ""
-        return self.detail or self.defect.value
+        return "" if self.defect is None else self.detail or self.defect.value
 
     def __str__(self) -> str:
         return self.reason or "valid chunk file"
@@ -76,12 +69,9 @@ def defect(kind: Defect, detail: str = "") -> Verdict:
 
 def judge_chunk(raw_header: bytes | memoryview, expected: Expected,
                 payload_ok: Callable[[ChunkHeader], bool] | None = None) -> Verdict:
-    """Decode ``raw_header`` and check it, then the payload, against what the reader knows.
-
-    ``payload_ok(header)`` checks the payload against the header's checksum (the
-    xxh3 of a host buffer, or the GPU checksum of a device buffer); leave it out
-    to judge the header alone.
-    """
+    """Decode ``raw_header`` and check it, then the payload, against what the reader knows;
+    ``payload_ok(header)`` checks the payload against the header's checksum (None: the
+    header alone is judged)."""
     try:
         header = decode_header(raw_header)
     except FormatError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_nvme_backend.config import GIB, MIB, NVMeConfigError, NVMeSettings
+from lmcache_nvme_backend.config import GIB, MIB, NVMeConfigError, NVMeSettings, min_free_bytes_for
 from lmcache_nvme_backend.store.roots import Roots
 
 
@@ -58,9 +58,9 @@ def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     assert s.max_size_gb == 10.0
     assert s.max_size_bytes == 10 * GIB
     # "auto": 5% of each path's filesystem, at most 1 GiB
-    assert (s.min_free_gb, s.min_free_bytes) == (None, None)
-    assert s.min_free_bytes_on(1000 * GIB) == GIB
-    assert s.min_free_bytes_on(8 * 2**20) == 8 * 2**20 // 20
+    assert s.min_free_gb is None
+    assert min_free_bytes_for(s.min_free_gb, 1000 * GIB) == GIB
+    assert min_free_bytes_for(s.min_free_gb, 8 * 2**20) == 8 * 2**20 // 20
     assert s.direct_io == "auto"
     assert (s.io_threads, s.write_threads) == (8, 0)
     assert isinstance(s.io_threads, int)
@@ -85,7 +85,7 @@ def test_every_setting_can_be_given(extra: dict[str, Any]) -> None:
         "nvme.manifest_interval_s": 0, "nvme.close_timeout_s": "1.5",
     })
     s = NVMeSettings.from_extra_config(extra)
-    assert s.min_free_bytes == 0
+    assert s.min_free_gb == 0
     assert s.direct_io == "off"
     assert (s.io_threads, s.write_threads) == (4, 3)
     assert isinstance(s.io_threads, int) and isinstance(s.write_threads, int)

@@ -31,7 +31,7 @@ def test_a_writable_directory_is_ready_and_the_probe_leaves_nothing(tmp_path: Pa
     found = probe_path(tmp_path)
     assert (found.state, found.where, found.exists, found.error) == (
         PathState.READY, tmp_path, True, None)
-    assert found.takes_files and found.tree_checked and found.unusable == ()
+    assert found.tree_checked and found.unusable == ()
     assert found.layout is not None and not found.marker
     assert entries(tmp_path) == set()
     assert path_problem(found) is None
@@ -89,7 +89,7 @@ def test_the_probe_file_error_decides(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(probe_mod, "_probe_file",
                         lambda directory: OSError(code, os.strerror(code)))
     found = probe_path(tmp_path)
-    assert found.state is state and not found.takes_files
+    assert found.state is state
     assert found.error is not None and found.error.errno == code
 
 
