@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import (
@@ -52,16 +51,15 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-@dataclass(frozen=True)
-class MetricSpec:
+class MetricSpec(NamedTuple):
     """One exported metric: its name (without prefix and ``_total``), kind, help, sources.
 
     ``sources`` maps a label value (or ``""`` for an unlabelled metric) to the key
-    of the tier's ``stats()`` snapshot that holds the value.
+    of the tier's ``stats()`` snapshot (histograms: of its ``histograms()``).
     """
 
     name: str
-    kind: str  # "counter" or "gauge"
+    kind: str  # "counter", "gauge" or "histogram"
     help: str
     sources: dict[str, str]
     label: str = ""  # the label whose values are the keys of ``sources``
@@ -86,15 +84,14 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("served_chunks", "Chunks served, all read paths.", "read_chunks"),
     _counter("served_bytes", "Payload bytes served, all read paths.", "read_bytes"),
     MetricSpec("read_chunks", "counter", "Chunks read, by read path (host-bounce reads also "
-               "count their host leg under posix).",
-               _per_path("chunks"), label="path"),
+               "count their host leg under posix).", _per_path("chunks"), label="path"),
     MetricSpec("read_bytes", "counter", "Payload bytes read, by read path.",
                _per_path("bytes"), label="path"),
     MetricSpec("read_throughput_bytes_per_second", "gauge",
                "Average read throughput since start, by read path (bytes / time in reads); "
                "use rate() of read_bytes_total over read_latency_seconds_sum for a window.",
-               {path: path_counter(path, "gbps") for path in READ_PATHS}, label="path"),
-    _counter("read_seconds", "Time spent in read calls, all paths.", "read_seconds"),
+               _per_path("gbps"), label="path"),
+    _counter("read_seconds", "Time spent in read calls, all paths."),
     _counter("read_failures", "Chunks asked for and not served (missing, invalid, I/O error)."),
     _counter("writes_enqueued", "Chunks accepted into the write-back queue."),
     _counter("writes", "Chunk files written and published.", "writes_completed"),
@@ -158,48 +155,37 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("gpu_pool_objects_lent", "GPU pool memory objects lent to LMCache."),
 )
 
-#: One gauge per cache directory of a tier (label ``root``): name, help, value of a root.
-ROOT_GAUGES: tuple[tuple[str, str, Callable[[RootInfo], float | None]], ...] = (
+#: One gauge per cache directory of a tier (label ``root``): name, help, ``RootInfo`` field.
+ROOT_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("root_in_service", "1 while the cache directory is in service, 0 while it is out of "
-     "service after I/O errors.", lambda r: float(r.healthy)),
+     "service after I/O errors.", "healthy"),
     ("root_direct_io", "1 when the cache directory reads and writes with O_DIRECT.",
-     lambda r: float(r.direct_io)),
-    ("root_used_bytes", "Bytes on disk of the directory's published chunks.",
-     lambda r: float(r.used_bytes)),
+     "direct_io"),
+    ("root_used_bytes", "Bytes on disk of the directory's published chunks.", "used_bytes"),
     ("root_capacity_bytes", "The directory's share of the byte budget (max_size_gb).",
-     lambda r: float(r.capacity_bytes)),
+     "capacity_bytes"),
     ("root_free_bytes", "Free bytes of the directory's filesystem, as an unprivileged writer "
-     "sees them, at scrape time.", lambda r: None if r.free_bytes is None else
-     float(r.free_bytes)),
+     "sees them, at scrape time.", "free_bytes"),
     ("root_min_free_bytes", "The directory's free-space guard (min_free_gb): writes are "
-     "dropped while the filesystem has no more free bytes than this.",
-     lambda r: float(r.min_free_bytes)),
+     "dropped while the filesystem has no more free bytes than this.", "min_free_bytes"),
 )
 
-HISTOGRAMS: tuple[tuple[str, str, dict[str, str], str], ...] = (
-    ("read_latency_seconds", "Duration of one read call (a batch of chunks), by read path.",
-     {path: read_latency(path) for path in READ_PATHS}, "path"),
-    ("write_latency_seconds", "Duration of writing and publishing one chunk file.",
-     {"": WRITE_LATENCY}, ""),
+HISTOGRAMS: tuple[MetricSpec, ...] = (
+    MetricSpec("read_latency_seconds", "histogram",
+               "Duration of one read call (a batch of chunks), by read path.",
+               {path: read_latency(path) for path in READ_PATHS}, label="path"),
+    MetricSpec("write_latency_seconds", "histogram",
+               "Duration of writing and publishing one chunk file.", {"": WRITE_LATENCY}),
 )
+
+_FAMILIES: dict[str, Any] = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                             "histogram": HistogramMetricFamily}
 
 
 def metric_names() -> list[str]:
     """Every exported metric family as Prometheus shows it (counters with ``_total``)."""
     names = [f"{PREFIX}_{m.name}" + ("_total" if m.kind == "counter" else "") for m in METRICS]
-    return (names + [f"{PREFIX}_{name}" for name, *_ in ROOT_GAUGES]
-            + [f"{PREFIX}_{name}" for name, *_ in HISTOGRAMS])
-
-
-@dataclass(eq=False)
-class TierSource:
-    """What the collector reads of one open tier."""
-
-    adapter: str
-    cache_dir: str
-    stats: Callable[[], dict[str, float]]
-    histograms: Callable[[], dict[str, HistogramSnapshot]]
-    roots: Callable[[], list[RootInfo]] = list
+    return names + [f"{PREFIX}_{name}" for name, *_ in (*ROOT_GAUGES, *HISTOGRAMS)]
 
 
 class TierCollector:
@@ -207,13 +193,13 @@ class TierCollector:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tiers: list[TierSource] = []
+        self._tiers: list[TierObserver] = []
 
-    def add(self, tier: TierSource) -> None:
+    def add(self, tier: TierObserver) -> None:
         with self._lock:
             self._tiers.append(tier)
 
-    def remove(self, tier: TierSource) -> None:
+    def remove(self, tier: TierObserver) -> None:
         with self._lock:
             if tier in self._tiers:
                 self._tiers.remove(tier)
@@ -225,39 +211,29 @@ class TierCollector:
         with self._lock:
             tiers = list(self._tiers)
         snapshots = [(t, t.stats(), t.histograms()) for t in tiers]
-        base = ["adapter", "cache_dir"]
-        yield from self._root_families(tiers, base)
-        for spec in METRICS:
-            labels = [*base, spec.label] if spec.label else base
-            family_type = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-            family = family_type(f"{PREFIX}_{spec.name}", spec.help, labels=labels)
-            for tier, snap, _ in snapshots:
-                for value_label, key in spec.sources.items():
-                    if key in snap:
-                        extra = [value_label] if spec.label else []
-                        family.add_metric([tier.adapter, tier.cache_dir, *extra], snap[key])
-            yield family
-        for name, help_text, sources, label in HISTOGRAMS:
-            labels = [*base, label] if label else base
-            hist = HistogramMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
-            for tier, _, histograms in snapshots:
-                for value_label, key in sources.items():
-                    h = histograms[key]
-                    extra = [value_label] if label else []
-                    hist.add_metric([tier.adapter, tier.cache_dir, *extra],
-                                    [(bound, float(n)) for bound, n in h.cumulative()], h.sum_s)
-            yield hist
-
-    @staticmethod
-    def _root_families(tiers: list[TierSource], base: list[str]) -> Iterator[Metric]:
         roots = [(t, t.roots()) for t in tiers]
-        for name, help_text, value_of in ROOT_GAUGES:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=[*base, "root"])
+        base = ["adapter", "cache_dir"]
+        for name, help_text, field in ROOT_GAUGES:
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=[*base, "root"])
             for tier, infos in roots:
                 for info in infos:
-                    value = value_of(info)
+                    value = getattr(info, field)
                     if value is not None:
-                        family.add_metric([tier.adapter, tier.cache_dir, str(info.path)], value)
+                        gauge.add_metric([tier.adapter, tier.cache_dir, str(info.path)],
+                                         float(value))
+            yield gauge
+        for spec in (*METRICS, *HISTOGRAMS):
+            family = _FAMILIES[spec.kind](f"{PREFIX}_{spec.name}", spec.help,
+                                          labels=[*base, spec.label] if spec.label else base)
+            for tier, snap, histograms in snapshots:
+                for value_label, key in spec.sources.items():
+                    labels = [tier.adapter, tier.cache_dir, *([value_label] if spec.label else [])]
+                    if spec.kind == "histogram":
+                        h = histograms[key]
+                        family.add_metric(labels, [(b, float(n)) for b, n in h.cumulative()],
+                                          h.sum_s)
+                    elif key in snap:
+                        family.add_metric(labels, snap[key])
             yield family
 
 
@@ -334,9 +310,13 @@ class TierObserver:
                  stats_log_interval_s: float, stats: Callable[[], dict[str, float]],
                  histograms: Callable[[], dict[str, HistogramSnapshot]],
                  roots: Callable[[], list[RootInfo]] = list) -> None:
-        self.source = TierSource(adapter, ",".join(cache_dirs), stats, histograms, roots)
+        self.adapter = adapter
+        self.cache_dir = ",".join(cache_dirs)
+        self.stats = stats
+        self.histograms = histograms
+        self.roots = roots
         _register()
-        _collector.add(self.source)
+        _collector.add(self)
         self.metrics_port = serve_metrics(metrics_port) if metrics_port else None
         self._stop = threading.Event()
         self._logger: threading.Thread | None = None
@@ -355,9 +335,9 @@ class TierObserver:
                    store.describe_roots)
 
     def _log_loop(self, interval_s: float) -> None:
-        previous = self.source.stats()
+        previous = self.stats()
         while not self._stop.wait(interval_s):
-            current = self.source.stats()
+            current = self.stats()
             logger.info("%s", stats_line(previous, current, interval_s))
             previous = current
 
@@ -365,4 +345,4 @@ class TierObserver:
         self._stop.set()
         if self._logger is not None:
             self._logger.join()
-        _collector.remove(self.source)
+        _collector.remove(self)
