@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..disk.layout import MARKER_NAME, RootLayout, namespace_id, split_tree_path
-from ..disk.manifest import DEFAULT_MAX_BYTES, MANIFEST_NAME, ManifestRecord, load_manifest
+from ..disk.manifest import DEFAULT_MAX_BYTES, ManifestRecord, load_manifest
 from ..disk.safe_fs import lstat_beneath, read_small_file, scandir_beneath, unlink_beneath
 from ..store.recovery import manifest_limit
 from .common import CLIError
@@ -55,10 +55,6 @@ class CacheRoot:
         except ValueError as exc:  # a newer version's layout
             raise CLIError(str(exc)) from None
         self._manifest: dict[str, ManifestRecord] | None = None
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.layout.index_dir / MANIFEST_NAME
 
     def manifest(self, chunk_files: int | None = None) -> dict[str, ManifestRecord]:
         """Records of the persisted index snapshot (empty when missing, unreadable, or far
@@ -105,11 +101,6 @@ class CacheRoot:
                                    st.st_ino, st.st_dev))
         return files
 
-    def special_entries(self, ns_id: str | None = None) -> list[tuple[Path, str]]:
-        """(path, what it is) of links, directories and special files at chunk names:
-        never followed or read, reported by ``verify`` and ``inspect``."""
-        return list(self.layout.iter_special_entries(ns_id))
-
     def quarantined(self) -> list[tuple[Path, int]]:
         """(path, size) of the files in the quarantine directory (never through a link)."""
         out = []
@@ -127,15 +118,6 @@ class CacheRoot:
         unlink_beneath(self.path, self.layout.relative(path))
 
 
-def lru_order(files: list[CacheFile]) -> list[CacheFile]:
-    """Least recently used first: manifest recency where known, else file mtime.
-
-    The same order the store rebuilds at restart, so ``gc`` evicts what the
-    server would have evicted.
-    """
-    return sorted(files, key=lambda f: (f.last_access_ns, f.digest))
-
-
 def _is_regular(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
@@ -150,11 +132,9 @@ def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:
         st = lstat_beneath(*where) if where is not None else os.lstat(path)
     except (OSError, ValueError):
         return False
-    if isinstance(ref, CacheFile):
-        return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (
-            ref.ino, ref.dev, ref.size, ref.mtime_ns)
-    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (
-        ref.st_ino, ref.st_dev, ref.st_size, ref.st_mtime_ns)
+    want = ((ref.ino, ref.dev, ref.size, ref.mtime_ns) if isinstance(ref, CacheFile)
+            else (ref.st_ino, ref.st_dev, ref.st_size, ref.st_mtime_ns))
+    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == want
 
 
 def relative(root: CacheRoot, path: Path) -> str:

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, NamedTuple, TextIO, TypeVar
 
 from ..disk.probe import nearest_existing
 
@@ -99,20 +99,22 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _list_arg(text: str, item: Callable[[str], int], example: str) -> list[int]:
+    """Comma-separated items, sorted and deduplicated."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list such as {example}")
+    return sorted({item(t) for t in items})
+
+
 def int_list_arg(text: str) -> list[int]:
     """argparse type: comma-separated positive integers, e.g. ``1,2,4,8``."""
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list such as 1,2,4,8")
-    return sorted({positive_int(t.strip()) for t in items})
+    return _list_arg(text, positive_int, "1,2,4,8")
 
 
 def size_list_arg(text: str) -> list[int]:
     """argparse type: comma-separated sizes, e.g. ``1M,4M,16M``."""
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list such as 1M,4M,16M")
-    return sorted({size_arg(t.strip()) for t in items})
+    return _list_arg(text, size_arg, "1M,4M,16M")
 
 
 def human_age(seconds: float | None, digits: int = 0) -> str:
@@ -128,11 +130,11 @@ def human_age(seconds: float | None, digits: int = 0) -> str:
 
 def human_bytes(n: float) -> str:
     """Binary units with one decimal: ``1.5 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} TiB"
 
 
 def short_size(n: int) -> str:
@@ -145,8 +147,9 @@ def short_size(n: int) -> str:
 
 def print_json(doc: Any, out: TextIO | None = None) -> None:
     """Pretty JSON on stdout (or ``out``)."""
-    json.dump(doc, out or sys.stdout, indent=2, sort_keys=False)
-    (out or sys.stdout).write("\n")
+    out = out or sys.stdout
+    json.dump(doc, out, indent=2)
+    out.write("\n")
 
 
 class Progress:
@@ -176,12 +179,9 @@ class Progress:
     def advance(self, nbytes: int) -> None:
         """Count ``nbytes`` done (byte bars) or show the elapsed time (time bars)."""
         if self.unit == "bytes":
-            self.update(nbytes)
+            self.done += nbytes
         else:
-            self.set(time.monotonic() - self._started)
-
-    def set(self, done: float) -> None:
-        self.done = done
+            self.done = time.monotonic() - self._started
         self._draw()
 
     def _draw(self, force: bool = False) -> None:
@@ -210,14 +210,13 @@ class Progress:
             self.stream.flush()
 
 
-class MountInfo:
+class MountInfo(NamedTuple):
     """The /proc/mounts entry a path lives on."""
 
-    def __init__(self, device: str, mountpoint: str, fstype: str, options: str) -> None:
-        self.device = device
-        self.mountpoint = mountpoint
-        self.fstype = fstype
-        self.options = options
+    device: str
+    mountpoint: str
+    fstype: str
+    options: str
 
 
 def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..disk.layout import STALE_TEMP_S
 from ..disk.safe_fs import NotAChunkFile
-from .cache import CacheFile, CacheRoot, lru_order, relative, same_file
+from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import GIB, CLIError, human_bytes, non_negative_float, positive_float, print_json
 
 
@@ -95,18 +95,19 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
             except OSError:
                 continue
             if tmp.is_stale(args.temp_age_s, now):
-                if args.dry_run or _unlink(root, tmp.path, None, False):
+                if _unlink(root, tmp.path, None, args.dry_run):
                     removed_tmp += 1
                     nbytes += st.st_size
             else:
                 kept += 1
         report["temp_files"] = {"removed": removed_tmp, "bytes": nbytes, "kept_live": kept}
     if args.purge_quarantine:
-        q = root.quarantined()
-        done = [(p, s) for p, s in q if args.dry_run or _unlink(root, p, None, False)]
+        done = [(p, s) for p, s in root.quarantined() if _unlink(root, p, None, args.dry_run)]
         report["quarantine"] = {"removed": len(done), "bytes": sum(s for _, s in done)}
     if budget is not None:
-        files = lru_order(root.scan())
+        # least recently used first (manifest recency, else file mtime): the order the store
+        # rebuilds at restart, so gc evicts what the server would have evicted
+        files = sorted(root.scan(), key=lambda f: (f.last_access_ns, f.digest))
         total = sum(f.size for f in files)
         removed_files: list[CacheFile] = []
         for f in files:

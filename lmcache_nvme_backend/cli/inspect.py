@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..disk.layout import TEMP_INFIX
-from .cache import CacheRoot
+from ..disk.manifest import MANIFEST_NAME
+from .cache import CacheRoot, relative
 from .common import human_age, human_bytes, print_json
 from .shared_view import print_shared, shared_report
 
@@ -54,29 +55,27 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
     buckets: list[dict[str, Any]] = [
         {"bucket": label, "max_age_s": None if limit == float("inf") else limit,
          "files": 0, "bytes": 0} for label, limit in AGE_BUCKETS]
-    oldest = newest = None
+    ages = []
     for f in files:
         ns = per_ns.setdefault(f.ns_id, {"id": f.ns_id, "name": "", "files": 0, "bytes": 0})
         ns["files"] += 1
         ns["bytes"] += f.size
         age_s = max(0.0, (now_ns - f.last_access_ns) / 1e9)
+        ages.append(age_s)
         for bucket, (_, limit) in zip(buckets, AGE_BUCKETS, strict=True):
             if age_s < limit:
                 bucket["files"] += 1
                 bucket["bytes"] += f.size
                 break
-        oldest = age_s if oldest is None else max(oldest, age_s)
-        newest = age_s if newest is None else min(newest, age_s)
-    temp = [t for t in root.layout.iter_temp_files()]
+    temp = list(root.layout.iter_temp_files())
     temp_bytes = 0
     for t in temp:
         with contextlib.suppress(OSError):
             temp_bytes += t.path.lstat().st_size
     quarantined = root.quarantined()
-    manifest = root.manifest(len(files))
-    special = root.special_entries()
+    manifest_path = root.layout.index_dir / MANIFEST_NAME
     try:
-        manifest_age = time.time() - root.manifest_path.lstat().st_mtime
+        manifest_age = time.time() - manifest_path.lstat().st_mtime
     except OSError:
         manifest_age = None
     return {
@@ -85,16 +84,16 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
         "bytes": sum(f.size for f in files),
         "namespaces": sorted(per_ns.values(), key=lambda n: (-n["bytes"], n["id"])),
         "age_histogram": buckets,
-        "oldest_access_age_s": oldest,
-        "newest_access_age_s": newest,
+        "oldest_access_age_s": max(ages, default=None),
+        "newest_access_age_s": min(ages, default=None),
         "files_in_manifest": sum(f.in_manifest for f in files),
-        "manifest": {"present": root.manifest_path.is_file(), "entries": len(manifest),
-                     "age_s": manifest_age},
+        "manifest": {"present": manifest_path.is_file(),
+                     "entries": len(root.manifest(len(files))), "age_s": manifest_age},
         "temp_files": {"count": len(temp), "bytes": temp_bytes,
                        "pattern": f"<digest>.kv{TEMP_INFIX}<host>-<pid>-<thread>"},
         "quarantine": {"count": len(quarantined), "bytes": sum(s for _, s in quarantined)},
-        "special_entries": [{"path": str(p.relative_to(root.path)), "kind": kind}
-                            for p, kind in special],
+        "special_entries": [{"path": relative(root, p), "kind": kind}
+                            for p, kind in root.layout.iter_special_entries()],
         "shared": shared_report(root.path),
     }
 

@@ -1,20 +1,16 @@
 """``lmcache-nvme verify PATH...``: decode every header and check every payload checksum.
 
-The checks are the ones the store makes before serving a chunk (see
-``docs/format.md``, "Validation a reader must do"), plus the ones a listing
-allows: the stored key hashes to the file's name, the namespace to its
-directory, and the file has exactly the size the header implies.  Headers are
-read by path; payloads through the I/O engine the store would run (compiled
-when built, else Python), in batches of one read share per namespace and layout,
-judged as the store judges what its engine did not serve (O_DIRECT where the
-filesystem supports it, so a server's page cache is not disturbed).
+The checks are the store's before it serves a chunk (``docs/format.md``, "Validation a
+reader must do"), plus what a listing allows: the stored key hashes to the file's name,
+the namespace to its directory, and the file has exactly the size the header implies.
+Payloads are read through the I/O engine the store would run, one read share per
+namespace and layout, with O_DIRECT where the filesystem supports it (a server's page
+cache is not disturbed), and judged as the store judges what its engine did not serve.
 
-With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` (the
-store's naming) unless it changed since it was read; a running store treats
-the vanished file as a miss.  Nothing is rewritten in place, and without
-``--quarantine`` nothing is written at all (the O_DIRECT probe reads the
-marker file), so it runs on a full or read-only filesystem.  Links, directories
-and special files at chunk names are reported as skipped, never followed or read.
+With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` unless it changed
+since it was read (a running store treats it as a miss).  Without it nothing is written
+(the O_DIRECT probe reads the marker file), so it runs on a full or read-only filesystem.
+Links, directories and special files at chunk names are reported as skipped, never read.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import argparse
 import itertools
 import os
 import stat
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -227,7 +224,7 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
                 progress_enabled: bool) -> dict[str, Any]:
     files = root.scan()
     skipped = [{"path": relative(root, p), "kind": kind}
-               for p, kind in root.special_entries()]
+               for p, kind in root.layout.iter_special_entries()]
     started = time.perf_counter()
     progress = Progress(progress_enabled, sum(f.size for f in files), f"verify {root.path}")
     verifier = Verifier(root, threads)
@@ -257,8 +254,6 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     roots = [CacheRoot(p) for p in args.paths]
     progress = args.progress or sys.stderr.isatty()
     reports = [verify_root(r, args.threads, args.quarantine, progress) for r in roots]
