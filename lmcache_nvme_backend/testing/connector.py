@@ -1,9 +1,7 @@
 """``CopyingCPUConnector``: LMCache's GPU connector interface over CPU tensors, copying bytes.
 
-LMCache has no CPU connector that moves data (``MockGPUConnector`` does nothing),
-so this one stands in for GPU memory: it copies token ranges between a CPU
-tensor laid out like the paged KV cache and LMCache's memory objects, which
-makes ``engine.store()`` / ``engine.retrieve()`` byte-exact round trips on CPU.
+LMCache has no CPU connector that moves data (``MockGPUConnector`` does nothing); this
+one makes ``engine.store()`` / ``engine.retrieve()`` byte-exact round trips on CPU.
 """
 
 from __future__ import annotations
@@ -17,14 +15,10 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 
 class CopyingCPUConnector(GPUConnectorInterface):
-    """A test connector that really copies KV bytes between CPU tensors.
-
-    Every ``store`` / ``retrieve`` call must pass ``kvcaches=<tensor>`` (LMCache
-    forwards the call's keyword arguments to the connector).  The tensor has
-    shape ``[2, num_layers, num_tokens, hidden_dim]`` and covers the whole
-    prompt; a chunk for tokens ``[start, end)`` is the slice
-    ``kvcaches[:, :, start:end]``.
-    """
+    """Copies token ranges between LMCache's memory objects and the ``kvcaches=<tensor>``
+    every ``store`` / ``retrieve`` call passes (LMCache forwards the call's keyword
+    arguments): ``[2, num_layers, num_tokens, hidden_dim]`` covering the whole prompt, so
+    tokens ``[start, end)`` are ``kvcaches[:, :, start:end]``."""
 
     def __init__(self, num_layers: int, hidden_dim: int, dtype: torch.dtype) -> None:
         self.num_layers = num_layers
@@ -35,9 +29,8 @@ class CopyingCPUConnector(GPUConnectorInterface):
         """Shape of one memory object holding ``num_tokens`` tokens (KV_2LTD)."""
         return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim])
 
-    def _chunk_views(
-        self, memory_obj: MemoryObj, start: int, end: int, kwargs: Mapping[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunk_views(self, memory_obj: MemoryObj, start: int, end: int,
+                     kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (memory object tensor, matching slice of ``kwargs['kvcaches']``)."""
         kvcaches = kwargs.get("kvcaches")
         if not isinstance(kvcaches, torch.Tensor):
@@ -72,24 +65,15 @@ class CopyingCPUConnector(GPUConnectorInterface):
         chunk, region = self._chunk_views(memory_obj, start, end, kwargs)
         region.copy_(chunk)
 
-    def batched_from_gpu(
-        self,
-        memory_objs: Sequence[MemoryObj],
-        starts: Sequence[int],
-        ends: Sequence[int],
-        **kwargs: Any,
-    ) -> None:
+    def batched_from_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
+                         ends: Sequence[int], **kwargs: Any) -> None:
         """Apply :meth:`from_gpu` to each (memory object, start, end)."""
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(memory_obj, start, end, **kwargs)
 
-    def batched_to_gpu(
-        self,
-        memory_objs: Sequence[MemoryObj] | None = None,
-        starts: Sequence[int] | None = None,
-        ends: Sequence[int] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def batched_to_gpu(self, memory_objs: Sequence[MemoryObj] | None = None,
+                       starts: Sequence[int] | None = None, ends: Sequence[int] | None = None,
+                       **kwargs: Any) -> None:
         """Apply :meth:`to_gpu` to each (memory object, start, end)."""
         if memory_objs is None or starts is None or ends is None:
             raise TypeError("CopyingCPUConnector does not support layerwise retrieval")
