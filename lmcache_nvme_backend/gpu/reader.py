@@ -1,29 +1,16 @@
 """GPU read path: chunk payloads from NVMe straight into GPU memory objects.
 
-On a CUDA worker ``NVMeBackend`` serves retrieved chunks as memory objects in
-a GPU buffer pool of its own (``nvme.gpu_pool_mb``).  How a payload gets there
-depends on the path ``gpu_select.select_read_path`` chose:
+On a CUDA worker ``NVMeBackend`` serves retrieved chunks as memory objects in a GPU
+buffer pool of its own (``nvme.gpu_pool_mb``), read by the path ``select_read_path``
+chose (docs/gpu.md): ``kvikio-gds`` and ``kvikio-compat`` read with kvikio's
+``CuFile.pread`` straight into the pool; ``host-bounce`` reads through the POSIX engine
+(xxh3 verified) and copies once to the device; ``posix`` serves host memory objects.
 
-``kvikio-gds``
-    kvikio's ``CuFile.pread`` with cuFile/GPUDirect Storage: the drive DMAs
-    the 4 KiB-aligned payload into the pool, no host copy.
-``kvikio-compat``
-    the same call when kvikio runs in its compat mode (no cuFile/GDS here):
-    kvikio reads through its own pinned bounce buffers with its thread pool.
-``host-bounce``
-    the POSIX engine reads into host memory (O_DIRECT, xxh3 verified), then
-    one device copy into the pool.  ``nvme.gds_mode: off`` and every fallback.
-``posix``
-    host memory objects, as on CPU workers (or ``nvme.gpu_pool_mb: 0``).
-
-Integrity without a host copy: the writer records ``gpusum``'s checksum in the
-header and the reader computes it with torch on the device where the payload
-landed; a mismatch is a miss, counted and quarantined like an xxh3 mismatch.
-A file without that checksum (written before the GPU path was on) is read
-through ``host-bounce`` so that xxh3 verifies it: nothing unverified is served.
-
-kvikio, torch and LMCache are imported only when a GPU path is built: this
-module imports on any machine.
+The kvikio paths verify without a host copy: the writer records ``gpusum``'s checksum in
+the header and the reader computes it on the device; a mismatch is a miss, counted and
+quarantined like an xxh3 mismatch.  A file without that checksum is read through
+``host-bounce``: nothing unverified is served.  kvikio, torch and LMCache are imported
+only when a GPU path is built, so this module imports on any machine.
 """
 
 from __future__ import annotations
@@ -249,30 +236,37 @@ class GpuChunkReader:
 
     # -- host read + device copy -------------------------------------------------
 
+    def _into_host(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
+                   items: list[tuple[int, MemoryObj | None]],
+                   ) -> list[tuple[int, MemoryObj | None, MemoryObj, bool]]:
+        """Read the chunks of ``items`` (index, pool object or None) into new host objects:
+        (index, pool object, host object, served) of each that got a host object."""
+        staged: list[tuple[int, MemoryObj | None, MemoryObj]] = []
+        for i, gpu_obj in items:
+            meta = metas[i]
+            assert meta is not None
+            host = self._alloc_host(meta)
+            if host is not None:
+                staged.append((i, gpu_obj, host))
+            elif gpu_obj is not None:
+                gpu_obj.ref_count_down()
+        served = self.store.read_into([ChunkRead(keys[i], self._host_view(h))
+                                       for i, _, h in staged]) if staged else []
+        return [(i, g, h, ok) for (i, g, h), ok in zip(staged, served, strict=True)]
+
     def _read_bounce(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
                      tags: Sequence[Any], items: list[tuple[int, MemoryObj | None]],
                      results: list[MemoryObj | None], batch: _Batch) -> None:
         import torch
 
         started = time.perf_counter()
-        staged: list[tuple[int, MemoryObj | None, MemoryObj]] = []
-        for i, gpu_obj in items:
-            meta = metas[i]
-            assert meta is not None
-            host = self._alloc_host(meta)
-            if host is None:
-                if gpu_obj is not None:
-                    gpu_obj.ref_count_down()
-                continue
-            staged.append((i, gpu_obj, host))
+        staged = self._into_host(keys, metas, items)
         if not staged:
             return
-        served = self.store.read_into([ChunkRead(keys[i], self._host_view(h))
-                                       for i, _, h in staged])
         served_bytes = 0
         count = 0
         copies: list[MemoryObj] = []
-        for (i, gpu_obj, host), ok in zip(staged, served, strict=True):
+        for i, gpu_obj, host, ok in staged:
             meta = metas[i]
             assert meta is not None
             if not ok:
@@ -310,16 +304,7 @@ class GpuChunkReader:
     def _read_host(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
                    indices: list[int], results: list[MemoryObj | None]) -> None:
         """Pool exhausted: host memory objects, as on a CPU worker."""
-        staged = []
-        for i in indices:
-            meta = metas[i]
-            assert meta is not None
-            host = self._alloc_host(meta)
-            if host is not None:
-                staged.append((i, host))
-        served = self.store.read_into([ChunkRead(keys[i], self._host_view(h))
-                                       for i, h in staged]) if staged else []
-        for (i, host), ok in zip(staged, served, strict=True):
+        for i, _, host, ok in self._into_host(keys, metas, [(i, None) for i in indices]):
             if ok:
                 results[i] = host
             else:
