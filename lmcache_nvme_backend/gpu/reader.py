@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import MIB, NVMeConfigError, NVMeSettings
@@ -86,14 +86,6 @@ class _Job:
     sums: tuple[int, int] | None = None
 
 
-@dataclass
-class _Batch:
-    """What one ``read`` call still has to do after its first pass."""
-
-    bounce: list[tuple[int, MemoryObj | None]] = field(default_factory=list)
-    host: list[int] = field(default_factory=list)
-
-
 class GpuChunkReader:
     """Reads stored chunks into GPU pool memory objects by the chosen path."""
 
@@ -114,34 +106,33 @@ class GpuChunkReader:
         self._weights: DeviceWeights | None = None
         self._warned: dict[Counter, int] = {}
 
-    @property
-    def path(self) -> str:
-        return self.decision.path
-
     def read(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
              tags: Sequence[Any] | None = None) -> list[MemoryObj | None]:
         """One memory object per key (GPU pool, or host memory as a fallback); None: a miss."""
         tags = list(tags) if tags is not None else list(keys)
         results: list[MemoryObj | None] = [None] * len(keys)
         wanted = [i for i, meta in enumerate(metas) if meta is not None]
-        batch = _Batch()
+        # after the first pass: (index, pool object) to read through the host, and indices
+        # the full pool leaves to host memory objects
+        bounce: list[tuple[int, MemoryObj | None]] = []
+        host: list[int] = []
         if self.decision.path in KVIKIO_PATHS:
-            self._read_kvikio(keys, tags, wanted, results, batch)
+            self._read_kvikio(keys, tags, wanted, results, bounce, host)
         else:
-            batch.bounce = [(i, None) for i in wanted]
-        if batch.bounce:
-            self._read_bounce(keys, metas, tags, batch.bounce, results, batch)
-        if batch.host:
-            self._read_host(keys, metas, batch.host, results)
-        misses = len(keys) - sum(r is not None for r in results)
-        logger.debug("NVMe tier: %d of %d chunks read by %s", len(keys) - misses, len(keys),
-                     self.decision.path)
+            bounce = [(i, None) for i in wanted]
+        if bounce:
+            self._read_bounce(keys, metas, tags, bounce, results)
+        if host:
+            self._read_host(keys, metas, host, results)
+        logger.debug("NVMe tier: %d of %d chunks read by %s",
+                     sum(r is not None for r in results), len(keys), self.decision.path)
         return results
 
     # -- kvikio ----------------------------------------------------------------
 
     def _read_kvikio(self, keys: Sequence[str], tags: Sequence[Any], wanted: list[int],
-                     results: list[MemoryObj | None], batch: _Batch) -> None:
+                     results: list[MemoryObj | None], bounce: list[tuple[int, MemoryObj | None]],
+                     host: list[int]) -> None:
         assert self._payloads is not None
         started = time.perf_counter()
         plans = self.store.plan_reads([keys[i] for i in wanted])
@@ -152,7 +143,7 @@ class GpuChunkReader:
             obj = self.pool.allocate(plan.meta, tags[i])
             if obj is None:
                 self._note_pool_full()
-                batch.host.append(i)
+                host.append(i)
                 continue
             length = self.pool.capacity_for(obj, plan.payload_len)
             jobs.append(_Job(i, plan, obj, PayloadRead(plan.path, self.pool.slot(obj, length),
@@ -174,7 +165,7 @@ class GpuChunkReader:
                 served += 1
                 served_bytes += job.plan.payload_len
             elif outcome is Outcome.BOUNCE:
-                batch.bounce.append((job.index, job.obj))
+                bounce.append((job.index, job.obj))
             else:
                 job.obj.ref_count_down()
         self._account(self.decision.path, served, served_bytes, time.perf_counter() - started)
@@ -256,7 +247,7 @@ class GpuChunkReader:
 
     def _read_bounce(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
                      tags: Sequence[Any], items: list[tuple[int, MemoryObj | None]],
-                     results: list[MemoryObj | None], batch: _Batch) -> None:
+                     results: list[MemoryObj | None]) -> None:
         import torch
 
         started = time.perf_counter()

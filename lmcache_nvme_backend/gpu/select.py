@@ -11,6 +11,7 @@ is tested on CPU machines.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -191,16 +192,12 @@ def chunk_bytes_of(metadata: Any) -> int | None:
     dtype = getattr(metadata, "kv_dtype", None)
     if not shape or dtype is None:
         return None
-    size = int(getattr(dtype, "itemsize", 0) or 0)
-    for dim in shape:
-        size *= int(dim)
-    return size or None
+    return int(getattr(dtype, "itemsize", 0) or 0) * math.prod(int(d) for d in shape) or None
 
 
-def check_pool_size(pool_bytes: int, chunk_bytes: int | None, free_bytes: int | None,
-                    key_prefix: str = "nvme.") -> None:
+def check_pool_size(pool_bytes: int, chunk_bytes: int | None, free_bytes: int | None) -> None:
     """Refuse pool sizes that cannot work; the message names the key and the fix."""
-    key = f"{key_prefix}gpu_pool_mb"
+    key = "nvme.gpu_pool_mb"
     if chunk_bytes and pool_bytes < padded_length(chunk_bytes):
         need = -(-padded_length(chunk_bytes) // MIB)
         raise NVMeConfigError(
