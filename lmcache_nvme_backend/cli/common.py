@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ..disk.probe import nearest_existing
 
@@ -145,11 +145,10 @@ def short_size(n: int) -> str:
     return f"{n}B"
 
 
-def print_json(doc: Any, out: TextIO | None = None) -> None:
-    """Pretty JSON on stdout (or ``out``)."""
-    out = out or sys.stdout
-    json.dump(doc, out, indent=2)
-    out.write("\n")
+def print_json(doc: Any) -> None:
+    """Pretty JSON on stdout."""
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 class Progress:
@@ -161,14 +160,13 @@ class Progress:
 
     WIDTH = 28
 
-    def __init__(self, enabled: bool, total: float, label: str, unit: str = "bytes",
-                 stream: TextIO | None = None) -> None:
+    def __init__(self, enabled: bool, total: float, label: str, unit: str = "bytes") -> None:
         self.enabled = enabled and total > 0
         self.total = total
         self.label = label
         self.unit = unit
         self.done = 0.0
-        self.stream = stream or sys.stderr
+        self.stream = sys.stderr
         self._started = time.monotonic()
         self._last_draw = 0.0
 

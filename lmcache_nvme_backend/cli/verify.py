@@ -169,8 +169,8 @@ class Verifier:
         if sum(sizes) > self._buffer.size:
             self._buffer.close()
             self._buffer = AlignedBuffer(sum(sizes))
-        offsets = [0, *itertools.accumulate(sizes)]
-        dests = [self._buffer.view[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        dests = [self._buffer.view[start:end]
+                 for start, end in itertools.pairwise([0, *itertools.accumulate(sizes)])]
         shares: list[ReadShare] = []
         order: list[tuple[Outcome, ChunkHeader]] = []
         for (ns_id, meta), mine in groups.items():
@@ -188,8 +188,8 @@ class Verifier:
         for k, (out, header) in enumerate(order):
             if batch.statuses[k] == OK:
                 out.payload_bytes = header.payload_len
-                continue
-            out.unserved(header, *details[k][1:])
+            else:
+                out.unserved(header, *details[k][1:])
 
 
 def batches(files: list[CacheFile]) -> Iterator[list[CacheFile]]:
