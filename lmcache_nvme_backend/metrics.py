@@ -1,19 +1,12 @@
-"""Prometheus metrics and a periodic one-line summary of the NVMe tier.
+"""Prometheus metrics and a periodic one-line summary of the NVMe tier (docs/metrics.md).
 
-The store only counts (``stats.py``); this module is an observer that reads those
-counters when someone asks for them, so the hot path never touches prometheus_client.
-
-* Every open tier (an ``NVMeBackend``, ``NVMeConnector`` or ``NVMeL2Adapter``) is
-  exported through one collector in prometheus_client's default registry, labelled
-  with its adapter and cache directory.  Whatever already serves that registry in the
-  process shows the tier's metrics with no setting: LMCache's multiprocess server's
-  ``/metrics`` on its ``--http-port``, LMCache's internal API server ``/metrics``.
-* ``nvme.metrics_port`` also serves the registry on a port of its own (for vLLM
-  workers, which serve none): the first free port from the one configured, so each
-  tensor-parallel rank on a node gets its own.
-* ``nvme.stats_log_interval_s`` logs one line per interval with what changed.
-
-``docs/metrics.md`` lists every metric.
+The store only counts (``stats.py``); this observer reads the counters when asked, so the
+hot path never touches prometheus_client.  Every open tier is exported, labelled with its
+adapter and cache directory, through one collector in the default registry, which
+whatever serves that registry shows (LMCache's servers' ``/metrics``).
+``nvme.metrics_port`` also serves it on the first free port from the one configured (one
+per tensor-parallel rank: vLLM workers serve none); ``nvme.stats_log_interval_s`` logs
+one line per interval with what changed.
 """
 
 from __future__ import annotations
@@ -194,9 +187,14 @@ class TierCollector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tiers: list[TierObserver] = []
+        self._registered = False
 
     def add(self, tier: TierObserver) -> None:
+        """Export ``tier`` (the first one registers the collector)."""
         with self._lock:
+            if not self._registered:
+                REGISTRY.register(self)
+                self._registered = True
             self._tiers.append(tier)
 
     def remove(self, tier: TierObserver) -> None:
@@ -238,17 +236,8 @@ class TierCollector:
 
 
 _collector = TierCollector()
-_registered = False
 _served_port: int | None = None
 _setup_lock = threading.Lock()
-
-
-def _register() -> None:
-    global _registered
-    with _setup_lock:
-        if not _registered:
-            REGISTRY.register(_collector)
-            _registered = True
 
 
 def serve_metrics(port: int) -> int | None:
@@ -315,7 +304,6 @@ class TierObserver:
         self.stats = stats
         self.histograms = histograms
         self.roots = roots
-        _register()
         _collector.add(self)
         self.metrics_port = serve_metrics(metrics_port) if metrics_port else None
         self._stop = threading.Event()

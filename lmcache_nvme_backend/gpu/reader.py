@@ -128,8 +128,6 @@ class GpuChunkReader:
                      sum(r is not None for r in results), len(keys), self.decision.path)
         return results
 
-    # -- kvikio ----------------------------------------------------------------
-
     def _read_kvikio(self, keys: Sequence[str], tags: Sequence[Any], wanted: list[int],
                      results: list[MemoryObj | None], bounce: list[tuple[int, MemoryObj | None]],
                      host: list[int]) -> None:
@@ -225,8 +223,6 @@ class GpuChunkReader:
             self.store.count(Counter.READ_FAILURES)
         return Outcome.SERVED if ok else Outcome.MISS
 
-    # -- host read + device copy -------------------------------------------------
-
     def _into_host(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
                    items: list[tuple[int, MemoryObj | None]],
                    ) -> list[tuple[int, MemoryObj | None, MemoryObj, bool]]:
@@ -300,8 +296,6 @@ class GpuChunkReader:
                 results[i] = host
             else:
                 host.ref_count_down()
-
-    # -- bookkeeping ---------------------------------------------------------------
 
     def _account(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
         self.store.record_read(path, chunks, nbytes, seconds)

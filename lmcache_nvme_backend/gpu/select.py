@@ -1,11 +1,7 @@
-"""Which read path a CUDA worker uses, decided from plain facts about the machine.
-
-``select_read_path`` turns ``nvme.gds_mode``, the destination device and a
-``GpuProbe`` (kvikio importable? compat mode? libcufile? a GPU?) into a
-``PathDecision``: ``kvikio-gds``, ``kvikio-compat``, ``host-bounce`` or ``posix``
-(docs/gpu.md).  ``nvme.gds_mode: on`` turns each reason not to use GDS into an
-``NVMeConfigError`` that names the key.  Nothing here needs a GPU, so every branch
-is tested on CPU machines.
+"""Which read path a CUDA worker uses (docs/gpu.md), decided from plain facts about the
+machine (a ``GpuProbe``), ``nvme.gds_mode`` and the destination device.  With
+``gds_mode: on`` each reason not to use GDS is a refusal that names the key.  Nothing here
+needs a GPU, so every branch is tested on CPU machines.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Helpers that drive the GPU read path outside an engine: tests (CPU and ``tests/gpu``)
-and ``bench/bench_gpu.py``.
-
-``HostTier`` stands in for LMCache's ``LocalCPUBackend`` where only its
-allocator surface matters (``allocate``, ``hot_cache``, ``remove``);
-``write_chunks`` fills a store with deterministic chunk files; ``make_reader``
-builds a ``GpuChunkReader`` for a chosen path on any device, CPU included.
-Imports torch and LMCache.
+"""Helpers that drive the GPU read path outside an engine, on any device (CPU included),
+for the tests and ``bench/bench_gpu.py``: ``HostTier`` stands in for LMCache's
+``LocalCPUBackend`` where only its allocator surface matters.  Imports torch and LMCache.
 """
 
 from __future__ import annotations
