@@ -24,6 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from .config import GIB, MIB
 from .store.stats import (
     READ_PATHS,
     WRITE_LATENCY,
@@ -40,8 +41,6 @@ logger = logging.getLogger("lmcache_nvme_backend")  # LMCache's handler prints i
 
 PREFIX = "lmcache_nvme"
 PORT_TRIES = 64  # metrics_port, metrics_port + 1, ...: one per rank on a node
-GIB = 1 << 30
-MIB = 1 << 20
 
 
 class MetricSpec(NamedTuple):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..disk.layout import MARKER_NAME, RootLayout, namespace_id, split_tree_path
-from ..disk.manifest import DEFAULT_MAX_BYTES, ManifestRecord, load_manifest
+from ..disk.manifest import ManifestRecord, load_manifest
 from ..disk.safe_fs import lstat_beneath, read_small_file, scandir_beneath, unlink_beneath
 from ..store.recovery import manifest_limit
 from .common import CLIError
@@ -46,7 +46,11 @@ class CacheRoot:
         path = path.absolute()
         if not path.is_dir():
             raise CLIError(f"'{path}' is not a directory")
-        if not _is_regular(path / MARKER_NAME):
+        try:
+            marker_mode = os.lstat(path / MARKER_NAME).st_mode
+        except OSError:
+            marker_mode = 0
+        if not stat.S_ISREG(marker_mode):
             raise CLIError(f"'{path}' is not an LMCache NVMe cache root (no {MARKER_NAME} "
                            "file); give the directory configured as nvme.path")
         self.path = path
@@ -56,12 +60,12 @@ class CacheRoot:
             raise CLIError(str(exc)) from None
         self._manifest: dict[str, ManifestRecord] | None = None
 
-    def manifest(self, chunk_files: int | None = None) -> dict[str, ManifestRecord]:
+    def manifest(self, chunk_files: int) -> dict[str, ManifestRecord]:
         """Records of the persisted index snapshot (empty when missing, unreadable, or far
         larger than a manifest of ``chunk_files`` chunk files can be)."""
         if self._manifest is None:
-            limit = DEFAULT_MAX_BYTES if chunk_files is None else manifest_limit(chunk_files)
-            self._manifest = load_manifest(self.layout.index_dir, max_bytes=limit)
+            self._manifest = load_manifest(self.layout.index_dir,
+                                           max_bytes=manifest_limit(chunk_files))
         return self._manifest
 
     def namespace_names(self) -> dict[str, str]:
@@ -116,13 +120,6 @@ class CacheRoot:
     def unlink(self, path: Path) -> None:
         """Remove a file of this tree without following a link in its directories."""
         unlink_beneath(self.path, self.layout.relative(path))
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:

@@ -12,13 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from ..config import GIB, MIB
 from ..disk.probe import nearest_existing
 
 T = TypeVar("T")
-
 KIB = 1024
-MIB = 1024**2
-GIB = 1024**3
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": 1024**4, "p": 1024**5}
@@ -222,8 +220,7 @@ def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None
     target = str(nearest_existing(path).resolve())
     best: MountInfo | None = None
     try:
-        with open(mounts_file) as f:
-            lines = f.read().splitlines()
+        lines = Path(mounts_file).read_text().splitlines()
     except OSError:
         return None
     for line in lines:

@@ -81,8 +81,7 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
             except CLIError:  # present on another path only
                 cleared.append({"namespace": name, "id": None, "files": 0, "bytes": 0})
                 continue
-            files = root.scan(ns_id)
-            removed = [f for f in files if _unlink(root, f.path, f, args.dry_run)]
+            removed = [f for f in root.scan(ns_id) if _unlink(root, f.path, f, args.dry_run)]
             cleared.append({"namespace": name, "id": ns_id, "files": len(removed),
                             "bytes": sum(f.size for f in removed)})
         report["namespaces"] = cleared

@@ -276,8 +276,7 @@ def retrieve_prompt(engine: LMCacheEngine, tokens: torch.Tensor,
                               dtype=connector.dtype)
     started = time.perf_counter()
     ret_mask = engine.retrieve(tokens, kvcaches=destination)
-    seconds = time.perf_counter() - started
-    return Retrieved(kv=destination, ret_mask=ret_mask, seconds=seconds)
+    return Retrieved(kv=destination, ret_mask=ret_mask, seconds=time.perf_counter() - started)
 
 
 def keys_in_tier(engine: LMCacheEngine, tier: str, keys: Sequence[CacheEngineKey]) -> int:
