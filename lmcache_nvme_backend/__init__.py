@@ -19,19 +19,9 @@ from .store.access import check_paths
 
 __version__ = "0.2.0"
 __all__ = [
-    "ChunkRead",
-    "ChunkStore",
-    "ChunkWrite",
-    "NVMeBackend",
-    "NVMeConfigError",
-    "NVMeConnector",
-    "NVMeL2Adapter",
-    "NVMeL2AdapterConfig",
-    "NVMeSettings",
-    "SubmitResult",
-    "TensorMeta",
-    "__version__",
-    "check_paths",
+    "ChunkRead", "ChunkStore", "ChunkWrite", "NVMeBackend", "NVMeConfigError", "NVMeConnector",
+    "NVMeL2Adapter", "NVMeL2AdapterConfig", "NVMeSettings", "SubmitResult", "TensorMeta",
+    "__version__", "check_paths",
 ]
 
 if TYPE_CHECKING:

@@ -16,22 +16,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client import REGISTRY, Metric, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .config import GIB, MIB
-from .store.stats import (
-    READ_PATHS,
-    WRITE_LATENCY,
-    HistogramSnapshot,
-    path_counter,
-    read_latency,
-)
+from .store.stats import READ_PATHS, WRITE_LATENCY, HistogramSnapshot, path_counter, read_latency
 
 if TYPE_CHECKING:
     from .store.chunk_store import ChunkStore

@@ -115,6 +115,9 @@ class Outcome:
             self.payload_bytes = header.payload_len if verdict.ok else 0
 
 
+_Group = list[tuple[Outcome, ChunkHeader]]  # the files of one namespace and layout
+
+
 class Verifier:
     """Checks the files of one root: headers on ``threads`` threads, then each batch's
     payloads through an I/O engine of ``threads`` readers."""
@@ -135,7 +138,7 @@ class Verifier:
     def check(self, files: list[CacheFile]) -> list[Outcome]:
         """The outcome of each file: its header judged, then its payload read and verified."""
         outcomes = list(self._pool.map(self._check_header, files))
-        groups: dict[tuple[str, bytes], list[tuple[Outcome, ChunkHeader]]] = {}
+        groups: dict[tuple[str, bytes], _Group] = {}
         for out in outcomes:
             if out.header is not None:
                 groups.setdefault((out.file.ns_id, out.header.tensor_meta.to_json()),
@@ -160,8 +163,7 @@ class Verifier:
             out.reason = verdict.reason
         return out
 
-    def _check_payloads(self, groups: dict[tuple[str, bytes],
-                                           list[tuple[Outcome, ChunkHeader]]]) -> None:
+    def _check_payloads(self, groups: dict[tuple[str, bytes], _Group]) -> None:
         """Read the files whose headers passed, one share per namespace and layout, and
         judge each one the engine did not serve (as ``store/reads.py`` does)."""
         sizes = [padded_length(header.payload_len) for mine in groups.values()
@@ -172,7 +174,7 @@ class Verifier:
         dests = [self._buffer.view[start:end]
                  for start, end in itertools.pairwise([0, *itertools.accumulate(sizes)])]
         shares: list[ReadShare] = []
-        order: list[tuple[Outcome, ChunkHeader]] = []
+        order: _Group = []
         for (ns_id, meta), mine in groups.items():
             views = dests[len(order) : len(order) + len(mine)]
             shares.append((self._root_fd, self.root.layout.chunk_naming(ns_id), self.direct,

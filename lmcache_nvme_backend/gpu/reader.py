@@ -61,12 +61,9 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class HostMemory:
-    """How the GPU path gets and handles LMCache memory objects (the adapter supplies it).
-
-    ``allocate`` a host object for a chunk, ``view`` an object's bytes, ``fit`` an
-    object to a payload length, ``reclaim`` a pool object only LMCache's host
-    tier still holds (see ``GpuBufferPool``).
-    """
+    """How the GPU path gets and handles LMCache memory objects (the adapter supplies it):
+    ``allocate`` a host object for a chunk, ``view`` an object's bytes, ``fit`` an object to
+    a payload length, ``reclaim`` a pool object only LMCache's host tier still holds."""
 
     allocate: Callable[[TensorMeta], MemoryObj | None]
     view: Callable[[MemoryObj], memoryview]
@@ -112,8 +109,7 @@ class GpuChunkReader:
         tags = list(tags) if tags is not None else list(keys)
         results: list[MemoryObj | None] = [None] * len(keys)
         wanted = [i for i, meta in enumerate(metas) if meta is not None]
-        # after the first pass: (index, pool object) to read through the host, and indices
-        # the full pool leaves to host memory objects
+        # left for the host path: (index, pool object) to read and copy; indices the pool refused
         bounce: list[tuple[int, MemoryObj | None]] = []
         host: list[int] = []
         if self.decision.path in KVIKIO_PATHS:
@@ -154,8 +150,7 @@ class GpuChunkReader:
             for fut in header_futures:
                 fut.result()
         self._checksum(jobs)
-        served_bytes = 0
-        served = 0
+        served = served_bytes = 0
         for job in jobs:
             outcome = self._judge(job)
             if outcome is Outcome.SERVED:
@@ -250,8 +245,7 @@ class GpuChunkReader:
         staged = self._into_host(keys, metas, items)
         if not staged:
             return
-        served_bytes = 0
-        count = 0
+        count = served_bytes = 0
         copies: list[MemoryObj] = []
         for i, gpu_obj, host, ok in staged:
             meta = metas[i]
