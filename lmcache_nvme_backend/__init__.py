@@ -29,12 +29,8 @@ if TYPE_CHECKING:
     from .adapters.connector import NVMeConnector
     from .adapters.l2_adapter import NVMeL2Adapter, NVMeL2AdapterConfig
 
-_ADAPTERS = {
-    "NVMeBackend": "backend",
-    "NVMeConnector": "connector",
-    "NVMeL2Adapter": "l2_adapter",
-    "NVMeL2AdapterConfig": "l2_adapter",
-}
+_ADAPTERS = {"NVMeBackend": "backend", "NVMeConnector": "connector",
+             "NVMeL2Adapter": "l2_adapter", "NVMeL2AdapterConfig": "l2_adapter"}
 
 
 def __getattr__(name: str) -> Any:

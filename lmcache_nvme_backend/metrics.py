@@ -33,11 +33,9 @@ PORT_TRIES = 64  # metrics_port, metrics_port + 1, ...: one per rank on a node
 
 
 class MetricSpec(NamedTuple):
-    """One exported metric: its name (without prefix and ``_total``), kind, help, sources.
-
-    ``sources`` maps a label value (or ``""`` for an unlabelled metric) to the key
-    of the tier's ``stats()`` snapshot (histograms: of its ``histograms()``).
-    """
+    """One exported metric: its name (without prefix and ``_total``), kind, help, and
+    ``sources``: label value (``""`` unlabelled) -> key of the tier's ``stats()`` snapshot
+    (histograms: of its ``histograms()``)."""
 
     name: str
     kind: str  # "counter", "gauge" or "histogram"

@@ -1,10 +1,9 @@
 """Offline view of a cache root, shared by ``inspect``, ``verify`` and ``gc``.
 
-Everything here only reads the tree (``lstat``, ``scandir``, the manifest and
-the NAMESPACE files), so it is safe while a server uses the directory; files
-may vanish between the listing and a later look, and callers treat that as
-"already gone".  Nothing is reached through a link (``disk/safe_fs.py``), no FIFO
-is waited on, and a damaged manifest is ignored.
+Listing only reads the tree (``lstat``, ``scandir``, the manifest and the NAMESPACE files),
+so it is safe while a server uses the directory; a file may vanish between the listing and
+a later look, which callers treat as "already gone".  Nothing is reached through a link
+(``disk/safe_fs.py``), no FIFO is waited on, and a damaged manifest is ignored.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """``lmcache-nvme gc PATH...``: enforce a byte budget, clear namespaces, remove stale temp files.
 
-Safe while a server uses the directory: gc only unlinks (or, for nothing here,
-renames) files and never rewrites one in place.  A running store treats a chunk
-file that vanished as a miss and forgets it; its manifest is a hint that the
-next start reconciles with the directory.  Directories and NAMESPACE files are
-left alone (a writer may be about to create a file in them).
-
-What a running server has pinned is only known to that process: gc deletes by
-recency alone.  Run it with the server stopped, or with a budget that leaves
-room, when pins matter.
+Safe while a server uses the directory: gc only unlinks files, never rewrites one.  A
+running store treats a chunk file that vanished as a miss and forgets it (its manifest is a
+hint the next start reconciles).  Directories and NAMESPACE files are left alone (a writer
+may be about to create a file in them).  What a running server has pinned only it knows:
+gc deletes by recency alone, so when pins matter run it with the server stopped, or with a
+budget that leaves room.
 """
 
 from __future__ import annotations

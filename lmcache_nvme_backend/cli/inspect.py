@@ -1,15 +1,12 @@
 """``lmcache-nvme inspect PATH...``: entries and bytes per namespace, and an age histogram.
 
-Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is
-the time since last access as recorded in the manifest (the server saves it
-periodically and at close), else since the file was written.
-
-A directory used in shared mode also shows its one budget, each member's share and
-recency, dead and departed members (docs/deployment.md), from the newest ledger version
-and the members' leases.  Liveness is judged the way members judge it, without comparing
-clocks: a member on this host is alive while its process is; a member on another host is
-read twice ``HEARTBEAT_S`` apart (only then does ``inspect`` wait), alive if its lease
-counter moved.
+Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is the time
+since last access as recorded in the manifest (saved periodically and at close), else since
+the file was written.  A directory in shared mode also shows its one budget, each member's
+share and recency, dead and departed members (docs/deployment.md), from the newest ledger
+version and the leases.  Liveness is judged as members judge it, without comparing clocks:
+a member on this host is alive while its process is; one on another host is read twice
+``HEARTBEAT_S`` apart (only then does ``inspect`` wait), alive if its lease counter moved.
 """
 
 from __future__ import annotations

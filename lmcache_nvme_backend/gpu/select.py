@@ -77,7 +77,6 @@ class GpuProbe:
     def detect(cls) -> GpuProbe:
         """Ask torch and kvikio; never raises (a failure is a fact like any other)."""
         cuda_devices, cuda_error = 0, None
-        torch_cuda = torch_cuda_version()
         try:
             import torch
 
@@ -117,7 +116,7 @@ class GpuProbe:
                    kvikio_error=kv_error, libcufile_version=cufile,
                    compat_mode_preferred=compat, compat_mode_setting=setting,
                    nvidia_fs=os.path.exists("/proc/driver/nvidia-fs/version"),
-                   torch_cuda=torch_cuda)
+                   torch_cuda=torch_cuda_version())
 
 
 @dataclass(frozen=True)

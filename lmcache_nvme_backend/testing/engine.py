@@ -123,11 +123,8 @@ DEFAULT_KV_SHAPE: tuple[int, int, int, int, int] = (4, 2, 256, 8, 64)
 def load_config(yaml_path: str | os.PathLike[str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> LMCacheEngineConfig:
     """An ``LMCacheEngineConfig`` from a YAML file plus overrides, without ``LMCACHE_*``
-    environment variables.
-
-    Top-level keys replace the file's; ``extra_config`` is merged key by key (a value of
-    None deletes the key).  An override LMCache does not define raises ``KeyError``.
-    """
+    environment variables.  Top-level keys replace the file's; ``extra_config`` is merged key
+    by key (None deletes a key).  An override LMCache does not define raises ``KeyError``."""
     settings: dict[str, Any] = {}
     if yaml_path is not None:
         settings = yaml.safe_load(Path(yaml_path).read_text()) or {}
@@ -290,12 +287,11 @@ def wait_until_in_tier(engine: LMCacheEngine, tier: str, keys: Sequence[CacheEng
     """Seconds until the tier holds every key (writes to lower tiers are asynchronous);
     ``TimeoutError`` after ``timeout_s``."""
     started = time.perf_counter()
-    deadline = started + timeout_s
     while True:
         present = keys_in_tier(engine, tier, keys)
         if present == len(keys):
             return time.perf_counter() - started
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() - started >= timeout_s:
             raise TimeoutError(f"{tier} holds {present} of {len(keys)} chunks "
                                f"after {timeout_s:.1f} s")
         time.sleep(poll_s)
