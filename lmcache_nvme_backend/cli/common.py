@@ -150,11 +150,8 @@ def print_json(doc: Any) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn at most a few times a second.
-
-    Disabled (every method a no-op) unless ``enabled``; callers pass
-    ``stderr.isatty() or --progress``.
-    """
+    """A one-line progress bar on stderr, drawn at most a few times a second; every method
+    is a no-op unless ``enabled`` (callers pass ``stderr.isatty() or --progress``)."""
 
     WIDTH = 28
 
