@@ -1,23 +1,15 @@
 """NVMe / GPUDirect Storage tier for LMCache.
 
-LMCache loads the plugin classes from this package by name::
-
-    storage_plugin.nvme.module_path: lmcache_nvme_backend
-    storage_plugin.nvme.class_name: NVMeBackend
-
-and likewise ``NVMeConnector`` (``remote_storage_plugins``) and ``NVMeL2Adapter``
-(``lmcache server --l2-adapter``, type ``plugin``).
-
-The names in ``__all__`` are the public Python API (``docs/api.md``), stable
-from 0.2 on: the settings and ``check_paths`` (the start-up check of their
-directories), the chunk store for tools that read or fill a cache directory, and
-the three adapters.  The storage core (``disk``, ``io``,
-``store``) imports neither LMCache nor torch; the adapters are imported only
-when first used.
+LMCache loads the plugin classes from this package by name (``storage_plugin.nvme.
+class_name: NVMeBackend``; likewise ``NVMeConnector`` and ``NVMeL2Adapter``).  The names
+in ``__all__`` are the public Python API (``docs/api.md``), stable from 0.2 on.  The
+storage core (``disk``, ``io``, ``store``) imports neither LMCache nor torch; the
+adapters are imported only when first used.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import NVMeConfigError, NVMeSettings
@@ -27,19 +19,9 @@ from .store.access import check_paths
 
 __version__ = "0.2.0"
 __all__ = [
-    "ChunkRead",
-    "ChunkStore",
-    "ChunkWrite",
-    "NVMeBackend",
-    "NVMeConfigError",
-    "NVMeConnector",
-    "NVMeL2Adapter",
-    "NVMeL2AdapterConfig",
-    "NVMeSettings",
-    "SubmitResult",
-    "TensorMeta",
-    "__version__",
-    "check_paths",
+    "ChunkRead", "ChunkStore", "ChunkWrite", "NVMeBackend", "NVMeConfigError", "NVMeConnector",
+    "NVMeL2Adapter", "NVMeL2AdapterConfig", "NVMeSettings", "SubmitResult", "TensorMeta",
+    "__version__", "check_paths",
 ]
 
 if TYPE_CHECKING:
@@ -47,12 +29,8 @@ if TYPE_CHECKING:
     from .adapters.connector import NVMeConnector
     from .adapters.l2_adapter import NVMeL2Adapter, NVMeL2AdapterConfig
 
-_ADAPTERS = {
-    "NVMeBackend": "backend",
-    "NVMeConnector": "connector",
-    "NVMeL2Adapter": "l2_adapter",
-    "NVMeL2AdapterConfig": "l2_adapter",
-}
+_ADAPTERS = {"NVMeBackend": "backend", "NVMeConnector": "connector",
+             "NVMeL2Adapter": "l2_adapter", "NVMeL2AdapterConfig": "l2_adapter"}
 
 
 def __getattr__(name: str) -> Any:
@@ -60,6 +38,4 @@ def __getattr__(name: str) -> Any:
     module = _ADAPTERS.get(name)
     if module is None:
         raise AttributeError(f"module 'lmcache_nvme_backend' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f".adapters.{module}", __name__), name)

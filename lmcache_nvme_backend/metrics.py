@@ -1,19 +1,12 @@
-"""Prometheus metrics and a periodic one-line summary of the NVMe tier.
+"""Prometheus metrics and a periodic one-line summary of the NVMe tier (docs/metrics.md).
 
-The store only counts (``stats.py``); this module is an observer that reads those
-counters when someone asks for them, so the hot path never touches prometheus_client.
-
-* Every open tier (an ``NVMeBackend``, ``NVMeConnector`` or ``NVMeL2Adapter``) is
-  exported through one collector in prometheus_client's default registry, labelled
-  with its adapter and cache directory.  Whatever already serves that registry in the
-  process shows the tier's metrics with no setting: LMCache's multiprocess server's
-  ``/metrics`` on its ``--http-port``, LMCache's internal API server ``/metrics``.
-* ``nvme.metrics_port`` also serves the registry on a port of its own (for vLLM
-  workers, which serve none): the first free port from the one configured, so each
-  tensor-parallel rank on a node gets its own.
-* ``nvme.stats_log_interval_s`` logs one line per interval with what changed.
-
-``docs/metrics.md`` lists every metric.
+The store only counts (``stats.py``); this observer reads the counters when asked, so the
+hot path never touches prometheus_client.  Every open tier is exported, labelled with its
+adapter and cache directory, through one collector in the default registry, which
+whatever serves that registry shows (LMCache's servers' ``/metrics``).
+``nvme.metrics_port`` also serves it on the first free port from the one configured (one
+per tensor-parallel rank: vLLM workers serve none); ``nvme.stats_log_interval_s`` logs
+one line per interval with what changed.
 """
 
 from __future__ import annotations
@@ -21,24 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client import REGISTRY, Metric, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .store.stats import (
-    READ_PATHS,
-    WRITE_LATENCY,
-    HistogramSnapshot,
-    path_counter,
-    read_latency,
-)
+from .config import GIB, MIB
+from .store.stats import READ_PATHS, WRITE_LATENCY, HistogramSnapshot, path_counter, read_latency
 
 if TYPE_CHECKING:
     from .store.chunk_store import ChunkStore
@@ -48,20 +30,15 @@ logger = logging.getLogger("lmcache_nvme_backend")  # LMCache's handler prints i
 
 PREFIX = "lmcache_nvme"
 PORT_TRIES = 64  # metrics_port, metrics_port + 1, ...: one per rank on a node
-GIB = 1 << 30
-MIB = 1 << 20
 
 
-@dataclass(frozen=True)
-class MetricSpec:
-    """One exported metric: its name (without prefix and ``_total``), kind, help, sources.
-
-    ``sources`` maps a label value (or ``""`` for an unlabelled metric) to the key
-    of the tier's ``stats()`` snapshot that holds the value.
-    """
+class MetricSpec(NamedTuple):
+    """One exported metric: its name (without prefix and ``_total``), kind, help, and
+    ``sources``: label value (``""`` unlabelled) -> key of the tier's ``stats()`` snapshot
+    (histograms: of its ``histograms()``)."""
 
     name: str
-    kind: str  # "counter" or "gauge"
+    kind: str  # "counter", "gauge" or "histogram"
     help: str
     sources: dict[str, str]
     label: str = ""  # the label whose values are the keys of ``sources``
@@ -86,15 +63,14 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("served_chunks", "Chunks served, all read paths.", "read_chunks"),
     _counter("served_bytes", "Payload bytes served, all read paths.", "read_bytes"),
     MetricSpec("read_chunks", "counter", "Chunks read, by read path (host-bounce reads also "
-               "count their host leg under posix).",
-               _per_path("chunks"), label="path"),
+               "count their host leg under posix).", _per_path("chunks"), label="path"),
     MetricSpec("read_bytes", "counter", "Payload bytes read, by read path.",
                _per_path("bytes"), label="path"),
     MetricSpec("read_throughput_bytes_per_second", "gauge",
                "Average read throughput since start, by read path (bytes / time in reads); "
                "use rate() of read_bytes_total over read_latency_seconds_sum for a window.",
-               {path: path_counter(path, "gbps") for path in READ_PATHS}, label="path"),
-    _counter("read_seconds", "Time spent in read calls, all paths.", "read_seconds"),
+               _per_path("gbps"), label="path"),
+    _counter("read_seconds", "Time spent in read calls, all paths."),
     _counter("read_failures", "Chunks asked for and not served (missing, invalid, I/O error)."),
     _counter("writes_enqueued", "Chunks accepted into the write-back queue."),
     _counter("writes", "Chunk files written and published.", "writes_completed"),
@@ -158,48 +134,37 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("gpu_pool_objects_lent", "GPU pool memory objects lent to LMCache."),
 )
 
-#: One gauge per cache directory of a tier (label ``root``): name, help, value of a root.
-ROOT_GAUGES: tuple[tuple[str, str, Callable[[RootInfo], float | None]], ...] = (
+#: One gauge per cache directory of a tier (label ``root``): name, help, ``RootInfo`` field.
+ROOT_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("root_in_service", "1 while the cache directory is in service, 0 while it is out of "
-     "service after I/O errors.", lambda r: float(r.healthy)),
+     "service after I/O errors.", "healthy"),
     ("root_direct_io", "1 when the cache directory reads and writes with O_DIRECT.",
-     lambda r: float(r.direct_io)),
-    ("root_used_bytes", "Bytes on disk of the directory's published chunks.",
-     lambda r: float(r.used_bytes)),
+     "direct_io"),
+    ("root_used_bytes", "Bytes on disk of the directory's published chunks.", "used_bytes"),
     ("root_capacity_bytes", "The directory's share of the byte budget (max_size_gb).",
-     lambda r: float(r.capacity_bytes)),
+     "capacity_bytes"),
     ("root_free_bytes", "Free bytes of the directory's filesystem, as an unprivileged writer "
-     "sees them, at scrape time.", lambda r: None if r.free_bytes is None else
-     float(r.free_bytes)),
+     "sees them, at scrape time.", "free_bytes"),
     ("root_min_free_bytes", "The directory's free-space guard (min_free_gb): writes are "
-     "dropped while the filesystem has no more free bytes than this.",
-     lambda r: float(r.min_free_bytes)),
+     "dropped while the filesystem has no more free bytes than this.", "min_free_bytes"),
 )
 
-HISTOGRAMS: tuple[tuple[str, str, dict[str, str], str], ...] = (
-    ("read_latency_seconds", "Duration of one read call (a batch of chunks), by read path.",
-     {path: read_latency(path) for path in READ_PATHS}, "path"),
-    ("write_latency_seconds", "Duration of writing and publishing one chunk file.",
-     {"": WRITE_LATENCY}, ""),
+HISTOGRAMS: tuple[MetricSpec, ...] = (
+    MetricSpec("read_latency_seconds", "histogram",
+               "Duration of one read call (a batch of chunks), by read path.",
+               {path: read_latency(path) for path in READ_PATHS}, label="path"),
+    MetricSpec("write_latency_seconds", "histogram",
+               "Duration of writing and publishing one chunk file.", {"": WRITE_LATENCY}),
 )
+
+_FAMILIES: dict[str, Any] = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                             "histogram": HistogramMetricFamily}
 
 
 def metric_names() -> list[str]:
     """Every exported metric family as Prometheus shows it (counters with ``_total``)."""
     names = [f"{PREFIX}_{m.name}" + ("_total" if m.kind == "counter" else "") for m in METRICS]
-    return (names + [f"{PREFIX}_{name}" for name, *_ in ROOT_GAUGES]
-            + [f"{PREFIX}_{name}" for name, *_ in HISTOGRAMS])
-
-
-@dataclass(eq=False)
-class TierSource:
-    """What the collector reads of one open tier."""
-
-    adapter: str
-    cache_dir: str
-    stats: Callable[[], dict[str, float]]
-    histograms: Callable[[], dict[str, HistogramSnapshot]]
-    roots: Callable[[], list[RootInfo]] = list
+    return names + [f"{PREFIX}_{name}" for name, *_ in (*ROOT_GAUGES, *HISTOGRAMS)]
 
 
 class TierCollector:
@@ -207,13 +172,18 @@ class TierCollector:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tiers: list[TierSource] = []
+        self._tiers: list[TierObserver] = []
+        self._registered = False
 
-    def add(self, tier: TierSource) -> None:
+    def add(self, tier: TierObserver) -> None:
+        """Export ``tier`` (the first one registers the collector)."""
         with self._lock:
+            if not self._registered:
+                REGISTRY.register(self)
+                self._registered = True
             self._tiers.append(tier)
 
-    def remove(self, tier: TierSource) -> None:
+    def remove(self, tier: TierObserver) -> None:
         with self._lock:
             if tier in self._tiers:
                 self._tiers.remove(tier)
@@ -225,54 +195,35 @@ class TierCollector:
         with self._lock:
             tiers = list(self._tiers)
         snapshots = [(t, t.stats(), t.histograms()) for t in tiers]
-        base = ["adapter", "cache_dir"]
-        yield from self._root_families(tiers, base)
-        for spec in METRICS:
-            labels = [*base, spec.label] if spec.label else base
-            family_type = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-            family = family_type(f"{PREFIX}_{spec.name}", spec.help, labels=labels)
-            for tier, snap, _ in snapshots:
-                for value_label, key in spec.sources.items():
-                    if key in snap:
-                        extra = [value_label] if spec.label else []
-                        family.add_metric([tier.adapter, tier.cache_dir, *extra], snap[key])
-            yield family
-        for name, help_text, sources, label in HISTOGRAMS:
-            labels = [*base, label] if label else base
-            hist = HistogramMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
-            for tier, _, histograms in snapshots:
-                for value_label, key in sources.items():
-                    h = histograms[key]
-                    extra = [value_label] if label else []
-                    hist.add_metric([tier.adapter, tier.cache_dir, *extra],
-                                    [(bound, float(n)) for bound, n in h.cumulative()], h.sum_s)
-            yield hist
-
-    @staticmethod
-    def _root_families(tiers: list[TierSource], base: list[str]) -> Iterator[Metric]:
         roots = [(t, t.roots()) for t in tiers]
-        for name, help_text, value_of in ROOT_GAUGES:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=[*base, "root"])
+        base = ["adapter", "cache_dir"]
+        for name, help_text, field in ROOT_GAUGES:
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=[*base, "root"])
             for tier, infos in roots:
                 for info in infos:
-                    value = value_of(info)
+                    value = getattr(info, field)
                     if value is not None:
-                        family.add_metric([tier.adapter, tier.cache_dir, str(info.path)], value)
+                        gauge.add_metric([tier.adapter, tier.cache_dir, str(info.path)],
+                                         float(value))
+            yield gauge
+        for spec in (*METRICS, *HISTOGRAMS):
+            family = _FAMILIES[spec.kind](f"{PREFIX}_{spec.name}", spec.help,
+                                          labels=[*base, spec.label] if spec.label else base)
+            for tier, snap, histograms in snapshots:
+                for value_label, key in spec.sources.items():
+                    labels = [tier.adapter, tier.cache_dir, *([value_label] if spec.label else [])]
+                    if spec.kind == "histogram":
+                        h = histograms[key]
+                        family.add_metric(labels, [(b, float(n)) for b, n in h.cumulative()],
+                                          h.sum_s)
+                    elif key in snap:
+                        family.add_metric(labels, snap[key])
             yield family
 
 
 _collector = TierCollector()
-_registered = False
 _served_port: int | None = None
 _setup_lock = threading.Lock()
-
-
-def _register() -> None:
-    global _registered
-    with _setup_lock:
-        if not _registered:
-            REGISTRY.register(_collector)
-            _registered = True
 
 
 def serve_metrics(port: int) -> int | None:
@@ -334,9 +285,12 @@ class TierObserver:
                  stats_log_interval_s: float, stats: Callable[[], dict[str, float]],
                  histograms: Callable[[], dict[str, HistogramSnapshot]],
                  roots: Callable[[], list[RootInfo]] = list) -> None:
-        self.source = TierSource(adapter, ",".join(cache_dirs), stats, histograms, roots)
-        _register()
-        _collector.add(self.source)
+        self.adapter = adapter
+        self.cache_dir = ",".join(cache_dirs)
+        self.stats = stats
+        self.histograms = histograms
+        self.roots = roots
+        _collector.add(self)
         self.metrics_port = serve_metrics(metrics_port) if metrics_port else None
         self._stop = threading.Event()
         self._logger: threading.Thread | None = None
@@ -355,9 +309,9 @@ class TierObserver:
                    store.describe_roots)
 
     def _log_loop(self, interval_s: float) -> None:
-        previous = self.source.stats()
+        previous = self.stats()
         while not self._stop.wait(interval_s):
-            current = self.source.stats()
+            current = self.stats()
             logger.info("%s", stats_line(previous, current, interval_s))
             previous = current
 
@@ -365,4 +319,4 @@ class TierObserver:
         self._stop.set()
         if self._logger is not None:
             self._logger.join()
-        _collector.remove(self.source)
+        _collector.remove(self)

@@ -1,14 +1,7 @@
 """The ``lmcache-nvme`` command line (also ``python -m lmcache_nvme_backend``).
 
-Commands, one module each:
-
-* ``bench``   fio-style benchmark of the backend's I/O engine (the ``bench`` package)
-* ``check-config`` checks an LMCache YAML or L2 adapter JSON before a deploy
-  (``check_config.py``)
-* ``doctor``  checks a path and the GPU/GDS stack (``doctor.py``)
-* ``inspect`` lists and sizes a cache directory (``inspect.py``)
-* ``verify``  decodes every header and checks every payload checksum (``verify.py``)
-* ``gc``      enforces a byte budget, clears a namespace, removes stale temp files (``gc.py``)
+One module per command (each adds its subparser): ``bench`` (a package),
+``check_config``, ``doctor``, ``inspect``, ``verify``, ``gc``.
 
 Exit statuses: 0 success, 1 a problem was found or the command could not run
 (``doctor``, ``check-config``: 1 = warnings, 2 = failures), 2 usage error (argparse; also

@@ -1,10 +1,9 @@
 """Offline view of a cache root, shared by ``inspect``, ``verify`` and ``gc``.
 
-Everything here only reads the tree (``lstat``, ``scandir``, the manifest and
-the NAMESPACE files), so it is safe while a server uses the directory; files
-may vanish between the listing and a later look, and callers treat that as
-"already gone".  Nothing is reached through a link (``disk/safe_fs.py``), no FIFO
-is waited on, and a damaged manifest is ignored.
+Listing only reads the tree (``lstat``, ``scandir``, the manifest and the NAMESPACE files),
+so it is safe while a server uses the directory; a file may vanish between the listing and
+a later look, which callers treat as "already gone".  Nothing is reached through a link
+(``disk/safe_fs.py``), no FIFO is waited on, and a damaged manifest is ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..disk.layout import MARKER_NAME, RootLayout, namespace_id, split_tree_path
-from ..disk.manifest import DEFAULT_MAX_BYTES, MANIFEST_NAME, ManifestRecord, load_manifest
+from ..disk.manifest import ManifestRecord, load_manifest
 from ..disk.safe_fs import lstat_beneath, read_small_file, scandir_beneath, unlink_beneath
 from ..store.recovery import manifest_limit
 from .common import CLIError
@@ -46,7 +45,11 @@ class CacheRoot:
         path = path.absolute()
         if not path.is_dir():
             raise CLIError(f"'{path}' is not a directory")
-        if not _is_regular(path / MARKER_NAME):
+        try:
+            marker_mode = os.lstat(path / MARKER_NAME).st_mode
+        except OSError:
+            marker_mode = 0
+        if not stat.S_ISREG(marker_mode):
             raise CLIError(f"'{path}' is not an LMCache NVMe cache root (no {MARKER_NAME} "
                            "file); give the directory configured as nvme.path")
         self.path = path
@@ -56,16 +59,12 @@ class CacheRoot:
             raise CLIError(str(exc)) from None
         self._manifest: dict[str, ManifestRecord] | None = None
 
-    @property
-    def manifest_path(self) -> Path:
-        return self.layout.index_dir / MANIFEST_NAME
-
-    def manifest(self, chunk_files: int | None = None) -> dict[str, ManifestRecord]:
+    def manifest(self, chunk_files: int) -> dict[str, ManifestRecord]:
         """Records of the persisted index snapshot (empty when missing, unreadable, or far
         larger than a manifest of ``chunk_files`` chunk files can be)."""
         if self._manifest is None:
-            limit = DEFAULT_MAX_BYTES if chunk_files is None else manifest_limit(chunk_files)
-            self._manifest = load_manifest(self.layout.index_dir, max_bytes=limit)
+            self._manifest = load_manifest(self.layout.index_dir,
+                                           max_bytes=manifest_limit(chunk_files))
         return self._manifest
 
     def namespace_names(self) -> dict[str, str]:
@@ -105,11 +104,6 @@ class CacheRoot:
                                    st.st_ino, st.st_dev))
         return files
 
-    def special_entries(self, ns_id: str | None = None) -> list[tuple[Path, str]]:
-        """(path, what it is) of links, directories and special files at chunk names:
-        never followed or read, reported by ``verify`` and ``inspect``."""
-        return list(self.layout.iter_special_entries(ns_id))
-
     def quarantined(self) -> list[tuple[Path, int]]:
         """(path, size) of the files in the quarantine directory (never through a link)."""
         out = []
@@ -127,22 +121,6 @@ class CacheRoot:
         unlink_beneath(self.path, self.layout.relative(path))
 
 
-def lru_order(files: list[CacheFile]) -> list[CacheFile]:
-    """Least recently used first: manifest recency where known, else file mtime.
-
-    The same order the store rebuilds at restart, so ``gc`` evicts what the
-    server would have evicted.
-    """
-    return sorted(files, key=lambda f: (f.last_access_ns, f.digest))
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
 def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:
     """Whether ``path`` is still the file that was looked at (not replaced meanwhile)."""
     where = split_tree_path(path)
@@ -150,11 +128,9 @@ def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:
         st = lstat_beneath(*where) if where is not None else os.lstat(path)
     except (OSError, ValueError):
         return False
-    if isinstance(ref, CacheFile):
-        return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (
-            ref.ino, ref.dev, ref.size, ref.mtime_ns)
-    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == (
-        ref.st_ino, ref.st_dev, ref.st_size, ref.st_mtime_ns)
+    want = ((ref.ino, ref.dev, ref.size, ref.mtime_ns) if isinstance(ref, CacheFile)
+            else (ref.st_ino, ref.st_dev, ref.st_size, ref.st_mtime_ns))
+    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == want
 
 
 def relative(root: CacheRoot, path: Path) -> str:

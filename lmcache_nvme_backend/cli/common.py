@@ -10,15 +10,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+from ..config import GIB, MIB
 from ..disk.probe import nearest_existing
 
 T = TypeVar("T")
-
 KIB = 1024
-MIB = 1024**2
-GIB = 1024**3
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": 1024**4, "p": 1024**5}
@@ -99,20 +97,22 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _list_arg(text: str, item: Callable[[str], int], example: str) -> list[int]:
+    """Comma-separated items, sorted and deduplicated."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list such as {example}")
+    return sorted({item(t) for t in items})
+
+
 def int_list_arg(text: str) -> list[int]:
     """argparse type: comma-separated positive integers, e.g. ``1,2,4,8``."""
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list such as 1,2,4,8")
-    return sorted({positive_int(t.strip()) for t in items})
+    return _list_arg(text, positive_int, "1,2,4,8")
 
 
 def size_list_arg(text: str) -> list[int]:
     """argparse type: comma-separated sizes, e.g. ``1M,4M,16M``."""
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list such as 1M,4M,16M")
-    return sorted({size_arg(t.strip()) for t in items})
+    return _list_arg(text, size_arg, "1M,4M,16M")
 
 
 def human_age(seconds: float | None, digits: int = 0) -> str:
@@ -128,11 +128,11 @@ def human_age(seconds: float | None, digits: int = 0) -> str:
 
 def human_bytes(n: float) -> str:
     """Binary units with one decimal: ``1.5 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} TiB"
 
 
 def short_size(n: int) -> str:
@@ -143,29 +143,25 @@ def short_size(n: int) -> str:
     return f"{n}B"
 
 
-def print_json(doc: Any, out: TextIO | None = None) -> None:
-    """Pretty JSON on stdout (or ``out``)."""
-    json.dump(doc, out or sys.stdout, indent=2, sort_keys=False)
-    (out or sys.stdout).write("\n")
+def print_json(doc: Any) -> None:
+    """Pretty JSON on stdout."""
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn at most a few times a second.
-
-    Disabled (every method a no-op) unless ``enabled``; callers pass
-    ``stderr.isatty() or --progress``.
-    """
+    """A one-line progress bar on stderr, drawn at most a few times a second; every method
+    is a no-op unless ``enabled`` (callers pass ``stderr.isatty() or --progress``)."""
 
     WIDTH = 28
 
-    def __init__(self, enabled: bool, total: float, label: str, unit: str = "bytes",
-                 stream: TextIO | None = None) -> None:
+    def __init__(self, enabled: bool, total: float, label: str, unit: str = "bytes") -> None:
         self.enabled = enabled and total > 0
         self.total = total
         self.label = label
         self.unit = unit
         self.done = 0.0
-        self.stream = stream or sys.stderr
+        self.stream = sys.stderr
         self._started = time.monotonic()
         self._last_draw = 0.0
 
@@ -176,12 +172,9 @@ class Progress:
     def advance(self, nbytes: int) -> None:
         """Count ``nbytes`` done (byte bars) or show the elapsed time (time bars)."""
         if self.unit == "bytes":
-            self.update(nbytes)
+            self.done += nbytes
         else:
-            self.set(time.monotonic() - self._started)
-
-    def set(self, done: float) -> None:
-        self.done = done
+            self.done = time.monotonic() - self._started
         self._draw()
 
     def _draw(self, force: bool = False) -> None:
@@ -210,14 +203,13 @@ class Progress:
             self.stream.flush()
 
 
-class MountInfo:
+class MountInfo(NamedTuple):
     """The /proc/mounts entry a path lives on."""
 
-    def __init__(self, device: str, mountpoint: str, fstype: str, options: str) -> None:
-        self.device = device
-        self.mountpoint = mountpoint
-        self.fstype = fstype
-        self.options = options
+    device: str
+    mountpoint: str
+    fstype: str
+    options: str
 
 
 def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None:
@@ -225,8 +217,7 @@ def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None
     target = str(nearest_existing(path).resolve())
     best: MountInfo | None = None
     try:
-        with open(mounts_file) as f:
-            lines = f.read().splitlines()
+        lines = Path(mounts_file).read_text().splitlines()
     except OSError:
         return None
     for line in lines:

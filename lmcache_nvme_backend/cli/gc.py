@@ -1,14 +1,11 @@
 """``lmcache-nvme gc PATH...``: enforce a byte budget, clear namespaces, remove stale temp files.
 
-Safe while a server uses the directory: gc only unlinks (or, for nothing here,
-renames) files and never rewrites one in place.  A running store treats a chunk
-file that vanished as a miss and forgets it; its manifest is a hint that the
-next start reconciles with the directory.  Directories and NAMESPACE files are
-left alone (a writer may be about to create a file in them).
-
-What a running server has pinned is only known to that process: gc deletes by
-recency alone.  Run it with the server stopped, or with a budget that leaves
-room, when pins matter.
+Safe while a server uses the directory: gc only unlinks files, never rewrites one.  A
+running store treats a chunk file that vanished as a miss and forgets it (its manifest is a
+hint the next start reconciles).  Directories and NAMESPACE files are left alone (a writer
+may be about to create a file in them).  What a running server has pinned only it knows:
+gc deletes by recency alone, so when pins matter run it with the server stopped, or with a
+budget that leaves room.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from typing import Any
 
 from ..disk.layout import STALE_TEMP_S
 from ..disk.safe_fs import NotAChunkFile
-from .cache import CacheFile, CacheRoot, lru_order, relative, same_file
+from .cache import CacheFile, CacheRoot, relative, same_file
 from .common import GIB, CLIError, human_bytes, non_negative_float, positive_float, print_json
 
 
@@ -81,8 +78,7 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
             except CLIError:  # present on another path only
                 cleared.append({"namespace": name, "id": None, "files": 0, "bytes": 0})
                 continue
-            files = root.scan(ns_id)
-            removed = [f for f in files if _unlink(root, f.path, f, args.dry_run)]
+            removed = [f for f in root.scan(ns_id) if _unlink(root, f.path, f, args.dry_run)]
             cleared.append({"namespace": name, "id": ns_id, "files": len(removed),
                             "bytes": sum(f.size for f in removed)})
         report["namespaces"] = cleared
@@ -95,18 +91,19 @@ def gc_root(root: CacheRoot, args: argparse.Namespace, budget: int | None) -> di
             except OSError:
                 continue
             if tmp.is_stale(args.temp_age_s, now):
-                if args.dry_run or _unlink(root, tmp.path, None, False):
+                if _unlink(root, tmp.path, None, args.dry_run):
                     removed_tmp += 1
                     nbytes += st.st_size
             else:
                 kept += 1
         report["temp_files"] = {"removed": removed_tmp, "bytes": nbytes, "kept_live": kept}
     if args.purge_quarantine:
-        q = root.quarantined()
-        done = [(p, s) for p, s in q if args.dry_run or _unlink(root, p, None, False)]
+        done = [(p, s) for p, s in root.quarantined() if _unlink(root, p, None, args.dry_run)]
         report["quarantine"] = {"removed": len(done), "bytes": sum(s for _, s in done)}
     if budget is not None:
-        files = lru_order(root.scan())
+        # least recently used first (manifest recency, else file mtime): the order the store
+        # rebuilds at restart, so gc evicts what the server would have evicted
+        files = sorted(root.scan(), key=lambda f: (f.last_access_ns, f.digest))
         total = sum(f.size for f in files)
         removed_files: list[CacheFile] = []
         for f in files:

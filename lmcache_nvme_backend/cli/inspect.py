@@ -1,9 +1,12 @@
 """``lmcache-nvme inspect PATH...``: entries and bytes per namespace, and an age histogram.
 
-Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is
-the time since last access as recorded in the manifest (the server saves it
-periodically and at close), else since the file was written.  A directory used in
-shared mode also shows its one budget and each member's share (``shared_view.py``).
+Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is the time
+since last access as recorded in the manifest (saved periodically and at close), else since
+the file was written.  A directory in shared mode also shows its one budget, each member's
+share and recency, dead and departed members (docs/deployment.md), from the newest ledger
+version and the leases.  Liveness is judged as members judge it, without comparing clocks:
+a member on this host is alive while its process is; one on another host is read twice
+``HEARTBEAT_S`` apart (only then does ``inspect`` wait), alive if its lease counter moved.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..disk.coordination import LEDGER_DIR, host_tag, member_host_pid
 from ..disk.layout import TEMP_INFIX
-from .cache import CacheRoot
+from ..disk.manifest import MANIFEST_NAME
+from ..store.shared.leases import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
+from ..store.shared.ledger import LIVE, LedgerChain, LedgerError
+from .cache import CacheRoot, relative
 from .common import human_age, human_bytes, print_json
-from .shared_view import print_shared, shared_report
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("< 1 min", 60.0),
@@ -27,6 +33,7 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("< 30 days", 30 * 86400.0),
     (">= 30 days", float("inf")),
 )
+READER = "inspect-0-00000000"  # the ledger chain needs a member id; this one never writes
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -54,29 +61,27 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
     buckets: list[dict[str, Any]] = [
         {"bucket": label, "max_age_s": None if limit == float("inf") else limit,
          "files": 0, "bytes": 0} for label, limit in AGE_BUCKETS]
-    oldest = newest = None
+    ages = []
     for f in files:
         ns = per_ns.setdefault(f.ns_id, {"id": f.ns_id, "name": "", "files": 0, "bytes": 0})
         ns["files"] += 1
         ns["bytes"] += f.size
         age_s = max(0.0, (now_ns - f.last_access_ns) / 1e9)
+        ages.append(age_s)
         for bucket, (_, limit) in zip(buckets, AGE_BUCKETS, strict=True):
             if age_s < limit:
                 bucket["files"] += 1
                 bucket["bytes"] += f.size
                 break
-        oldest = age_s if oldest is None else max(oldest, age_s)
-        newest = age_s if newest is None else min(newest, age_s)
-    temp = [t for t in root.layout.iter_temp_files()]
+    temp = list(root.layout.iter_temp_files())
     temp_bytes = 0
     for t in temp:
         with contextlib.suppress(OSError):
             temp_bytes += t.path.lstat().st_size
     quarantined = root.quarantined()
-    manifest = root.manifest(len(files))
-    special = root.special_entries()
+    manifest_path = root.layout.index_dir / MANIFEST_NAME
     try:
-        manifest_age = time.time() - root.manifest_path.lstat().st_mtime
+        manifest_age = time.time() - manifest_path.lstat().st_mtime
     except OSError:
         manifest_age = None
     return {
@@ -85,18 +90,87 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
         "bytes": sum(f.size for f in files),
         "namespaces": sorted(per_ns.values(), key=lambda n: (-n["bytes"], n["id"])),
         "age_histogram": buckets,
-        "oldest_access_age_s": oldest,
-        "newest_access_age_s": newest,
+        "oldest_access_age_s": max(ages, default=None),
+        "newest_access_age_s": min(ages, default=None),
         "files_in_manifest": sum(f.in_manifest for f in files),
-        "manifest": {"present": root.manifest_path.is_file(), "entries": len(manifest),
-                     "age_s": manifest_age},
+        "manifest": {"present": manifest_path.is_file(),
+                     "entries": len(root.manifest(len(files))), "age_s": manifest_age},
         "temp_files": {"count": len(temp), "bytes": temp_bytes,
                        "pattern": f"<digest>.kv{TEMP_INFIX}<host>-<pid>-<thread>"},
         "quarantine": {"count": len(quarantined), "bytes": sum(s for _, s in quarantined)},
-        "special_entries": [{"path": str(p.relative_to(root.path)), "kind": kind}
-                            for p, kind in special],
+        "special_entries": [{"path": relative(root, p), "kind": kind}
+                            for p, kind in root.layout.iter_special_entries()],
         "shared": shared_report(root.path),
     }
+
+
+def shared_report(root: Path) -> dict[str, Any] | None:
+    """The shared-budget part of ``inspect``'s report (None: not a shared directory)."""
+    if not (root / LEDGER_DIR).is_dir():
+        return None
+    try:
+        doc = LedgerChain(root, READER, 0o600, 0o700).latest()
+    except (LedgerError, OSError) as exc:
+        return {"error": f"cannot read the ledger: {exc}"}
+    if doc is None:
+        return None
+    leases = read_leases(root)
+    moving = _moving(root, leases, [m for m, a in doc.accounts.items() if a.state == LIVE])
+    members = []
+    for member, account in sorted(doc.accounts.items()):
+        lease = leases.get(member)
+        state = account.state
+        if state == LIVE and not moving.get(member, True):
+            state = "dead (process gone)" if on_this_host_and_gone(member) else \
+                "dead (lease not renewed)"
+        host, pid = member_host_pid(member)
+        members.append({
+            "member": member, "host": lease.host if lease else host,
+            "pid": lease.pid if lease else pid, "state": state,
+            "budget_configured": account.budget or None,
+            "share_bytes": account.cap,
+            "owned_bytes": lease.owned_bytes if lease else None,
+            "owned_chunks": lease.owned_chunks if lease else None,
+            "in_flight_bytes": lease.reserved if lease else None,
+            "newest_read_age_s": lease.newest_read_age_s if lease else None,
+            "oldest_read_age_s": lease.oldest_read_age_s if lease else None,
+            "lease_seq": lease.seq if lease else None,
+            "read_only": lease.read_only if lease else False,
+        })
+    return {"budget_bytes": doc.budget, "budget_set_by": doc.budget_by,
+            "ledger_version": doc.n, "orphan_bytes": doc.orphans_cap, "free_bytes": doc.pool(),
+            "held_bytes": sum(a.cap for a in doc.accounts.values()), "members": members}
+
+
+def _moving(root: Path, leases: dict[str, Lease], live: list[str]) -> dict[str, bool]:
+    """Whether each live account's member is alive (see the module doc)."""
+    alive = {m: not on_this_host_and_gone(m) for m in live}
+    remote = [m for m in live if member_host_pid(m)[0] != host_tag()]
+    again: dict[str, Lease] = {}
+    if any(m in leases for m in remote):
+        time.sleep(2.5 * HEARTBEAT_S)
+        again = read_leases(root)
+    for member in remote:
+        alive[member] = member in leases and member in again and \
+            again[member].seq != leases[member].seq
+    return alive
+
+
+def print_shared(rep: dict[str, Any]) -> None:
+    if "error" in rep:
+        print(f"  shared budget: {rep['error']}")
+        return
+    print(f"  shared budget: {human_bytes(rep['budget_bytes'])} for every member (set by "
+          f"{rep['budget_set_by']}); members hold {human_bytes(rep['held_bytes'])}, "
+          f"orphans {human_bytes(rep['orphan_bytes'])}, free {human_bytes(rep['free_bytes'])}")
+    print(f"  {'member':<34} {'state':<26} {'owns':>10} {'share':>10} {'in flight':>10}  "
+          "reads (newest / oldest)")
+    for m in rep["members"]:
+        owns = "-" if m["owned_bytes"] is None else human_bytes(m["owned_bytes"])
+        flight = "-" if m["in_flight_bytes"] is None else human_bytes(m["in_flight_bytes"])
+        print(f"  {m['member']:<34} {m['state']:<26} {owns:>10} "
+              f"{human_bytes(m['share_bytes']):>10} {flight:>10}  "
+              f"{human_age(m['newest_read_age_s'], 1)} / {human_age(m['oldest_read_age_s'], 1)}")
 
 
 def print_report(rep: dict[str, Any]) -> None:

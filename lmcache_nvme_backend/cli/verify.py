@@ -1,20 +1,16 @@
 """``lmcache-nvme verify PATH...``: decode every header and check every payload checksum.
 
-The checks are the ones the store makes before serving a chunk (see
-``docs/format.md``, "Validation a reader must do"), plus the ones a listing
-allows: the stored key hashes to the file's name, the namespace to its
-directory, and the file has exactly the size the header implies.  Headers are
-read by path; payloads through the I/O engine the store would run (compiled
-when built, else Python), in batches of one read share per namespace and layout,
-judged as the store judges what its engine did not serve (O_DIRECT where the
-filesystem supports it, so a server's page cache is not disturbed).
+The checks are the store's before it serves a chunk (``docs/format.md``, "Validation a
+reader must do"), plus what a listing allows: the stored key hashes to the file's name,
+the namespace to its directory, and the file has exactly the size the header implies.
+Payloads are read through the I/O engine the store would run, one read share per
+namespace and layout, with O_DIRECT where the filesystem supports it (a server's page
+cache is not disturbed), and judged as the store judges what its engine did not serve.
 
-With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` (the
-store's naming) unless it changed since it was read; a running store treats
-the vanished file as a miss.  Nothing is rewritten in place, and without
-``--quarantine`` nothing is written at all (the O_DIRECT probe reads the
-marker file), so it runs on a full or read-only filesystem.  Links, directories
-and special files at chunk names are reported as skipped, never followed or read.
+With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` unless it changed
+since it was read (a running store treats it as a miss).  Without it nothing is written
+(the O_DIRECT probe reads the marker file), so it runs on a full or read-only filesystem.
+Links, directories and special files at chunk names are reported as skipped, never read.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import argparse
 import itertools
 import os
 import stat
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +115,9 @@ class Outcome:
             self.payload_bytes = header.payload_len if verdict.ok else 0
 
 
+_Group = list[tuple[Outcome, ChunkHeader]]  # the files of one namespace and layout
+
+
 class Verifier:
     """Checks the files of one root: headers on ``threads`` threads, then each batch's
     payloads through an I/O engine of ``threads`` readers."""
@@ -138,7 +138,7 @@ class Verifier:
     def check(self, files: list[CacheFile]) -> list[Outcome]:
         """The outcome of each file: its header judged, then its payload read and verified."""
         outcomes = list(self._pool.map(self._check_header, files))
-        groups: dict[tuple[str, bytes], list[tuple[Outcome, ChunkHeader]]] = {}
+        groups: dict[tuple[str, bytes], _Group] = {}
         for out in outcomes:
             if out.header is not None:
                 groups.setdefault((out.file.ns_id, out.header.tensor_meta.to_json()),
@@ -163,8 +163,7 @@ class Verifier:
             out.reason = verdict.reason
         return out
 
-    def _check_payloads(self, groups: dict[tuple[str, bytes],
-                                           list[tuple[Outcome, ChunkHeader]]]) -> None:
+    def _check_payloads(self, groups: dict[tuple[str, bytes], _Group]) -> None:
         """Read the files whose headers passed, one share per namespace and layout, and
         judge each one the engine did not serve (as ``store/reads.py`` does)."""
         sizes = [padded_length(header.payload_len) for mine in groups.values()
@@ -172,10 +171,10 @@ class Verifier:
         if sum(sizes) > self._buffer.size:
             self._buffer.close()
             self._buffer = AlignedBuffer(sum(sizes))
-        offsets = [0, *itertools.accumulate(sizes)]
-        dests = [self._buffer.view[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        dests = [self._buffer.view[start:end]
+                 for start, end in itertools.pairwise([0, *itertools.accumulate(sizes)])]
         shares: list[ReadShare] = []
-        order: list[tuple[Outcome, ChunkHeader]] = []
+        order: _Group = []
         for (ns_id, meta), mine in groups.items():
             views = dests[len(order) : len(order) + len(mine)]
             shares.append((self._root_fd, self.root.layout.chunk_naming(ns_id), self.direct,
@@ -191,8 +190,8 @@ class Verifier:
         for k, (out, header) in enumerate(order):
             if batch.statuses[k] == OK:
                 out.payload_bytes = header.payload_len
-                continue
-            out.unserved(header, *details[k][1:])
+            else:
+                out.unserved(header, *details[k][1:])
 
 
 def batches(files: list[CacheFile]) -> Iterator[list[CacheFile]]:
@@ -227,7 +226,7 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
                 progress_enabled: bool) -> dict[str, Any]:
     files = root.scan()
     skipped = [{"path": relative(root, p), "kind": kind}
-               for p, kind in root.special_entries()]
+               for p, kind in root.layout.iter_special_entries()]
     started = time.perf_counter()
     progress = Progress(progress_enabled, sum(f.size for f in files), f"verify {root.path}")
     verifier = Verifier(root, threads)
@@ -257,8 +256,6 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     roots = [CacheRoot(p) for p in args.paths]
     progress = args.progress or sys.stderr.isatty()
     reports = [verify_root(r, args.threads, args.quarantine, progress) for r in roots]

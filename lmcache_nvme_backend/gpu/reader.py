@@ -1,29 +1,16 @@
 """GPU read path: chunk payloads from NVMe straight into GPU memory objects.
 
-On a CUDA worker ``NVMeBackend`` serves retrieved chunks as memory objects in
-a GPU buffer pool of its own (``nvme.gpu_pool_mb``).  How a payload gets there
-depends on the path ``gpu_select.select_read_path`` chose:
+On a CUDA worker ``NVMeBackend`` serves retrieved chunks as memory objects in a GPU
+buffer pool of its own (``nvme.gpu_pool_mb``), read by the path ``select_read_path``
+chose (docs/gpu.md): ``kvikio-gds`` and ``kvikio-compat`` read with kvikio's
+``CuFile.pread`` straight into the pool; ``host-bounce`` reads through the POSIX engine
+(xxh3 verified) and copies once to the device; ``posix`` serves host memory objects.
 
-``kvikio-gds``
-    kvikio's ``CuFile.pread`` with cuFile/GPUDirect Storage: the drive DMAs
-    the 4 KiB-aligned payload into the pool, no host copy.
-``kvikio-compat``
-    the same call when kvikio runs in its compat mode (no cuFile/GDS here):
-    kvikio reads through its own pinned bounce buffers with its thread pool.
-``host-bounce``
-    the POSIX engine reads into host memory (O_DIRECT, xxh3 verified), then
-    one device copy into the pool.  ``nvme.gds_mode: off`` and every fallback.
-``posix``
-    host memory objects, as on CPU workers (or ``nvme.gpu_pool_mb: 0``).
-
-Integrity without a host copy: the writer records ``gpusum``'s checksum in the
-header and the reader computes it with torch on the device where the payload
-landed; a mismatch is a miss, counted and quarantined like an xxh3 mismatch.
-A file without that checksum (written before the GPU path was on) is read
-through ``host-bounce`` so that xxh3 verifies it: nothing unverified is served.
-
-kvikio, torch and LMCache are imported only when a GPU path is built: this
-module imports on any machine.
+The kvikio paths verify without a host copy: the writer records ``gpusum``'s checksum in
+the header and the reader computes it on the device; a mismatch is a miss, counted and
+quarantined like an xxh3 mismatch.  A file without that checksum is read through
+``host-bounce``: nothing unverified is served.  kvikio, torch and LMCache are imported
+only when a GPU path is built, so this module imports on any machine.
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import MIB, NVMeConfigError, NVMeSettings
@@ -74,12 +61,9 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class HostMemory:
-    """How the GPU path gets and handles LMCache memory objects (the adapter supplies it).
-
-    ``allocate`` a host object for a chunk, ``view`` an object's bytes, ``fit`` an
-    object to a payload length, ``reclaim`` a pool object only LMCache's host
-    tier still holds (see ``GpuBufferPool``).
-    """
+    """How the GPU path gets and handles LMCache memory objects (the adapter supplies it):
+    ``allocate`` a host object for a chunk, ``view`` an object's bytes, ``fit`` an object to
+    a payload length, ``reclaim`` a pool object only LMCache's host tier still holds."""
 
     allocate: Callable[[TensorMeta], MemoryObj | None]
     view: Callable[[MemoryObj], memoryview]
@@ -97,14 +81,6 @@ class _Job:
     file_size: int = 0
     header_error: BaseException | None = None
     sums: tuple[int, int] | None = None
-
-
-@dataclass
-class _Batch:
-    """What one ``read`` call still has to do after its first pass."""
-
-    bounce: list[tuple[int, MemoryObj | None]] = field(default_factory=list)
-    host: list[int] = field(default_factory=list)
 
 
 class GpuChunkReader:
@@ -127,34 +103,30 @@ class GpuChunkReader:
         self._weights: DeviceWeights | None = None
         self._warned: dict[Counter, int] = {}
 
-    @property
-    def path(self) -> str:
-        return self.decision.path
-
     def read(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
              tags: Sequence[Any] | None = None) -> list[MemoryObj | None]:
         """One memory object per key (GPU pool, or host memory as a fallback); None: a miss."""
         tags = list(tags) if tags is not None else list(keys)
         results: list[MemoryObj | None] = [None] * len(keys)
         wanted = [i for i, meta in enumerate(metas) if meta is not None]
-        batch = _Batch()
+        # left for the host path: (index, pool object) to read and copy; indices the pool refused
+        bounce: list[tuple[int, MemoryObj | None]] = []
+        host: list[int] = []
         if self.decision.path in KVIKIO_PATHS:
-            self._read_kvikio(keys, tags, wanted, results, batch)
+            self._read_kvikio(keys, tags, wanted, results, bounce, host)
         else:
-            batch.bounce = [(i, None) for i in wanted]
-        if batch.bounce:
-            self._read_bounce(keys, metas, tags, batch.bounce, results, batch)
-        if batch.host:
-            self._read_host(keys, metas, batch.host, results)
-        misses = len(keys) - sum(r is not None for r in results)
-        logger.debug("NVMe tier: %d of %d chunks read by %s", len(keys) - misses, len(keys),
-                     self.decision.path)
+            bounce = [(i, None) for i in wanted]
+        if bounce:
+            self._read_bounce(keys, metas, tags, bounce, results)
+        if host:
+            self._read_host(keys, metas, host, results)
+        logger.debug("NVMe tier: %d of %d chunks read by %s",
+                     sum(r is not None for r in results), len(keys), self.decision.path)
         return results
 
-    # -- kvikio ----------------------------------------------------------------
-
     def _read_kvikio(self, keys: Sequence[str], tags: Sequence[Any], wanted: list[int],
-                     results: list[MemoryObj | None], batch: _Batch) -> None:
+                     results: list[MemoryObj | None], bounce: list[tuple[int, MemoryObj | None]],
+                     host: list[int]) -> None:
         assert self._payloads is not None
         started = time.perf_counter()
         plans = self.store.plan_reads([keys[i] for i in wanted])
@@ -165,7 +137,7 @@ class GpuChunkReader:
             obj = self.pool.allocate(plan.meta, tags[i])
             if obj is None:
                 self._note_pool_full()
-                batch.host.append(i)
+                host.append(i)
                 continue
             length = self.pool.capacity_for(obj, plan.payload_len)
             jobs.append(_Job(i, plan, obj, PayloadRead(plan.path, self.pool.slot(obj, length),
@@ -178,8 +150,7 @@ class GpuChunkReader:
             for fut in header_futures:
                 fut.result()
         self._checksum(jobs)
-        served_bytes = 0
-        served = 0
+        served = served_bytes = 0
         for job in jobs:
             outcome = self._judge(job)
             if outcome is Outcome.SERVED:
@@ -187,7 +158,7 @@ class GpuChunkReader:
                 served += 1
                 served_bytes += job.plan.payload_len
             elif outcome is Outcome.BOUNCE:
-                batch.bounce.append((job.index, job.obj))
+                bounce.append((job.index, job.obj))
             else:
                 job.obj.ref_count_down()
         self._account(self.decision.path, served, served_bytes, time.perf_counter() - started)
@@ -247,32 +218,36 @@ class GpuChunkReader:
             self.store.count(Counter.READ_FAILURES)
         return Outcome.SERVED if ok else Outcome.MISS
 
-    # -- host read + device copy -------------------------------------------------
-
-    def _read_bounce(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
-                     tags: Sequence[Any], items: list[tuple[int, MemoryObj | None]],
-                     results: list[MemoryObj | None], batch: _Batch) -> None:
-        import torch
-
-        started = time.perf_counter()
+    def _into_host(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
+                   items: list[tuple[int, MemoryObj | None]],
+                   ) -> list[tuple[int, MemoryObj | None, MemoryObj, bool]]:
+        """Read the chunks of ``items`` (index, pool object or None) into new host objects:
+        (index, pool object, host object, served) of each that got a host object."""
         staged: list[tuple[int, MemoryObj | None, MemoryObj]] = []
         for i, gpu_obj in items:
             meta = metas[i]
             assert meta is not None
             host = self._alloc_host(meta)
-            if host is None:
-                if gpu_obj is not None:
-                    gpu_obj.ref_count_down()
-                continue
-            staged.append((i, gpu_obj, host))
+            if host is not None:
+                staged.append((i, gpu_obj, host))
+            elif gpu_obj is not None:
+                gpu_obj.ref_count_down()
+        served = self.store.read_into([ChunkRead(keys[i], self._host_view(h))
+                                       for i, _, h in staged]) if staged else []
+        return [(i, g, h, ok) for (i, g, h), ok in zip(staged, served, strict=True)]
+
+    def _read_bounce(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
+                     tags: Sequence[Any], items: list[tuple[int, MemoryObj | None]],
+                     results: list[MemoryObj | None]) -> None:
+        import torch
+
+        started = time.perf_counter()
+        staged = self._into_host(keys, metas, items)
         if not staged:
             return
-        served = self.store.read_into([ChunkRead(keys[i], self._host_view(h))
-                                       for i, _, h in staged])
-        served_bytes = 0
-        count = 0
+        count = served_bytes = 0
         copies: list[MemoryObj] = []
-        for (i, gpu_obj, host), ok in zip(staged, served, strict=True):
+        for i, gpu_obj, host, ok in staged:
             meta = metas[i]
             assert meta is not None
             if not ok:
@@ -310,22 +285,11 @@ class GpuChunkReader:
     def _read_host(self, keys: Sequence[str], metas: Sequence[TensorMeta | None],
                    indices: list[int], results: list[MemoryObj | None]) -> None:
         """Pool exhausted: host memory objects, as on a CPU worker."""
-        staged = []
-        for i in indices:
-            meta = metas[i]
-            assert meta is not None
-            host = self._alloc_host(meta)
-            if host is not None:
-                staged.append((i, host))
-        served = self.store.read_into([ChunkRead(keys[i], self._host_view(h))
-                                       for i, h in staged]) if staged else []
-        for (i, host), ok in zip(staged, served, strict=True):
+        for i, _, host, ok in self._into_host(keys, metas, [(i, None) for i in indices]):
             if ok:
                 results[i] = host
             else:
                 host.ref_count_down()
-
-    # -- bookkeeping ---------------------------------------------------------------
 
     def _account(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
         self.store.record_read(path, chunks, nbytes, seconds)

@@ -1,16 +1,13 @@
-"""Which read path a CUDA worker uses, decided from plain facts about the machine.
-
-``select_read_path`` turns ``nvme.gds_mode``, the destination device and a
-``GpuProbe`` (kvikio importable? compat mode? libcufile? a GPU?) into a
-``PathDecision``: ``kvikio-gds``, ``kvikio-compat``, ``host-bounce`` or ``posix``
-(docs/gpu.md).  ``nvme.gds_mode: on`` turns each reason not to use GDS into an
-``NVMeConfigError`` that names the key.  Nothing here needs a GPU, so every branch
-is tested on CPU machines.
+"""Which read path a CUDA worker uses (docs/gpu.md), decided from plain facts about the
+machine (a ``GpuProbe``), ``nvme.gds_mode`` and the destination device.  With
+``gds_mode: on`` each reason not to use GDS is a refusal that names the key.  Nothing here
+needs a GPU, so every branch is tested on CPU machines.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +77,6 @@ class GpuProbe:
     def detect(cls) -> GpuProbe:
         """Ask torch and kvikio; never raises (a failure is a fact like any other)."""
         cuda_devices, cuda_error = 0, None
-        torch_cuda = torch_cuda_version()
         try:
             import torch
 
@@ -120,7 +116,7 @@ class GpuProbe:
                    kvikio_error=kv_error, libcufile_version=cufile,
                    compat_mode_preferred=compat, compat_mode_setting=setting,
                    nvidia_fs=os.path.exists("/proc/driver/nvidia-fs/version"),
-                   torch_cuda=torch_cuda)
+                   torch_cuda=torch_cuda_version())
 
 
 @dataclass(frozen=True)
@@ -191,16 +187,12 @@ def chunk_bytes_of(metadata: Any) -> int | None:
     dtype = getattr(metadata, "kv_dtype", None)
     if not shape or dtype is None:
         return None
-    size = int(getattr(dtype, "itemsize", 0) or 0)
-    for dim in shape:
-        size *= int(dim)
-    return size or None
+    return int(getattr(dtype, "itemsize", 0) or 0) * math.prod(int(d) for d in shape) or None
 
 
-def check_pool_size(pool_bytes: int, chunk_bytes: int | None, free_bytes: int | None,
-                    key_prefix: str = "nvme.") -> None:
+def check_pool_size(pool_bytes: int, chunk_bytes: int | None, free_bytes: int | None) -> None:
     """Refuse pool sizes that cannot work; the message names the key and the fix."""
-    key = f"{key_prefix}gpu_pool_mb"
+    key = "nvme.gpu_pool_mb"
     if chunk_bytes and pool_bytes < padded_length(chunk_bytes):
         need = -(-padded_length(chunk_bytes) // MIB)
         raise NVMeConfigError(

@@ -1,25 +1,15 @@
 """Drive a real ``LMCacheEngine`` on CPU with byte-exact KV round trips.
 
-LMCache has no CPU "GPU connector" that moves data (``MockGPUConnector`` does
-nothing), so this module supplies :class:`CopyingCPUConnector`, which copies
-token ranges between a CPU tensor standing in for the paged KV cache and
-LMCache's memory objects.  With it, ``engine.store()`` / ``engine.retrieve()``
-run their full production paths: token hashing into chunk keys, allocation in
-``LocalCPUBackend``, fan-out to every storage tier, the tier lookup order, and
-the write-back of chunks read from a lower tier into host memory.
+LMCache has no CPU connector that moves data (``MockGPUConnector`` does nothing).  With
+:class:`CopyingCPUConnector` standing in for GPU memory, ``engine.store()`` /
+``engine.retrieve()`` run their production paths (chunk keys, ``LocalCPUBackend``,
+fan-out to every storage tier, lookup order, write-back into host memory) for whatever
+tier the LMCache config selects: ``LocalDiskBackend`` or a plugin such as ``nvme``.
 
-Any storage tier selected by the LMCache config (the built-in
-``LocalDiskBackend`` or a ``storage_plugins`` entry such as ``nvme``) is driven
-the same way; nothing here is specific to one backend.
-
-Layout of the KV tensors used throughout: ``MemoryFormat.KV_2LTD``, i.e.
-``[2 (K and V), num_layers, num_tokens, num_heads * head_size]`` -- exactly the
-shape LMCache allocates for one chunk (``LMCacheMetadata.get_shapes``).  Token
-``t`` of a prompt lives at index ``t`` of the token dimension.
-
-Scripts call :func:`disable_telemetry` before they build an engine (LMCache reads
-the variables when it starts a telemetry context, not at import); the test
-suite's ``conftest.py`` does the same.
+KV tensors are ``MemoryFormat.KV_2LTD``: ``[2 (K and V), num_layers, num_tokens,
+num_heads * head_size]``, the shape LMCache allocates for one chunk; token ``t`` of a
+prompt is at index ``t`` of the token dimension.  Scripts call :func:`disable_telemetry`
+before they build an engine (LMCache reads the variables when it starts telemetry).
 """
 
 from __future__ import annotations
@@ -36,10 +26,10 @@ import yaml
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
-
-from .connector import CopyingCPUConnector
 
 #: Environment that turns off LMCache's and vLLM's usage telemetry and LMCache's banner.
 NO_TELEMETRY_ENV: dict[str, str] = {
@@ -56,33 +46,85 @@ def disable_telemetry() -> None:
         os.environ.setdefault(name, value)
 
 
-#: Name under which LMCache registers its host-memory tier.
-CPU_TIER = "LocalCPUBackend"
+class CopyingCPUConnector(GPUConnectorInterface):
+    """Copies token ranges between LMCache's memory objects and the ``kvcaches=<tensor>``
+    every ``store`` / ``retrieve`` call passes (LMCache forwards the call's keyword
+    arguments): ``[2, num_layers, num_tokens, hidden_dim]`` covering the whole prompt, so
+    tokens ``[start, end)`` are ``kvcaches[:, :, start:end]``."""
 
-#: LMCacheMetadata.kv_shape of the default test model:
-#: (num_layers, 2, chunk_size, num_kv_heads, head_size).  One 256-token chunk
-#: is 2 * 4 * 256 * 8 * 64 * 2 bytes = 2 MiB in bfloat16.
+    def __init__(self, num_layers: int, hidden_dim: int, dtype: torch.dtype) -> None:
+        self.num_layers = num_layers
+        self.hidden_dim = hidden_dim
+        self.dtype = dtype
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        """Shape of one memory object holding ``num_tokens`` tokens (KV_2LTD)."""
+        return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim])
+
+    def _chunk_views(self, memory_obj: MemoryObj, start: int, end: int,
+                     kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (memory object tensor, matching slice of ``kwargs['kvcaches']``)."""
+        kvcaches = kwargs.get("kvcaches")
+        if not isinstance(kvcaches, torch.Tensor):
+            raise TypeError("CopyingCPUConnector needs kvcaches=<CPU tensor> in the call")
+        expected = (2, self.num_layers, self.hidden_dim)
+        actual = (kvcaches.shape[0], kvcaches.shape[1], kvcaches.shape[3])
+        if kvcaches.dim() != 4 or actual != expected or kvcaches.dtype != self.dtype:
+            raise ValueError(
+                f"kvcaches must be [2, {self.num_layers}, tokens, {self.hidden_dim}] "
+                f"{self.dtype}, got {tuple(kvcaches.shape)} {kvcaches.dtype}")
+        if not 0 <= start < end <= kvcaches.shape[2]:
+            raise ValueError(f"token range [{start}, {end}) outside kvcaches "
+                             f"({kvcaches.shape[2]} tokens)")
+        fmt = memory_obj.get_memory_format()
+        if fmt != MemoryFormat.KV_2LTD:
+            raise ValueError(f"CopyingCPUConnector handles KV_2LTD only, got {fmt}")
+        chunk = memory_obj.tensor
+        if chunk is None:
+            raise RuntimeError("memory object has no tensor (invalidated?)")
+        if chunk.shape != self.get_shape(end - start) or chunk.dtype != self.dtype:
+            raise ValueError(f"memory object is {tuple(chunk.shape)} {chunk.dtype}, "
+                             f"expected {tuple(self.get_shape(end - start))} {self.dtype}")
+        return chunk, kvcaches[:, :, start:end]
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Copy tokens ``[start, end)`` of ``kvcaches`` into ``memory_obj``."""
+        chunk, region = self._chunk_views(memory_obj, start, end, kwargs)
+        chunk.copy_(region)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Copy ``memory_obj`` into tokens ``[start, end)`` of ``kvcaches``."""
+        chunk, region = self._chunk_views(memory_obj, start, end, kwargs)
+        region.copy_(chunk)
+
+    def batched_from_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
+                         ends: Sequence[int], **kwargs: Any) -> None:
+        """Apply :meth:`from_gpu` to each (memory object, start, end)."""
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(memory_obj, start, end, **kwargs)
+
+    def batched_to_gpu(self, memory_objs: Sequence[MemoryObj] | None = None,
+                       starts: Sequence[int] | None = None, ends: Sequence[int] | None = None,
+                       **kwargs: Any) -> None:
+        """Apply :meth:`to_gpu` to each (memory object, start, end)."""
+        if memory_objs is None or starts is None or ends is None:
+            raise TypeError("CopyingCPUConnector does not support layerwise retrieval")
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(memory_obj, start, end, **kwargs)
+
+
+CPU_TIER = "LocalCPUBackend"  # LMCache's name for its host-memory tier
+
+#: ``LMCacheMetadata.kv_shape`` (num_layers, 2, chunk_size, num_kv_heads, head_size) of the
+#: default test model: a 256-token chunk is 2 MiB in bfloat16.
 DEFAULT_KV_SHAPE: tuple[int, int, int, int, int] = (4, 2, 256, 8, 64)
 
 
-# -- configuration ----------------------------------------------------------------
-
-
-def load_config(
-    yaml_path: str | os.PathLike[str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> LMCacheEngineConfig:
-    """Build an ``LMCacheEngineConfig`` from a YAML file plus overrides.
-
-    Top-level override keys replace the file's values.  The ``extra_config``
-    override is merged key by key into the file's ``extra_config`` (so
-    ``{"extra_config": {"nvme.path": d}}`` changes only ``nvme.path``); an
-    ``extra_config`` value of ``None`` deletes that key.  Unlike LMCache's own
-    loader, ``LMCACHE_*`` environment variables are not applied, so a test sees
-    exactly the file and the overrides.
-
-    :raises KeyError: an override names a key LMCache does not define.
-    """
+def load_config(yaml_path: str | os.PathLike[str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> LMCacheEngineConfig:
+    """An ``LMCacheEngineConfig`` from a YAML file plus overrides, without ``LMCACHE_*``
+    environment variables.  Top-level keys replace the file's; ``extra_config`` is merged key
+    by key (None deletes a key).  An override LMCache does not define raises ``KeyError``."""
     settings: dict[str, Any] = {}
     if yaml_path is not None:
         settings = yaml.safe_load(Path(yaml_path).read_text()) or {}
@@ -106,14 +148,10 @@ def load_config(
     return config
 
 
-def nvme_plugin_settings(
-    path: str | os.PathLike[str], max_size_gb: float, **nvme_settings: Any
-) -> dict[str, Any]:
-    """Config overrides that load the NVMe tier as LMCache storage plugin ``nvme``.
-
-    ``nvme_settings`` become further ``nvme.<name>`` entries of ``extra_config``
-    (e.g. ``direct_io="off"`` gives ``nvme.direct_io: off``).
-    """
+def nvme_plugin_settings(path: str | os.PathLike[str], max_size_gb: float,
+                         **nvme_settings: Any) -> dict[str, Any]:
+    """Config overrides that load the NVMe tier as storage plugin ``nvme``; each of
+    ``nvme_settings`` becomes ``nvme.<name>`` in ``extra_config``."""
     extra: dict[str, Any] = {
         "storage_plugin.nvme.module_path": "lmcache_nvme_backend",
         "storage_plugin.nvme.class_name": "NVMeBackend",
@@ -129,26 +167,13 @@ def local_disk_settings(path: str | os.PathLike[str], max_size_gb: float) -> dic
     return {"local_disk": f"file://{Path(path).resolve()}", "max_local_disk_size": max_size_gb}
 
 
-# -- engine lifecycle ----------------------------------------------------------------
-
-
-def build_engine(
-    config: LMCacheEngineConfig | str | os.PathLike[str],
-    *,
-    instance_id: str,
-    kv_shape: tuple[int, int, int, int, int] = DEFAULT_KV_SHAPE,
-    dtype: torch.dtype = torch.bfloat16,
-    model_name: str = "test-model",
-) -> tuple[LMCacheEngine, CopyingCPUConnector]:
-    """Create and post-initialise a single-worker engine with a copying connector.
-
-    :param config: a config object or the path of an LMCache YAML file.
-    :param instance_id: ``LMCacheEngineBuilder`` instance name; release it with
-        :func:`destroy_engine` (a process whose engine is not destroyed hangs at
-        exit on LMCache's non-daemon event-loop thread).
-    :param kv_shape: ``(num_layers, 2, chunk_size, num_kv_heads, head_size)``;
-        its chunk size must equal the config's ``chunk_size``.
-    """
+def build_engine(config: LMCacheEngineConfig | str | os.PathLike[str], *, instance_id: str,
+                 kv_shape: tuple[int, int, int, int, int] = DEFAULT_KV_SHAPE,
+                 dtype: torch.dtype = torch.bfloat16,
+                 model_name: str = "test-model") -> tuple[LMCacheEngine, CopyingCPUConnector]:
+    """A post-initialised single-worker engine (config object or YAML path) and its
+    copying connector.  Release it with :func:`destroy_engine`: a process whose engine is
+    not destroyed hangs at exit on LMCache's non-daemon event-loop thread."""
     if not isinstance(config, LMCacheEngineConfig):
         config = load_config(config)
     num_layers, kv_dim, chunk_size, num_heads, head_size = kv_shape
@@ -157,22 +182,13 @@ def build_engine(
     if chunk_size != config.chunk_size:
         raise ValueError(f"kv_shape chunk size {chunk_size} != config chunk_size "
                          f"{config.chunk_size}")
-    metadata = LMCacheMetadata(
-        model_name=model_name,
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=dtype,
-        kv_shape=kv_shape,
-        chunk_size=chunk_size,
-    )
+    metadata = LMCacheMetadata(model_name=model_name, world_size=1, local_world_size=1,
+                               worker_id=0, local_worker_id=0, kv_dtype=dtype,
+                               kv_shape=kv_shape, chunk_size=chunk_size)
     connector = CopyingCPUConnector(num_layers, num_heads * head_size, dtype)
     engine = LMCacheEngineBuilder.get_or_create(
-        instance_id, config, metadata, connector,
-        broadcast_fn=lambda tensor, src: None,
-        broadcast_object_fn=lambda obj, src: obj,
-    )
+        instance_id, config, metadata, connector, broadcast_fn=lambda tensor, src: None,
+        broadcast_object_fn=lambda obj, src: obj)
     try:
         engine.post_init()
     except BaseException:
@@ -188,11 +204,8 @@ def destroy_engine(instance_id: str) -> None:
 
 
 def storage_tiers(engine: LMCacheEngine) -> dict[str, StorageBackendInterface]:
-    """The engine's storage tiers in lookup order, by LMCache's name for each.
-
-    Built-in tiers are named after their class (``LocalCPUBackend``,
-    ``LocalDiskBackend``); a storage plugin is named as in ``storage_plugins``.
-    """
+    """The engine's storage tiers in lookup order: built-in ones by class name, plugins as
+    named in ``storage_plugins``."""
     if engine.storage_manager is None:
         raise RuntimeError("engine has no storage manager; was post_init() called?")
     return dict(engine.storage_manager.storage_backends)
@@ -207,9 +220,6 @@ def lower_tier_name(engine: LMCacheEngine) -> str:
     return names[0]
 
 
-# -- prompts and KV ---------------------------------------------------------------------
-
-
 def _generator(seed: int) -> torch.Generator:
     """A CPU generator; rejects seeds torch would silently fold to 32 bits."""
     if not 0 <= seed < 2**32:
@@ -220,15 +230,14 @@ def _generator(seed: int) -> torch.Generator:
 
 def make_prompt(num_tokens: int, seed: int, vocab_size: int = 32000) -> torch.Tensor:
     """Random token ids; distinct seeds give distinct chunk keys."""
-    generator = _generator(seed)
-    return torch.randint(0, vocab_size, (num_tokens,), generator=generator, dtype=torch.long)
+    return torch.randint(0, vocab_size, (num_tokens,), generator=_generator(seed),
+                         dtype=torch.long)
 
 
 def make_kv(connector: CopyingCPUConnector, num_tokens: int, seed: int) -> torch.Tensor:
     """Random KV for ``num_tokens`` tokens, shaped for ``connector`` (KV_2LTD)."""
-    generator = _generator(seed)
-    shape = connector.get_shape(num_tokens)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(connector.dtype)
+    return torch.randn(connector.get_shape(num_tokens), generator=_generator(seed),
+                       dtype=torch.float32).to(connector.dtype)
 
 
 def chunk_keys(engine: LMCacheEngine, tokens: torch.Tensor) -> list[CacheEngineKey]:
@@ -248,33 +257,23 @@ def store_prompt(engine: LMCacheEngine, tokens: torch.Tensor, kv: torch.Tensor) 
 
 @dataclass(frozen=True)
 class Retrieved:
-    """What one ``engine.retrieve()`` produced."""
+    """What one ``engine.retrieve()`` produced: the destination KV (filled where
+    ``ret_mask``, LMCache's per-token hit mask, is True) and the call's wall time."""
 
     kv: torch.Tensor
-    """The destination KV tensor, filled where ``ret_mask`` is True."""
     ret_mask: torch.Tensor
-    """LMCache's per-token hit mask (bool, on CPU)."""
     seconds: float
-    """Wall time of the ``retrieve`` call."""
 
 
-def retrieve_prompt(
-    engine: LMCacheEngine, tokens: torch.Tensor, connector: CopyingCPUConnector
-) -> Retrieved:
-    """``engine.retrieve()`` the prompt into a fresh destination tensor.
-
-    The destination is filled with NaN first, so a chunk the engine claims to
-    have loaded but did not write can never compare equal to the stored KV.
-    """
+def retrieve_prompt(engine: LMCacheEngine, tokens: torch.Tensor,
+                    connector: CopyingCPUConnector) -> Retrieved:
+    """``engine.retrieve()`` the prompt into a fresh destination, filled with NaN first so a
+    chunk the engine claims to have loaded but did not write never equals the stored KV."""
     destination = torch.full(connector.get_shape(len(tokens)), float("nan"),
                               dtype=connector.dtype)
     started = time.perf_counter()
     ret_mask = engine.retrieve(tokens, kvcaches=destination)
-    seconds = time.perf_counter() - started
-    return Retrieved(kv=destination, ret_mask=ret_mask, seconds=seconds)
-
-
-# -- tier state ---------------------------------------------------------------------------
+    return Retrieved(kv=destination, ret_mask=ret_mask, seconds=time.perf_counter() - started)
 
 
 def keys_in_tier(engine: LMCacheEngine, tier: str, keys: Sequence[CacheEngineKey]) -> int:
@@ -283,42 +282,25 @@ def keys_in_tier(engine: LMCacheEngine, tier: str, keys: Sequence[CacheEngineKey
     return sum(1 for key in keys if backend.contains(key, pin=False))
 
 
-def wait_until_in_tier(
-    engine: LMCacheEngine,
-    tier: str,
-    keys: Sequence[CacheEngineKey],
-    timeout_s: float = 60.0,
-    poll_s: float = 0.01,
-) -> float:
-    """Poll until the tier holds every key (writes to lower tiers are asynchronous).
-
-    :returns: seconds waited.
-    :raises TimeoutError: not all keys arrived within ``timeout_s``.
-    """
+def wait_until_in_tier(engine: LMCacheEngine, tier: str, keys: Sequence[CacheEngineKey],
+                       timeout_s: float = 60.0, poll_s: float = 0.01) -> float:
+    """Seconds until the tier holds every key (writes to lower tiers are asynchronous);
+    ``TimeoutError`` after ``timeout_s``."""
     started = time.perf_counter()
-    deadline = started + timeout_s
     while True:
         present = keys_in_tier(engine, tier, keys)
         if present == len(keys):
             return time.perf_counter() - started
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() - started >= timeout_s:
             raise TimeoutError(f"{tier} holds {present} of {len(keys)} chunks "
                                f"after {timeout_s:.1f} s")
         time.sleep(poll_s)
 
 
 def evict_from_cpu(engine: LMCacheEngine, keys: Sequence[CacheEngineKey]) -> int:
-    """Remove the keys from the host-memory tier only, as an LRU eviction would.
-
-    Uses the storage manager's ``batched_remove`` restricted to
-    ``LocalCPUBackend`` (the path behind ``engine.clear(tokens, locations=...)``).
-    Lower tiers keep their copies.  A forced remove releases lookup pins, and a
-    chunk still being written to a lower tier stays alive there through that
-    tier's own reference, so this is safe at any time.
-
-    :returns: number of chunks removed.
-    :raises RuntimeError: a key is still in host memory afterwards.
-    """
+    """Remove the keys from the host-memory tier only, as an LRU eviction would; the
+    number removed.  Lower tiers keep their copies (one still being written holds its own
+    reference), so this is safe at any time."""
     assert engine.storage_manager is not None
     removed = engine.storage_manager.batched_remove(list(keys), locations=[CPU_TIER])
     left = keys_in_tier(engine, CPU_TIER, keys)
@@ -333,10 +315,7 @@ def clear_cpu_tier(engine: LMCacheEngine) -> None:
 
 
 def drop_page_cache() -> str | None:
-    """``sync`` and drop the kernel page cache (needs root).
-
-    :returns: ``None`` on success, else why it could not be dropped.
-    """
+    """``sync`` and drop the kernel page cache (needs root); None, or why it could not."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as handle:

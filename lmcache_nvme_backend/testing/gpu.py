@@ -1,11 +1,6 @@
-"""Helpers that drive the GPU read path outside an engine: tests (CPU and ``tests/gpu``)
-and ``bench/bench_gpu.py``.
-
-``HostTier`` stands in for LMCache's ``LocalCPUBackend`` where only its
-allocator surface matters (``allocate``, ``hot_cache``, ``remove``);
-``write_chunks`` fills a store with deterministic chunk files; ``make_reader``
-builds a ``GpuChunkReader`` for a chosen path on any device, CPU included.
-Imports torch and LMCache.
+"""Helpers that drive the GPU read path outside an engine, on any device (CPU included),
+for the tests and ``bench/bench_gpu.py``: ``HostTier`` stands in for LMCache's
+``LocalCPUBackend`` where only its allocator surface matters.  Imports torch and LMCache.
 """
 
 from __future__ import annotations
@@ -78,15 +73,12 @@ def write_chunks(store: ChunkStore, count: int, nbytes: int, prefix: str = "chun
     """Store ``count`` chunks of ``nbytes`` and wait until they are on disk."""
     keys = [f"{prefix}-{i}" for i in range(count)]
     metas = [chunk_meta(nbytes) for _ in keys]
-    payloads = []
-    for key, meta in zip(keys, metas, strict=True):
-        payload = chunk_payload(key, nbytes)
-        payloads.append(payload)
+    payloads = [chunk_payload(key, nbytes) for key in keys]
+    for key, meta, payload in zip(keys, metas, payloads, strict=True):
         result = store.submit(key, NAMESPACE, meta, memoryview(payload), release=lambda: None)
         if result is SubmitResult.QUEUE_FULL:  # let the writers catch up, then again
             store.flush(timeout_s)
-            result = store.submit(key, NAMESPACE, meta, memoryview(payload),
-                                  release=lambda: None)
+            result = store.submit(key, NAMESPACE, meta, memoryview(payload), release=lambda: None)
         if result is not SubmitResult.QUEUED:
             raise RuntimeError(f"could not queue {key}: {result.value}")
     if not store.flush(timeout_s):
