@@ -1,14 +1,11 @@
 """Placement and settlement of a batch of chunk writes: where each goes, and what became of it.
 
-``place`` takes the admitted chunks of one layout (``writer.py``), groups them by the root
-each one's digest goes to (rendezvous hashing over the roots in service) and reserves their
-bytes on it: a root's share as one amount when it fits (its eviction victims deferred to the
-engine, which removes their files before the share's first write), chunk by chunk
-otherwise; a chunk with no root or no room is dropped and counted.  ``shares`` gives the
-engine one write share per root.  ``settle`` takes the engine's result: the chunks written
-are indexed together (one lock hold), the victims' bytes count as freed, and each chunk
-that was not written gives its reservation back and is counted by its reason (a full
-filesystem, a planted link, a removed cache directory, a failing drive).
+``place`` groups the admitted chunks of one layout by root (rendezvous hashing over the
+roots in service) and reserves their bytes: a root's share as one amount when it fits (its
+eviction victims deferred to the engine, which removes their files first), chunk by chunk
+otherwise.  ``settle`` indexes what the engine wrote in one lock hold and counts each
+chunk that was not written by its reason (a full filesystem, a planted link, a removed
+cache directory, a failing drive).
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from .stats import Counter, StoreStats
 from .writeback import TaskOutcome
 
 logger = logging.getLogger(__name__)
+
 
 class Layout(NamedTuple):
     """What the chunks of one layout and namespace share, derived once for each."""
@@ -75,7 +73,8 @@ class Placement:
 
     def place(self, layout: Layout, positions: Sequence[int], digests: list[str],
               payloads: Sequence[memoryview], key_bytes: list[bytes]) -> Placed:
-        """Each position's root and reserved bytes (see the module's docstring)."""
+        """Each position's root and reserved bytes; a chunk with no root or no room is
+        dropped and counted."""
         by_root, homeless = self._roots.group(positions, digests.__getitem__)
         dropped = len(homeless)
         if homeless:
@@ -135,10 +134,9 @@ class Placement:
     def undo(self, placed: Placed) -> None:
         """Give back a batch's reservations and remove its victims' files now (they are out
         of the index already): the engine never took it."""
-        _, digests, _, _, shares, _, _ = placed
-        size = placed[0].file_size
+        layout, digests, _, _, shares, _, _ = placed
         for root, mine, victims in shares:
-            self._catalog.release(root.index, len(mine) * size)
+            self._catalog.release(root.index, len(mine) * layout.file_size)
             self._room.evict_deferred(root, victims)
             self._catalog.end_pending(digests[i] for i in mine)
 

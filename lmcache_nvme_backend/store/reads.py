@@ -1,17 +1,13 @@
 """Reading chunk files: headers for metadata, payloads into host buffers, and the judgement.
 
-Every read, whoever performs it (``read_into`` here, the GPU reader with
-kvikio), ends in :meth:`ChunkReader.complete`: the I/O outcome is classified
-(gone or unreadable: a miss and the entry is forgotten; a drive error: counted
-against the root; a short file: invalid), then ``disk.validate`` judges header
-and payload.  A chunk is served only on a good verdict; an invalid file is
-forgotten, counted and moved to quarantine.
-
-With the native engine (``io/native.py``) a batch is read, hashed and checked
-without the GIL, and only what it could not serve comes back here: a file whose
-header or checksum did not match is judged by the same ``complete`` from the
-header and checksum the engine returns; a read that failed is run again through
-the Python engine, whose exceptions classify the failure.
+Every read, whoever performs it (``read_into`` here, the GPU reader with kvikio), ends in
+:meth:`ChunkReader.complete`: the I/O outcome is classified (gone or unreadable: a miss
+and the entry is forgotten; a drive error: counted against the root; a short file:
+invalid), then ``disk.validate`` judges header and payload.  A chunk is served only on a
+good verdict; an invalid file is forgotten, counted and moved to quarantine.  The native
+engine reads, hashes and checks a batch without the GIL and returns only what it could not
+serve: a mismatch is judged here from the header and checksum it returns, a failed read
+classified from the error it returns.
 """
 
 from __future__ import annotations
@@ -91,8 +87,7 @@ def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
     """The chunks of a call that can be read (indexed, on a root in service, into a buffer
     that fits), as one share per root, namespace and layout: their positions in the batch's
     order, the shares, their payload bytes and their roots."""
-    groups: dict[tuple[int, str, int], list[int]] = {}
-    firsts: dict[tuple[int, str, int], tuple[IndexEntry, TensorMeta, RootState]] = {}
+    groups: dict[tuple[int, str, int], tuple[IndexEntry, TensorMeta, RootState, list[int]]] = {}
     for i, entry in enumerate(entries):
         if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
             continue
@@ -101,18 +96,17 @@ def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
             continue  # a buffer for another layout: a miss
         group = (entry.root, entry.ns_id, id(meta))
         if group not in groups:
-            groups[group], firsts[group] = [], (entry, meta, root)
-        groups[group].append(i)
+            groups[group] = (entry, meta, root, [])
+        groups[group][3].append(i)
     order: list[int] = []
     shares: list[engine.ReadShare] = []
     nbytes = 0
-    for group, mine in groups.items():
-        entry, meta, root = firsts[group]
+    for entry, meta, root, mine in groups.values():
         order += mine
         nbytes += len(mine) * meta.nbytes
         shares.append(_share(root, entry.ns_id, meta, [digests[i] for i in mine],
                              [dests[i] for i in mine], [encoded[i] for i in mine]))
-    return order, shares, nbytes, {entry.root for entry, _, _ in firsts.values()}
+    return order, shares, nbytes, {entry.root for entry, *_ in groups.values()}
 
 
 def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
@@ -155,30 +149,6 @@ class ChunkReader:
 
     # -- headers -------------------------------------------------------------
 
-    def judge_header(self, root: RootState, path: Path, key: str) -> Verdict | None:
-        """The verdict on a chunk file's header for ``key``; None when there is no such file.
-
-        An invalid file is rejected here (quarantined); an unreadable one is skipped.
-        """
-        try:
-            raw, size = read_header(path, root.direct)
-        except FileNotFoundError:
-            return None
-        except NotAChunkFile as exc:
-            self.not_a_chunk_file(key_digest(key), exc)
-            return None
-        except ShortFileError as exc:  # shorter than a header: never a valid chunk file
-            verdict = defect(Defect.SHORT, str(exc))
-            self.reject(root, key_digest(key), path, verdict)
-            return verdict
-        except OSError as exc:
-            logger.debug("NVMe tier: cannot read %s: %s", path, exc)
-            return None
-        verdict = judge_chunk(raw, Expected(key=key, file_size=size))
-        if not verdict.ok:
-            self.reject(root, key_digest(key), path, verdict)
-        return verdict
-
     def tensor_meta(self, key: str) -> TensorMeta | None:
         """Allocation metadata of a stored chunk (read from its header if not yet known)."""
         digest = key_digest(key)
@@ -188,14 +158,26 @@ class ChunkReader:
         return self._meta_from_header(key, digest, entry)
 
     def _meta_from_header(self, key: str, digest: str, entry: IndexEntry) -> TensorMeta | None:
-        """A chunk recovered without metadata learns it from its header (None: unreadable)."""
+        """A chunk recovered without metadata learns it from its header (None: unreadable,
+        and forgotten; an invalid file is quarantined)."""
         root = self._roots[entry.root]
         path = root.layout.chunk_path(entry.ns_id, digest)
-        verdict = self.judge_header(root, path, key)
-        if verdict is None:
+        try:
+            raw, size = read_header(path, root.direct)
+        except NotAChunkFile as exc:
+            self.not_a_chunk_file(digest, exc)
+            return None
+        except ShortFileError as exc:  # shorter than a header: never a valid chunk file
+            self.reject(root, digest, path, defect(Defect.SHORT, str(exc)))
+            return None
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                logger.debug("NVMe tier: cannot read %s: %s", path, exc)
             self.forget(digest)
             return None
+        verdict = judge_chunk(raw, Expected(key=key, file_size=size))
         if verdict.header is None or not verdict.ok:
+            self.reject(root, digest, path, verdict)
             return None
         self._catalog.learn_meta(digest, verdict.header.tensor_meta)
         return verdict.header.tensor_meta
@@ -229,25 +211,13 @@ class ChunkReader:
         """Each root, or None where it is out of service (its chunks are misses)."""
         return [root if root.healthy else None for root in self._roots]
 
-    def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
-        """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
-
-        A buffer is only reported filled after the header names the same key
-        and the payload checksum matches, so a False buffer may hold garbage
-        and must not be used.
-        """
-        served: list[bool] = []
-        self.read([r.key for r in reads], [r.dest for r in reads], [r.length for r in reads],
-                  served.extend, wait=True)
-        return served
-
     def read(self, keys: Sequence[str], dests: Sequence[memoryview],
              lengths: Sequence[int | None], on_done: Callable[[list[bool]], None],
              wait: bool) -> None:
-        """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each (as columns: a
-        load task builds no object per chunk), answered through ``on_done(served)``: without
-        ``wait`` it runs when the last chunk is judged, on an I/O thread (or here, when
-        nothing can be read), and must be quick."""
+        """``ChunkStore.read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each (as
+        columns: a load task builds no object per chunk), answered through
+        ``on_done(served)``: without ``wait`` it runs when the last chunk is judged, on an
+        I/O thread (or here, when nothing can be read), and must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
         if uniform := _uniform(entries, roots, dests, lengths):
@@ -334,7 +304,7 @@ class ChunkReader:
                                  lambda h: h.payload_checksum == computed).ok
         if err == errno.ENOENT:  # gone, or the cache directory was removed (and made again)
             self._roots[plan.root].maybe_removed = True
-        return self.complete(plan, b"", read_failure(plan.path, err), _never).ok
+        return self.complete(plan, b"", read_failure(plan.path, err), lambda h: False).ok
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
@@ -411,8 +381,3 @@ class ChunkReader:
         entry = self._catalog.remove(digest)
         if entry is not None:
             self._catalog.notify_removed([entry])
-
-
-def _never(header: ChunkHeader) -> bool:
-    """A failed read's payload: never checked (the failure decides)."""
-    return False

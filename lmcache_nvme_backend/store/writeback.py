@@ -8,7 +8,6 @@ from host memory later.  The queue counts the payload bytes handed over and not 
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,8 +15,6 @@ from typing import NamedTuple
 
 from ..disk.format import TensorMeta, file_size_for, text_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
-
-logger = logging.getLogger(__name__)
 
 
 class SubmitResult(enum.Enum):
@@ -53,12 +50,10 @@ class TaskOutcome(NamedTuple):
 class ChunkWrite:
     """One chunk to persist.
 
-    ``payload`` stays valid until the store calls ``release``, which it does
-    exactly once whatever happens to the write; ``persisted`` is set and then
-    ``on_persisted`` runs once the chunk file is published (before ``release``).  What the
-    store derives from the key (its UTF-8, the digest that names the file, the namespace's
-    directory id) is derived when asked for: the store's write path works on the columns of
-    a call and derives them there, once.
+    ``payload`` stays valid until the store calls ``release``, which it does exactly once
+    whatever happens to the write; ``persisted`` is set and then ``on_persisted`` runs once
+    the chunk file is published (before ``release``).  The properties derive what the
+    write path derives from the columns of a call.
     """
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "persisted")
@@ -99,11 +94,8 @@ class ChunkWrite:
 
 
 class WriteBackQueue:
-    """The bytes of write jobs handed to the engine and not done yet: at most ``capacity``.
-
-    A job's bytes stay accounted until ``done_many`` (or ``release``) is called for it
-    (after the write), because its host memory stays referenced until then.
-    """
+    """The bytes of write jobs handed to the engine and not done yet: at most ``capacity``
+    (their host memory stays referenced until ``release``, after the write)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -124,7 +116,6 @@ class WriteBackQueue:
 
     @property
     def accepted(self) -> int:
-        """Jobs ever accepted."""
         with self._lock:
             return self._accepted
 
