@@ -109,14 +109,11 @@ class ChunkIndex:
         gc_untrack(entries, *added)
 
     def remove(self, digest: str) -> IndexEntry | None:
-        entry = self._entries.pop(digest, None)
-        if entry is not None:
-            del self._lru[entry.root][digest]
-            self._used[entry.root] -= entry.size
-        return entry
+        removed = self.remove_many((digest,))
+        return removed[0] if removed else None
 
     def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
-        """``remove`` of each digest (without a call per digest); the entries that were there."""
+        """Remove each digest's entry (no call per digest); the entries that were there."""
         entries, lru, used = self._entries, self._lru, self._used
         removed = []
         for digest in digests:
@@ -148,23 +145,13 @@ class ChunkIndex:
         return True
 
     def plan_reservation(self, root: int, size: int) -> list[IndexEntry] | None:
-        """Victims (LRU first, pinned skipped) that make room for ``size`` more bytes.
-
-        Returns ``[]`` when it already fits and ``None`` when it cannot fit even
-        after evicting every unpinned entry of the root.
-        """
+        """Victims (LRU first, pinned skipped) that make room for ``size`` more bytes: ``[]``
+        when it fits already, None when it cannot fit even after evicting every one."""
         excess = self._used[root] + self._reserved[root] + size - self.budgets[root]
         if excess <= 0:
             return []
-        victims: list[IndexEntry] = []
-        for digest in self._lru[root]:
-            if excess <= 0:
-                break
-            entry = self._entries[digest]
-            if entry.pins == 0:
-                victims.append(entry)
-                excess -= entry.size
-        return victims if excess <= 0 else None
+        victims = self.coldest(root, excess, set())
+        return victims if sum(victim.size for victim in victims) >= excess else None
 
     def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:
         """Least recently used unpinned entries of ``root`` (not in ``skip``) whose sizes
@@ -193,7 +180,3 @@ class ChunkIndex:
     def lru_order(self, root: int) -> Iterator[IndexEntry]:
         """Entries of a root, least recently used first."""
         return (self._entries[d] for d in self._lru[root])
-
-    def entries(self) -> Iterator[IndexEntry]:
-        for root in range(len(self._lru)):
-            yield from self.lru_order(root)

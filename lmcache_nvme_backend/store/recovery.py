@@ -91,14 +91,9 @@ def next_save_in(interval_s: float, save_cpu_s: float) -> float:
 
 
 class ManifestKeeper:
-    """Saves every root's index snapshot: periodically on a thread, and on demand.
-
-    The thread keeps its CPU time (Python, holding the GIL) under ``MANIFEST_CPU_SHARE``:
-    a save costs about 1.5 CPU-s per million chunks, so a tier of 16 million would spend
-    about 24 s on it, which every minute would be 40 % of the interpreter's time.  Saving
-    less often costs little: the directory tree is the truth, and a chunk the manifest does
-    not know is indexed with its file's mtime.
-    """
+    """Saves every root's index snapshot: periodically on a thread (within
+    ``MANIFEST_CPU_SHARE``: saving less often costs little, the directory tree is the truth),
+    and on demand."""
 
     def __init__(self, roots: Roots, catalog: Catalog, file_mode: int,
                  interval_s: float) -> None:

@@ -71,10 +71,10 @@ class Room:
     def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
                deferred: list[IndexEntry] | None) -> None:
         if deferred is None:
-            self.evict(victims)
-            return
-        deferred += victims
-        guard.will_free(sum(victim.size for victim in victims))
+            self.unlink(victims)
+        else:
+            deferred += victims
+            guard.will_free(sum(victim.size for victim in victims))
         self._evicted(victims)
 
     def evict_deferred(self, root: RootState, victims: list[IndexEntry]) -> None:
@@ -101,16 +101,11 @@ class Room:
         if self.shared is not None:
             self.shared.delete(entries)
             return
-        if len(self._roots) == 1:
-            root = self._roots[0]
-            fd, chunk_rel = root.descriptor(), root.layout.chunk_rel
-            items = [(fd, chunk_rel(e.ns_id, e.digest)) for e in entries]
-        else:  # each root has its own descriptor and may have its own shard levels
-            layouts = {index: self._roots[index].layout
-                       for index in {entry.root for entry in entries}}
-            fds = {index: self._roots[index].descriptor() for index in layouts}
-            items = [(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
-                     for e in entries]
+        # each root has its own descriptor and may have its own shard levels
+        roots = {index: self._roots[index] for index in {e.root for e in entries}}
+        fds = {index: root.descriptor() for index, root in roots.items()}
+        items = [(fds[e.root], roots[e.root].layout.chunk_rel(e.ns_id, e.digest))
+                 for e in entries]
         errors = self._engine.unlink(items)
         if not any(errors):
             return

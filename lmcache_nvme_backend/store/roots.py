@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -102,19 +102,13 @@ class RootInfo:
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
               min_free_gb: float | None = None, shared: bool = False,
               key_prefix: str = EXTRA_CONFIG_PREFIX) -> RootState:
-    """Check the root, create its directories and marker, and probe O_DIRECT per
-    ``nvme.direct_io``.
+    """Check the root (``access.require_usable_root``, before anything is created), create
+    it, its directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
 
-    Nothing is created before the check (``access.require_usable_root``): a path that is
-    not a directory or where no file can be created, and an existing tree with directories
-    this process cannot use (created by another user), are refused with a message naming
-    the setting (``<key_prefix>path``), the directory and the fix.  A missing path is
-    created here, with its missing parents.  Directories get ``dir_mode_for(file_mode)``
-    and the marker ``file_mode``, whatever the umask; nothing below the root is reached
-    through a link.  A full filesystem (no block, no inode) does not stop the start: the
-    store serves what the root holds and drops writes (``capacity_drops``) until space
-    frees.  In shared mode a tree on a read-only filesystem is opened to be served
-    (``store/shared/member.py`` says so).
+    Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
+    umask; nothing below the root is reached through a link.  A full filesystem does not
+    stop the start: the store serves what the root holds and drops writes
+    (``capacity_drops``) until space frees.
     """
     probe = require_usable_root(path, shared, key_prefix)
     dir_mode = dir_mode_for(file_mode)
@@ -219,11 +213,8 @@ def _write_marker(path: Path, file_mode: int, shard_levels: int) -> None:
         os.close(fd)
 
 
-class Roots(Sequence[RootState]):
+class Roots(list[RootState]):
     """The store's roots, in ``nvme.path`` order."""
-
-    def __init__(self, states: list[RootState]) -> None:
-        self._states = states
 
     @classmethod
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
@@ -234,27 +225,18 @@ class Roots(Sequence[RootState]):
         return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared,
                               key_prefix) for i, path in enumerate(paths)])
 
-    def __getitem__(self, i: int) -> RootState:  # type: ignore[override]
-        return self._states[i]
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __iter__(self) -> Iterator[RootState]:
-        return iter(self._states)
-
     def healthy(self, index: int) -> bool:
-        return self._states[index].healthy
+        return self[index].healthy
 
     def in_placement_order(self, digest: str) -> list[RootState]:
         """Healthy roots, the one a writer would choose for ``digest`` first."""
-        return sorted((r for r in self._states if r.healthy), reverse=True,
+        return sorted((r for r in self if r.healthy), reverse=True,
                       key=lambda r: xxhash.xxh64_intdigest(f"{r.index}:{digest}".encode()))
 
     def choose(self, digest: str) -> RootState | None:
         """The root that holds ``digest`` (None when every root is out of service)."""
-        if len(self._states) == 1:
-            only = self._states[0]
+        if len(self) == 1:
+            only = self[0]
             return only if only.healthy else None
         order = self.in_placement_order(digest)
         return order[0] if order else None
@@ -263,8 +245,8 @@ class Roots(Sequence[RootState]):
               ) -> tuple[list[tuple[RootState, list[T]]], list[T]]:
         """``items`` grouped by the root each one's digest goes to (``choose``); and those no
         root can take (every root out of service).  One root: no choice per item."""
-        if len(self._states) == 1:
-            only = self._states[0]
+        if len(self) == 1:
+            only = self[0]
             return ([(only, list(items))], []) if only.healthy else ([], list(items))
         by_root: dict[int, tuple[RootState, list[T]]] = {}
         homeless: list[T] = []
@@ -288,7 +270,7 @@ class Roots(Sequence[RootState]):
 
     def describe(self) -> list[RootInfo]:
         return [RootInfo(r.layout.root, r.direct, r.healthy, r.min_free_bytes,
-                         _free_bytes(r.layout.root)) for r in self._states]
+                         _free_bytes(r.layout.root)) for r in self]
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -338,16 +320,14 @@ def quarantine_file(root: RootState, digest: str, path: Path) -> bool:
     is ever reached through a link.
     """
     layout = root.layout
-    moved = True
     try:
         rename_beneath(layout.root, layout.relative(path),
                        layout.relative(layout.quarantine_path(digest)))
     except (OSError, ValueError):
-        moved = False
         unlink_quietly(path)
-    if moved:
-        _trim_quarantine(layout)
-    return moved
+        return False
+    _trim_quarantine(layout)
+    return True
 
 
 def _quarantine_age(name: str) -> int:

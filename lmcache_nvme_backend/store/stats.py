@@ -84,9 +84,6 @@ class Counter(str, enum.Enum):
     DEVICE_WRITE_COPIES = "device_write_copies"  # GPU objects copied to host for write-back
 
 
-_PATH_COUNTERS = tuple(path_counter(p, w) for p in ReadPath for w in ("chunks", "bytes",
-                                                                       "seconds"))
-
 # Upper bounds (seconds) of the latency histogram buckets: a 2 MiB chunk from a fast
 # drive takes well under a millisecond, a batch of large chunks from a busy one seconds.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -104,13 +101,6 @@ HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
 # A read call's path counters and latency histogram (every call moves them).
 _PATH_KEYS = {p: (path_counter(p, "chunks"), path_counter(p, "bytes"), read_latency(p))
               for p in ReadPath}
-# The read and write paths' keys as plain strings (every call moves them; an enum member
-# is one more lookup each time).
-_READ_CHUNKS = Counter.READ_CHUNKS.value
-_READ_BYTES = Counter.READ_BYTES.value
-_READ_SECONDS = Counter.READ_SECONDS.value
-_READ_FAILURES = Counter.READ_FAILURES.value
-_WRITE_BYTES = Counter.WRITE_BYTES.value
 #: Read and write calls are logged (one list append each, no lock: they run on every read
 #: and write) and folded into the counters and histograms this many at a time, with a few
 #: calls over whole columns, and whenever a value is asked for.
@@ -159,8 +149,8 @@ class StoreStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, float] = dict.fromkeys(
-            [key for key in [c.value for c in Counter] + list(_PATH_COUNTERS)
-             if key not in _FROM_HISTOGRAMS], 0)
+            [c.value for c in Counter if c.value not in _FROM_HISTOGRAMS]
+            + [key for p in ReadPath for key in _PATH_KEYS[p][:2]], 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
         # calls not folded yet (appended by any thread; taken from the front under the lock)
@@ -201,7 +191,7 @@ class StoreStats:
         counts = self._counts
         if self._writes:
             nbytes, seconds, chunks = zip(*_take_logged(self._writes), strict=True)
-            counts[_WRITE_BYTES] += sum(nbytes)
+            counts[Counter.WRITE_BYTES] += sum(nbytes)
             self._observe(WRITE_LATENCY, seconds, chunks)
         if not self._reads:
             return
@@ -212,13 +202,13 @@ class StoreStats:
             counts[bytes_key] += sum(nbytes)
             self._observe(latency, seconds, (1,) * len(seconds))
             # the store's own calls (they give failures) also count failures and their time
-            counts[_READ_FAILURES] += sum(filter(None, failures))
-            counts[_READ_SECONDS] += sum(compress(seconds, map(operator.is_not, failures,
+            counts[Counter.READ_FAILURES] += sum(filter(None, failures))
+            counts[Counter.READ_SECONDS] += sum(compress(seconds, map(operator.is_not, failures,
                                                                repeat(None))))
             if verified := list(filter(None, checked)):
                 verified_chunks, verified_bytes = zip(*verified, strict=True)
-                counts[_READ_CHUNKS] += sum(verified_chunks)
-                counts[_READ_BYTES] += sum(verified_bytes)
+                counts[Counter.READ_CHUNKS] += sum(verified_chunks)
+                counts[Counter.READ_BYTES] += sum(verified_bytes)
 
     def _observe(self, histogram: str, seconds: Sequence[float],
                  weights: Sequence[int]) -> None:
