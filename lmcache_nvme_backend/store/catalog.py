@@ -1,9 +1,8 @@
 """The store's catalogue: the index, the writes in flight, and who hears of removals.
 
-One lock guards the :class:`ChunkIndex` and the table of pending writes.  Every
-method here is one short critical section and none does I/O, so a lookup never
-waits for a drive.  Removal listeners are called by whoever removed the entries,
-after the files are gone and outside the lock.
+One lock guards the :class:`ChunkIndex` and the table of pending writes; every method here
+is one short critical section without I/O, so a lookup never waits for a drive.  Removal
+listeners are called by whoever removed the entries, after the files are gone, unlocked.
 """
 
 from __future__ import annotations

@@ -103,13 +103,9 @@ class ChunkStore:
         return self._lookup(key, None, pin)
 
     def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
-        """Whether ``key`` is stored in ``namespace`` (optionally pinned).
-
-        With ``nvme.shared`` the index also holds what the other processes using the
-        directory published (read from their journals in the background), so this never
-        touches the filesystem either; a file another process deleted meanwhile is a miss
-        when read.
-        """
+        """Whether ``key`` is stored in ``namespace`` (optionally pinned).  Memory only: with
+        ``nvme.shared`` the index also holds what the other processes published (read from
+        their journals in the background); a file one deleted meanwhile is a miss when read."""
         return self._lookup(key, namespace_id(namespace), pin)
 
     def _lookup(self, key: str, ns_id: str | None, pin: bool) -> bool:
@@ -181,10 +177,8 @@ class ChunkStore:
         return self._shared.member_ids() if self._shared is not None else []
 
     def add_removal_listener(self, listener: RemovalListener) -> None:
-        """Call ``listener`` (outside the store lock) with entries that leave the index.
-
-        Evictions, removals, and files found missing or invalid all count.
-        """
+        """Call ``listener`` (outside the store lock) with entries that leave the index:
+        evictions, removals, and files found missing or invalid."""
         self._catalog.add_removal_listener(listener)
 
     # -- writes --------------------------------------------------------------
@@ -197,11 +191,9 @@ class ChunkStore:
                                             on_persisted)])[0]
 
     def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
-        """Queue chunks for persistence without waiting for the drive.
-
-        Each ``payload`` must stay valid until its ``release`` is called; the
-        store calls every ``release`` exactly once, whatever the result.
-        """
+        """Queue chunks for persistence without waiting for the drive.  Each ``payload`` must
+        stay valid until its ``release``, which the store calls exactly once, whatever the
+        result."""
         return self._writer.submit_many(writes)
 
     def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
@@ -230,11 +222,8 @@ class ChunkStore:
 
     def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
         """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
-
-        A buffer is only reported filled after the header names the same key
-        and the payload checksum matches, so a False buffer may hold garbage.
-        After ``close`` every read is a miss.
-        """
+        A buffer is only reported filled after the header names the same key and the payload
+        checksum matches, so a False buffer may hold garbage.  After ``close``: all misses."""
         if self._closed:
             return self._closed_misses(len(reads))
         served: list[bool] = []
@@ -254,11 +243,8 @@ class ChunkStore:
     def read_async(self, keys: Sequence[str], dests: Sequence[memoryview],
                    lengths: Sequence[int | None], on_done: Callable[[list[bool]], None]) -> None:
         """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each, without
-        waiting: ``on_done(served)`` runs when every chunk is judged.
-
-        Each chunk is verified by the I/O thread that completes it, and the last
-        one calls ``on_done`` (keep it short: it runs on that thread).
-        """
+        waiting: the I/O thread that judges the last chunk calls ``on_done(served)`` (keep
+        it short)."""
         if self._closed:
             on_done([False] * len(keys))
             return

@@ -1,8 +1,7 @@
 """In-memory index: which chunks exist, on which root, their size on disk, LRU order, pins.
 
-Capacity is accounted in real bytes on disk (header and padding included) per
-root, and space for a write is reserved before the write starts, so the byte
-budget is never exceeded.  The index holds no lock of its own: ``catalog.py``
+Capacity is accounted in real bytes on disk per root, and space for a write is reserved
+before it starts, so the byte budget is never exceeded.  No lock of its own: ``catalog.py``
 serialises access with one lock and never holds it across I/O.
 """
 
@@ -19,12 +18,8 @@ from ..io.native import gc_untrack
 @dataclass(slots=True)
 class IndexEntry:
     """One published chunk file (slots: a store indexes millions, and builds one per write).
-
-    It refers to strings, integers and a :class:`TensorMeta` (tuples of those) only, so it
-    can never be part of a reference cycle, and the index has the cycle collector stop
-    tracking it (see :class:`ChunkIndex`).  Keep it that way: no field may refer back to an
-    entry or to anything that holds one.
-    """
+    Its fields are strings, integers and a :class:`TensorMeta` only, so the cycle collector
+    need not track it (see :class:`ChunkIndex`): no field may refer back to an entry."""
 
     digest: str
     ns_id: str

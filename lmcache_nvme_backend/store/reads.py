@@ -37,11 +37,8 @@ logger = logging.getLogger(__name__)
 
 class ChunkRead(NamedTuple):
     """One chunk to read: its key and a writable host buffer of at least its payload length.
-
-    ``length``, when given, is the payload length the caller's buffer layout needs;
-    a chunk stored with another length is a miss (and not a damaged file).  (A named tuple:
-    a load builds one per chunk.)
-    """
+    ``length``, when given, is the payload length the caller's buffer layout needs; a chunk
+    stored with another length is a miss (not a damaged file)."""
 
     key: str
     dest: memoryview
@@ -309,11 +306,9 @@ class ChunkReader:
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
         """Judge one read (done here or by another reader), with its counters and quarantine.
-
-        ``payload_ok(header)`` says whether the payload that landed matches the
-        header's checksum.  A miss caused by the file system (gone, not ours to
-        read, a drive error) is a verdict without a header and is not quarantined.
-        """
+        ``payload_ok(header)``: whether the payload that landed matches the header's
+        checksum.  A miss caused by the file system (gone, not ours to read, a drive error)
+        is a verdict without a header, not quarantined."""
         root = self._roots[plan.root]
         if isinstance(error, NotAChunkFile):
             # A link, directory or special file planted at the chunk path: a miss for this

@@ -1,11 +1,9 @@
 """Restart: rebuild a root's index from its directory tree and manifest, and keep the manifest.
 
-The directory tree is the truth about which chunks exist; the manifest adds
-recency and tensor metadata (``disk/manifest.py``).  A chunk file the manifest
-does not know is indexed with its ``stat`` size and mtime and learns its
-metadata from its header on first use.  Temporary files of dead writers are
-removed.  While the store runs, a thread snapshots the index every
-``nvme.manifest_interval_s``; the store saves once more at close.
+The directory tree is the truth about which chunks exist; the manifest (``disk/manifest.py``)
+adds recency and tensor metadata.  A chunk file the manifest does not know is indexed with
+its ``stat`` size and mtime and learns its metadata from its header on first use.  While
+the store runs, a thread snapshots the index every ``nvme.manifest_interval_s``.
 """
 
 from __future__ import annotations
@@ -35,13 +33,10 @@ MANIFEST_CPU_SHARE = 0.01
 
 def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
                  evict: Callable[[list[IndexEntry]], None], enforce_budget: bool = True) -> None:
-    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first;
-    in shared mode, ``enforce_budget`` False, the directory's ledger decides instead).
-
-    The manifest is advice: which chunks exist and how many bytes each takes always come
-    from the directory (``lstat``: regular files only, links never followed); the manifest
-    adds recency and tensor metadata, the latter only where it matches the file's size.
-    """
+    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first; in
+    shared mode, ``enforce_budget`` False, the directory's ledger decides instead).  Which
+    chunks exist and their sizes come from the directory (``lstat``, links never followed);
+    the manifest adds recency, and tensor metadata where it matches the file's size."""
     started = time.perf_counter()
     located, temps = root.layout.scan()
     remove_stale_temp_files(root, temps, stats)

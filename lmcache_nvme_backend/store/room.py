@@ -1,8 +1,6 @@
 """Room for new chunks: reservations against each root's budget and free-space floor,
-eviction of the least recently used unpinned chunks, and removal of chunk files.
-
-In shared mode the room is the directory's one budget, kept with the other members
-(``store/shared/tree.py``); otherwise it is this process's share in the ``Catalog``.
+eviction of the least recently used unpinned chunks, and removal of chunk files.  In shared
+mode the budget is the directory's one, kept with the other members (``shared/tree.py``).
 """
 
 from __future__ import annotations
@@ -42,13 +40,10 @@ class Room:
     def reserve(self, root: RootState, size: int,
                 deferred: list[IndexEntry] | None = None) -> bool:
         """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
-
-        With ``deferred`` the victims leave the index here but their files are only
-        added to it: the write that needs the room removes them first (the native engine,
-        in the same job), and the free-space guard counts them as freed meanwhile.  In
-        shared mode the victims are claimed and deleted with the other members, never
-        deferred.
-        """
+        With ``deferred`` the victims leave the index here but their files are only added to
+        it: the write that needs the room removes them first, and the free-space guard counts
+        them as freed meanwhile.  In shared mode the victims are claimed and deleted with the
+        other members, never deferred."""
         guard = self.guards[root.index]
         if self.shared is not None:
             return self.shared.reserve(root, size, guard)

@@ -1,12 +1,10 @@
 """The cache directories of a store: opening them, placement, health and quarantine.
 
-A root is one ``nvme.path`` entry, usually one drive.  Chunks are placed by
-rendezvous hashing (each digest ranks the roots by ``xxh64(root index, digest)``
-and goes to the best healthy one), so adding or losing a root moves only its
-share of the keys, and a reader that looks on disk (shared mode) tries the
-roots in the order a writer would have chosen them.  A root that fails
-``ROOT_ERROR_LIMIT`` I/Os in a row is taken out of service for ``ROOT_RETRY_S``
-while the others keep serving.
+A root is one ``nvme.path`` entry, usually one drive.  Chunks are placed by rendezvous
+hashing (each digest ranks the roots by ``xxh64(root index, digest)`` and goes to the best
+healthy one), so adding or losing a root moves only its share of the keys, and a reader
+that looks on disk (shared mode) tries the roots in the order a writer would have chosen.
+A root that fails ``ROOT_ERROR_LIMIT`` I/Os in a row is out of service for ``ROOT_RETRY_S``.
 """
 
 from __future__ import annotations
@@ -313,12 +311,9 @@ def note_space(root: RootState) -> None:
 
 
 def quarantine_file(root: RootState, digest: str, path: Path) -> bool:
-    """Move a file that failed validation aside (deleted when it cannot be moved).
-
-    Returns whether it was moved.  At most ``MAX_QUARANTINED_FILES`` are kept per
-    root, the oldest removed first.  Neither the file's directory nor ``quarantine/``
-    is ever reached through a link.
-    """
+    """Move a file that failed validation aside (deleted when it cannot be moved); whether
+    it was moved.  At most ``MAX_QUARANTINED_FILES`` are kept per root, the oldest removed
+    first; neither directory is ever reached through a link."""
     layout = root.layout
     try:
         rename_beneath(layout.root, layout.relative(path),
@@ -343,11 +338,8 @@ def _trim_quarantine(layout: RootLayout) -> None:
 
 
 def unlink_quietly(path: Path, root: Path | None = None) -> None:
-    """Remove a file; one that is already gone is fine, other failures are logged.
-
-    A file of a cache tree (``root`` given, or a chunk or temp file in a shard
-    directory) is removed without following a link in its directories.
-    """
+    """Remove a file (already gone is fine, other failures are logged); a file of a cache
+    tree (``root`` given, or in a shard directory) without following a link."""
     try:
         if root is not None:
             unlink_beneath(root, path.relative_to(root).as_posix())

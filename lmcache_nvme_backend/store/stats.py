@@ -1,8 +1,7 @@
 """Counters and latency histograms of the NVMe tier, and their ``stats()`` snapshot.
 
-Every counter has a name in :class:`Counter`, so a misspelt counter is a type
-error, not a ``KeyError`` at run time; the snapshot keys (what ``stats()`` and
-the Prometheus exporter show) are the counters' values.
+Every counter has a name in :class:`Counter` (a misspelt one is a type error, not a
+``KeyError`` at run time); the snapshot keys (``stats()``, Prometheus) are their values.
 """
 
 from __future__ import annotations
@@ -14,20 +13,16 @@ import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, groupby, repeat
+from itertools import accumulate, compress, groupby, repeat
 from typing import TypeVar
 
 from ..config import StrChoice
 
 
 class ReadPath(StrChoice):
-    """Where a chunk read went (docs/gpu.md).
-
-    Host memory through the POSIX engine, GPU memory through kvikio (GDS or
-    kvikio's compat mode), or GPU memory through a host read and a device copy.
-    Each has ``_chunks``, ``_bytes`` and ``_seconds`` counters and a ``_gbps``
-    gauge in the snapshot.  Members compare equal to their values.
-    """
+    """Where a chunk read went (docs/gpu.md): host memory through the POSIX engine, GPU
+    memory through kvikio (GDS or compat mode), or through a host read and a device copy.
+    Each has ``_chunks``, ``_bytes`` and ``_seconds`` counters and a ``_gbps`` gauge."""
 
     POSIX = "posix"
     KVIKIO_GDS = "kvikio-gds"
@@ -129,22 +124,14 @@ class HistogramSnapshot:
     def cumulative(self) -> list[tuple[str, int]]:
         """``(upper bound, observations <= it)`` pairs, Prometheus style, ending at ``+Inf``."""
         bounds = [*(repr(b) for b in LATENCY_BUCKETS_S), "+Inf"]
-        total, out = 0, []
-        for bound, n in zip(bounds, self.bucket_counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
+        return list(zip(bounds, accumulate(self.bucket_counts), strict=True))
 
 
 class StoreStats:
-    """Thread-safe monotonically increasing counters and latency histograms.
-
-    Gauges (index size, queue depth) are the store's and are read at snapshot time.
-    Histograms: ``write`` is the time to write and publish one chunk file;
-    ``read_<path>`` the time of one read call (a batch of chunks) on that path.  The counters
-    they already sum (``writes_completed``, ``write_seconds``, each path's ``_seconds``) are
-    read from them.
-    """
+    """Thread-safe monotonically increasing counters and latency histograms: ``write``, the
+    time to write and publish one chunk file; ``read_<path>``, of one read call on that
+    path.  The counters they already sum (``writes_completed``, ``write_seconds``, each
+    path's ``_seconds``) are read from them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -169,21 +156,17 @@ class StoreStats:
         call of the store's own read path also gives its ``failures`` (it then counts the
         call's ``read_seconds`` too) and, when an engine verified the chunks itself,
         ``checked``: the ``read_chunks`` and ``read_bytes`` it served."""
-        reads = self._reads
-        reads.append((path, chunks, nbytes, seconds, failures, checked))
-        if len(reads) >= FOLD_EVERY:
-            self._fold()
+        self._log(self._reads, (path, chunks, nbytes, seconds, failures, checked))
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
-        writes = self._writes
-        writes.append((nbytes, seconds, count))
-        if len(writes) >= FOLD_EVERY:
-            self._fold()
+        self._log(self._writes, (nbytes, seconds, count))
 
-    def _fold(self) -> None:
-        with self._lock:
-            self._fold_locked()
+    def _log(self, log: list[_Call], call: _Call) -> None:
+        log.append(call)
+        if len(log) >= FOLD_EVERY:
+            with self._lock:
+                self._fold_locked()
 
     def _fold_locked(self) -> None:
         """Move the logged calls into the counters and histograms (the lock held; appends

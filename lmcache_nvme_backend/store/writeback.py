@@ -1,8 +1,7 @@
 """Write-back plumbing: the chunk writes and tasks, and a queue bounded in bytes.
 
-A store call only hands its chunks to the I/O engine; the engine's writers persist them
-from host memory later.  The queue counts the payload bytes handed over and not yet done
-(host memory LMCache cannot reuse until the write finishes), so its bound is a memory bound.
+The queue counts the payload bytes handed to the I/O engine and not yet written (host
+memory LMCache cannot reuse until then), so its bound is a memory bound.
 """
 
 from __future__ import annotations
@@ -48,13 +47,9 @@ class TaskOutcome(NamedTuple):
 
 
 class ChunkWrite:
-    """One chunk to persist.
-
-    ``payload`` stays valid until the store calls ``release``, which it does exactly once
-    whatever happens to the write; ``persisted`` is set and then ``on_persisted`` runs once
-    the chunk file is published (before ``release``).  The properties derive what the
-    write path derives from the columns of a call.
-    """
+    """One chunk to persist: ``payload`` stays valid until the store calls ``release``,
+    exactly once whatever happens; ``persisted`` is set and then ``on_persisted`` runs once
+    the chunk file is published (before ``release``)."""
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "persisted")
 
