@@ -1,14 +1,11 @@
 """Can this process use a cache directory?  The store's check at start, before it creates
-anything there.
+anything there (``disk/probe.py``'s probe, which ``doctor`` and ``check-config`` report).
 
-Each root is probed (``disk/probe.py``, as ``lmcache-nvme doctor`` and ``check-config``
-report) and one it cannot use is refused with one ``NVMeConfigError`` naming the setting,
-the directory and the fix.  A common case: a tree created by one user (a server once
-started as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by root, mode
-``0700``) and later opened by another; the error then names the directory, its owner and
-mode, this process's user, and the ``chown`` that fixes it.  Only directories are checked
-(a chunk file this process may not read stays a miss); a process running as root, or on a
-read-only filesystem (a shared-mode member that only reads), skips the walk.
+One it cannot use is refused with one ``NVMeConfigError`` naming the setting, the
+directory and the fix.  A common case: a tree created by one user (a server once started
+as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by root, mode ``0700``)
+and opened by another; the error then names the directory, its owner and mode, this
+process's user, and the ``chown`` that fixes it.
 """
 
 from __future__ import annotations

@@ -212,10 +212,6 @@ class Catalog:
                 over.append(victim)
         return over
 
-    def remove(self, digest: str) -> IndexEntry | None:
-        with self._lock:
-            return self._index.remove(digest)
-
     def remove_entries(self, entries: Iterable[IndexEntry]) -> list[IndexEntry]:
         """Remove each entry that is still the indexed one for its digest (not one
         published again meanwhile); the ones removed."""
@@ -296,13 +292,10 @@ class Catalog:
 
     def usage(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "entries": len(self._index),
-                "used_bytes": self._index.used_bytes(),
-                "reserved_bytes": self._index.reserved_bytes(),
-                "capacity_bytes": sum(self._index.budgets),
-                "pending_writes": len(self._pending),
-            }
+            return {"entries": len(self._index), "used_bytes": self._index.used_bytes(),
+                    "reserved_bytes": self._index.reserved_bytes(),
+                    "capacity_bytes": sum(self._index.budgets),
+                    "pending_writes": len(self._pending)}
 
     # -- removal listeners ---------------------------------------------------------
 

@@ -1,16 +1,10 @@
 """``ChunkStore``: the storage core's one entry point, a façade over its parts.
 
 Keys here are plain strings (the adapters translate LMCache keys); payloads are host
-buffers.  The parts: ``catalog.py`` (index, pending writes, removal listeners under one
-lock, never held across I/O), ``roots.py`` (the cache directories), ``writer.py`` and
-``placement.py`` (admission, reservation and eviction, write-back), ``reads.py`` (reads
-and their judgement), ``shared/`` (shared mode), ``recovery.py`` (the index rebuilt at
-start, the manifest kept while running) and ``stats.py``.
-
-Lifecycle of a chunk: ``submit_many`` registers and enqueues it (the caller never
-waits for the drive); a writer thread publishes it atomically; ``read_into``
-serves it only after header, key, length and payload checksum match; on restart
-the directory tree and the manifest rebuild the index.
+buffers.  ``submit_many`` registers and enqueues a chunk (the caller never waits for the
+drive); a writer thread publishes it atomically; ``read_into`` serves it only after
+header, key, length and payload checksum match; on restart the directory tree and the
+manifest rebuild the index (``docs/architecture.md`` names each part's module).
 """
 
 from __future__ import annotations

@@ -35,12 +35,10 @@ class IndexEntry:
 class ChunkIndex:
     """Entries by digest, with one LRU list and one byte budget per root.
 
-    Neither the tables nor the entries can be part of a reference cycle (strings, integers,
-    ``None`` and cycle-free entries all the way down), so the cycle collector does not track
-    them (``native.gc_untrack``): otherwise every full collection visits each entry twice
-    with the GIL held, about 0.17 s per million entries here, and the engine stalls that
-    long (``bench/instruments/bench_gc_pause.py``).  A dict is tracked again when an entry
-    is put in it, hence the call in ``add``.
+    Neither tables nor entries can be part of a reference cycle, so the cycle collector does
+    not track them (``native.gc_untrack``; a dict is tracked again when an entry is put in
+    it): otherwise every full collection visits each entry twice with the GIL held, about
+    0.17 s per million (``bench/instruments/bench_gc_pause.py``).
     """
 
     def __init__(self, budgets: list[int]) -> None:

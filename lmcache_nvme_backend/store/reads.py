@@ -1,13 +1,11 @@
 """Reading chunk files: headers for metadata, payloads into host buffers, and the judgement.
 
 Every read, whoever performs it (``read_into`` here, the GPU reader with kvikio), ends in
-:meth:`ChunkReader.complete`: the I/O outcome is classified (gone or unreadable: a miss
-and the entry is forgotten; a drive error: counted against the root; a short file:
-invalid), then ``disk.validate`` judges header and payload.  A chunk is served only on a
-good verdict; an invalid file is forgotten, counted and moved to quarantine.  The native
-engine reads, hashes and checks a batch without the GIL and returns only what it could not
-serve: a mismatch is judged here from the header and checksum it returns, a failed read
-classified from the error it returns.
+:meth:`ChunkReader.complete`: the I/O outcome is classified (gone or unreadable: a miss,
+forgotten; a drive error: counted against the root; a short file: invalid), then
+``disk.validate`` judges header and payload; an invalid file is forgotten, counted and
+quarantined.  The engine verifies what it reads itself and returns only what it could not
+serve, with the header, checksum or error this judgement needs.
 """
 
 from __future__ import annotations
@@ -324,11 +322,9 @@ class ChunkReader:
         if error is not None and not isinstance(error, ShortFileError):
             self._roots.record_error(root, error)
             return defect(Defect.NOT_A_CHUNK, f"I/O error: {error}")
-        if error is not None:
-            verdict = defect(Defect.SHORT, str(error))
-        else:
-            verdict = judge_chunk(header, Expected(key=plan.key, payload_len=plan.payload_len,
-                                                   meta=plan.meta), payload_ok)
+        verdict = defect(Defect.SHORT, str(error)) if error is not None else judge_chunk(
+            header, Expected(key=plan.key, payload_len=plan.payload_len, meta=plan.meta),
+            payload_ok)
         if verdict.defect in (Defect.WRONG_LENGTH, Defect.WRONG_META) and \
                 verdict.header is not None:
             # The index (metadata from a manifest, or a key rewritten by another process)
@@ -373,6 +369,4 @@ class ChunkReader:
 
     def forget(self, digest: str) -> None:
         """Drop an index entry whose file is gone or bad (the listeners hear of it)."""
-        entry = self._catalog.remove(digest)
-        if entry is not None:
-            self._catalog.notify_removed([entry])
+        self._catalog.notify_removed(self._catalog.remove_many([digest]))

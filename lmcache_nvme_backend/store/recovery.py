@@ -43,16 +43,15 @@ def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
     records = load_manifest(root.layout.index_dir, max_bytes=manifest_limit(len(located)))
     found: list[IndexEntry] = []
     for loc in located:
-        st = loc.stat
-        rec = records.get(loc.digest)
-        if rec is not None and rec.ns_id == loc.namespace_id:
-            meta = rec.meta if rec.meta is not None and \
-                file_size_for(rec.meta.nbytes) == st.st_size else None
-            found.append(IndexEntry(loc.digest, rec.ns_id, root.index, st.st_size, meta,
-                                    rec.last_access_ns))
+        st, rec = loc.stat, records.get(loc.digest)
+        if rec is None or rec.ns_id != loc.namespace_id:  # a file the manifest does not know
+            found.append(IndexEntry(loc.digest, loc.namespace_id, root.index, st.st_size, None,
+                                    st.st_mtime_ns))
             continue
-        found.append(IndexEntry(loc.digest, loc.namespace_id, root.index, st.st_size, None,
-                                st.st_mtime_ns))
+        meta = rec.meta if rec.meta is not None and \
+            file_size_for(rec.meta.nbytes) == st.st_size else None
+        found.append(IndexEntry(loc.digest, rec.ns_id, root.index, st.st_size, meta,
+                                rec.last_access_ns))
     found.sort(key=lambda e: e.last_access_ns)
     over = catalog.add_recovered(root.index, found, enforce_budget)
     evict(over)

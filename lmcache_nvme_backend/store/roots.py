@@ -83,10 +83,8 @@ class RootState:
 
 @dataclass(frozen=True)
 class RootInfo:
-    """What the store tells the outside about one of its directories: where it is, whether
-    it reads with O_DIRECT and is in service, its free-space guard and the free space of its
-    filesystem now (None when ``statvfs`` fails), and its share of the byte budget and what
-    its chunk files use of it (``ChunkStore.describe_roots`` fills the last two)."""
+    """One of the store's directories as the outside sees it: ``free_bytes`` is None when
+    ``statvfs`` fails; ``ChunkStore.describe_roots`` fills the budget share and its use."""
 
     path: Path
     direct_io: bool
@@ -321,20 +319,16 @@ def quarantine_file(root: RootState, digest: str, path: Path) -> bool:
     except (OSError, ValueError):
         unlink_quietly(path)
         return False
-    _trim_quarantine(layout)
+    names = sorted((e.name for e in scandir_beneath(layout.root, "quarantine")),
+                   key=lambda n: (_quarantine_age(n), n))
+    for old in names[: max(0, len(names) - MAX_QUARANTINED_FILES)]:
+        unlink_quietly(layout.quarantine_dir / old, layout.root)
     return True
 
 
 def _quarantine_age(name: str) -> int:
     parts = name.split(".")
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
-
-
-def _trim_quarantine(layout: RootLayout) -> None:
-    names = sorted((e.name for e in scandir_beneath(layout.root, "quarantine")),
-                   key=lambda n: (_quarantine_age(n), n))
-    for old in names[: max(0, len(names) - MAX_QUARANTINED_FILES)]:
-        unlink_quietly(layout.quarantine_dir / old, layout.root)
 
 
 def unlink_quietly(path: Path, root: Path | None = None) -> None:

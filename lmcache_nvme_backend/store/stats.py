@@ -186,8 +186,8 @@ class StoreStats:
             self._observe(latency, seconds, (1,) * len(seconds))
             # the store's own calls (they give failures) also count failures and their time
             counts[Counter.READ_FAILURES] += sum(filter(None, failures))
-            counts[Counter.READ_SECONDS] += sum(compress(seconds, map(operator.is_not, failures,
-                                                               repeat(None))))
+            counts[Counter.READ_SECONDS] += sum(
+                compress(seconds, map(operator.is_not, failures, repeat(None))))
             if verified := list(filter(None, checked)):
                 verified_chunks, verified_bytes = zip(*verified, strict=True)
                 counts[Counter.READ_CHUNKS] += sum(verified_chunks)

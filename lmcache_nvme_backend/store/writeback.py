@@ -40,11 +40,6 @@ class TaskOutcome(NamedTuple):
         """Nothing persisted, and the task failed."""
         return cls(False, 0, [], [], [])
 
-    @classmethod
-    def stored_before(cls) -> TaskOutcome:
-        """Nothing to persist: every chunk was stored (or being stored) already."""
-        return cls(True, 0, [], [], [])
-
 
 class ChunkWrite:
     """One chunk to persist: ``payload`` stays valid until the store calls ``release``,

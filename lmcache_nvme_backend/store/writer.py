@@ -1,14 +1,11 @@
 """Writing chunks: one admission, one placement, one settlement per layout of a store call.
 
 A call (keys, namespaces, metadata and payloads as columns) is admitted per layout (one
-metadata object and namespace: a task's chunks nearly always share one): chunks too big
-for the queue, the budget or the header dropped, duplicates of chunks stored or being
-stored dropped, the payload bytes accounted in the byte-bounded queue
-(``nvme.queue_full_policy``: wait for room or drop).  ``placement.py`` then picks each
-chunk's root and reserves its bytes, the batch goes to the engine as one write share per
-root, and its completion settles it before the call is told (and its memory released).
-Python decides once per layout and takes each lock once per call: on a big server one
-process moves every chunk through one interpreter (``docs/benchmarks.md``, "GIL ceiling").
+metadata object and namespace): chunks too big for the queue, the budget or the header
+dropped, duplicates dropped, the payload bytes accounted in the byte-bounded queue
+(``nvme.queue_full_policy``); ``placement.py`` places the rest, the engine writes them,
+and the batch is settled before the call is told.  Python decides once per layout and
+takes each lock once per call (``docs/benchmarks.md``, "GIL ceiling").
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from ..config import NVMeSettings
 from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
-from ..disk.layout import digest_of_key_bytes, namespace_id, temp_name
+from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..io.engine import Batch, ChunkEngine
 from .catalog import Catalog
 from .placement import Layout, Placed, Placement
@@ -34,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a closing store waits for cancelled writes to hand their buffers back.
 CANCEL_WAIT_S = 5.0
-_FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 
 OnTaskDone = Callable[[TaskOutcome], None]
 
@@ -52,12 +48,7 @@ class ChunkWriter:
         self.closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
-        # The engine's writers share one temp-name suffix (see ``temp_name``); its write
-        # shares carry the file mode, directory mode and fsync level.
-        self.placement = Placement(catalog, roots, room, stats,
-                                   temp_name("", writer=0),
-                                   (settings.file_mode, settings.dir_mode,
-                                    _FSYNC_LEVEL[settings.fsync]))
+        self.placement = Placement(settings, catalog, roots, room, stats)
         self._layout: Layout | None = None  # the last one seen: replaced whole
 
     # -- store calls -----------------------------------------------------------
@@ -110,8 +101,8 @@ class ChunkWriter:
                 raise
             for i, result in zip(mine, part, strict=True):
                 results[i] = result
-        if not parts:
-            _call(on_done, TaskOutcome.stored_before())
+        if not parts:  # nothing to persist
+            _call(on_done, TaskOutcome(True, 0, [], [], []))
         return results
 
     def _layout_of(self, meta: TensorMeta, namespace: str) -> Layout:

@@ -123,10 +123,10 @@ def test_a_failing_listener_never_breaks_the_others(catalog: Catalog,
 
     catalog.add_removal_listener(broken)
     catalog.add_removal_listener(lambda entries: heard.append([e.digest for e in entries]))
-    removed = catalog.remove("a")
-    assert removed is not None
+    removed = catalog.remove_many(["a"])
+    assert len(removed) == 1
     with package_log.at_level(logging.ERROR):
-        catalog.notify_removed([removed])
+        catalog.notify_removed(removed)
     assert heard == [["a"]]
     assert "removal listener failed" in package_log.text
     catalog.notify_removed([])  # nothing removed: nobody is called
