@@ -61,12 +61,9 @@ def require_usable_root(path: Path, shared: bool = False,
 
 def check_paths(settings: NVMeSettings) -> None:
     """Check every directory of ``settings.paths`` as the store does when it opens it, and
-    raise ``NVMeConfigError`` for the first one it would refuse: the pre-start check of a
-    launcher (``examples/quickstart.py``), which would otherwise learn of an unusable
-    directory only from LMCache's log.  Creates nothing (one probe file per path, removed
-    at once): a missing directory passes when it can be created where its nearest existing
-    parent is.
-    """
+    raise ``NVMeConfigError`` for the first one it would refuse: a launcher's pre-start
+    check (``examples/quickstart.py``).  Creates nothing (one probe file per path, removed at
+    once): a missing directory passes when it can be created under its nearest parent."""
     for path in settings.paths:
         require_usable_root(path, settings.shared, settings.key_prefix)
 

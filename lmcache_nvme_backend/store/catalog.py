@@ -184,9 +184,8 @@ class Catalog:
     def publish_layout(self, digests: Sequence[str], roots: Sequence[int], ns_id: str,
                        size: int, meta: TensorMeta, now_ns: int) -> None:
         """``publish_many`` for chunks of one namespace and layout, each ``size`` bytes on
-        disk and reserved as such (a store call's): one entry built per chunk, and nothing
-        else, under one lock hold (shared mode: as ``publish_many``, which the accounts
-        hear of)."""
+        disk and reserved as such: one entry built per chunk and nothing else, under one lock
+        hold (shared mode: through ``publish_many``, which the accounts hear of)."""
         if self.accounting is not None or self.members:
             self.publish_many([(IndexEntry(digest, ns_id, root, size, meta, now_ns), size)
                                for digest, root in zip(digests, roots, strict=True)])

@@ -62,11 +62,11 @@ class ReadPlan(NamedTuple):
 
 
 #: A read call handed to the engine, as its completion needs it: ``(keys, encoded, digests,
-#: entries, roots, dests, order, nbytes, roots_read)``: the call's columns, its index entries
+#: entries, roots, order, nbytes, roots_read)``: the call's columns, its index entries
 #: and roots when it was planned, the positions read in the batch's order (None: every one,
 #: in order), their payload bytes and the roots they are on.  A plain tuple (one per call).
 _Call = tuple[Sequence[str], list[bytes], list[str], "list[IndexEntry | None]",
-              "list[RootState | None]", Sequence[memoryview], "list[int] | None", int, set[int]]
+              "list[RootState | None]", "list[int] | None", int, set[int]]
 
 
 def _share(root: RootState, ns_id: str, meta: TensorMeta, digests: list[str],
@@ -218,12 +218,12 @@ class ChunkReader:
         if uniform := _uniform(entries, roots, dests, lengths):
             first, meta, root = uniform
             shares = [_share(root, first.ns_id, meta, digests, list(dests), encoded)]
-            call: _Call = (keys, encoded, digests, entries, roots, dests, None,
-                           len(keys) * meta.nbytes, {root.index})
+            call: _Call = (keys, encoded, digests, entries, roots, None, len(keys) * meta.nbytes,
+                           {root.index})
         else:
             order, shares, nbytes, touched = _grouped(entries, roots, dests, lengths, digests,
                                                       encoded)
-            call = (keys, encoded, digests, entries, roots, dests, order, nbytes, touched)
+            call = (keys, encoded, digests, entries, roots, order, nbytes, touched)
             if not order:  # nothing to read: every chunk a miss
                 self._stats.add(Counter.READ_FAILURES, len(keys))
                 on_done([False] * len(keys))
@@ -239,7 +239,7 @@ class ChunkReader:
         """A read batch the engine finished: judge what it did not serve, account the call
         under one lock hold, answer ``on_done`` (also when accounting fails: a chunk is
         marked served only once its bytes were verified)."""
-        keys, encoded, digests, entries, roots, dests, order, issued_bytes, touched = call
+        keys, encoded, digests, entries, roots, order, issued_bytes, touched = call
         size = len(keys)
         served = [False] * size
         try:
@@ -263,7 +263,7 @@ class ChunkReader:
         """Mark in ``served`` the chunks of a batch that are served, judging each one the
         engine did not serve; the chunks and bytes served, those served by the engine alone,
         and the roots that served any."""
-        keys, encoded, digests, entries, roots, dests, order, _, _ = call
+        keys, encoded, digests, entries, roots, order, _, _ = call
         positions = range(len(keys)) if order is None else order
         judged: dict[int, bool] = {}
         for k, err, header, computed in details:

@@ -99,13 +99,9 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
               min_free_gb: float | None = None, shared: bool = False,
               key_prefix: str = EXTRA_CONFIG_PREFIX) -> RootState:
     """Check the root (``access.require_usable_root``, before anything is created), create
-    it, its directories and marker, and probe O_DIRECT per ``nvme.direct_io``.
-
-    Directories get ``dir_mode_for(file_mode)`` and the marker ``file_mode``, whatever the
-    umask; nothing below the root is reached through a link.  A full filesystem does not
-    stop the start: the store serves what the root holds and drops writes
-    (``capacity_drops``) until space frees.
-    """
+    it, its directories (``dir_mode_for(file_mode)``) and marker, whatever the umask and
+    never through a link, and probe O_DIRECT per ``nvme.direct_io``.  A full filesystem does
+    not stop the start: writes are dropped (``capacity_drops``) until space frees."""
     probe = require_usable_root(path, shared, key_prefix)
     dir_mode = dir_mode_for(file_mode)
     if not probe.exists:

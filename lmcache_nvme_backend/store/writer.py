@@ -250,9 +250,9 @@ class _Gather:
 
 
 class _WritesEnd:
-    """How the writes of a ``submit_many`` call end: each one not queued released as soon as
-    admission says so; the queued ones once the call's outcome is in too (which may come
-    first, on the engine's thread): each persisted one marked and its ``on_persisted`` run,
+    """How the writes of a ``submit_many`` call end: each one not queued released at once;
+    the queued ones once admission and the call's outcome (which may come first, on the
+    engine's thread) are both in: each persisted one marked and its ``on_persisted`` run,
     then each one's ``release``."""
 
     def __init__(self, writes: Sequence[ChunkWrite]) -> None:
