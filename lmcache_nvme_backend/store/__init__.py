@@ -1,8 +1,5 @@
 """The chunk store (layer 3): index, capacity, write-back, validation on read, recovery.
-
-``ChunkStore`` is the entry point; the adapters, the GPU reader and tools use
-only what this package exports.
-"""
+``ChunkStore`` is the entry point; the rest of the package uses only what this exports."""
 
 from .chunk_store import ChunkStore
 from .index import IndexEntry

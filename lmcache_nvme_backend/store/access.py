@@ -1,26 +1,11 @@
 """Can this process use a cache directory?  The store's check at start, before it creates
-anything there.
+anything there (``disk/probe.py``'s probe, which ``doctor`` and ``check-config`` report).
 
-The store probes each root (``disk/probe.py``, the probe ``lmcache-nvme doctor`` and
-``check-config`` report too) and refuses one it cannot use with one ``NVMeConfigError``
-that names the setting, the directory and the fix: a path that is not a directory or
-cannot be created, a directory in which no file can be created, a marker written by a
-newer version, or an existing tree whose directories this process cannot use.
-
-That last one is common: a tree is often created by one user and later opened by another.
-A server started once as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by
-root with mode ``0700``, and the service user's server then cannot list or write them.
-Rather than fail on the first such directory with a bare ``Permission denied``, the store
-names the directory, its owner and mode, this process's user, and the ``chown`` that fixes
-it.  Only directories are checked (a few per namespace, up to 256 shard directories each,
-65 536 in a tree made by version 0.2 or earlier); a chunk file this process may not read
-stays a miss when it is asked for.  A process running as root skips the walk (it may use
-every directory), and so does one on a read-only filesystem (a shared-mode member that
-only reads there).
-
-``check_paths`` runs the same check on every configured path without opening a store: the
-pre-start check of a launcher (``examples/quickstart.py``, ``examples/mp-server.sh``), which
-would otherwise learn of an unusable directory only from LMCache's log.
+One it cannot use is refused with one ``NVMeConfigError`` naming the setting, the
+directory and the fix.  A common case: a tree created by one user (a server once started
+as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by root, mode ``0700``)
+and opened by another; the error then names the directory, its owner and mode, this
+process's user, and the ``chown`` that fixes it.
 """
 
 from __future__ import annotations
@@ -76,17 +61,9 @@ def require_usable_root(path: Path, shared: bool = False,
 
 def check_paths(settings: NVMeSettings) -> None:
     """Check every directory of ``settings.paths`` as the store does when it opens it, and
-    raise ``NVMeConfigError`` for the first one it would refuse, naming the setting
-    (``<key_prefix>path``), the directory and the fix: a path that is not a directory or
-    cannot be created, a directory in which no file can be created (in ``shared`` mode a
-    cache directory this process may only read is fine), a marker written by a newer
-    version, a tree whose directories this process cannot use.
-
-    Creates nothing (one probe file per path, removed at once): a missing directory passes
-    when it can be created where its nearest existing parent is.  Parsing the settings
-    (``NVMeSettings.from_*``) only validates them; this is the check that touches the
-    filesystem, for a launcher to run before it starts the server.
-    """
+    raise ``NVMeConfigError`` for the first one it would refuse: a launcher's pre-start
+    check (``examples/quickstart.py``).  Creates nothing (one probe file per path, removed at
+    once): a missing directory passes when it can be created under its nearest parent."""
     for path in settings.paths:
         require_usable_root(path, settings.shared, settings.key_prefix)
 

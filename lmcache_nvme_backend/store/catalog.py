@@ -1,9 +1,8 @@
 """The store's catalogue: the index, the writes in flight, and who hears of removals.
 
-One lock guards the :class:`ChunkIndex` and the table of pending writes.  Every
-method here is one short critical section and none does I/O, so a lookup never
-waits for a drive.  Removal listeners are called by whoever removed the entries,
-after the files are gone and outside the lock.
+One lock guards the :class:`ChunkIndex` and the table of pending writes; every method here
+is one short critical section without I/O, so a lookup never waits for a drive.  Removal
+listeners are called by whoever removed the entries, after the files are gone, unlocked.
 """
 
 from __future__ import annotations
@@ -137,16 +136,13 @@ class Catalog:
                 self._pending.pop(digest, None)
 
     def reserve(self, root: int, size: int) -> list[IndexEntry] | None:
-        """Reserve ``size`` bytes on ``root``; the LRU victims removed to make room.
-
-        None when the root cannot hold it even after evicting every unpinned entry.
-        """
+        """Reserve ``size`` bytes on ``root``; the LRU victims removed to make room (None when
+        it cannot fit even after evicting every unpinned entry)."""
         with self._lock:
             victims = self._index.plan_reservation(root, size)
             if victims is None:
                 return None
-            for victim in victims:
-                self._index.remove(victim.digest)
+            self._index.remove_many(victim.digest for victim in victims)
             self._index.reserve(root, size)
         return victims
 
@@ -170,25 +166,17 @@ class Catalog:
         if self.accounting is not None:
             self.accounting.on_release(root, size)
 
-    def publish(self, entry: IndexEntry, reserved: int) -> None:
-        """Index a chunk file just published, in place of its reservation."""
-        self.publish_many([(entry, reserved)])
-
     def publish_many(self, published: Iterable[tuple[IndexEntry, int]]) -> None:
-        """``publish`` for several chunks under one lock hold, each no longer pending
-        (shared mode: the entries are this member's, and its account hears of each, outside
-        the lock)."""
+        """Index chunk files just published, each in place of its reservation and no longer
+        pending, under one lock hold (shared mode: the entries are this member's, and its
+        account hears of each, outside the lock)."""
         done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
-            index, pending, members = self._index, self._pending, self.members
-            accounted = self.accounting is not None
             for entry, reserved in published:
-                if members:
-                    entry.owner = members[entry.root]
-                pending.pop(entry.digest, None)
-                replaced = index.publish(entry, reserved)
-                if accounted:
-                    done.append((entry, replaced, reserved))
+                if self.members:
+                    entry.owner = self.members[entry.root]
+                self._pending.pop(entry.digest, None)
+                done.append((entry, self._index.publish(entry, reserved), reserved))
         if self.accounting is not None:
             for entry, replaced, reserved in done:
                 self.accounting.on_publish(entry, replaced, reserved)
@@ -196,9 +184,8 @@ class Catalog:
     def publish_layout(self, digests: Sequence[str], roots: Sequence[int], ns_id: str,
                        size: int, meta: TensorMeta, now_ns: int) -> None:
         """``publish_many`` for chunks of one namespace and layout, each ``size`` bytes on
-        disk and reserved as such (a store call's): one entry built per chunk, and nothing
-        else, under one lock hold (shared mode: as ``publish_many``, which the accounts
-        hear of)."""
+        disk and reserved as such: one entry built per chunk and nothing else, under one lock
+        hold (shared mode: through ``publish_many``, which the accounts hear of)."""
         if self.accounting is not None or self.members:
             self.publish_many([(IndexEntry(digest, ns_id, root, size, meta, now_ns), size)
                                for digest, root in zip(digests, roots, strict=True)])
@@ -209,20 +196,11 @@ class Catalog:
                 pop(digest, None)
             self._index.publish_layout(digests, roots, ns_id, size, meta, now_ns)
 
-    def add_if_absent(self, entry: IndexEntry) -> None:
-        """Index a chunk another process published (shared mode)."""
-        with self._lock:
-            if entry.digest not in self._index:
-                self._index.add(entry)
-
     def add_recovered(self, root: int, entries: Sequence[IndexEntry],
                       enforce_budget: bool = True) -> list[IndexEntry]:
-        """Index the chunks found at start (oldest first); the ones over the budget are returned.
-
-        Over-budget entries (the budget was lowered, or the manifest was stale)
-        are removed least recently used first; the caller deletes their files.  In
-        shared mode (``enforce_budget`` False) the directory's ledger decides instead.
-        """
+        """Index the chunks found at start (oldest first); the ones over the budget (lowered,
+        or a stale manifest) are removed LRU first and returned for the caller to delete (in
+        shared mode, ``enforce_budget`` False, the directory's ledger decides instead)."""
         over: list[IndexEntry] = []
         with self._lock:
             for entry in entries:
@@ -232,10 +210,6 @@ class Catalog:
                 self._index.remove(victim.digest)
                 over.append(victim)
         return over
-
-    def remove(self, digest: str) -> IndexEntry | None:
-        with self._lock:
-            return self._index.remove(digest)
 
     def remove_entries(self, entries: Iterable[IndexEntry]) -> list[IndexEntry]:
         """Remove each entry that is still the indexed one for its digest (not one
@@ -268,13 +242,9 @@ class Catalog:
         entries removed, and ``(digest, previous owner)`` where two members published the
         same chunk."""
         added = 0
-        removed: list[IndexEntry] = []
         doubles: list[tuple[str, str]] = []
         with self._lock:
-            for digest in deleted:
-                gone = self._index.remove(digest)
-                if gone is not None:
-                    removed.append(gone)
+            removed = self._index.remove_many(deleted)
             for entry in published:
                 old = self._index.get(entry.digest)
                 if old is None:
@@ -296,8 +266,7 @@ class Catalog:
         with self._lock:
             gone = [e for e in self._index.snapshot() if e.owner == owner and
                     e.digest not in keep]
-            for entry in gone:
-                self._index.remove(entry.digest)
+            self._index.remove_many(entry.digest for entry in gone)
         return gone
 
     def owners(self, root: int) -> dict[str, tuple[str, int]]:
@@ -308,11 +277,8 @@ class Catalog:
     # -- reporting ---------------------------------------------------------------
 
     def lru_entries(self, root: int) -> list[IndexEntry]:
-        """Entries of ``root``, least recently used (oldest ``last_access_ns``) first.
-
-        The lock is held only to copy the table (about 20 ms per million entries);
-        filtering and sorting happen outside it, so lookups and stores barely wait.
-        """
+        """Entries of ``root``, least recently used first (the lock held only to copy the
+        table, about 20 ms per million entries)."""
         with self._lock:
             entries = self._index.snapshot()
         mine = [e for e in entries if e.root == root]
@@ -325,13 +291,10 @@ class Catalog:
 
     def usage(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "entries": len(self._index),
-                "used_bytes": self._index.used_bytes(),
-                "reserved_bytes": self._index.reserved_bytes(),
-                "capacity_bytes": sum(self._index.budgets),
-                "pending_writes": len(self._pending),
-            }
+            return {"entries": len(self._index), "used_bytes": self._index.used_bytes(),
+                    "reserved_bytes": self._index.reserved_bytes(),
+                    "capacity_bytes": sum(self._index.budgets),
+                    "pending_writes": len(self._pending)}
 
     # -- removal listeners ---------------------------------------------------------
 

@@ -1,23 +1,10 @@
 """``ChunkStore``: the storage core's one entry point, a façade over its parts.
 
-Keys here are plain strings (the adapters translate LMCache keys); payloads are
-host buffers.  The parts, each in its own module:
-
-* ``catalog.py``  the index, pending writes and removal listeners under one lock
-  (never held across I/O);
-* ``roots.py``    the cache directories: O_DIRECT probe, placement, health, quarantine;
-* ``writer.py``   admission, the byte-bounded write-back queue and its threads,
-  reservation and LRU eviction, atomic publish;
-* ``reads.py``    reads into host buffers and the judgement of every read;
-* ``shared/``     shared mode: one budget and one index for every process using the
-  directory (modules ``ledger``, ``account``, ``share``, ``journal``, ``leases``, ``janitor``);
-* ``recovery.py`` the index rebuilt at start, the manifest kept while running;
-* ``stats.py``    counters and histograms.
-
-Lifecycle of a chunk: ``submit_many`` registers and enqueues it (the caller never
-waits for the drive); a writer thread publishes it atomically; ``read_into``
-serves it only after header, key, length and payload checksum match; on restart
-the directory tree and the manifest rebuild the index.
+Keys here are plain strings (the adapters translate LMCache keys); payloads are host
+buffers.  ``submit_many`` registers and enqueues a chunk (the caller never waits for the
+drive); a writer thread publishes it atomically; ``read_into`` serves it only after
+header, key, length and payload checksum match; on restart the directory tree and the
+manifest rebuild the index (``docs/architecture.md`` names each part's module).
 """
 
 from __future__ import annotations
@@ -71,8 +58,8 @@ class ChunkStore:
         self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
                                  settings.min_free_gb, settings.shared, settings.key_prefix)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
-        self.engine = engine = _engine(settings, ChunkWriter.writer_count(settings,
-                                                                          len(self._roots)))
+        # writer threads: ``nvme.write_threads``, or one per path
+        self.engine = engine = _engine(settings, settings.write_threads or len(self._roots))
         self._reader = ChunkReader(self._catalog, self._roots, engine, self._stats)
         self._room = Room(self._catalog, self._roots, self._stats, engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, self._room, engine,
@@ -107,27 +94,18 @@ class ChunkStore:
 
     def contains(self, key: str, pin: bool = False) -> bool:
         """Whether this process's index holds a published chunk for ``key`` (optionally pinned)."""
-        return self._contains(key_digest(key), pin)
-
-    def _contains(self, digest: str, pin: bool) -> bool:
-        hit = self._catalog.lookup(digest, self._roots.healthy, time.time_ns(), pin)
-        self._stats.add(Counter.LOOKUPS)
-        self._stats.add(Counter.HITS if hit else Counter.MISSES)
-        return hit
+        return self._lookup(key, None, pin)
 
     def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
-        """Whether ``key`` is stored in ``namespace`` (optionally pinned).
+        """Whether ``key`` is stored in ``namespace`` (optionally pinned).  Memory only: with
+        ``nvme.shared`` the index also holds what the other processes published (read from
+        their journals in the background); a file one deleted meanwhile is a miss when read."""
+        return self._lookup(key, namespace_id(namespace), pin)
 
-        With ``nvme.shared`` the index also holds what the other processes using the
-        directory published (read from their journals in the background), so this never
-        touches the filesystem either; a file another process deleted meanwhile is a miss
-        when read.
-        """
-        digest = key_digest(key)
-        hit = self._catalog.lookup(digest, self._roots.healthy, time.time_ns(), pin,
-                                   namespace_id(namespace))
-        self._stats.add(Counter.LOOKUPS)
-        self._stats.add(Counter.HITS if hit else Counter.MISSES)
+    def _lookup(self, key: str, ns_id: str | None, pin: bool) -> bool:
+        hit = self._catalog.lookup(key_digest(key), self._roots.healthy, time.time_ns(), pin,
+                                   ns_id)
+        self._count_lookups(1, int(hit))
         return hit
 
     def lookup_many(self, keys: Sequence[str], namespaces: Sequence[str],
@@ -135,11 +113,13 @@ class ChunkStore:
         """``lookup(keys[i], namespaces[i])`` of each under one lock hold (memory only)."""
         hits = self._catalog.lookup_many(key_digests(keys), self._roots.healthy,
                                          time.time_ns(), pin, list(map(namespace_id, namespaces)))
-        found = sum(hits)
-        self._stats.add(Counter.LOOKUPS, len(hits))
-        self._stats.add(Counter.HITS, found)
-        self._stats.add(Counter.MISSES, len(hits) - found)
+        self._count_lookups(len(hits), sum(hits))
         return hits
+
+    def _count_lookups(self, lookups: int, hits: int) -> None:
+        self._stats.add(Counter.LOOKUPS, lookups)
+        self._stats.add(Counter.HITS, hits)
+        self._stats.add(Counter.MISSES, lookups - hits)
 
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""
@@ -199,10 +179,8 @@ class ChunkStore:
         return self._shared.member_ids() if self._shared is not None else []
 
     def add_removal_listener(self, listener: RemovalListener) -> None:
-        """Call ``listener`` (outside the store lock) with entries that leave the index.
-
-        Evictions, removals, and files found missing or invalid all count.
-        """
+        """Call ``listener`` (outside the store lock) with entries that leave the index:
+        evictions, removals, and files found missing or invalid."""
         self._catalog.add_removal_listener(listener)
 
     # -- writes --------------------------------------------------------------
@@ -215,25 +193,19 @@ class ChunkStore:
                                             on_persisted)])[0]
 
     def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
-        """Queue chunks for persistence without waiting for the drive.
-
-        Each ``payload`` must stay valid until its ``release`` is called; the
-        store calls every ``release`` exactly once, whatever the result.
-        """
+        """Queue chunks for persistence without waiting for the drive.  Each ``payload`` must
+        stay valid until its ``release``, which the store calls exactly once, whatever the
+        result."""
         return self._writer.submit_many(writes)
 
     def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
                     metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
                     on_done: Callable[[TaskOutcome], None]) -> None:
         """Queue a task's chunks (the i-th of each sequence is one chunk, its payload valid
-        until then); ``on_done(outcome)`` runs once, after every one of them ended, whatever
-        happened: which were persisted, their digests and sizes on disk, and whether every
-        chunk was persisted or already stored (``TaskOutcome``).  If this raises, it ran
-        with nothing persisted.  It may run on this thread, before this returns.
-
-        One admission and one completion serve the whole task in the common case (the
-        native engine, chunks of one layout and namespace): the multiprocess server's store
-        path, whose Python bounds what one process moves."""
+        until then); ``on_done(outcome)`` (``TaskOutcome``) runs once, after every one of
+        them ended, whatever happened, possibly on this thread before this returns.  If this
+        raises, it ran with nothing persisted.  One admission and one completion serve a
+        task of one layout and namespace (the multiprocess server's store path)."""
         self._writer.submit_task(keys, namespaces, metas, payloads, on_done)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
@@ -252,15 +224,15 @@ class ChunkStore:
 
     def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
         """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
-
-        A buffer is only reported filled after the header names the same key
-        and the payload checksum matches, so a False buffer may hold garbage.
-        After ``close`` every read is a miss.
-        """
+        A buffer is only reported filled after the header names the same key and the payload
+        checksum matches, so a False buffer may hold garbage.  After ``close``: all misses."""
         if self._closed:
             return self._closed_misses(len(reads))
+        served: list[bool] = []
         try:
-            return self._reader.read_into(reads)
+            self._reader.read([r.key for r in reads], [r.dest for r in reads],
+                              [r.length for r in reads], served.extend, wait=True)
+            return served
         except RuntimeError:  # the I/O pool was shut down by a close racing this read
             if not self._closed:
                 raise
@@ -273,11 +245,8 @@ class ChunkStore:
     def read_async(self, keys: Sequence[str], dests: Sequence[memoryview],
                    lengths: Sequence[int | None], on_done: Callable[[list[bool]], None]) -> None:
         """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each, without
-        waiting: ``on_done(served)`` runs when every chunk is judged.
-
-        Each chunk is verified by the I/O thread that completes it, and the last
-        one calls ``on_done`` (keep it short: it runs on that thread).
-        """
+        waiting: the I/O thread that judges the last chunk calls ``on_done(served)`` (keep
+        it short)."""
         if self._closed:
             on_done([False] * len(keys))
             return
@@ -343,7 +312,7 @@ class ChunkStore:
     def counter(self, name: Counter | str) -> float:
         """One counter's value, by member or by its ``stats()`` key."""
         if name == WRITES_ENQUEUED:
-            return self._writer.writes_enqueued
+            return self._writer.queue.accepted
         return self._stats.get(name)
 
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float) -> None:
@@ -355,13 +324,13 @@ class ChunkStore:
 
     def usage(self) -> dict[str, int]:
         usage = self._catalog.usage()
-        usage["queue_bytes"] = self._writer.queue_bytes
+        usage["queue_bytes"] = self._writer.queue.bytes_held
         usage["retired_bytes"] = self.engine.retired_bytes()
         return usage
 
     def stats_snapshot(self) -> dict[str, float]:
-        snap: dict[str, float] = dict(self._stats.snapshot())
-        snap[WRITES_ENQUEUED] = self._writer.writes_enqueued
+        snap = self._stats.snapshot()
+        snap[WRITES_ENQUEUED] = self._writer.queue.accepted
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
         if self._shared is not None:

@@ -16,12 +16,9 @@ def free_bytes(path: Path) -> int:
 
 
 class FreeSpaceGuard:
-    """Keeps ``min_free`` bytes free on one root's filesystem without a ``statvfs`` per write.
-
-    The kernel is asked again after ``CHECK_BYTES`` were written or ``CHECK_S``
-    passed since it was last asked, and whenever the running estimate comes within
-    ``CHECK_BYTES`` of the floor, so near the floor every decision is exact.
-    """
+    """Keeps ``min_free`` bytes free on one root's filesystem without a ``statvfs`` per write:
+    the kernel is asked again after ``CHECK_BYTES`` written or ``CHECK_S`` passed, and
+    whenever the estimate comes within ``CHECK_BYTES`` of the floor (where it is exact)."""
 
     CHECK_BYTES = 256 << 20
     CHECK_S = 1.0

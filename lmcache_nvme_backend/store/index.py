@@ -1,8 +1,7 @@
 """In-memory index: which chunks exist, on which root, their size on disk, LRU order, pins.
 
-Capacity is accounted in real bytes on disk (header and padding included) per
-root, and space for a write is reserved before the write starts, so the byte
-budget is never exceeded.  The index holds no lock of its own: ``catalog.py``
+Capacity is accounted in real bytes on disk per root, and space for a write is reserved
+before it starts, so the byte budget is never exceeded.  No lock of its own: ``catalog.py``
 serialises access with one lock and never holds it across I/O.
 """
 
@@ -19,12 +18,8 @@ from ..io.native import gc_untrack
 @dataclass(slots=True)
 class IndexEntry:
     """One published chunk file (slots: a store indexes millions, and builds one per write).
-
-    It refers to strings, integers and a :class:`TensorMeta` (tuples of those) only, so it
-    can never be part of a reference cycle, and the index has the cycle collector stop
-    tracking it (see :class:`ChunkIndex`).  Keep it that way: no field may refer back to an
-    entry or to anything that holds one.
-    """
+    Its fields are strings, integers and a :class:`TensorMeta` only, so the cycle collector
+    need not track it (see :class:`ChunkIndex`): no field may refer back to an entry."""
 
     digest: str
     ns_id: str
@@ -40,12 +35,10 @@ class IndexEntry:
 class ChunkIndex:
     """Entries by digest, with one LRU list and one byte budget per root.
 
-    Neither the tables nor the entries can be part of a reference cycle (strings, integers,
-    ``None`` and cycle-free entries all the way down), so the cycle collector does not track
-    them (``native.gc_untrack``): otherwise every full collection visits each entry twice
-    with the GIL held, about 0.17 s per million entries here, and the engine stalls that
-    long (``bench/instruments/bench_gc_pause.py``).  A dict is tracked again when an entry
-    is put in it, hence the call in ``add``.
+    Neither tables nor entries can be part of a reference cycle, so the cycle collector does
+    not track them (``native.gc_untrack``; a dict is tracked again when an entry is put in
+    it): otherwise every full collection visits each entry twice with the GIL held, about
+    0.17 s per million (``bench/instruments/bench_gc_pause.py``).
     """
 
     def __init__(self, budgets: list[int]) -> None:
@@ -109,14 +102,11 @@ class ChunkIndex:
         gc_untrack(entries, *added)
 
     def remove(self, digest: str) -> IndexEntry | None:
-        entry = self._entries.pop(digest, None)
-        if entry is not None:
-            del self._lru[entry.root][digest]
-            self._used[entry.root] -= entry.size
-        return entry
+        removed = self.remove_many((digest,))
+        return removed[0] if removed else None
 
     def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
-        """``remove`` of each digest (without a call per digest); the entries that were there."""
+        """Remove each digest's entry (no call per digest); the entries that were there."""
         entries, lru, used = self._entries, self._lru, self._used
         removed = []
         for digest in digests:
@@ -148,23 +138,13 @@ class ChunkIndex:
         return True
 
     def plan_reservation(self, root: int, size: int) -> list[IndexEntry] | None:
-        """Victims (LRU first, pinned skipped) that make room for ``size`` more bytes.
-
-        Returns ``[]`` when it already fits and ``None`` when it cannot fit even
-        after evicting every unpinned entry of the root.
-        """
+        """Victims (LRU first, pinned skipped) that make room for ``size`` more bytes: ``[]``
+        when it fits already, None when it cannot fit even after evicting every one."""
         excess = self._used[root] + self._reserved[root] + size - self.budgets[root]
         if excess <= 0:
             return []
-        victims: list[IndexEntry] = []
-        for digest in self._lru[root]:
-            if excess <= 0:
-                break
-            entry = self._entries[digest]
-            if entry.pins == 0:
-                victims.append(entry)
-                excess -= entry.size
-        return victims if excess <= 0 else None
+        victims = self.coldest(root, excess, set())
+        return victims if sum(victim.size for victim in victims) >= excess else None
 
     def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:
         """Least recently used unpinned entries of ``root`` (not in ``skip``) whose sizes
@@ -193,7 +173,3 @@ class ChunkIndex:
     def lru_order(self, root: int) -> Iterator[IndexEntry]:
         """Entries of a root, least recently used first."""
         return (self._entries[d] for d in self._lru[root])
-
-    def entries(self) -> Iterator[IndexEntry]:
-        for root in range(len(self._lru)):
-            yield from self.lru_order(root)

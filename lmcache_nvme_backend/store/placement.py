@@ -1,14 +1,9 @@
 """Placement and settlement of a batch of chunk writes: where each goes, and what became of it.
 
-``place`` takes the admitted chunks of one layout (``writer.py``), groups them by the root
-each one's digest goes to (rendezvous hashing over the roots in service) and reserves their
-bytes on it: a root's share as one amount when it fits (its eviction victims deferred to the
-engine, which removes their files before the share's first write), chunk by chunk
-otherwise; a chunk with no root or no room is dropped and counted.  ``shares`` gives the
-engine one write share per root.  ``settle`` takes the engine's result: the chunks written
-are indexed together (one lock hold), the victims' bytes count as freed, and each chunk
-that was not written gives its reservation back and is counted by its reason (a full
-filesystem, a planted link, a removed cache directory, a failing drive).
+``place`` groups the admitted chunks of one layout by root and reserves their bytes: a
+root's share as one amount when it fits (its eviction victims deferred to the engine,
+which removes their files first), chunk by chunk otherwise.  ``settle`` indexes what the
+engine wrote in one lock hold and counts each chunk that was not written by its reason.
 """
 
 from __future__ import annotations
@@ -21,8 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from ..config import NVMeSettings
 from ..disk.format import TensorMeta
 from ..disk.gpusum import host_checksum
+from ..disk.layout import temp_name
 from ..io import engine
 from ..io.posix import NotAChunkFile
 from .catalog import Catalog
@@ -33,6 +30,9 @@ from .stats import Counter, StoreStats
 from .writeback import TaskOutcome
 
 logger = logging.getLogger(__name__)
+
+_FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
+
 
 class Layout(NamedTuple):
     """What the chunks of one layout and namespace share, derived once for each."""
@@ -60,22 +60,23 @@ Placed = tuple[Layout, list[str], Sequence[memoryview], list[bytes], list[Share]
 class Placement:
     """Places the chunks of one store's writes on its roots and settles what was written."""
 
-    def __init__(self, catalog: Catalog, roots: Roots, room: Room, stats: StoreStats,
-                 temp_suffix: str, modes: tuple[int, int, int]) -> None:
-        """``temp_suffix``: the engine's writers' temp-name suffix; ``modes``: the file mode,
-        directory mode and fsync level every write share carries."""
+    def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots, room: Room,
+                 stats: StoreStats) -> None:
         self._catalog = catalog
         self._roots = roots
         self._room = room
         self._stats = stats
-        self._temp_suffix = temp_suffix
-        self._modes = modes
+        # the engine's writers share one temp-name suffix (see ``temp_name``); every write
+        # share carries the file mode, directory mode and fsync level
+        self._temp_suffix = temp_name("", writer=0)
+        self._modes = (settings.file_mode, settings.dir_mode, _FSYNC_LEVEL[settings.fsync])
         # each root's write naming of a namespace (``RootLayout.write_naming``), made once
         self._naming: dict[tuple[int, str], engine.WriteNaming] = {}
 
     def place(self, layout: Layout, positions: Sequence[int], digests: list[str],
               payloads: Sequence[memoryview], key_bytes: list[bytes]) -> Placed:
-        """Each position's root and reserved bytes (see the module's docstring)."""
+        """Each position's root and reserved bytes; a chunk with no root or no room is
+        dropped and counted."""
         by_root, homeless = self._roots.group(positions, digests.__getitem__)
         dropped = len(homeless)
         if homeless:
@@ -135,10 +136,9 @@ class Placement:
     def undo(self, placed: Placed) -> None:
         """Give back a batch's reservations and remove its victims' files now (they are out
         of the index already): the engine never took it."""
-        _, digests, _, _, shares, _, _ = placed
-        size = placed[0].file_size
+        layout, digests, _, _, shares, _, _ = placed
         for root, mine, victims in shares:
-            self._catalog.release(root.index, len(mine) * size)
+            self._catalog.release(root.index, len(mine) * layout.file_size)
             self._room.evict_deferred(root, victims)
             self._catalog.end_pending(digests[i] for i in mine)
 

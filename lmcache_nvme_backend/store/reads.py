@@ -1,17 +1,11 @@
 """Reading chunk files: headers for metadata, payloads into host buffers, and the judgement.
 
-Every read, whoever performs it (``read_into`` here, the GPU reader with
-kvikio), ends in :meth:`ChunkReader.complete`: the I/O outcome is classified
-(gone or unreadable: a miss and the entry is forgotten; a drive error: counted
-against the root; a short file: invalid), then ``disk.validate`` judges header
-and payload.  A chunk is served only on a good verdict; an invalid file is
-forgotten, counted and moved to quarantine.
-
-With the native engine (``io/native.py``) a batch is read, hashed and checked
-without the GIL, and only what it could not serve comes back here: a file whose
-header or checksum did not match is judged by the same ``complete`` from the
-header and checksum the engine returns; a read that failed is run again through
-the Python engine, whose exceptions classify the failure.
+Every read, whoever performs it (``read_into`` here, the GPU reader with kvikio), ends in
+:meth:`ChunkReader.complete`: the I/O outcome is classified (gone or unreadable: a miss,
+forgotten; a drive error: counted against the root; a short file: invalid), then
+``disk.validate`` judges header and payload; an invalid file is forgotten, counted and
+quarantined.  The engine verifies what it reads itself and returns only what it could not
+serve, with the header, checksum or error this judgement needs.
 """
 
 from __future__ import annotations
@@ -41,11 +35,8 @@ logger = logging.getLogger(__name__)
 
 class ChunkRead(NamedTuple):
     """One chunk to read: its key and a writable host buffer of at least its payload length.
-
-    ``length``, when given, is the payload length the caller's buffer layout needs;
-    a chunk stored with another length is a miss (and not a damaged file).  (A named tuple:
-    a load builds one per chunk.)
-    """
+    ``length``, when given, is the payload length the caller's buffer layout needs; a chunk
+    stored with another length is a miss (not a damaged file)."""
 
     key: str
     dest: memoryview
@@ -71,11 +62,11 @@ class ReadPlan(NamedTuple):
 
 
 #: A read call handed to the engine, as its completion needs it: ``(keys, encoded, digests,
-#: entries, roots, dests, order, nbytes, roots_read)``: the call's columns, its index entries
+#: entries, roots, order, nbytes, roots_read)``: the call's columns, its index entries
 #: and roots when it was planned, the positions read in the batch's order (None: every one,
 #: in order), their payload bytes and the roots they are on.  A plain tuple (one per call).
 _Call = tuple[Sequence[str], list[bytes], list[str], "list[IndexEntry | None]",
-              "list[RootState | None]", Sequence[memoryview], "list[int] | None", int, set[int]]
+              "list[RootState | None]", "list[int] | None", int, set[int]]
 
 
 def _share(root: RootState, ns_id: str, meta: TensorMeta, digests: list[str],
@@ -91,8 +82,7 @@ def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
     """The chunks of a call that can be read (indexed, on a root in service, into a buffer
     that fits), as one share per root, namespace and layout: their positions in the batch's
     order, the shares, their payload bytes and their roots."""
-    groups: dict[tuple[int, str, int], list[int]] = {}
-    firsts: dict[tuple[int, str, int], tuple[IndexEntry, TensorMeta, RootState]] = {}
+    groups: dict[tuple[int, str, int], tuple[IndexEntry, TensorMeta, RootState, list[int]]] = {}
     for i, entry in enumerate(entries):
         if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
             continue
@@ -101,18 +91,17 @@ def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
             continue  # a buffer for another layout: a miss
         group = (entry.root, entry.ns_id, id(meta))
         if group not in groups:
-            groups[group], firsts[group] = [], (entry, meta, root)
-        groups[group].append(i)
+            groups[group] = (entry, meta, root, [])
+        groups[group][3].append(i)
     order: list[int] = []
     shares: list[engine.ReadShare] = []
     nbytes = 0
-    for group, mine in groups.items():
-        entry, meta, root = firsts[group]
+    for entry, meta, root, mine in groups.values():
         order += mine
         nbytes += len(mine) * meta.nbytes
         shares.append(_share(root, entry.ns_id, meta, [digests[i] for i in mine],
                              [dests[i] for i in mine], [encoded[i] for i in mine]))
-    return order, shares, nbytes, {entry.root for entry, _, _ in firsts.values()}
+    return order, shares, nbytes, {entry.root for entry, *_ in groups.values()}
 
 
 def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
@@ -155,30 +144,6 @@ class ChunkReader:
 
     # -- headers -------------------------------------------------------------
 
-    def judge_header(self, root: RootState, path: Path, key: str) -> Verdict | None:
-        """The verdict on a chunk file's header for ``key``; None when there is no such file.
-
-        An invalid file is rejected here (quarantined); an unreadable one is skipped.
-        """
-        try:
-            raw, size = read_header(path, root.direct)
-        except FileNotFoundError:
-            return None
-        except NotAChunkFile as exc:
-            self.not_a_chunk_file(key_digest(key), exc)
-            return None
-        except ShortFileError as exc:  # shorter than a header: never a valid chunk file
-            verdict = defect(Defect.SHORT, str(exc))
-            self.reject(root, key_digest(key), path, verdict)
-            return verdict
-        except OSError as exc:
-            logger.debug("NVMe tier: cannot read %s: %s", path, exc)
-            return None
-        verdict = judge_chunk(raw, Expected(key=key, file_size=size))
-        if not verdict.ok:
-            self.reject(root, key_digest(key), path, verdict)
-        return verdict
-
     def tensor_meta(self, key: str) -> TensorMeta | None:
         """Allocation metadata of a stored chunk (read from its header if not yet known)."""
         digest = key_digest(key)
@@ -188,14 +153,26 @@ class ChunkReader:
         return self._meta_from_header(key, digest, entry)
 
     def _meta_from_header(self, key: str, digest: str, entry: IndexEntry) -> TensorMeta | None:
-        """A chunk recovered without metadata learns it from its header (None: unreadable)."""
+        """A chunk recovered without metadata learns it from its header (None: unreadable,
+        and forgotten; an invalid file is quarantined)."""
         root = self._roots[entry.root]
         path = root.layout.chunk_path(entry.ns_id, digest)
-        verdict = self.judge_header(root, path, key)
-        if verdict is None:
+        try:
+            raw, size = read_header(path, root.direct)
+        except NotAChunkFile as exc:
+            self.not_a_chunk_file(digest, exc)
+            return None
+        except ShortFileError as exc:  # shorter than a header: never a valid chunk file
+            self.reject(root, digest, path, defect(Defect.SHORT, str(exc)))
+            return None
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                logger.debug("NVMe tier: cannot read %s: %s", path, exc)
             self.forget(digest)
             return None
+        verdict = judge_chunk(raw, Expected(key=key, file_size=size))
         if verdict.header is None or not verdict.ok:
+            self.reject(root, digest, path, verdict)
             return None
         self._catalog.learn_meta(digest, verdict.header.tensor_meta)
         return verdict.header.tensor_meta
@@ -229,36 +206,24 @@ class ChunkReader:
         """Each root, or None where it is out of service (its chunks are misses)."""
         return [root if root.healthy else None for root in self._roots]
 
-    def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
-        """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
-
-        A buffer is only reported filled after the header names the same key
-        and the payload checksum matches, so a False buffer may hold garbage
-        and must not be used.
-        """
-        served: list[bool] = []
-        self.read([r.key for r in reads], [r.dest for r in reads], [r.length for r in reads],
-                  served.extend, wait=True)
-        return served
-
     def read(self, keys: Sequence[str], dests: Sequence[memoryview],
              lengths: Sequence[int | None], on_done: Callable[[list[bool]], None],
              wait: bool) -> None:
-        """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each (as columns: a
-        load task builds no object per chunk), answered through ``on_done(served)``: without
-        ``wait`` it runs when the last chunk is judged, on an I/O thread (or here, when
-        nothing can be read), and must be quick."""
+        """``ChunkStore.read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each (as
+        columns: a load task builds no object per chunk), answered through
+        ``on_done(served)``: without ``wait`` it runs when the last chunk is judged, on an
+        I/O thread (or here, when nothing can be read), and must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
         if uniform := _uniform(entries, roots, dests, lengths):
             first, meta, root = uniform
             shares = [_share(root, first.ns_id, meta, digests, list(dests), encoded)]
-            call: _Call = (keys, encoded, digests, entries, roots, dests, None,
-                           len(keys) * meta.nbytes, {root.index})
+            call: _Call = (keys, encoded, digests, entries, roots, None, len(keys) * meta.nbytes,
+                           {root.index})
         else:
             order, shares, nbytes, touched = _grouped(entries, roots, dests, lengths, digests,
                                                       encoded)
-            call = (keys, encoded, digests, entries, roots, dests, order, nbytes, touched)
+            call = (keys, encoded, digests, entries, roots, order, nbytes, touched)
             if not order:  # nothing to read: every chunk a miss
                 self._stats.add(Counter.READ_FAILURES, len(keys))
                 on_done([False] * len(keys))
@@ -274,7 +239,7 @@ class ChunkReader:
         """A read batch the engine finished: judge what it did not serve, account the call
         under one lock hold, answer ``on_done`` (also when accounting fails: a chunk is
         marked served only once its bytes were verified)."""
-        keys, encoded, digests, entries, roots, dests, order, issued_bytes, touched = call
+        keys, encoded, digests, entries, roots, order, issued_bytes, touched = call
         size = len(keys)
         served = [False] * size
         try:
@@ -298,7 +263,7 @@ class ChunkReader:
         """Mark in ``served`` the chunks of a batch that are served, judging each one the
         engine did not serve; the chunks and bytes served, those served by the engine alone,
         and the roots that served any."""
-        keys, encoded, digests, entries, roots, dests, order, _, _ = call
+        keys, encoded, digests, entries, roots, order, _, _ = call
         positions = range(len(keys)) if order is None else order
         judged: dict[int, bool] = {}
         for k, err, header, computed in details:
@@ -334,16 +299,14 @@ class ChunkReader:
                                  lambda h: h.payload_checksum == computed).ok
         if err == errno.ENOENT:  # gone, or the cache directory was removed (and made again)
             self._roots[plan.root].maybe_removed = True
-        return self.complete(plan, b"", read_failure(plan.path, err), _never).ok
+        return self.complete(plan, b"", read_failure(plan.path, err), lambda h: False).ok
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
         """Judge one read (done here or by another reader), with its counters and quarantine.
-
-        ``payload_ok(header)`` says whether the payload that landed matches the
-        header's checksum.  A miss caused by the file system (gone, not ours to
-        read, a drive error) is a verdict without a header and is not quarantined.
-        """
+        ``payload_ok(header)``: whether the payload that landed matches the header's
+        checksum.  A miss caused by the file system (gone, not ours to read, a drive error)
+        is a verdict without a header, not quarantined."""
         root = self._roots[plan.root]
         if isinstance(error, NotAChunkFile):
             # A link, directory or special file planted at the chunk path: a miss for this
@@ -359,11 +322,9 @@ class ChunkReader:
         if error is not None and not isinstance(error, ShortFileError):
             self._roots.record_error(root, error)
             return defect(Defect.NOT_A_CHUNK, f"I/O error: {error}")
-        if error is not None:
-            verdict = defect(Defect.SHORT, str(error))
-        else:
-            verdict = judge_chunk(header, Expected(key=plan.key, payload_len=plan.payload_len,
-                                                   meta=plan.meta), payload_ok)
+        verdict = defect(Defect.SHORT, str(error)) if error is not None else judge_chunk(
+            header, Expected(key=plan.key, payload_len=plan.payload_len, meta=plan.meta),
+            payload_ok)
         if verdict.defect in (Defect.WRONG_LENGTH, Defect.WRONG_META) and \
                 verdict.header is not None:
             # The index (metadata from a manifest, or a key rewritten by another process)
@@ -408,11 +369,4 @@ class ChunkReader:
 
     def forget(self, digest: str) -> None:
         """Drop an index entry whose file is gone or bad (the listeners hear of it)."""
-        entry = self._catalog.remove(digest)
-        if entry is not None:
-            self._catalog.notify_removed([entry])
-
-
-def _never(header: ChunkHeader) -> bool:
-    """A failed read's payload: never checked (the failure decides)."""
-    return False
+        self._catalog.notify_removed(self._catalog.remove_many([digest]))

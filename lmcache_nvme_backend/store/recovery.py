@@ -1,11 +1,9 @@
 """Restart: rebuild a root's index from its directory tree and manifest, and keep the manifest.
 
-The directory tree is the truth about which chunks exist; the manifest adds
-recency and tensor metadata (``disk/manifest.py``).  A chunk file the manifest
-does not know is indexed with its ``stat`` size and mtime and learns its
-metadata from its header on first use.  Temporary files of dead writers are
-removed.  While the store runs, a thread snapshots the index every
-``nvme.manifest_interval_s``; the store saves once more at close.
+The directory tree is the truth about which chunks exist; the manifest (``disk/manifest.py``)
+adds recency and tensor metadata.  A chunk file the manifest does not know is indexed with
+its ``stat`` size and mtime and learns its metadata from its header on first use.  While
+the store runs, a thread snapshots the index every ``nvme.manifest_interval_s``.
 """
 
 from __future__ import annotations
@@ -35,29 +33,25 @@ MANIFEST_CPU_SHARE = 0.01
 
 def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
                  evict: Callable[[list[IndexEntry]], None], enforce_budget: bool = True) -> None:
-    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first;
-    in shared mode, ``enforce_budget`` False, the directory's ledger decides instead).
-
-    The manifest is advice: which chunks exist and how many bytes each takes always come
-    from the directory (``lstat``: regular files only, links never followed); the manifest
-    adds recency and tensor metadata, the latter only where it matches the file's size.
-    """
+    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first; in
+    shared mode, ``enforce_budget`` False, the directory's ledger decides instead).  Which
+    chunks exist and their sizes come from the directory (``lstat``, links never followed);
+    the manifest adds recency, and tensor metadata where it matches the file's size."""
     started = time.perf_counter()
     located, temps = root.layout.scan()
     remove_stale_temp_files(root, temps, stats)
     records = load_manifest(root.layout.index_dir, max_bytes=manifest_limit(len(located)))
     found: list[IndexEntry] = []
     for loc in located:
-        st = loc.stat
-        rec = records.get(loc.digest)
-        if rec is not None and rec.ns_id == loc.namespace_id:
-            meta = rec.meta if rec.meta is not None and \
-                file_size_for(rec.meta.nbytes) == st.st_size else None
-            found.append(IndexEntry(loc.digest, rec.ns_id, root.index, st.st_size, meta,
-                                    rec.last_access_ns))
+        st, rec = loc.stat, records.get(loc.digest)
+        if rec is None or rec.ns_id != loc.namespace_id:  # a file the manifest does not know
+            found.append(IndexEntry(loc.digest, loc.namespace_id, root.index, st.st_size, None,
+                                    st.st_mtime_ns))
             continue
-        found.append(IndexEntry(loc.digest, loc.namespace_id, root.index, st.st_size, None,
-                                st.st_mtime_ns))
+        meta = rec.meta if rec.meta is not None and \
+            file_size_for(rec.meta.nbytes) == st.st_size else None
+        found.append(IndexEntry(loc.digest, rec.ns_id, root.index, st.st_size, meta,
+                                rec.last_access_ns))
     found.sort(key=lambda e: e.last_access_ns)
     over = catalog.add_recovered(root.index, found, enforce_budget)
     evict(over)
@@ -91,14 +85,9 @@ def next_save_in(interval_s: float, save_cpu_s: float) -> float:
 
 
 class ManifestKeeper:
-    """Saves every root's index snapshot: periodically on a thread, and on demand.
-
-    The thread keeps its CPU time (Python, holding the GIL) under ``MANIFEST_CPU_SHARE``:
-    a save costs about 1.5 CPU-s per million chunks, so a tier of 16 million would spend
-    about 24 s on it, which every minute would be 40 % of the interpreter's time.  Saving
-    less often costs little: the directory tree is the truth, and a chunk the manifest does
-    not know is indexed with its file's mtime.
-    """
+    """Saves every root's index snapshot: periodically on a thread (within
+    ``MANIFEST_CPU_SHARE``: saving less often costs little, the directory tree is the truth),
+    and on demand."""
 
     def __init__(self, roots: Roots, catalog: Catalog, file_mode: int,
                  interval_s: float) -> None:

@@ -1,8 +1,6 @@
 """Room for new chunks: reservations against each root's budget and free-space floor,
-eviction of the least recently used unpinned chunks, and removal of chunk files.
-
-In shared mode the room is the directory's one budget, kept with the other members
-(``store/shared/tree.py``); otherwise it is this process's share in the ``Catalog``.
+eviction of the least recently used unpinned chunks, and removal of chunk files.  In shared
+mode the budget is the directory's one, kept with the other members (``shared/tree.py``).
 """
 
 from __future__ import annotations
@@ -42,13 +40,10 @@ class Room:
     def reserve(self, root: RootState, size: int,
                 deferred: list[IndexEntry] | None = None) -> bool:
         """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
-
-        With ``deferred`` the victims leave the index here but their files are only
-        added to it: the write that needs the room removes them first (the native engine,
-        in the same job), and the free-space guard counts them as freed meanwhile.  In
-        shared mode the victims are claimed and deleted with the other members, never
-        deferred.
-        """
+        With ``deferred`` the victims leave the index here but their files are only added to
+        it: the write that needs the room removes them first, and the free-space guard counts
+        them as freed meanwhile.  In shared mode the victims are claimed and deleted with the
+        other members, never deferred."""
         guard = self.guards[root.index]
         if self.shared is not None:
             return self.shared.reserve(root, size, guard)
@@ -71,10 +66,10 @@ class Room:
     def _evict(self, victims: list[IndexEntry], guard: FreeSpaceGuard,
                deferred: list[IndexEntry] | None) -> None:
         if deferred is None:
-            self.evict(victims)
-            return
-        deferred += victims
-        guard.will_free(sum(victim.size for victim in victims))
+            self.unlink(victims)
+        else:
+            deferred += victims
+            guard.will_free(sum(victim.size for victim in victims))
         self._evicted(victims)
 
     def evict_deferred(self, root: RootState, victims: list[IndexEntry]) -> None:
@@ -101,16 +96,11 @@ class Room:
         if self.shared is not None:
             self.shared.delete(entries)
             return
-        if len(self._roots) == 1:
-            root = self._roots[0]
-            fd, chunk_rel = root.descriptor(), root.layout.chunk_rel
-            items = [(fd, chunk_rel(e.ns_id, e.digest)) for e in entries]
-        else:  # each root has its own descriptor and may have its own shard levels
-            layouts = {index: self._roots[index].layout
-                       for index in {entry.root for entry in entries}}
-            fds = {index: self._roots[index].descriptor() for index in layouts}
-            items = [(fds[e.root], layouts[e.root].chunk_rel(e.ns_id, e.digest))
-                     for e in entries]
+        # each root has its own descriptor and may have its own shard levels
+        roots = {index: self._roots[index] for index in {e.root for e in entries}}
+        fds = {index: root.descriptor() for index, root in roots.items()}
+        items = [(fds[e.root], roots[e.root].layout.chunk_rel(e.ns_id, e.digest))
+                 for e in entries]
         errors = self._engine.unlink(items)
         if not any(errors):
             return

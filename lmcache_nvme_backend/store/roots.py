@@ -1,12 +1,10 @@
 """The cache directories of a store: opening them, placement, health and quarantine.
 
-A root is one ``nvme.path`` entry, usually one drive.  Chunks are placed by
-rendezvous hashing (each digest ranks the roots by ``xxh64(root index, digest)``
-and goes to the best healthy one), so adding or losing a root moves only its
-share of the keys, and a reader that looks on disk (shared mode) tries the
-roots in the order a writer would have chosen them.  A root that fails
-``ROOT_ERROR_LIMIT`` I/Os in a row is taken out of service for ``ROOT_RETRY_S``
-while the others keep serving.
+A root is one ``nvme.path`` entry, usually one drive.  Chunks are placed by rendezvous
+hashing (each digest ranks the roots by ``xxh64(root index, digest)`` and goes to the best
+healthy one), so adding or losing a root moves only its share of the keys, and a reader
+that looks on disk (shared mode) tries the roots in the order a writer would have chosen.
+A root that fails ``ROOT_ERROR_LIMIT`` I/Os in a row is out of service for ``ROOT_RETRY_S``.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -85,10 +83,8 @@ class RootState:
 
 @dataclass(frozen=True)
 class RootInfo:
-    """What the store tells the outside about one of its directories: where it is, whether
-    it reads with O_DIRECT and is in service, its free-space guard and the free space of its
-    filesystem now (None when ``statvfs`` fails), and its share of the byte budget and what
-    its chunk files use of it (``ChunkStore.describe_roots`` fills the last two)."""
+    """One of the store's directories as the outside sees it: ``free_bytes`` is None when
+    ``statvfs`` fails; ``ChunkStore.describe_roots`` fills the budget share and its use."""
 
     path: Path
     direct_io: bool
@@ -102,20 +98,10 @@ class RootInfo:
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
               min_free_gb: float | None = None, shared: bool = False,
               key_prefix: str = EXTRA_CONFIG_PREFIX) -> RootState:
-    """Check the root, create its directories and marker, and probe O_DIRECT per
-    ``nvme.direct_io``.
-
-    Nothing is created before the check (``access.require_usable_root``): a path that is
-    not a directory or where no file can be created, and an existing tree with directories
-    this process cannot use (created by another user), are refused with a message naming
-    the setting (``<key_prefix>path``), the directory and the fix.  A missing path is
-    created here, with its missing parents.  Directories get ``dir_mode_for(file_mode)``
-    and the marker ``file_mode``, whatever the umask; nothing below the root is reached
-    through a link.  A full filesystem (no block, no inode) does not stop the start: the
-    store serves what the root holds and drops writes (``capacity_drops``) until space
-    frees.  In shared mode a tree on a read-only filesystem is opened to be served
-    (``store/shared/member.py`` says so).
-    """
+    """Check the root (``access.require_usable_root``, before anything is created), create
+    it, its directories (``dir_mode_for(file_mode)``) and marker, whatever the umask and
+    never through a link, and probe O_DIRECT per ``nvme.direct_io``.  A full filesystem does
+    not stop the start: writes are dropped (``capacity_drops``) until space frees."""
     probe = require_usable_root(path, shared, key_prefix)
     dir_mode = dir_mode_for(file_mode)
     if not probe.exists:
@@ -219,11 +205,8 @@ def _write_marker(path: Path, file_mode: int, shard_levels: int) -> None:
         os.close(fd)
 
 
-class Roots(Sequence[RootState]):
+class Roots(list[RootState]):
     """The store's roots, in ``nvme.path`` order."""
-
-    def __init__(self, states: list[RootState]) -> None:
-        self._states = states
 
     @classmethod
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
@@ -234,27 +217,18 @@ class Roots(Sequence[RootState]):
         return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared,
                               key_prefix) for i, path in enumerate(paths)])
 
-    def __getitem__(self, i: int) -> RootState:  # type: ignore[override]
-        return self._states[i]
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __iter__(self) -> Iterator[RootState]:
-        return iter(self._states)
-
     def healthy(self, index: int) -> bool:
-        return self._states[index].healthy
+        return self[index].healthy
 
     def in_placement_order(self, digest: str) -> list[RootState]:
         """Healthy roots, the one a writer would choose for ``digest`` first."""
-        return sorted((r for r in self._states if r.healthy), reverse=True,
+        return sorted((r for r in self if r.healthy), reverse=True,
                       key=lambda r: xxhash.xxh64_intdigest(f"{r.index}:{digest}".encode()))
 
     def choose(self, digest: str) -> RootState | None:
         """The root that holds ``digest`` (None when every root is out of service)."""
-        if len(self._states) == 1:
-            only = self._states[0]
+        if len(self) == 1:
+            only = self[0]
             return only if only.healthy else None
         order = self.in_placement_order(digest)
         return order[0] if order else None
@@ -263,8 +237,8 @@ class Roots(Sequence[RootState]):
               ) -> tuple[list[tuple[RootState, list[T]]], list[T]]:
         """``items`` grouped by the root each one's digest goes to (``choose``); and those no
         root can take (every root out of service).  One root: no choice per item."""
-        if len(self._states) == 1:
-            only = self._states[0]
+        if len(self) == 1:
+            only = self[0]
             return ([(only, list(items))], []) if only.healthy else ([], list(items))
         by_root: dict[int, tuple[RootState, list[T]]] = {}
         homeless: list[T] = []
@@ -288,7 +262,7 @@ class Roots(Sequence[RootState]):
 
     def describe(self) -> list[RootInfo]:
         return [RootInfo(r.layout.root, r.direct, r.healthy, r.min_free_bytes,
-                         _free_bytes(r.layout.root)) for r in self._states]
+                         _free_bytes(r.layout.root)) for r in self]
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -331,23 +305,21 @@ def note_space(root: RootState) -> None:
 
 
 def quarantine_file(root: RootState, digest: str, path: Path) -> bool:
-    """Move a file that failed validation aside (deleted when it cannot be moved).
-
-    Returns whether it was moved.  At most ``MAX_QUARANTINED_FILES`` are kept per
-    root, the oldest removed first.  Neither the file's directory nor ``quarantine/``
-    is ever reached through a link.
-    """
+    """Move a file that failed validation aside (deleted when it cannot be moved); whether
+    it was moved.  At most ``MAX_QUARANTINED_FILES`` are kept per root, the oldest removed
+    first; neither directory is ever reached through a link."""
     layout = root.layout
-    moved = True
     try:
         rename_beneath(layout.root, layout.relative(path),
                        layout.relative(layout.quarantine_path(digest)))
     except (OSError, ValueError):
-        moved = False
         unlink_quietly(path)
-    if moved:
-        _trim_quarantine(layout)
-    return moved
+        return False
+    names = sorted((e.name for e in scandir_beneath(layout.root, "quarantine")),
+                   key=lambda n: (_quarantine_age(n), n))
+    for old in names[: max(0, len(names) - MAX_QUARANTINED_FILES)]:
+        unlink_quietly(layout.quarantine_dir / old, layout.root)
+    return True
 
 
 def _quarantine_age(name: str) -> int:
@@ -355,19 +327,9 @@ def _quarantine_age(name: str) -> int:
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 
-def _trim_quarantine(layout: RootLayout) -> None:
-    names = sorted((e.name for e in scandir_beneath(layout.root, "quarantine")),
-                   key=lambda n: (_quarantine_age(n), n))
-    for old in names[: max(0, len(names) - MAX_QUARANTINED_FILES)]:
-        unlink_quietly(layout.quarantine_dir / old, layout.root)
-
-
 def unlink_quietly(path: Path, root: Path | None = None) -> None:
-    """Remove a file; one that is already gone is fine, other failures are logged.
-
-    A file of a cache tree (``root`` given, or a chunk or temp file in a shard
-    directory) is removed without following a link in its directories.
-    """
+    """Remove a file (already gone is fine, other failures are logged); a file of a cache
+    tree (``root`` given, or in a shard directory) without following a link."""
     try:
         if root is not None:
             unlink_beneath(root, path.relative_to(root).as_posix())

@@ -1,8 +1,7 @@
 """Counters and latency histograms of the NVMe tier, and their ``stats()`` snapshot.
 
-Every counter has a name in :class:`Counter`, so a misspelt counter is a type
-error, not a ``KeyError`` at run time; the snapshot keys (what ``stats()`` and
-the Prometheus exporter show) are the counters' values.
+Every counter has a name in :class:`Counter` (a misspelt one is a type error, not a
+``KeyError`` at run time); the snapshot keys (``stats()``, Prometheus) are their values.
 """
 
 from __future__ import annotations
@@ -14,20 +13,16 @@ import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, groupby, repeat
+from itertools import accumulate, compress, groupby, repeat
 from typing import TypeVar
 
 from ..config import StrChoice
 
 
 class ReadPath(StrChoice):
-    """Where a chunk read went (docs/gpu.md).
-
-    Host memory through the POSIX engine, GPU memory through kvikio (GDS or
-    kvikio's compat mode), or GPU memory through a host read and a device copy.
-    Each has ``_chunks``, ``_bytes`` and ``_seconds`` counters and a ``_gbps``
-    gauge in the snapshot.  Members compare equal to their values.
-    """
+    """Where a chunk read went (docs/gpu.md): host memory through the POSIX engine, GPU
+    memory through kvikio (GDS or compat mode), or through a host read and a device copy.
+    Each has ``_chunks``, ``_bytes`` and ``_seconds`` counters and a ``_gbps`` gauge."""
 
     POSIX = "posix"
     KVIKIO_GDS = "kvikio-gds"
@@ -84,9 +79,6 @@ class Counter(str, enum.Enum):
     DEVICE_WRITE_COPIES = "device_write_copies"  # GPU objects copied to host for write-back
 
 
-_PATH_COUNTERS = tuple(path_counter(p, w) for p in ReadPath for w in ("chunks", "bytes",
-                                                                       "seconds"))
-
 # Upper bounds (seconds) of the latency histogram buckets: a 2 MiB chunk from a fast
 # drive takes well under a millisecond, a batch of large chunks from a busy one seconds.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -104,13 +96,6 @@ HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
 # A read call's path counters and latency histogram (every call moves them).
 _PATH_KEYS = {p: (path_counter(p, "chunks"), path_counter(p, "bytes"), read_latency(p))
               for p in ReadPath}
-# The read and write paths' keys as plain strings (every call moves them; an enum member
-# is one more lookup each time).
-_READ_CHUNKS = Counter.READ_CHUNKS.value
-_READ_BYTES = Counter.READ_BYTES.value
-_READ_SECONDS = Counter.READ_SECONDS.value
-_READ_FAILURES = Counter.READ_FAILURES.value
-_WRITE_BYTES = Counter.WRITE_BYTES.value
 #: Read and write calls are logged (one list append each, no lock: they run on every read
 #: and write) and folded into the counters and histograms this many at a time, with a few
 #: calls over whole columns, and whenever a value is asked for.
@@ -139,28 +124,20 @@ class HistogramSnapshot:
     def cumulative(self) -> list[tuple[str, int]]:
         """``(upper bound, observations <= it)`` pairs, Prometheus style, ending at ``+Inf``."""
         bounds = [*(repr(b) for b in LATENCY_BUCKETS_S), "+Inf"]
-        total, out = 0, []
-        for bound, n in zip(bounds, self.bucket_counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
+        return list(zip(bounds, accumulate(self.bucket_counts), strict=True))
 
 
 class StoreStats:
-    """Thread-safe monotonically increasing counters and latency histograms.
-
-    Gauges (index size, queue depth) are the store's and are read at snapshot time.
-    Histograms: ``write`` is the time to write and publish one chunk file;
-    ``read_<path>`` the time of one read call (a batch of chunks) on that path.  The counters
-    they already sum (``writes_completed``, ``write_seconds``, each path's ``_seconds``) are
-    read from them.
-    """
+    """Thread-safe monotonically increasing counters and latency histograms: ``write``, the
+    time to write and publish one chunk file; ``read_<path>``, of one read call on that
+    path.  The counters they already sum (``writes_completed``, ``write_seconds``, each
+    path's ``_seconds``) are read from them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, float] = dict.fromkeys(
-            [key for key in [c.value for c in Counter] + list(_PATH_COUNTERS)
-             if key not in _FROM_HISTOGRAMS], 0)
+            [c.value for c in Counter if c.value not in _FROM_HISTOGRAMS]
+            + [key for p in ReadPath for key in _PATH_KEYS[p][:2]], 0)
         self._buckets = {name: [0] * (len(LATENCY_BUCKETS_S) + 1) for name in HISTOGRAMS}
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
         # calls not folded yet (appended by any thread; taken from the front under the lock)
@@ -179,21 +156,17 @@ class StoreStats:
         call of the store's own read path also gives its ``failures`` (it then counts the
         call's ``read_seconds`` too) and, when an engine verified the chunks itself,
         ``checked``: the ``read_chunks`` and ``read_bytes`` it served."""
-        reads = self._reads
-        reads.append((path, chunks, nbytes, seconds, failures, checked))
-        if len(reads) >= FOLD_EVERY:
-            self._fold()
+        self._log(self._reads, (path, chunks, nbytes, seconds, failures, checked))
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
-        writes = self._writes
-        writes.append((nbytes, seconds, count))
-        if len(writes) >= FOLD_EVERY:
-            self._fold()
+        self._log(self._writes, (nbytes, seconds, count))
 
-    def _fold(self) -> None:
-        with self._lock:
-            self._fold_locked()
+    def _log(self, log: list[_Call], call: _Call) -> None:
+        log.append(call)
+        if len(log) >= FOLD_EVERY:
+            with self._lock:
+                self._fold_locked()
 
     def _fold_locked(self) -> None:
         """Move the logged calls into the counters and histograms (the lock held; appends
@@ -201,7 +174,7 @@ class StoreStats:
         counts = self._counts
         if self._writes:
             nbytes, seconds, chunks = zip(*_take_logged(self._writes), strict=True)
-            counts[_WRITE_BYTES] += sum(nbytes)
+            counts[Counter.WRITE_BYTES] += sum(nbytes)
             self._observe(WRITE_LATENCY, seconds, chunks)
         if not self._reads:
             return
@@ -212,13 +185,13 @@ class StoreStats:
             counts[bytes_key] += sum(nbytes)
             self._observe(latency, seconds, (1,) * len(seconds))
             # the store's own calls (they give failures) also count failures and their time
-            counts[_READ_FAILURES] += sum(filter(None, failures))
-            counts[_READ_SECONDS] += sum(compress(seconds, map(operator.is_not, failures,
-                                                               repeat(None))))
+            counts[Counter.READ_FAILURES] += sum(filter(None, failures))
+            counts[Counter.READ_SECONDS] += sum(
+                compress(seconds, map(operator.is_not, failures, repeat(None))))
             if verified := list(filter(None, checked)):
                 verified_chunks, verified_bytes = zip(*verified, strict=True)
-                counts[_READ_CHUNKS] += sum(verified_chunks)
-                counts[_READ_BYTES] += sum(verified_bytes)
+                counts[Counter.READ_CHUNKS] += sum(verified_chunks)
+                counts[Counter.READ_BYTES] += sum(verified_bytes)
 
     def _observe(self, histogram: str, seconds: Sequence[float],
                  weights: Sequence[int]) -> None:

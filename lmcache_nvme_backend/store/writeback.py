@@ -1,14 +1,12 @@
 """Write-back plumbing: the chunk writes and tasks, and a queue bounded in bytes.
 
-A store call only hands its chunks to the I/O engine; the engine's writers persist them
-from host memory later.  The queue counts the payload bytes handed over and not yet done
-(host memory LMCache cannot reuse until the write finishes), so its bound is a memory bound.
+The queue counts the payload bytes handed to the I/O engine and not yet written (host
+memory LMCache cannot reuse until then), so its bound is a memory bound.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,8 +14,6 @@ from typing import NamedTuple
 
 from ..disk.format import TensorMeta, file_size_for, text_bytes
 from ..disk.layout import digest_of_key_bytes, namespace_id
-
-logger = logging.getLogger(__name__)
 
 
 class SubmitResult(enum.Enum):
@@ -44,22 +40,11 @@ class TaskOutcome(NamedTuple):
         """Nothing persisted, and the task failed."""
         return cls(False, 0, [], [], [])
 
-    @classmethod
-    def stored_before(cls) -> TaskOutcome:
-        """Nothing to persist: every chunk was stored (or being stored) already."""
-        return cls(True, 0, [], [], [])
-
 
 class ChunkWrite:
-    """One chunk to persist.
-
-    ``payload`` stays valid until the store calls ``release``, which it does
-    exactly once whatever happens to the write; ``persisted`` is set and then
-    ``on_persisted`` runs once the chunk file is published (before ``release``).  What the
-    store derives from the key (its UTF-8, the digest that names the file, the namespace's
-    directory id) is derived when asked for: the store's write path works on the columns of
-    a call and derives them there, once.
-    """
+    """One chunk to persist: ``payload`` stays valid until the store calls ``release``,
+    exactly once whatever happens; ``persisted`` is set and then ``on_persisted`` runs once
+    the chunk file is published (before ``release``)."""
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "persisted")
 
@@ -99,11 +84,8 @@ class ChunkWrite:
 
 
 class WriteBackQueue:
-    """The bytes of write jobs handed to the engine and not done yet: at most ``capacity``.
-
-    A job's bytes stay accounted until ``done_many`` (or ``release``) is called for it
-    (after the write), because its host memory stays referenced until then.
-    """
+    """The bytes of write jobs handed to the engine and not done yet: at most ``capacity``
+    (their host memory stays referenced until ``release``, after the write)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -124,7 +106,6 @@ class WriteBackQueue:
 
     @property
     def accepted(self) -> int:
-        """Jobs ever accepted."""
         with self._lock:
             return self._accepted
 

@@ -1,24 +1,11 @@
-"""Writing chunks: one admission, one placement, one settlement, for every store call.
+"""Writing chunks: one admission, one placement, one settlement per layout of a store call.
 
-A store call (a task: keys, namespaces, metadata and payloads as columns) is taken per
-layout (one metadata object and namespace: a task's chunks nearly always share one) in one
-admission step: payload sizes checked, chunks too big for the queue, the budget or the
-header dropped, duplicates of chunks stored or being stored dropped, the payload bytes
-accounted in the byte-bounded queue (``nvme.queue_full_policy``: wait for room or drop).
-Placement (``placement.py``) picks each chunk's root (rendezvous hashing over healthy
-roots) and reserves its bytes against that root's budget (evicting least recently used,
-unpinned chunks, and more while the filesystem is below ``nvme.min_free_gb``), a root's
-share as one amount when it fits.  The batch goes to the engine as one write share per
-root (``io/engine.py``), on the submitting thread; the engine's writers, at a low CPU
-priority, write ``<name>.tmp-<host>-<pid>-<thread>`` and rename it into place.  The
-batch's completion settles it in one step: the chunks written are indexed together, each
-one that was not is counted by its reason, and only then is the call told (and its host
-memory released).
-
-Python decides once per layout and takes each lock once per call (the queue's, the
-catalogue's at admission and at publication); what runs per chunk is its digest and its
-index entry: on a big server one process moves every chunk through one interpreter
-(``docs/benchmarks.md``, "GIL ceiling").
+A call (keys, namespaces, metadata and payloads as columns) is admitted per layout (one
+metadata object and namespace): chunks too big for the queue, the budget or the header
+dropped, duplicates dropped, the payload bytes accounted in the byte-bounded queue
+(``nvme.queue_full_policy``); ``placement.py`` places the rest, the engine writes them,
+and the batch is settled before the call is told.  Python decides once per layout and
+takes each lock once per call (``docs/benchmarks.md``, "GIL ceiling").
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from ..config import NVMeSettings
 from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_bytes, texts_bytes
-from ..disk.layout import digest_of_key_bytes, namespace_id, temp_name
+from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..io.engine import Batch, ChunkEngine
 from .catalog import Catalog
 from .placement import Layout, Placed, Placement
@@ -44,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a closing store waits for cancelled writes to hand their buffers back.
 CANCEL_WAIT_S = 5.0
-_FSYNC_LEVEL = {"none": 0, "data": 1, "full": 2}
 
 OnTaskDone = Callable[[TaskOutcome], None]
 
@@ -55,45 +41,17 @@ class ChunkWriter:
     def __init__(self, settings: NVMeSettings, catalog: Catalog, roots: Roots, room: Room,
                  engine: ChunkEngine, stats: StoreStats) -> None:
         self.settings = settings
-        self.room = room
         self.catalog = catalog
-        self.roots = roots
         self.engine = engine
         self.stats = stats
         self.queue = WriteBackQueue(settings.write_queue_bytes)
         self.closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
-        # The engine's writers share one temp-name suffix (see ``temp_name``); its write
-        # shares carry the file mode, directory mode and fsync level.
-        self.placement = Placement(catalog, roots, room, stats,
-                                   temp_name("", writer=0),
-                                   (settings.file_mode, settings.dir_mode,
-                                    _FSYNC_LEVEL[settings.fsync]))
+        self.placement = Placement(settings, catalog, roots, room, stats)
         self._layout: Layout | None = None  # the last one seen: replaced whole
 
-    @staticmethod
-    def writer_count(settings: NVMeSettings, roots: int) -> int:
-        """Writer threads (``nvme.write_threads``; 0: one per path)."""
-        return settings.write_threads or roots
-
-    @property
-    def queue_bytes(self) -> int:
-        return self.queue.bytes_held
-
-    @property
-    def writes_enqueued(self) -> int:
-        """Chunks ever accepted into the write-back queue."""
-        return self.queue.accepted
-
     # -- store calls -----------------------------------------------------------
-
-    def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
-                    metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
-                    on_done: OnTaskDone) -> None:
-        """Queue a task's chunks; ``on_done(outcome)`` runs once, after every one of them
-        ended (see ``ChunkStore.submit_task``)."""
-        self._submit(keys, namespaces, metas, payloads, on_done)
 
     def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
         """Queue chunks for persistence without waiting for the drive, as one task: each
@@ -102,17 +60,20 @@ class ChunkWriter:
         end = _WritesEnd(writes)
         results = [SubmitResult.CLOSED] * len(writes)
         try:
-            results = self._submit([w.key for w in writes], [w.namespace for w in writes],
-                                   [w.meta for w in writes], [w.payload for w in writes],
-                                   end.ended)
+            results = self.submit_task([w.key for w in writes], [w.namespace for w in writes],
+                                       [w.meta for w in writes],
+                                       [w.payload for w in writes], end.ended)
         finally:
             end.admitted(results)
         return results
 
-    def _submit(self, keys: Sequence[str], namespaces: Sequence[str],
-                metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
-                on_done: OnTaskDone) -> list[SubmitResult]:
-        """A call's chunks, layout by layout, through ``_write``; what admission did with each."""
+    def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
+                    metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
+                    on_done: OnTaskDone) -> list[SubmitResult]:
+        """A call's chunks, layout by layout, through ``_write``; what admission did with
+        each.  ``on_done`` runs once, after every chunk ended (``ChunkStore.submit_task``);
+        ValueError (after ``on_done``, nothing stored) for a payload that is not the size its
+        metadata says."""
         n = len(keys)
         if n and metas.count(metas[0]) == n and namespaces.count(namespaces[0]) == n and \
                 list(map(len, payloads)).count(metas[0].nbytes) == n:  # the common call
@@ -140,8 +101,8 @@ class ChunkWriter:
                 raise
             for i, result in zip(mine, part, strict=True):
                 results[i] = result
-        if not parts:
-            _call(on_done, TaskOutcome.stored_before())
+        if not parts:  # nothing to persist
+            _call(on_done, TaskOutcome(True, 0, [], [], []))
         return results
 
     def _layout_of(self, meta: TensorMeta, namespace: str) -> Layout:
@@ -159,8 +120,7 @@ class ChunkWriter:
     def _write(self, layout: Layout, keys: Sequence[str], payloads: Sequence[memoryview],
                on_done: OnTaskDone) -> list[SubmitResult]:
         """Admit, place and hand to the engine the chunks of one layout; ``on_done`` once
-        every one ended.  ValueError (after ``on_done``, nothing stored) for a payload that
-        is not the size its metadata says."""
+        every one ended."""
         n = len(keys)
         if self.closed:
             _call(on_done, TaskOutcome.failed())
@@ -206,7 +166,6 @@ class ChunkWriter:
                   results: list[SubmitResult]) -> list[int]:
         """Mark the chunks too big for the queue or the budget, or with a key too long for
         the header: dropped, counted, and said once; the others."""
-        budget = self.catalog.budgets[0]
         for i, key in enumerate(key_bytes):
             if not layout.fits or len(key) > layout.key_room:
                 results[i] = SubmitResult.OVERSIZE
@@ -215,7 +174,7 @@ class ChunkWriter:
                 "NVMe tier: not storing a %d-byte chunk: it exceeds nvme.write_queue_mb "
                 "(%d bytes) or the budget per path (%d bytes), or its key is too long for "
                 "the header. Raise nvme.write_queue_mb / nvme.max_size_gb.", layout.nbytes,
-                self.queue.capacity, budget)
+                self.queue.capacity, self.catalog.budgets[0])
         self.stats.add(Counter.OVERSIZE_DROPS, results.count(SubmitResult.OVERSIZE))
         return [i for i, result in enumerate(results) if result is SubmitResult.QUEUED]
 
@@ -240,15 +199,16 @@ class ChunkWriter:
     def _settle(self, placed: Placed, accepted: int, admitted: bool, on_done: OnTaskDone,
                 result: Batch | None) -> None:
         """The engine finished a batch (``result``; None: none of it was placed): settle it,
-        give the queue its bytes back, tell the call (whatever happened)."""
+        give the queue its bytes back, tell the call (whatever happened: LMCache holds its
+        objects until then)."""
+        outcome = TaskOutcome.failed()
         try:
             outcome = self.placement.settle(placed, result)
-        except BaseException:  # the call still ends (LMCache holds its objects until then)
+            if not admitted:
+                outcome = outcome._replace(ok=False)
+        finally:
             self.queue.release(accepted * placed[0].nbytes, accepted)
-            _call(on_done, TaskOutcome.failed())
-            raise
-        self.queue.release(accepted * placed[0].nbytes, accepted)
-        _call(on_done, outcome if admitted else outcome._replace(ok=False))
+            _call(on_done, outcome)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""
@@ -290,9 +250,9 @@ class _Gather:
 
 
 class _WritesEnd:
-    """How the writes of a ``submit_many`` call end: each one not queued released as soon as
-    admission says so; the queued ones once the call's outcome is in too (which may come
-    first, on the engine's thread): each persisted one marked and its ``on_persisted`` run,
+    """How the writes of a ``submit_many`` call end: each one not queued released at once;
+    the queued ones once admission and the call's outcome (which may come first, on the
+    engine's thread) are both in: each persisted one marked and its ``on_persisted`` run,
     then each one's ``release``."""
 
     def __init__(self, writes: Sequence[ChunkWrite]) -> None:

@@ -26,7 +26,7 @@ def write(key: str) -> ChunkWrite:
 def catalog() -> Catalog:
     c = Catalog([1000, 1000])
     for i, digest in enumerate(("a", "b", "c")):
-        c.publish(entry(digest, t=i), reserved=0)
+        c.publish_many([(entry(digest, t=i), 0)])
     return c
 
 
@@ -53,7 +53,7 @@ def test_register_marks_a_new_batch_pending_and_a_known_key_as_a_use(catalog: Ca
     assert catalog.register([w.digest for w in batch], now_ns=5) == [True, True, True]
     assert all(catalog.is_pending(w.digest) for w in batch)
     stored = write("s")
-    catalog.publish(entry(stored.digest), reserved=0)
+    catalog.publish_many([(entry(stored.digest), 0)])
     digests = [write("n4").digest, write("n2").digest, stored.digest]
     assert catalog.register(digests, now_ns=7) == [True, False, False]
     known = catalog.entry(stored.digest)
@@ -64,7 +64,7 @@ def test_register_marks_a_new_batch_pending_and_a_known_key_as_a_use(catalog: Ca
 def test_register_skips_keys_stored_or_queued(catalog: Catalog) -> None:
     fresh, again = write("k1"), write("k1")
     stored = ChunkWrite("x", "ns", META, memoryview(bytes(10)), release=lambda: None)
-    catalog.publish(entry(stored.digest), reserved=0)
+    catalog.publish_many([(entry(stored.digest), 0)])
     digests = [fresh.digest, again.digest, stored.digest]
     assert catalog.register(digests, now_ns=5) == [True, False, False]
     assert catalog.is_pending(fresh.digest)
@@ -79,7 +79,7 @@ def test_reserve_evicts_lru_unpinned_and_publish_takes_the_reservation(catalog: 
     victims = catalog.reserve(0, 800)  # 300 used + 800 > 1000: one victim, not pinned "a"
     assert victims is not None and [v.digest for v in victims] == ["b"]
     assert catalog.usage()["reserved_bytes"] == 800
-    catalog.publish(entry("new", size=800), reserved=800)
+    catalog.publish_many([(entry("new", size=800), 800)])
     usage = catalog.usage()
     assert usage["reserved_bytes"] == 0 and usage["used_bytes"] == 1000
 
@@ -123,10 +123,10 @@ def test_a_failing_listener_never_breaks_the_others(catalog: Catalog,
 
     catalog.add_removal_listener(broken)
     catalog.add_removal_listener(lambda entries: heard.append([e.digest for e in entries]))
-    removed = catalog.remove("a")
-    assert removed is not None
+    removed = catalog.remove_many(["a"])
+    assert len(removed) == 1
     with package_log.at_level(logging.ERROR):
-        catalog.notify_removed([removed])
+        catalog.notify_removed(removed)
     assert heard == [["a"]]
     assert "removal listener failed" in package_log.text
     catalog.notify_removed([])  # nothing removed: nobody is called

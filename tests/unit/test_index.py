@@ -109,13 +109,6 @@ def test_touch_moves_to_most_recent(full: ChunkIndex) -> None:
     assert order(full) == ["b", "c", "a"]
 
 
-def test_entries_walks_every_root(index: ChunkIndex, entry: MakeEntry) -> None:
-    index.add(entry("x", root=1))
-    index.add(entry("a"))
-    index.add(entry("b"))
-    assert [e.digest for e in index.entries()] == ["a", "b", "x"]
-
-
 def test_pin_unpin_counts(full: ChunkIndex) -> None:
     assert full.pin("a") and full.pin("a")
     assert full.get("a").pins == 2  # type: ignore[union-attr]
