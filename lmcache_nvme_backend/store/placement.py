@@ -90,6 +90,7 @@ class Placement:
                 shares.append((root, mine, victims))
                 continue
             self._room.evict_deferred(root, victims)  # no room for the whole share
+            victims = []  # removed and counted as freed: not the share's to remove again
             fits: list[int] = []
             for i in mine:
                 if self._room.reserve(root, size, victims):
