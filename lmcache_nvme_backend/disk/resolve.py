@@ -1,5 +1,5 @@
 """Opening and making entries beneath a root's descriptor, never through a link: the one
-implementation of ``safe_fs`` and of the Python I/O engine (``io/beneath.py``).
+implementation of ``safe_fs`` and of the Python I/O engine (``io/python_chunks.py``).
 
 A path is resolved by ``openat2(2)`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` (Linux
 5.6+) where the kernel has it, elsewhere by a walk that opens every directory ``O_NOFOLLOW``

@@ -5,16 +5,17 @@ shares made into one batch and its outcome handed back, ``workers.c`` the queues
 threads, ``chunkio.c`` one chunk's open, vectored I/O, block hashes and verdict, ``pool.c``
 removed files kept for reuse, ``xxh3.c`` the checksum) is built at install time when a C
 compiler is there (``setup.py``; optional).  It runs the same steps
-as the Python engine (``posix.py``, ``files.py``, ``disk/safe_fs.py``) for a whole batch
-per GIL round trip: on a big server one process then moves many GiB/s before the
+as the Python engine (``python_engine.py``, each chunk ``python_chunks.py``) for a whole
+batch per GIL round trip: on a big server one process then moves many GiB/s before the
 interpreter becomes its limit (``docs/benchmarks.md``, "GIL ceiling").
 
 What stays in Python: deciding per batch (the index, placement, capacity), and every case
 that is not the common one.  A read the engine could not verify comes back with its header
-and checksum for ``disk/validate.judge_chunk`` to name the defect; a read that failed is run
-again through the Python engine, whose exceptions classify it (gone, planted, short, drive
-error) exactly as before.  A write whose shard directory does not exist yet comes back for
-Python to create the directory.
+and checksum for ``disk/validate.judge_chunk`` to name the defect; a read that failed comes
+back with its errno, which ``io.files.read_failure`` turns into the exception that
+classifies it (gone, planted, short, drive error), as for the Python engine.  A write that
+made its namespace's directory comes back ``NEW_NAMESPACE`` for the store to write the
+namespace's name file.
 """
 
 from __future__ import annotations

@@ -8,16 +8,19 @@ checked against.  Each chunk is one job (``python_chunks.py``); this module owns
 threads and the batches:
 
 * **reads**: ``threads`` reader threads take a batch's chunks in order, several at once
-  (the system calls and the checksum let go of the GIL); ``read`` helps with its own
-  batch on the calling thread (a batch of at most ``INLINE_CHUNKS`` runs there alone, no
-  hand-off), ``submit_read`` hands the batch to the readers and ``on_done`` runs on the one
-  that ends its last chunk;
+  (the system calls and the checksum let go of the GIL); a chunk over ``task_size`` is
+  read in pieces, in order, by its one job (the compiled engine reads them in parallel);
+  ``read`` helps with its own batch on the calling thread (a batch of at most
+  ``INLINE_CHUNKS`` runs there alone, no hand-off), ``submit_read`` hands the batch to the
+  readers and ``on_done`` runs on the one that ends its last chunk;
 * **writes**: ``write_threads`` writer threads take the chunks of the batches in order;
   they are background work (a read is what an inference request waits for), so they run
   at nice ``WRITER_NICE`` (never taking a core from the inference engine's threads when
   the host is busy) and before each chunk a writer lets reads in flight go first, for at
   most ``READS_FIRST_S`` so that writes never starve (the compiled engine does the same,
-  ``csrc/module.c``); ``on_done`` runs on the writer that ends a batch's last chunk.
+  ``csrc/workers.c``: ``WRITER_NICE``, ``WRITERS_YIELD_S``); each chunk's payload is
+  hashed whole before its header goes out with the first I/O; ``on_done`` runs on the
+  writer that ends a batch's last chunk.
 
 A callback that raises is logged; no thread ever dies of one.  ``close`` lets every queued
 batch finish and hands it back before the threads end.

@@ -72,13 +72,21 @@ class BenchConfig:
         return (self.threads, 0) if self.reads else (0, self.threads)
 
     def in_flight(self) -> int:
-        """Most I/Os the engine keeps in flight: the queue depth fio gets in ``--vs-fio``."""
+        """Most I/Os the engine keeps in flight: the queue depth fio gets in ``--vs-fio``.
+
+        Reads are counted in pieces, all of a batch's in parallel up to the read threads,
+        as the native engine reads them; a batch of at most two pieces counts once per
+        caller, as the Python engine runs a read of at most ``INLINE_CHUNKS`` chunks on its
+        caller alone.  Where they part: the Python engine reads a chunk over ``task_size``
+        as one job, its pieces in order (fewer in flight than counted here), and the
+        native engine has no caller-alone rule (a read of two pieces may have both in
+        flight); both let the calling thread help with its own batch."""
         readers, writers = self.split_threads()
         total = writers
         if readers:
             # a chunk is ceil(bs / task_size) I/Os (the header rides with the first piece)
             pieces = self.iodepth * -(-self.bs // self.task_size)
-            # an engine read of at most two pieces runs on its caller, one at a time
+            # the Python engine's rule for a read of at most two chunks, here in pieces
             total += self.callers if pieces <= 2 else min(readers, self.callers * pieces)
         return max(1, total)
 
