@@ -16,6 +16,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .disk.layout import BUILD_RE
 from .disk.probe import path_problem, probe_path
 from .disk.safe_fs import dir_mode_for
 
@@ -194,6 +195,20 @@ class _FileMode(_Rule):
         return mode
 
 
+class _ModelBuild(_Rule):
+    """``auto``, ``off``, or a revision of the model's weights (``disk.layout.BUILD_RE``)."""
+
+    def parse(self, raw: Any, fail: _Fail) -> str:
+        value = str(raw).strip()
+        if value.lower() in ("auto", "off"):
+            return value.lower()
+        if not BUILD_RE.fullmatch(value):
+            raise fail(f"'{value}' is not a usable revision",
+                       "Give auto, off, or up to 64 letters, digits, '.', '_' or '-' "
+                       "(e.g. a commit or registry version of the weights).")
+        return value
+
+
 class _Directories(_Rule):
     """One directory or several (a list, or a comma-separated string), only looked at: a
     path that is a file, or lies below one, is an error; the store creates a missing one."""
@@ -251,6 +266,7 @@ class NVMeSettings:
     close_timeout_s: float = _setting(_Number(0.0), 30.0)
     # other processes write the same directories
     shared: bool = _setting(_Flag(), False)
+    model_build: str = _setting(_ModelBuild(), "auto")
     # GPU read path (docs/gpu.md): used by NVMeBackend on a CUDA dst_device only
     gds_mode: GdsMode = _setting(_Choice(GdsMode), GdsMode.AUTO)
     # 0: no pool of its own, retrieved chunks stay in host memory

@@ -22,6 +22,7 @@ from ..metrics import TierObserver
 from ..store import ChunkStore, Counter
 from .hashing import TokenHashing, restart_miss_warning, token_hashing
 from .lmcache_range import describe_lmcache, lmcache_imports, range_warning, supported_range
+from .model_build import ModelBuilds
 
 with lmcache_imports():
     from lmcache.logging import init_logger
@@ -97,17 +98,19 @@ def announce(adapter: str, tier: str, store: ChunkStore,
     return observer
 
 
-def key_and_namespace(key: CacheEngineKey) -> tuple[str, str]:
-    """The store's key string and namespace (the model) of an in-process LMCache key.
+class EngineKeyNames:
+    """The store's key string and namespace of an in-process LMCache key: the model's name,
+    bound to the build of its weights (``nvme.model_build``).  ``NVMeBackend`` and
+    ``NVMeConnector`` use the same translation, so the two hooks read each other's files."""
 
-    ``NVMeBackend`` and ``NVMeConnector`` use the same translation, so the two
-    hooks read each other's files.
-    """
-    return key.to_string(), key.model_name
+    def __init__(self, store: ChunkStore) -> None:
+        self._builds = ModelBuilds(store.settings.model_build, store.namespace_names)
 
+    def __call__(self, key: CacheEngineKey) -> tuple[str, str]:
+        return key.to_string(), self._builds.namespace(key.model_name)
 
-def keys_and_namespaces(keys: Iterable[CacheEngineKey]) -> Iterator[tuple[str, str]]:
-    return (key_and_namespace(key) for key in keys)
+    def many(self, keys: Iterable[CacheEngineKey]) -> Iterator[tuple[str, str]]:
+        return map(self, keys)
 
 
 def check_token_hashing(tier: str, config: Any) -> TokenHashing:

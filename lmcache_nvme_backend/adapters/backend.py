@@ -27,11 +27,10 @@ from ..gpu.reader import GpuChunkReader, build_gpu_reader
 from ..gpu.select import chunk_bytes_of
 from ..store import ChunkStore, Counter, ReadPath
 from ._common import (
+    EngineKeyNames,
     RestartMissWatch,
     announce,
     check_token_hashing,
-    key_and_namespace,
-    keys_and_namespaces,
     loading,
 )
 from .lmcache_range import lmcache_imports
@@ -75,6 +74,7 @@ class NVMeBackend(StoragePluginInterface):
                     "set local_cpu: true and max_local_cpu_size > 0 in the LMCache config.")
             settings = NVMeSettings.from_extra_config(config.extra_config if config else None)
             self.store = ChunkStore(settings)
+            self._naming = EngineKeyNames(self.store)
             self._gpu = self._build_gpu_path(settings, dst_device, metadata, local_cpu_backend)
         self.local_cpu_backend: LocalCPUBackend = local_cpu_backend
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvme-get")
@@ -104,12 +104,12 @@ class NVMeBackend(StoragePluginInterface):
     # -- lookups -------------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        hit = self.store.lookup(*key_and_namespace(key), pin=pin)
+        hit = self.store.lookup(*self._naming(key), pin=pin)
         self._restart_watch()
         return hit
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        hits = self.store.lookup_prefix(keys_and_namespaces(keys), pin=pin)
+        hits = self.store.lookup_prefix(self._naming.many(keys), pin=pin)
         self._restart_watch()
         return hits
 
@@ -142,7 +142,7 @@ class NVMeBackend(StoragePluginInterface):
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> None:
         """Queue the chunks for write-back; never waits for the drive."""
-        if copies := submit_objects(self.store, keys, objs, on_complete_callback):
+        if copies := submit_objects(self.store, self._naming, keys, objs, on_complete_callback):
             self.store.count(Counter.DEVICE_WRITE_COPIES, copies)
 
     async def async_batched_submit_put_task(

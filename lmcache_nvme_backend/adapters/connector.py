@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any, List  # noqa: UP035 (a method is named li
 
 from ..config import NVMeSettings
 from ._common import (
+    EngineKeyNames,
     RestartMissWatch,
     announce,
     check_token_hashing,
-    key_and_namespace,
-    keys_and_namespaces,
     open_store,
 )
 from .lmcache_range import lmcache_imports
@@ -59,6 +58,7 @@ class NVMeConnector(RemoteConnector):
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
         self.store = open_store(TIER, lambda: NVMeSettings.from_extra_config(
             config.extra_config if config else None))
+        self._naming = EngineKeyNames(self.store)
         self.settings = self.store.settings
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
@@ -74,7 +74,7 @@ class NVMeConnector(RemoteConnector):
     # -- lookups -------------------------------------------------------------
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        hit = self.store.lookup(*key_and_namespace(key))
+        hit = self.store.lookup(*self._naming(key))
         self._restart_watch()
         return hit
 
@@ -86,7 +86,7 @@ class NVMeConnector(RemoteConnector):
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         """Number of leading keys that are stored (prefix hit)."""
-        hits = self.store.lookup_prefix(keys_and_namespaces(keys))
+        hits = self.store.lookup_prefix(self._naming.many(keys))
         self._restart_watch()
         return hits
 
@@ -98,14 +98,14 @@ class NVMeConnector(RemoteConnector):
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         """Queue the chunk for write-back and return (never waits for the drive)."""
-        submit_objects(self.store, [key], [memory_obj])
+        submit_objects(self.store, self._naming, [key], [memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey],
                           memory_objs: list[MemoryObj]) -> None:
-        submit_objects(self.store, keys, memory_objs)
+        submit_objects(self.store, self._naming, keys, memory_objs)
 
     # -- reads ---------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from ._common import announce, ignore_unknown_arguments, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
 from .lmcache_range import lmcache_imports
 from .memory_objects import check_pairs, host_views, payload_views, tensor_metas
+from .model_build import ModelBuilds
 from .object_keys import object_key_columns, object_key_strings
 
 with lmcache_imports():
@@ -184,6 +185,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._signal_later = store.engine.signal_later \
             if isinstance(self._store_efd, EventfdNotifier) else None
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-lookup")
+        self._builds = ModelBuilds(settings.model_build, store.namespace_names)
         # No call into the adapter may wait on the drive (LMCache may serialize every call
         # under one lock): deletes unlink on a thread of their own, and with
         # queue_full_policy "wait" a store waits for room there too, not in the caller.
@@ -226,6 +228,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         try:
             check_pairs(keys, objects)
             names, namespaces = object_key_columns(keys)
+            namespaces = self._builds.namespaces(namespaces)
             metas = tensor_metas(objects)
             payloads = payload_views(objects, [meta.nbytes for meta in metas])
         except Exception:
@@ -273,7 +276,8 @@ class NVMeL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            hits = self.store.lookup_many(*object_key_columns(keys), pin=True)
+            names, namespaces = object_key_columns(keys)
+            hits = self.store.lookup_many(names, self._builds.namespaces(namespaces), pin=True)
             for i, hit in enumerate(hits):
                 if hit:
                     bitmap.set(i)

@@ -23,7 +23,7 @@ from ..disk.format import TensorMeta
 from ..gpu.reader import HostMemory
 from ..io import native
 from ..store import ChunkRead, ChunkStore, TaskOutcome
-from ._common import key_and_namespace
+from ._common import EngineKeyNames
 from .lmcache_range import lmcache_imports
 
 with lmcache_imports():
@@ -148,7 +148,7 @@ def check_pairs(keys: Sequence[object], objs: Sequence[MemoryObj]) -> None:
         raise ValueError(f"{len(keys)} keys but {len(objs)} objects")
 
 
-def submit_objects(store: ChunkStore, keys: Sequence[CacheEngineKey],
+def submit_objects(store: ChunkStore, naming: EngineKeyNames, keys: Sequence[CacheEngineKey],
                    objs: Sequence[MemoryObj],
                    on_complete: Callable[[CacheEngineKey], None] | None = None) -> int:
     """Queue the objects as one store task (``ChunkStore.submit_task``): one admission and
@@ -162,7 +162,7 @@ def submit_objects(store: ChunkStore, keys: Sequence[CacheEngineKey],
     check_pairs(keys, objs)
     if not keys:
         return 0
-    names, namespaces = zip(*map(key_and_namespace, keys), strict=True)
+    names, namespaces = zip(*naming.many(keys), strict=True)
     metas = tensor_metas(objs)
     payloads: list[memoryview] = []
     held: list[MemoryObj] = []

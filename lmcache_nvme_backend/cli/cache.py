@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..disk.layout import MARKER_NAME, RootLayout, namespace_id, split_tree_path
 from ..disk.manifest import ManifestRecord, load_manifest
-from ..disk.safe_fs import lstat_beneath, read_small_file, scandir_beneath, unlink_beneath
+from ..disk.safe_fs import lstat_beneath, scandir_beneath, unlink_beneath
 from ..store.recovery import manifest_limit
 from .common import CLIError
 
@@ -69,14 +69,7 @@ class CacheRoot:
 
     def namespace_names(self) -> dict[str, str]:
         """Readable name of every namespace directory (from its NAMESPACE file)."""
-        names: dict[str, str] = {}
-        for ns_id in self.layout.iter_namespace_ids():
-            try:  # never through a link, never waiting on a FIFO
-                raw = read_small_file(self.path, f"ns/{ns_id}/NAMESPACE", 4096)
-                names[ns_id] = raw.decode("utf-8", "replace").rstrip("\n")
-            except (OSError, ValueError):
-                names[ns_id] = ""
-        return names
+        return self.layout.namespace_names()
 
     def resolve_namespace(self, name_or_id: str) -> str:
         """A namespace's directory id from its readable name or its 16-hex id."""

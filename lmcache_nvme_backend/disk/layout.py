@@ -72,6 +72,18 @@ def key_digests(keys: Sequence[str]) -> list[str]:
     return list(map(digest_of_key_bytes, texts_bytes(keys)))
 
 
+#: A namespace bound to a build of the model's weights: ``<model>[@salt]#<build>``
+#: (``adapters/model_build.py``); a build is an automatic digest or an operator's revision.
+BUILD_SEP = "#"
+BUILD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def split_build(namespace: str) -> tuple[str, str | None]:
+    """``(model[@salt], build)`` of a namespace; build None for one bound to no build."""
+    base, sep, build = namespace.rpartition(BUILD_SEP)
+    return (base, build) if sep and base and BUILD_RE.fullmatch(build) else (namespace, None)
+
+
 @functools.lru_cache(maxsize=4096)
 def namespace_id(namespace: str) -> str:
     """Stable 64-bit digest of a namespace (model name); names its directory."""
@@ -226,6 +238,17 @@ class RootLayout:
         for entry in _scandir_dirs(self.root, "ns"):
             if NS_ID_RE.match(entry.name):
                 yield entry.name
+
+    def namespace_names(self) -> dict[str, str]:
+        """Readable name of every namespace directory (its NAMESPACE file; "" if unreadable)."""
+        names: dict[str, str] = {}
+        for ns_id in self.iter_namespace_ids():
+            try:  # never through a link, never waiting on a FIFO
+                raw = read_small_file(self.root, f"ns/{ns_id}/NAMESPACE", 4096)
+                names[ns_id] = raw.decode("utf-8", "replace").rstrip("\n")
+            except (OSError, ValueError):
+                names[ns_id] = ""
+        return names
 
     def iter_tree_dirs(self) -> Iterator[str]:
         """Every directory below ``ns/`` relative to the root, parents first; links are

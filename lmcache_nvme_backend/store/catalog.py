@@ -113,21 +113,27 @@ class Catalog:
 
     # -- writes in flight ------------------------------------------------------
 
-    def register(self, digests: Iterable[str], now_ns: int) -> list[bool]:
-        """Mark each chunk pending (being written); False for one already stored or pending
-        (a use, for LRU)."""
+    def register(self, digests: Iterable[str], now_ns: int, ns_id: str,
+                 stale: list[IndexEntry]) -> list[bool]:
+        """Mark each chunk of namespace ``ns_id`` pending (being written); False for one
+        already stored or pending (a use, for LRU).  A chunk indexed under another namespace
+        (its key under another build of the model's weights) leaves the index into
+        ``stale``, for its file to be removed, and is registered afresh."""
         fresh: list[bool] = []
         with self._lock:
             for digest in digests:
                 if digest in self._pending or digest in self._index:
-                    self._index.touch(digest, now_ns)
                     entry = self._index.get(digest)
-                    if entry is not None and self.touched is not None:
-                        self.touched.append((entry.root, digest))
-                    fresh.append(False)
-                else:
-                    self._pending[digest] = None
-                    fresh.append(True)
+                    if entry is not None and entry.ns_id != ns_id:
+                        stale.extend(self._index.remove_many([digest]))
+                    else:
+                        self._index.touch(digest, now_ns)
+                        if entry is not None and self.touched is not None:
+                            self.touched.append((entry.root, digest))
+                        fresh.append(False)
+                        continue
+                self._pending[digest] = None
+                fresh.append(True)
         return fresh
 
     def end_pending(self, digests: Iterable[str]) -> None:

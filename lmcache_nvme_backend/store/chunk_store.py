@@ -168,6 +168,10 @@ class ChunkStore:
             self._catalog.notify_removed(entries)
         return len(entries)
 
+    def namespace_names(self) -> set[str]:
+        """The readable names of the namespaces in the cache directories."""
+        return {name for root in self._roots for name in root.layout.namespace_names().values()}
+
     def refresh_shared(self) -> None:
         """Shared mode: read the other members' journals and the ledger now, and share
         this member's reads (done every 0.1 s in the background anyway)."""

@@ -21,6 +21,7 @@ from ..disk.format import TensorMeta, file_size_for, max_key_bytes, namespace_by
 from ..disk.layout import digest_of_key_bytes, namespace_id
 from ..io.engine import Batch, ChunkEngine
 from .catalog import Catalog
+from .index import IndexEntry
 from .placement import Layout, Placed, Placement
 from .room import Room
 from .roots import Roots
@@ -48,6 +49,7 @@ class ChunkWriter:
         self.closed = False
         # Set when chunks are read into GPU memory: files also carry gpusum's checksum.
         self.record_gpu_checksums = False
+        self.room = room
         self.placement = Placement(settings, catalog, roots, room, stats)
         self._layout: Layout | None = None  # the last one seen: replaced whole
 
@@ -132,8 +134,12 @@ class ChunkWriter:
         offered: Sequence[int] = range(n)
         if not layout.fits or (n and max(map(len, key_bytes)) > layout.key_room):
             offered = self._oversize(layout, key_bytes, results)
+        stale: list[IndexEntry] = []
         fresh = self.catalog.register(digests if len(offered) == n else
-                                      [digests[i] for i in offered], time.time_ns())
+                                      [digests[i] for i in offered], time.time_ns(),
+                                      layout.ns_id, stale)
+        if stale:
+            self.room.evict(stale)
         if False in fresh:
             self.stats.add(Counter.DUPLICATE_PUTS, fresh.count(False))
             for i, new in zip(offered, fresh, strict=True):

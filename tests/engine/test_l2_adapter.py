@@ -584,3 +584,36 @@ def test_persist_disabled_on_the_command_line_is_refused(argv: list[str]) -> Non
     ["lmcache", "server", "--l2-adapter"]])
 def test_persist_left_on_or_for_another_adapter_starts(argv: list[str]) -> None:
     refuse_persist_disabled(argv)
+
+
+# -- KV bound to the model's build -------------------------------------------------------------
+
+
+def test_after_the_weights_change_no_chunk_of_the_old_ones_is_served(
+        tmp_path: Path, package_log: pytest.LogCaptureFixture) -> None:
+    """The same model path, other weights, a restart: every earlier chunk is a miss (and
+    the log says why); with the weights unchanged the restart still hits."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    keys, objs = make_keys(3, model=str(model)), make_objs(3, seed=21)
+    adapter = load_adapter(tmp_path / "cache")
+    assert store(adapter, keys, objs).is_successful()
+    adapter.close()
+    adapter = load_adapter(tmp_path / "cache")  # unchanged weights: hits
+    assert lookup(adapter, keys) == [True] * 3
+    adapter.submit_unlock(keys)
+    adapter.close()
+    (model / "model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 4096)
+    with package_log.at_level("WARNING", "lmcache_nvme_backend"):
+        adapter = load_adapter(tmp_path / "cache")
+        try:
+            assert lookup(adapter, keys) == [False] * 3
+            assert "earlier builds" in package_log.text and "are skipped" in package_log.text
+            new = make_objs(3, seed=22)
+            assert store(adapter, keys, new).is_successful()  # the new build's chunks
+            loaded = make_objs(3, seed=None)
+            assert load(adapter, keys, loaded) == [True] * 3
+            assert all(same(a, b) for a, b in zip(new, loaded, strict=True))
+        finally:
+            adapter.close()

@@ -16,6 +16,7 @@ from lmcache.v1.memory_management import (
 )
 from support.stores import StoreFactory
 
+from lmcache_nvme_backend.adapters._common import EngineKeyNames
 from lmcache_nvme_backend.adapters.memory_objects import (
     payload_views,
     submit_objects,
@@ -118,7 +119,7 @@ def test_submit_objects_holds_each_object_until_its_task_ended(
     store = open_store()
     keys, objs = engine_keys(3), filled_objs(3)
     persisted: list[CacheEngineKey] = []
-    submit_objects(store, keys, objs, persisted.append)
+    submit_objects(store, EngineKeyNames(store), keys, objs, persisted.append)
     assert store.flush()
     assert wait_for(lambda: len(persisted) == 3)
     assert sorted(persisted, key=str) == sorted(keys, key=str)
@@ -128,7 +129,7 @@ def test_submit_objects_holds_each_object_until_its_task_ended(
     assert store.read_into(reads) == [True, True, True]
     assert [bytes(d) for d in dests] == [bytes(o.byte_array) for o in objs]
     again: list[CacheEngineKey] = []  # stored already: nothing persisted, nothing held
-    submit_objects(store, keys[:1], objs[:1], again.append)
+    submit_objects(store, EngineKeyNames(store), keys[:1], objs[:1], again.append)
     assert store.flush() and not again and objs[0].get_ref_count() == 1
 
 
@@ -143,7 +144,7 @@ def test_submit_objects_lets_the_objects_go_when_the_store_refuses_the_task(
     monkeypatch.setattr(store, "submit_task", refuse)
     persisted: list[CacheEngineKey] = []
     with pytest.raises(RuntimeError, match="refused"):
-        submit_objects(store, keys, objs, persisted.append)
+        submit_objects(store, EngineKeyNames(store), keys, objs, persisted.append)
     assert [obj.get_ref_count() for obj in objs] == [1, 1] and not persisted
     with pytest.raises(ValueError, match="2 keys but 1 objects"):
-        submit_objects(store, keys, objs[:1])
+        submit_objects(store, EngineKeyNames(store), keys, objs[:1])

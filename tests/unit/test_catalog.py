@@ -14,8 +14,12 @@ from lmcache_nvme_backend.store.writeback import ChunkWrite
 META = TensorMeta(shapes=((10,),), dtypes=("uint8",), fmt=1, nbytes=10)
 
 
-def entry(digest: str, size: int = 100, root: int = 0, t: int = 0) -> IndexEntry:
-    return IndexEntry(digest, "0" * 16, root, size, META, t)
+NS_ID = "0" * 16
+
+
+def entry(digest: str, size: int = 100, root: int = 0, t: int = 0, ns_id: str = NS_ID
+          ) -> IndexEntry:
+    return IndexEntry(digest, ns_id, root, size, META, t)
 
 
 def write(key: str) -> ChunkWrite:
@@ -50,15 +54,28 @@ def test_an_entry_on_a_root_out_of_service_is_a_miss(catalog: Catalog) -> None:
 def test_register_marks_a_new_batch_pending_and_a_known_key_as_a_use(catalog: Catalog
                                                                       ) -> None:
     batch = [write("n1"), write("n2"), write("n3")]
-    assert catalog.register([w.digest for w in batch], now_ns=5) == [True, True, True]
+    assert catalog.register([w.digest for w in batch], 5, NS_ID, []) == [True, True, True]
     assert all(catalog.is_pending(w.digest) for w in batch)
     stored = write("s")
     catalog.publish_many([(entry(stored.digest), 0)])
     digests = [write("n4").digest, write("n2").digest, stored.digest]
-    assert catalog.register(digests, now_ns=7) == [True, False, False]
+    assert catalog.register(digests, 7, NS_ID, []) == [True, False, False]
     known = catalog.entry(stored.digest)
     assert known is not None and known.last_access_ns == 7
     assert catalog.usage()["pending_writes"] == 4
+
+
+def test_a_key_stored_under_another_namespace_is_replaced_not_a_duplicate(
+        catalog: Catalog) -> None:
+    """The same key under another build of the model's weights (another namespace) is
+    registered afresh; the earlier build's entry leaves the index for its file to go."""
+    earlier = entry(write("k").digest, ns_id="1" * 16)
+    catalog.publish_many([(earlier, 0)])
+    stale: list[IndexEntry] = []
+    assert catalog.register([earlier.digest], 5, NS_ID, stale) == [True]
+    assert stale == [earlier] and catalog.entry(earlier.digest) is None
+    assert catalog.is_pending(earlier.digest)
+    assert catalog.register([earlier.digest], 6, NS_ID, stale) == [False]  # now a duplicate
 
 
 def test_register_skips_keys_stored_or_queued(catalog: Catalog) -> None:
@@ -66,7 +83,7 @@ def test_register_skips_keys_stored_or_queued(catalog: Catalog) -> None:
     stored = ChunkWrite("x", "ns", META, memoryview(bytes(10)), release=lambda: None)
     catalog.publish_many([(entry(stored.digest), 0)])
     digests = [fresh.digest, again.digest, stored.digest]
-    assert catalog.register(digests, now_ns=5) == [True, False, False]
+    assert catalog.register(digests, 5, NS_ID, []) == [True, False, False]
     assert catalog.is_pending(fresh.digest)
     catalog.end_pending([fresh.digest])
     assert not catalog.is_pending(fresh.digest)

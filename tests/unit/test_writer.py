@@ -190,3 +190,26 @@ def test_a_completion_that_fails_still_ends_the_task(
     monkeypatch.setattr(store._catalog, "publish_layout", broken)
     assert submit(store, ["a", "b"]) == [TaskOutcome(False, 0, [], [], [])]
     assert store.usage()["queue_bytes"] == 0  # LMCache's objects are not held forever
+
+
+def test_a_key_of_an_earlier_model_build_is_replaced_by_the_new_builds_chunk(
+        task_store: StoreOpener, tmp_path: Path) -> None:
+    """LMCache's key of a chunk does not change with the weights; the namespace does
+    (``<model>#<build>``): the new build's chunk replaces the earlier one, whose file goes."""
+    store = task_store(max_size_gb=0.05)
+    old_ns, new_ns = f"{NS}#build1", f"{NS}#build2"
+    meta = meta_for(CHUNK)
+    old, new = payload_for("earlier weights"), payload_for("new weights")
+    done: list[TaskOutcome] = []
+    store.submit_task(["k"], [old_ns], [meta], [memoryview(old)], done.append)
+    assert store.flush(10) and done[0].ok
+    assert not store.lookup("k", new_ns)  # never served for the other build
+    store.submit_task(["k"], [new_ns], [meta], [memoryview(new)], done.append)
+    assert store.flush(10) and done[1] == TaskOutcome(True, CHUNK, None, [key_digest("k")],
+                                                      [SIZE])
+    assert store.lookup("k", new_ns) and not store.lookup("k", old_ns)
+    assert read(store, "k") == new
+    assert [path.parent.parent.name for path in files_on_disk(tmp_path / "cache")] == \
+        [namespace_id(new_ns)]
+    assert store.usage()["used_bytes"] == SIZE
+    assert_settled(store)
