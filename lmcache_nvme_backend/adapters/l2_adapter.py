@@ -32,15 +32,14 @@ import itertools
 import json
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
 from ..disk.format import TensorMeta
 from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
-from ._common import announce, ignore_unknown_arguments, logger, open_store
+from ._common import BackgroundCalls, announce, ignore_unknown_arguments, logger, open_store
 from .lmcache_fixes import fix_cpu_split_kv_registration
 from .lmcache_range import lmcache_imports
 from .memory_objects import check_pairs, host_views, payload_views, tensor_metas
@@ -103,10 +102,6 @@ class NVMeL2AdapterConfig(L2AdapterConfigBase):
                 '{"type": "plugin", "module_path": "lmcache_nvme_backend", "class_name": '
                 '"NVMeL2Adapter", "adapter_params": {"path": "/mnt/nvme0/lmcache", '
                 '"max_size_gb": 500}}')
-
-
-def _call_now(function: Callable[..., None], *args: Any) -> None:
-    function(*args)
 
 
 def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSettings:
@@ -184,14 +179,13 @@ class NVMeL2Adapter(L2AdapterInterface):
         # write of 1, which the native engine makes): a GIL round trip less per task.
         self._signal_later = store.engine.signal_later \
             if isinstance(self._store_efd, EventfdNotifier) else None
-        self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-lookup")
+        self._lookup_pool = BackgroundCalls("nvme-l2-lookup")
         self._builds = ModelBuilds(settings.model_build, store.namespace_names)
         # No call into the adapter may wait on the drive (LMCache may serialize every call
         # under one lock): deletes unlink on a thread of their own, and with
         # queue_full_policy "wait" a store waits for room there too, not in the caller.
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="nvme-l2-background")
-        self._submit = self._background.submit if settings.queue_full_policy == "wait" \
-            else _call_now
+        self._background = BackgroundCalls("nvme-l2-background")
+        self._stores_wait = settings.queue_full_policy == "wait"
         # Chunks found on disk at start count toward usage; their keys are not known
         # until read, so they are accounted as one untracked amount.
         recovered = store.usage()["used_bytes"]
@@ -235,7 +229,11 @@ class NVMeL2Adapter(L2AdapterInterface):
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
             self._stored(task_id, keys, TaskOutcome.failed())
             return task_id
-        self._submit(self._submit_task, task_id, keys, names, namespaces, metas, payloads)
+        if self._stores_wait:
+            self._background.submit(self._submit_task, task_id, keys, names, namespaces,
+                                    metas, payloads)
+        else:
+            self._submit_task(task_id, keys, names, namespaces, metas, payloads)
         return task_id
 
     def _submit_task(self, task_id: L2TaskId, keys: list[ObjectKey], names: list[str],
@@ -427,8 +425,8 @@ class NVMeL2Adapter(L2AdapterInterface):
             return
         self._closed = True
         self._observer.close()
-        self._lookup_pool.shutdown(wait=True)
-        self._background.shutdown(wait=True)
+        self._lookup_pool.close()
+        self._background.close()
         self.store.close()
         self._store_efd.close()
         self._lookup_efd.close()
