@@ -17,6 +17,7 @@ from support.engine_env import SGLANG, VLLM, EngineSpec, EngineUnavailable, ensu
 from support.mp_server import MPServer, ServerFactory
 from support.paths import REPO_ROOT
 from support.prerequisites import missing_prerequisite
+from support.vllm_runs import build_model
 
 
 def _engine_python(spec: EngineSpec, label: str, config: pytest.Config) -> Path:
@@ -49,6 +50,13 @@ def _engine_python(spec: EngineSpec, label: str, config: pytest.Config) -> Path:
 def vllm_python(pytestconfig: pytest.Config) -> Path:
     """The python of vLLM's environment (``support.engine_env.VLLM``)."""
     return _engine_python(VLLM, "vLLM", pytestconfig)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vLLM driver's tiny random-weight model (``support.e2e_vllm_driver build-model``),
+    a directory of its own for each test module (one may replace its weights)."""
+    return build_model(vllm_python, tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

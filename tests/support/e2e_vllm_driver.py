@@ -1,15 +1,19 @@
-"""Driver for tests/e2e/test_e2e_mp_vllm.py, run by the python of the vLLM environment
-as ``python -m support.e2e_vllm_driver`` (tests/ on ``PYTHONPATH``).
+"""Driver for tests/e2e/test_e2e_mp_vllm.py and test_e2e_model_build.py, run by the python
+of the vLLM environment as ``python -m support.e2e_vllm_driver`` (tests/ on ``PYTHONPATH``).
 
-``build-model OUT``: a tiny random-weight Llama (2 layers, hidden 128, 4 heads,
+``build-model OUT [--seed N]``: a tiny random-weight Llama (2 layers, hidden 128, 4 heads,
 2 KV heads) and a byte-level BPE tokenizer trained here, saved with
-``save_pretrained`` -- nothing is downloaded.
+``save_pretrained`` -- nothing is downloaded.  ``--seed`` (default 0) draws the weights
+only: another seed into the same directory replaces the weights with others of the same
+shapes and file size, and rewrites the tokenizer and config as they were.
 
 ``run``: a real vLLM ``LLM`` with ``LMCacheMPConnector`` against a running
 ``lmcache server``; prints one JSON line with what each request saw.
 Phase ``cold``: warm-up, cold prompt, wait for the server to persist it,
 ``POST /cache/clear`` (L1), repeat.  Phase ``restart``: a fresh engine against a
-restarted server, same prompt.
+restarted server, same prompt.  ``--cold-reference``: then the prompt once more under a
+fresh ``cache_salt`` (keys no chunk stored before has): a cold run of these weights in the
+same engine, reported as ``reference``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ WARMUP_TOKENS = 200  # less than a chunk: stores nothing
 LOGPROBS = 20
 
 
-def build_model(out: Path) -> None:
+def build_model(out: Path, seed: int = 0) -> None:
     import random
 
     import torch
@@ -54,7 +58,7 @@ def build_model(out: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(out)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
@@ -70,7 +74,8 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(4, vocab) for _ in range(n)]
 
 
-def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
+def run(model: str, port: int, http: str, phase: str, cold_reference: bool = False
+        ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -85,8 +90,11 @@ def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=LOGPROBS)
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
-    def ask(tokens: list[int]) -> dict[str, Any]:
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+    def ask(tokens: list[int], cache_salt: str | None = None) -> dict[str, Any]:
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
         first = out.outputs[0].logprobs[0]
         return {"num_cached_tokens": int(out.num_cached_tokens or 0),
                 "token": int(out.outputs[0].token_ids[0]),
@@ -102,6 +110,8 @@ def run(model: str, port: int, http: str, phase: str) -> dict[str, Any]:
         report["status_stored"] = wait_persisted(http, PROMPT_TOKENS // 256)
         report["clear"] = clear_l1(http)
     report["hit"] = ask(prompt)
+    if cold_reference:
+        report["reference"] = ask(prompt, cache_salt=f"cold-reference-{os.getpid()}")
     report["status_after"] = adapter_status(http)
     llm.llm_engine.engine_core.shutdown()  # else its message queues stay in /dev/shm
     return report
@@ -112,16 +122,18 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-model")
     b.add_argument("out", type=Path)
+    b.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--http", required=True)
     r.add_argument("--phase", choices=["cold", "restart"], required=True)
+    r.add_argument("--cold-reference", action="store_true")
     args = parser.parse_args()
     if args.cmd == "build-model":
-        build_model(args.out)
+        build_model(args.out, args.seed)
         reports.emit({"built": str(args.out)})
-    reports.emit(run(args.model, args.port, args.http, args.phase))
+    reports.emit(run(args.model, args.port, args.http, args.phase, args.cold_reference))
 
 
 if __name__ == "__main__":
