@@ -1,7 +1,7 @@
 """The ``lmcache-nvme`` command line (also ``python -m lmcache_nvme_backend``).
 
 One module per command (each adds its subparser): ``bench`` (a package),
-``check_config``, ``doctor``, ``inspect``, ``verify``, ``gc``.
+``check_config``, ``doctor``, ``inspect``, ``verify``, ``gc``, ``forget``.
 
 Exit statuses: 0 success, 1 a problem was found or the command could not run
 (``doctor``, ``check-config``: 1 = warnings, 2 = failures), 2 usage error (argparse; also
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import bench, check_config, doctor, gc, inspect, verify
+from . import bench, check_config, doctor, forget, gc, inspect, verify
 from .common import CLIError
 
 __all__ = ["build_parser", "main"]
@@ -28,13 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache-nvme",
         description="Tools for the LMCache NVMe tier: benchmark a drive with the backend's "
                     "own I/O engine, check a config before a deploy, check a path, and "
-                    "inspect, verify or trim a cache directory (safe while a server uses "
-                    "it).",
+                    "inspect, verify or trim a cache directory, or drop a model build from it "
+                    "(safe while a server uses it).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for module in (bench, check_config, doctor, inspect, verify, gc):
+    for module in (bench, check_config, doctor, inspect, verify, gc, forget):
         subparser = module.add_parser(sub)
         subparser.set_defaults(parser=subparser)
     return parser

@@ -9,18 +9,51 @@ a later look, which callers treat as "already gone".  Nothing is reached through
 from __future__ import annotations
 
 import os
-import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..disk.layout import MARKER_NAME, RootLayout, namespace_id, split_tree_path
+from ..disk.layout import (
+    CHUNK_SUFFIX,
+    DIGEST_RE,
+    FORGOTTEN_KEEP_S,
+    MARKER_NAME,
+    NS_ID_RE,
+    STALE_TEMP_S,
+    RootLayout,
+    namespace_id,
+    split_tree_path,
+)
 from ..disk.manifest import ManifestRecord, load_manifest
-from ..disk.safe_fs import lstat_beneath, scandir_beneath, unlink_beneath
+from ..disk.safe_fs import (
+    lstat_beneath,
+    remove_tree_beneath,
+    rename_beneath,
+    scandir_beneath,
+    unlink_beneath,
+)
 from ..store.recovery import manifest_limit
 from .common import CLIError
 
-_NS_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+@dataclass
+class Dropped:
+    """What deleting a namespace's directory removed: chunk files and their bytes, and
+    whether the whole tree is gone (``where`` names what is left otherwise)."""
+
+    chunks: int = 0
+    bytes: int = 0
+    complete: bool = True
+    where: str = ""
+
+    def count(self, rel: str, st: os.stat_result) -> None:
+        """A removed file: counted when it is a chunk file (``<d32>.kv``, regular)."""
+        name = rel.rpartition("/")[2]
+        if name.endswith(CHUNK_SUFFIX) and DIGEST_RE.match(name[: -len(CHUNK_SUFFIX)]) \
+                and stat.S_ISREG(st.st_mode):
+            self.chunks += 1
+            self.bytes += st.st_size
 
 
 @dataclass(frozen=True)
@@ -74,13 +107,57 @@ class CacheRoot:
     def resolve_namespace(self, name_or_id: str) -> str:
         """A namespace's directory id from its readable name or its 16-hex id."""
         names = self.namespace_names()
-        if _NS_ID_RE.match(name_or_id) and name_or_id in names:
+        if NS_ID_RE.match(name_or_id) and name_or_id in names:
             return name_or_id
         ns_id = namespace_id(name_or_id)
         if ns_id in names:
             return ns_id
         known = ", ".join(f"{n or '?'} ({i})" for i, n in sorted(names.items())) or "none"
         raise CLIError(f"no namespace '{name_or_id}' in {self.path}; namespaces here: {known}")
+
+    def drop_namespace(self, ns_id: str) -> Dropped:
+        """Rename the namespace's directory away in one step (a running store sees its
+        directory gone and drops its chunks from the index), then delete what the renamed
+        directory holds, never through a link; the directory itself is left empty (see
+        ``FORGOTTEN_KEEP_S``)."""
+        rel = self.layout.forgotten_rel(ns_id)
+        try:
+            rename_beneath(self.path, f"ns/{ns_id}", rel)
+        except FileNotFoundError:  # gone meanwhile (another forget)
+            return Dropped()
+        except OSError as exc:
+            raise CLIError(f"cannot rename {self.layout.namespaces_dir / ns_id}: "
+                           f"{exc.strerror or exc}") from None
+        return self.remove_renamed(rel, keep_top=True)
+
+    def remove_renamed(self, rel: str, keep_top: bool = False) -> Dropped:
+        """Delete a renamed namespace directory (``rel``), counting its chunk files."""
+        dropped = Dropped()
+        dropped.complete = remove_tree_beneath(self.path, rel, dropped.count,
+                                               keep_top=keep_top)
+        if not dropped.complete:
+            dropped.where = str(self.path / rel)
+        return dropped
+
+    def remove_forgotten(self, max_age_s: float = STALE_TEMP_S) -> Dropped:
+        """Delete the renamed namespace directories of earlier ``forget`` runs that are over
+        (a dead process on this host, or older than ``max_age_s``) and left alone for
+        ``FORGOTTEN_KEEP_S``: the emptied ones, and what one that died midway left."""
+        total = Dropped()
+        now = time.time()
+        for left in self.layout.iter_forgotten():
+            try:
+                age_s = now - left.path.lstat().st_mtime
+            except OSError:
+                continue
+            if age_s < FORGOTTEN_KEEP_S or not left.is_stale(max_age_s, now):
+                continue
+            done = self.remove_renamed(self.layout.relative(left.path))
+            total.chunks += done.chunks
+            total.bytes += done.bytes
+            if not done.complete:
+                total.complete, total.where = False, done.where
+        return total
 
     def scan(self, ns_id: str | None = None) -> list[CacheFile]:
         """Every chunk file (optionally of one namespace); vanished files are skipped."""
@@ -112,6 +189,18 @@ class CacheRoot:
     def unlink(self, path: Path) -> None:
         """Remove a file of this tree without following a link in its directories."""
         unlink_beneath(self.path, self.layout.relative(path))
+
+
+def require_namespace(roots: list[CacheRoot], name_or_id: str) -> None:
+    """``CLIError`` (naming the namespaces there are) when no root holds ``name_or_id``."""
+    errors = []
+    for root in roots:
+        try:
+            root.resolve_namespace(name_or_id)
+            return
+        except CLIError as exc:
+            errors.append(str(exc))
+    raise CLIError("; ".join(errors))
 
 
 def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:

@@ -143,6 +143,33 @@ def short_size(n: int) -> str:
     return f"{n}B"
 
 
+PATHS_HELP = "cache directory (nvme.path); give each path of a multi-drive cache"
+
+
+def cache_dir_command(sub: Any, name: str, summary: str, description: str, epilog: str,
+                      paths_help: str = PATHS_HELP) -> argparse.ArgumentParser:
+    """The parser of a command on cache directories, with its ``PATH...`` argument."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary,
+                                                     description=description, epilog=epilog)
+    parser.add_argument("paths", metavar="PATH", type=Path, nargs="+", help=paths_help)
+    return parser
+
+
+def add_namespace_option(parser: argparse._ActionsContainer, what: str) -> None:
+    """``--namespace NAME|ID`` (repeatable): ``what`` is done to each."""
+    parser.add_argument("--namespace", action="append", default=[], metavar="NAME|ID",
+                        help=f"{what}: its name as inspect shows it (the model, @salt, "
+                             "#build) or its 16-hex directory id (repeatable)")
+
+
+def add_output_options(parser: argparse.ArgumentParser, dry_run: str | None = None) -> None:
+    """``--dry-run`` (when ``dry_run`` says what it lists) and ``--json``."""
+    if dry_run is not None:
+        parser.add_argument("--dry-run", action="store_true",
+                            help=f"list what would be {dry_run}, change nothing")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
 def print_json(doc: Any) -> None:
     """Pretty JSON on stdout."""
     json.dump(doc, sys.stdout, indent=2)

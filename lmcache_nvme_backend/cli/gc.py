@@ -17,28 +17,35 @@ from typing import Any
 
 from ..disk.layout import STALE_TEMP_S
 from ..disk.safe_fs import NotAChunkFile
-from .cache import CacheFile, CacheRoot, relative, same_file
-from .common import GIB, CLIError, human_bytes, non_negative_float, positive_float, print_json
+from .cache import CacheFile, CacheRoot, relative, require_namespace, same_file
+from .common import (
+    GIB,
+    CLIError,
+    add_namespace_option,
+    add_output_options,
+    cache_dir_command,
+    human_bytes,
+    non_negative_float,
+    positive_float,
+    print_json,
+)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "gc", help="enforce a byte budget, clear a namespace, remove stale temp files",
-        description="Delete chunk files to enforce a byte budget (least recently used "
-                    "first: manifest recency, else file time), clear whole namespaces, and "
-                    "remove temporary files of dead writers. Only unlinks files, so it is "
-                    "safe while a server uses the directory (it sees a miss).",
-        epilog="exit status: 0 success, 1 PATH is not a cache directory or a namespace is "
-               "unknown, 2 usage error")
-    p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
-                   help="cache directory (nvme.path); with several paths the budget is "
-                        "split evenly, as the store does")
+    p = cache_dir_command(
+        sub, "gc", "enforce a byte budget, clear a namespace, remove stale temp files",
+        "Delete chunk files to enforce a byte budget (least recently used first: manifest "
+        "recency, else file time), clear whole namespaces, and remove temporary files of dead "
+        "writers. Only unlinks files, so it is safe while a server uses the directory (it "
+        "sees a miss).",
+        "exit status: 0 success, 1 PATH is not a cache directory or a namespace is unknown, "
+        "2 usage error",
+        paths_help="cache directory (nvme.path); with several paths the budget is split "
+                   "evenly, as the store does")
     p.add_argument("--max-size-gb", type=non_negative_float, metavar="GB",
                    help="delete least recently used chunk files until the chunk files take "
                         "at most this many GiB (headers and padding counted)")
-    p.add_argument("--namespace", action="append", default=[], metavar="NAME|ID",
-                   help="delete every chunk of this namespace: the model name as LMCache "
-                        "writes it, or its 16-hex directory id (repeatable)")
+    add_namespace_option(p, "delete every chunk file of this namespace")
     p.add_argument("--temp", action="store_true",
                    help="remove temporary files of writers that are dead (same host) or "
                         "older than --temp-age-s")
@@ -47,9 +54,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                      f"(default {STALE_TEMP_S:.0f})")
     p.add_argument("--purge-quarantine", action="store_true",
                    help="delete the files in <PATH>/quarantine/")
-    p.add_argument("--dry-run", action="store_true",
-                   help="list what would be deleted, delete nothing")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_output_options(p, dry_run="deleted")
     p.set_defaults(func=run)
     return p
 
@@ -149,15 +154,7 @@ def run(args: argparse.Namespace) -> int:
                           "--purge-quarantine")
     roots = [CacheRoot(p) for p in args.paths]
     for name in args.namespace:  # fail on an unknown namespace before deleting anything
-        errors = []
-        for root in roots:
-            try:
-                root.resolve_namespace(name)
-                break
-            except CLIError as exc:
-                errors.append(str(exc))
-        else:
-            raise CLIError("; ".join(errors))
+        require_namespace(roots, name)
     budget = None
     if args.max_size_gb is not None:
         budget = int(args.max_size_gb * GIB) // len(roots)

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from ..disk.coordination import LEDGER_DIR, host_tag, member_host_pid
-from ..disk.layout import TEMP_INFIX
+from ..disk.layout import TEMP_INFIX, split_build
 from ..disk.manifest import MANIFEST_NAME
 from ..store.shared.leases import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
 from ..store.shared.ledger import LIVE, LedgerChain, LedgerError
 from .cache import CacheRoot, relative
-from .common import human_age, human_bytes, print_json
+from .common import add_output_options, cache_dir_command, human_age, human_bytes, print_json
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("< 1 min", 60.0),
@@ -37,16 +37,14 @@ READER = "inspect-0-00000000"  # the ledger chain needs a member id; this one ne
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "inspect", help="list and size a cache directory",
-        description="Entries and bytes on disk per namespace (model), temporary and "
-                    "quarantined files, a histogram of time since last access, and for a "
-                    "directory in shared mode its budget, each member's share and the dead "
-                    "members. Read-only; safe while a server uses the directory.",
-        epilog="exit status: 0 success, 1 PATH is not a cache directory, 2 usage error")
-    p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
-                   help="cache directory (nvme.path); give each path of a multi-drive cache")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p = cache_dir_command(
+        sub, "inspect", "list and size a cache directory",
+        "Entries and bytes on disk per namespace (model and build), temporary and quarantined "
+        "files, a histogram of time since last access, and for a directory in shared mode "
+        "its budget, each member's share and the dead members. Read-only; safe while a "
+        "server uses the directory.",
+        "exit status: 0 success, 1 PATH is not a cache directory, 2 usage error")
+    add_output_options(p)
     p.set_defaults(func=run)
     return p
 
@@ -55,15 +53,14 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
     """The report for one root, as a JSON-ready dict."""
     files = root.scan()
     names = root.namespace_names()
-    per_ns: dict[str, dict[str, Any]] = {
-        ns_id: {"id": ns_id, "name": name, "files": 0, "bytes": 0}
-        for ns_id, name in names.items()}
+    per_ns: dict[str, dict[str, Any]] = {ns_id: _namespace(ns_id, name)
+                                         for ns_id, name in names.items()}
     buckets: list[dict[str, Any]] = [
         {"bucket": label, "max_age_s": None if limit == float("inf") else limit,
          "files": 0, "bytes": 0} for label, limit in AGE_BUCKETS]
     ages = []
     for f in files:
-        ns = per_ns.setdefault(f.ns_id, {"id": f.ns_id, "name": "", "files": 0, "bytes": 0})
+        ns = per_ns.get(f.ns_id) or per_ns.setdefault(f.ns_id, _namespace(f.ns_id, ""))
         ns["files"] += 1
         ns["bytes"] += f.size
         age_s = max(0.0, (now_ns - f.last_access_ns) / 1e9)
@@ -102,6 +99,13 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
                             for p, kind in root.layout.iter_special_entries()],
         "shared": shared_report(root.path),
     }
+
+
+def _namespace(ns_id: str, name: str) -> dict[str, Any]:
+    """A namespace's row: its name, the model (with salt) and build that name says (build
+    None: bound to no build), and counters."""
+    model, build = split_build(name)
+    return {"id": ns_id, "name": name, "model": model, "build": build, "files": 0, "bytes": 0}
 
 
 def shared_report(root: Path) -> dict[str, Any] | None:
@@ -183,11 +187,13 @@ def print_report(rep: dict[str, Any]) -> None:
     else:
         print("  manifest: none yet (recency falls back to file times)")
     if rep["namespaces"]:
-        width = max(9, *(len(n["name"]) for n in rep["namespaces"]))
-        print(f"  {'namespace':<{width}}  {'id':<16}  {'files':>8}  {'bytes':>10}")
+        width = max(5, *(len(n["model"]) for n in rep["namespaces"]))
+        bwidth = max(5, *(len(n["build"] or "") for n in rep["namespaces"]))
+        print(f"  {'model':<{width}}  {'build':<{bwidth}}  {'id':<16}  {'files':>8}  "
+              f"{'bytes':>10}")
         for n in rep["namespaces"]:
-            print(f"  {n['name'] or '?':<{width}}  {n['id']:<16}  {n['files']:>8}  "
-                  f"{human_bytes(n['bytes']):>10}")
+            print(f"  {n['model'] or '?':<{width}}  {n['build'] or '-':<{bwidth}}  "
+                  f"{n['id']:<16}  {n['files']:>8}  {human_bytes(n['bytes']):>10}")
     if rep["shared"] is not None:
         print_shared(rep["shared"])
     print(f"  temporary files: {rep['temp_files']['count']} "

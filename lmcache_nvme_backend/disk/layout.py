@@ -8,6 +8,8 @@
     <root>/ns/<ns16>/NAMESPACE           the namespace's readable name
     <root>/ns/<ns16>/<aa>/<d32>.kv       one chunk file (aa = d32[0:2])
     <root>/ns/<ns16>/<aa>/<bb>/<d32>.kv  the same in a root made by 0.2 or earlier (bb = d32[2:4])
+    <root>/ns/.forgotten-<ns16>-<host>-<pid>-<ns>  a namespace ``lmcache-nvme forget`` renamed
+                                         away and is deleting (nothing else reads it)
 
 Every component below the root is derived from a hash (``ns16`` of the namespace, ``d32``
 of the full key), never from a user string, so any key lands inside the root.  A root made
@@ -84,6 +86,16 @@ def split_build(namespace: str) -> tuple[str, str | None]:
     return (base, build) if sep and base and BUILD_RE.fullmatch(build) else (namespace, None)
 
 
+#: A namespace directory that ``lmcache-nvme forget`` renamed away (one atomic step that a
+#: running store notices) and then deletes: ``ns/.forgotten-<ns16>-<host>-<pid>-<ns>``.
+#: Not a namespace id, so the store, recovery and every walk of the tree pass it by.  The
+#: renamed directory itself is left empty for ``FORGOTTEN_KEEP_S`` (a later ``forget``
+#: removes it): while it exists its inode is not given to a namespace directory made
+#: again, which is how a running store tells that its directory was replaced.
+FORGOTTEN_PREFIX = ".forgotten-"
+FORGOTTEN_KEEP_S = 60.0
+
+
 @functools.lru_cache(maxsize=4096)
 def namespace_id(namespace: str) -> str:
     """Stable 64-bit digest of a namespace (model name); names its directory."""
@@ -107,7 +119,8 @@ class ChunkLocation:
 
 @dataclass(frozen=True)
 class TempFile:
-    """A temporary file left by a writer, with what its name says about that writer."""
+    """A temporary file left by a writer (or a directory a ``forget`` renamed away), with
+    what its name says about that writer."""
 
     path: Path
     host: str
@@ -238,6 +251,22 @@ class RootLayout:
         for entry in _scandir_dirs(self.root, "ns"):
             if NS_ID_RE.match(entry.name):
                 yield entry.name
+
+    def forgotten_rel(self, ns_id: str) -> str:
+        """A new name (relative to the root) for namespace ``ns_id``'s directory that
+        ``lmcache-nvme forget`` renames it to, unique to this host, process and moment."""
+        return f"ns/{FORGOTTEN_PREFIX}{ns_id}-{_HOST}-{os.getpid()}-{time.time_ns()}"
+
+    def iter_forgotten(self) -> Iterator[TempFile]:
+        """The renamed namespace directories that a ``forget`` has not finished deleting,
+        with the host and pid of the ``forget`` that renamed each (``TempFile.is_stale``
+        tells whether it is gone)."""
+        for entry in _scandir_dirs(self.root, "ns"):
+            if entry.name.startswith(FORGOTTEN_PREFIX):
+                parts = entry.name[len(FORGOTTEN_PREFIX):].split("-")
+                pid = int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else -1
+                host = parts[1] if len(parts) == 4 else ""
+                yield TempFile(self.namespaces_dir / entry.name, host, pid)
 
     def namespace_names(self) -> dict[str, str]:
         """Readable name of every namespace directory (its NAMESPACE file; "" if unreadable)."""

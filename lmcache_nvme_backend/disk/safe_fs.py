@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .resolve import exact_mode, make_dirs_at, open_at
@@ -287,6 +287,79 @@ def read_small_file(root: Path | str, rel: str, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+#: How deep ``remove_tree_beneath`` descends (a cache tree is 3 levels below ``ns``).
+MAX_TREE_DEPTH = 16
+
+
+def remove_tree_beneath(root: Path | str, rel: str,
+                        removed: Callable[[str, os.stat_result], None] | None = None,
+                        passes: int = 3, keep_top: bool = False) -> bool:
+    """Delete the directory ``root / rel`` and everything in it without following a link:
+    each directory is opened relative to its parent (``O_NOFOLLOW``), a link or special file
+    is removed itself, never its target.  ``removed(rel_path, lstat)`` hears of each file
+    removed.  A directory that a writer filled again meanwhile is listed again, up to
+    ``passes`` times; ``keep_top``: ``root / rel`` itself is left, empty.  Whether it is all
+    gone (False: something could not be removed)."""
+    for _ in range(passes):
+        try:
+            fd = open_dir_beneath(root, rel)
+        except FileNotFoundError:
+            return True
+        except NotAChunkFile:  # a link or file at the top: removed itself
+            return remove_quietly(root, rel) or not exists_beneath(root, rel)
+        try:
+            _empty_directory(fd, rel, removed, MAX_TREE_DEPTH)
+            if keep_top:
+                with os.scandir(fd) as it:
+                    if next(it, None) is None:
+                        return True
+                continue
+        finally:
+            os.close(fd)
+        try:
+            unlink_beneath(root, rel, directory=True)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+    return False
+
+
+def _empty_directory(fd: int, rel: str, removed: Callable[[str, os.stat_result], None] | None,
+                     depth: int) -> None:
+    """Remove what the open directory ``fd`` (at ``rel``) holds, as far as it can."""
+    with os.scandir(fd) as it:
+        names = [entry.name for entry in it]
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            try:
+                os.unlink(name, dir_fd=fd)
+            except OSError:
+                continue
+            if removed is not None:
+                removed(f"{rel}/{name}", st)
+            continue
+        if depth <= 1:
+            continue  # deeper than any cache tree: left (the caller reports the tree kept)
+        try:  # O_NOFOLLOW: a directory swapped for a link meanwhile is not entered
+            sub = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
+                          dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            _empty_directory(sub, f"{rel}/{name}", removed, depth - 1)
+        finally:
+            os.close(sub)
+        with contextlib.suppress(OSError):
+            os.rmdir(name, dir_fd=fd)
 
 
 def remove_quietly(root: Path | str, rel: str) -> bool:

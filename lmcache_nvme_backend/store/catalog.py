@@ -233,6 +233,18 @@ class Catalog:
         with self._lock:
             return self._index.remove_many(digests)
 
+    def namespaces(self, root: int) -> list[str]:
+        """The namespaces ``root`` has (or had) entries of (``ChunkIndex.namespaces``)."""
+        with self._lock:
+            return self._index.namespaces(root)
+
+    def drop_namespace(self, root: int, ns_id: str) -> list[IndexEntry]:
+        """Take every entry of namespace ``ns_id`` on ``root`` out of the index (its
+        directory was removed); the ones removed.  A walk of the whole table under the lock
+        (about 40 ms a million entries), once for each namespace removed."""
+        with self._lock:
+            return self._index.drop_namespace(root, ns_id)
+
     # -- shared mode -------------------------------------------------------------
 
     def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:

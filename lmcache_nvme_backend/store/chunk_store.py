@@ -32,6 +32,7 @@ from ..io.native import NativeEngine
 from ..io.posix import read_header
 from .catalog import Catalog, RemovalListener
 from .index import IndexEntry
+from .namespaces import NamespaceWatch
 from .reads import ChunkRead, ChunkReader, ReadPlan
 from .recovery import ManifestKeeper, recover_root
 from .room import Room
@@ -75,6 +76,11 @@ class ChunkStore:
             self._room.shared = self._shared
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
                                          settings.manifest_interval_s)
+        # namespace directories removed meanwhile (lmcache-nvme forget): looked at once now,
+        # then every second
+        self._namespaces = NamespaceWatch(self._catalog, self._roots, self._room, self._shared)
+        self._namespaces.check()
+        self._namespaces.start()
 
     @property
     def io_engine_name(self) -> str:
@@ -353,6 +359,7 @@ class ChunkStore:
         if self._closed:
             return
         self._closed = True
+        self._namespaces.stop()
         self._writer.close(self.settings.close_timeout_s)
         self._manifests.stop()
         self._manifests.save_all()

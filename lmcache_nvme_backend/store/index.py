@@ -8,7 +8,7 @@ serialises access with one lock and never holds it across I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..disk.format import TensorMeta
@@ -48,6 +48,9 @@ class ChunkIndex:
         gc_untrack(*self._lru)  # str keys and None values: never tracked again
         self._used = [0] * len(budgets)
         self._reserved = [0] * len(budgets)
+        # the namespaces each root has had entries of since they were last dropped (kept
+        # per call, not per chunk: ``store/namespaces.py`` looks at their directories)
+        self._namespaces: list[set[str]] = [set() for _ in budgets]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,6 +81,7 @@ class ChunkIndex:
         gc_untrack(entry, self._entries)
         self._lru[root][digest] = None
         self._used[root] += entry.size
+        self._namespaces[root].add(entry.ns_id)
         return replaced
 
     def publish(self, entry: IndexEntry, reserved: int) -> IndexEntry | None:
@@ -85,7 +89,7 @@ class ChunkIndex:
         self._reserved[entry.root] -= reserved
         return self.add(entry)
 
-    def publish_layout(self, digests: Iterable[str], roots: Iterable[int], ns_id: str,
+    def publish_layout(self, digests: Iterable[str], roots: Sequence[int], ns_id: str,
                        size: int, meta: TensorMeta, now_ns: int) -> None:
         """``publish`` of chunks just written of one namespace and layout, each ``size``
         bytes on disk and reserved as such: the loop of ``add`` without a call per chunk."""
@@ -100,6 +104,8 @@ class ChunkIndex:
             used[root] += size
             reserved[root] -= size
         gc_untrack(entries, *added)
+        for root in set(roots):
+            self._namespaces[root].add(ns_id)
 
     def remove(self, digest: str) -> IndexEntry | None:
         removed = self.remove_many((digest,))
@@ -116,6 +122,18 @@ class ChunkIndex:
                 used[entry.root] -= entry.size
                 removed.append(entry)
         return removed
+
+    def namespaces(self, root: int) -> list[str]:
+        """The namespaces ``root`` has had entries of since ``drop_namespace`` last dropped
+        them (some may have none left)."""
+        return list(self._namespaces[root])
+
+    def drop_namespace(self, root: int, ns_id: str) -> list[IndexEntry]:
+        """Remove every entry of namespace ``ns_id`` on ``root`` (a walk of the whole
+        table: for a namespace whose directory was removed, not on any chunk's path)."""
+        self._namespaces[root].discard(ns_id)
+        return self.remove_many([digest for digest, entry in self._entries.items()
+                                 if entry.ns_id == ns_id and entry.root == root])
 
     def touch(self, digest: str, now_ns: int) -> None:
         entry = self._entries.get(digest)

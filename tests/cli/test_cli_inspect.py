@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from support.chunks import CHUNK as WRITTEN
 from support.chunks import put
-from support.cli import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI
+from support.cli import CHUNK, KEYS_PER_NAMESPACE, NAMESPACES, RunCLI, write_chunks
 from support.stores import StoreFactory
 
 from lmcache_nvme_backend.disk.format import file_size_for
+from lmcache_nvme_backend.disk.layout import namespace_id
 from lmcache_nvme_backend.store.shared.janitor import Janitor
 from lmcache_nvme_backend.store.shared.ledger import Account, LedgerChain
 
@@ -79,3 +80,22 @@ def test_inspect_shows_a_shared_directorys_budget_and_members(
     assert states[a_id]["share_bytes"] >= file_size_for(WRITTEN)  # its chunk is in its share
     text = run_cli("inspect", cache).stdout
     assert "shared budget: 10.2 MiB for every member" in text and dead in text
+
+
+def test_inspect_shows_each_namespaces_model_and_build(run_cli: RunCLI, cache_dir: Path,
+                                                       open_store: StoreFactory) -> None:
+    store = open_store(cache_dir)  # the fixture's two namespaces are bound to no build
+    write_chunks(store, [("m@s1#abc123", "m@s1#abc123@0"), ("m#abd999", "m#abd999@0")])
+    store.close()
+    proc = run_cli("inspect", cache_dir, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {ns["name"]: ns for ns in json.loads(proc.stdout)["roots"][0]["namespaces"]}
+    assert (rows["m@s1#abc123"]["model"], rows["m@s1#abc123"]["build"]) == ("m@s1", "abc123")
+    assert (rows["m#abd999"]["model"], rows["m#abd999"]["build"]) == ("m", "abd999")
+    assert (rows[NAMESPACES[0]]["model"], rows[NAMESPACES[0]]["build"]) == (NAMESPACES[0], None)
+    lines = run_cli("inspect", cache_dir).stdout.splitlines()
+    header = next(line.split() for line in lines if line.split()[:2] == ["model", "build"])
+    assert header == ["model", "build", "id", "files", "bytes"]
+    cells = {tuple(line.split()[:3]) for line in lines}
+    assert ("m@s1", "abc123", namespace_id("m@s1#abc123")) in cells
+    assert (NAMESPACES[0], "-", namespace_id(NAMESPACES[0])) in cells

@@ -149,6 +149,16 @@ class AccountBooks:
             self.journal.append([published_line(entry.digest, entry.ns_id, entry.size,
                                                 entry.meta)])
 
+    def disown(self, entries: Sequence[IndexEntry]) -> None:
+        """Chunks whose files were removed with their namespace's directory and that left
+        the index: the ones this member owns are no longer counted (its cap stays: the
+        room is its)."""
+        with self._lock:
+            for entry in entries:
+                if entry.owner == self.member and \
+                        self.owned.get(entry.digest) == entry.size:
+                    self.usage -= self.owned.pop(entry.digest)
+
     def note_reads(self, digests: Sequence[str], now: float) -> None:
         """Share this member's reads (recency) with the others, each chunk at most every
         ``ACCESS_RESOLUTION_S``."""

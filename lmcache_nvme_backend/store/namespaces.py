@@ -1,0 +1,131 @@
+"""Namespace directories removed under a running store (``lmcache-nvme forget``).
+
+``forget`` renames ``ns/<ns16>`` away in one step, then empties the renamed directory (left
+for a minute, so that its inode is not reused).  The store notices without a failed read:
+a thread (``nvme-namespaces``) looks, every ``CHECK_S``, at the directory of each namespace
+the index has entries of (one ``fstatat`` each, relative to the root's ``ns`` directory,
+opened once a round) and compares its device and inode with the ones it saw first: at
+start, or in the first round after the namespace's first chunk was indexed (a directory
+removed and made again before that round goes unnoticed; its chunks are forgotten as their
+reads miss, as before).  A directory that is gone, or is another directory now (made again
+by a writer meanwhile), takes every entry of that namespace on that root out of the index,
+and the removal listeners hear of them.  Without shared mode the entries' files are removed
+too (``Room.unlink``): a writer may have put some into the new directory meanwhile, and
+nothing else would ever remove them.  In shared mode every member forgets them, as a failed
+read does, and stops counting the ones it owns in its account of the directory's budget;
+nothing is unlinked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from typing import TYPE_CHECKING
+
+from ..disk.safe_fs import open_dir_beneath
+from .catalog import Catalog
+from .roots import Roots, RootState
+
+if TYPE_CHECKING:
+    from .room import Room
+    from .shared.tree import SharedTree
+
+logger = logging.getLogger(__name__)
+
+CHECK_S = 1.0
+MAX_REMEMBERED = 4096  # directories remembered of namespaces no longer in the index
+#: What a namespace directory is: (st_dev, st_ino), None when it is not there (or is not a
+#: directory).
+Identity = tuple[int, int] | None
+
+
+class NamespaceWatch:
+    """Drops the entries of namespaces whose directory was removed or replaced."""
+
+    def __init__(self, catalog: Catalog, roots: Roots, room: Room,
+                 shared: SharedTree | None = None, interval_s: float = CHECK_S) -> None:
+        self._catalog = catalog
+        self._roots = roots
+        self._room = room
+        self._shared = shared
+        self._interval_s = interval_s
+        # (root, namespace id) -> the directory as first seen
+        self._seen: dict[tuple[int, str], Identity] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="nvme-namespaces",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.check()
+            except Exception:  # a background step must never end the thread
+                logger.exception("NVMe tier: the check of namespace directories failed")
+
+    def check(self) -> int:
+        """One round over every root; how many entries left the index."""
+        return sum(self._check_root(root) for root in self._roots)
+
+    def _check_root(self, root: RootState) -> int:
+        names = self._catalog.namespaces(root.index)
+        if not names:
+            return 0
+        try:
+            fd = open_dir_beneath(root.layout.root, "ns")
+        except (OSError, ValueError):  # the cache directory itself is gone: reads say so
+            return 0
+        try:
+            now = {ns_id: _identity(fd, ns_id) for ns_id in names}
+        finally:
+            os.close(fd)
+        dropped = 0
+        seen = self._seen
+        for ns_id, current in now.items():
+            key = (root.index, ns_id)
+            before = seen.get(key)
+            if current is not None and before in (None, current):
+                seen[key] = current  # first seen, or as it was
+                continue
+            dropped += self._drop(root, ns_id)
+            if current is None:
+                seen.pop(key, None)  # seen afresh when written again
+            else:
+                seen[key] = current  # made again: the entries published there from now on
+        if len(seen) > MAX_REMEMBERED:  # namespaces that left the index long ago
+            self._seen = {k: v for k, v in seen.items()
+                          if k[0] != root.index or k[1] in now}
+        return dropped
+
+    def _drop(self, root: RootState, ns_id: str) -> int:
+        entries = self._catalog.drop_namespace(root.index, ns_id)
+        if not entries:
+            return 0
+        if self._shared is not None:
+            self._shared.forgotten(entries)
+        else:
+            self._room.unlink(entries)
+        self._catalog.notify_removed(entries)
+        logger.info("NVMe tier: the directory of namespace %s in %s was removed (lmcache-nvme "
+                    "forget) or replaced; its %d chunks (%.1f MiB) are no longer served.",
+                    ns_id, root.layout.root, len(entries),
+                    sum(e.size for e in entries) / 2**20)
+        return len(entries)
+
+
+def _identity(ns_fd: int, ns_id: str) -> Identity:
+    try:
+        st = os.stat(ns_id, dir_fd=ns_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
