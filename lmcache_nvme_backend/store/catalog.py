@@ -148,7 +148,8 @@ class Catalog:
             victims = self._index.plan_reservation(root, size)
             if victims is None:
                 return None
-            self._index.remove_many(victim.digest for victim in victims)
+            for victim in victims:
+                self._index.remove(victim.digest)
             self._index.reserve(root, size)
         return victims
 
@@ -178,11 +179,15 @@ class Catalog:
         account hears of each, outside the lock)."""
         done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
+            index, pending, members = self._index, self._pending, self.members
+            accounted = self.accounting is not None
             for entry, reserved in published:
-                if self.members:
-                    entry.owner = self.members[entry.root]
-                self._pending.pop(entry.digest, None)
-                done.append((entry, self._index.publish(entry, reserved), reserved))
+                if members:
+                    entry.owner = members[entry.root]
+                pending.pop(entry.digest, None)
+                replaced = index.publish(entry, reserved)
+                if accounted:
+                    done.append((entry, replaced, reserved))
         if self.accounting is not None:
             for entry, replaced, reserved in done:
                 self.accounting.on_publish(entry, replaced, reserved)

@@ -108,8 +108,11 @@ class ChunkIndex:
             self._namespaces[root].add(ns_id)
 
     def remove(self, digest: str) -> IndexEntry | None:
-        removed = self.remove_many((digest,))
-        return removed[0] if removed else None
+        entry = self._entries.pop(digest, None)
+        if entry is not None:
+            del self._lru[entry.root][digest]
+            self._used[entry.root] -= entry.size
+        return entry
 
     def remove_many(self, digests: Iterable[str]) -> list[IndexEntry]:
         """Remove each digest's entry (no call per digest); the entries that were there."""
@@ -161,8 +164,15 @@ class ChunkIndex:
         excess = self._used[root] + self._reserved[root] + size - self.budgets[root]
         if excess <= 0:
             return []
-        victims = self.coldest(root, excess, set())
-        return victims if sum(victim.size for victim in victims) >= excess else None
+        victims: list[IndexEntry] = []
+        for digest in self._lru[root]:
+            if excess <= 0:
+                break
+            entry = self._entries[digest]
+            if entry.pins == 0:
+                victims.append(entry)
+                excess -= entry.size
+        return victims if excess <= 0 else None
 
     def coldest(self, root: int, need: int, skip: set[str]) -> list[IndexEntry]:
         """Least recently used unpinned entries of ``root`` (not in ``skip``) whose sizes

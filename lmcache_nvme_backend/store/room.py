@@ -96,11 +96,15 @@ class Room:
         if self.shared is not None:
             self.shared.delete(entries)
             return
-        # each root has its own descriptor and may have its own shard levels
-        roots = {index: self._roots[index] for index in {e.root for e in entries}}
-        fds = {index: root.descriptor() for index, root in roots.items()}
-        items = [(fds[e.root], roots[e.root].layout.chunk_rel(e.ns_id, e.digest))
-                 for e in entries]
+        if len(self._roots) == 1:  # every deletion of the common deployment: no tables
+            root = self._roots[0]
+            fd, chunk_rel = root.descriptor(), root.layout.chunk_rel
+            items = [(fd, chunk_rel(e.ns_id, e.digest)) for e in entries]
+        else:  # each root has its own descriptor and may have its own shard levels
+            roots = {index: self._roots[index] for index in {e.root for e in entries}}
+            fds = {index: root.descriptor() for index, root in roots.items()}
+            items = [(fds[e.root], roots[e.root].layout.chunk_rel(e.ns_id, e.digest))
+                     for e in entries]
         errors = self._engine.unlink(items)
         if not any(errors):
             return
