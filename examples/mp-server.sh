@@ -8,6 +8,10 @@
 # (exit status 2).
 #
 #   CACHE_DIR=/mnt/nvme0/lmcache MAX_SIZE_GB=500 examples/mp-server.sh
+#
+# Arguments are passed on to `lmcache server`, after the script's own: e.g.
+# `examples/mp-server.sh --separate-object-groups` for SGLang 0.5.21+ serving a model with
+# sliding-window or Mamba layers (examples/sglang-recipe.md).
 set -euo pipefail
 
 export LMCACHE_TRACK_USAGE=false      # no telemetry
@@ -111,7 +115,7 @@ exec lmcache server \
   --chunk-size 256 \
   --l1-size-gb "$L1_GB" --no-l1-use-lazy --eviction-policy LRU \
   --supported-transfer-mode auto \
-  --l2-adapter "$L2_ADAPTER"
+  --l2-adapter "$L2_ADAPTER" "$@"
 
 # What the tier does: curl -s 127.0.0.1:$HTTP_PORT/status | jq '.storage_manager.l2_adapters'
 # Prometheus: curl -s 127.0.0.1:$HTTP_PORT/metrics | grep ^lmcache_nvme_

@@ -9,11 +9,18 @@ set, so that CI never reports success for tests that did not run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from support.engine_env import SGLANG, VLLM, EngineSpec, EngineUnavailable, ensure_env
+from support.engine_env import (
+    SGLANG,
+    SGLANG_UNIFIED,
+    VLLM,
+    EngineSpec,
+    EngineUnavailable,
+    ensure_env,
+)
 from support.mp_server import MPServer, ServerFactory
 from support.paths import REPO_ROOT
 from support.prerequisites import missing_prerequisite
@@ -61,21 +68,31 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 @pytest.fixture(scope="session")
 def sglang_python(pytestconfig: pytest.Config) -> Path:
-    """The python of SGLang's environment (``support.engine_env.SGLANG``)."""
+    """The python of SGLang 0.5.20's environment (``support.engine_env.SGLANG``:
+    ``LMCRadixCache``)."""
     return _engine_python(SGLANG, "SGLang", pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def sglang_unified_python(pytestconfig: pytest.Config) -> Path:
+    """The python of SGLang 0.5.23's environment (``support.engine_env.SGLANG_UNIFIED``:
+    ``LMCacheUnifiedRadixCache``)."""
+    return _engine_python(SGLANG_UNIFIED, "SGLang 0.5.23", pytestconfig)
 
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[ServerFactory]:
-    """``start_server(cache_dir, name, env=None, **settings)``: a running ``lmcache
+    """``start_server(cache_dir, name, env=None, server_args=(), **settings)``: a running ``lmcache
     server`` with the NVMe L2 on ``cache_dir`` (examples/mp-server.sh; ``env`` and
-    ``settings`` as :class:`MPServer` takes them), logging to ``tmp_path / f"{name}.log"``;
+    ``settings`` as :class:`MPServer` takes them; ``server_args=(...)``: the script's
+    arguments, for ``lmcache server``), logging to ``tmp_path / f"{name}.log"``;
     every server started is stopped at teardown."""
     started: list[MPServer] = []
 
     def start(cache_dir: Path, name: str, env: Mapping[str, str] | None = None,
-              **settings: str) -> MPServer:
-        server = MPServer(cache_dir, tmp_path / f"{name}.log", env, **settings)
+              server_args: Sequence[str] = (), **settings: str) -> MPServer:
+        server = MPServer(cache_dir, tmp_path / f"{name}.log", env, server_args=server_args,
+                          **settings)
         started.append(server)
         return server
 

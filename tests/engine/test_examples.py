@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from support.engine_env import SGLANG
+from support.engine_env import SGLANG, SGLANG_UNIFIED
 from support.paths import EXAMPLES_DIR, MP_SERVER_SCRIPT, REPO_ROOT
 
 import lmcache_nvme_backend
@@ -106,10 +106,10 @@ def test_lmcache_yaml_round_trips_through_a_real_engine(example: Path, tmp_path:
     assert bool(got.ret_mask.all()) and torch.equal(got.kv, kv)
 
 
-def run_mp_server(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str],
-                                                         list[str] | None]:
-    """Run examples/mp-server.sh with a stand-in ``lmcache`` that records its arguments:
-    the finished script, and the arguments (None: the server was never started)."""
+def run_mp_server(tmp_path: Path, *args: str, **env: str
+                  ) -> tuple[subprocess.CompletedProcess[str], list[str] | None]:
+    """Run examples/mp-server.sh (with ``args``) with a stand-in ``lmcache`` that records its
+    arguments: the finished script, and the arguments (None: the server was never started)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     capture = tmp_path / "argv.json"
@@ -118,7 +118,7 @@ def run_mp_server(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProce
     stand_in.write_text(f"#!/usr/bin/env python3\nimport json, sys\n"
                         f"open({str(capture)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
-    proc = subprocess.run(["bash", str(EXAMPLES / "mp-server.sh")], timeout=120,
+    proc = subprocess.run(["bash", str(EXAMPLES / "mp-server.sh"), *args], timeout=120,
                           capture_output=True, text=True,
                           env=dict(os.environ, PYTHON=sys.executable,
                                    PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env))
@@ -126,9 +126,9 @@ def run_mp_server(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProce
     return proc, argv
 
 
-def mp_server_command(tmp_path: Path, **env: str) -> list[str]:
+def mp_server_command(tmp_path: Path, *args: str, **env: str) -> list[str]:
     """The arguments examples/mp-server.sh gives ``lmcache``, captured by a stand-in."""
-    proc, argv = run_mp_server(tmp_path, **env)
+    proc, argv = run_mp_server(tmp_path, *args, **env)
     assert proc.returncode == 0 and argv is not None, proc.stderr
     return argv
 
@@ -155,6 +155,15 @@ def test_mp_server_script_defaults_match_the_docs(tmp_path: Path) -> None:
     assert option(argv, "--port") == "5555" and option(argv, "--http-port") == "8080"
     params = json.loads(option(argv, "--l2-adapter"))["adapter_params"]
     assert params["max_size_gb"] == 500 and params["min_free_gb"] == 1
+
+
+def test_mp_server_script_passes_its_arguments_to_the_server(tmp_path: Path) -> None:
+    """What SGLang 0.5.21+ with a sliding-window or Mamba model needs of the server
+    (examples/sglang-recipe.md): extra arguments go to ``lmcache server``, after the
+    script's own."""
+    plain = mp_server_command(tmp_path, CACHE_DIR=str(tmp_path / "c"))
+    argv = mp_server_command(tmp_path, "--separate-object-groups", CACHE_DIR=str(tmp_path / "c"))
+    assert argv == [*plain, "--separate-object-groups"]
 
 
 def test_mp_server_script_passes_min_free_auto(tmp_path: Path) -> None:
@@ -249,9 +258,12 @@ def test_sglang_recipe_matches_what_the_tests_run() -> None:
     from importlib.metadata import version
 
     recipe = (EXAMPLES / "sglang-recipe.md").read_text()
-    assert f"SGLang {SGLANG.pinned().split('==')[1]}" in recipe
+    for spec in (SGLANG, SGLANG_UNIFIED):
+        assert f"SGLang {spec.pinned().split('==')[1]}" in recipe
+        assert spec.requirements.relative_to(ROOT).as_posix() in recipe
     assert f"LMCache {version('lmcache')}" in recipe
-    for test in ("tests/e2e/test_e2e_mp_sglang.py", "tests/e2e/test_e2e_sglang_radix.py"):
+    for test in ("tests/e2e/test_e2e_mp_sglang.py", "tests/e2e/test_e2e_sglang_radix.py",
+                 "tests/e2e/test_e2e_sglang_unified.py"):
         assert test in recipe and (ROOT / test).is_file(), test
         assert "sglang-lmcache.yaml" in (ROOT / test).read_text(), f"{test} uses the recipe's file"
     launch = re.findall(r"--lmcache-config-file (\S+)", "\n".join(bash_blocks(recipe)))

@@ -6,8 +6,13 @@ torchvision, torchaudio and torchcodec, whose builds on the package index are CU
 that raise at import on a CPU machine, and once they are installed ``import
 transformers`` -- and with it LMCache's token hashing, which imports vLLM when present --
 fails in every process.  SGLang's wheel depends on CUDA-only packages (flashinfer,
-sglang-kernel, cuda-python, ...), so its environment takes SGLang and the pure-Python
-packages it imports, each without dependencies (``requirements-sglang.txt``).
+sglang-kernel, cuda-python, ...), so its environments take SGLang and the pure-Python
+packages it imports, each without dependencies: two of them, since SGLang 0.5.21 replaced
+the LMCache radix cache of 0.5.13-0.5.20 (``LMCRadixCache``, LMCache's
+``LMCacheMPConnector``; ``requirements-sglang.txt``: 0.5.20) with ``LMCacheUnifiedRadixCache``
+(LMCache's ``UnifiedLMCacheMPConnector``; ``requirements-sglang-unified.txt``: 0.5.23), and
+one SGLang release has only one of them.  The two files share
+``requirements-sglang-common.txt`` (``-r``).
 
 Each environment adds its engine on top of the packages of the interpreter running the
 tests (torch, LMCache, this package).  How it sees those packages: a ``.pth`` file in its
@@ -19,9 +24,9 @@ as to any child process; :func:`ensure_env` reports where each probed module is 
 from, and the tests check that this package is this checkout's.
 
 An environment lives under ``~/.cache/lmcache-nvme-backend`` (override: the spec's
-``override_var``), one per requirements file (its requirement lines: editing its comments
-rebuilds nothing), Python version and test environment (``sys.prefix``), and is reused
-while those stay the same.
+``override_var``), one per requirements file (its requirement lines, those of the files
+it includes too: editing comments rebuilds nothing), Python version and test environment
+(``sys.prefix``), and is reused while those stay the same.
 """
 
 from __future__ import annotations
@@ -89,13 +94,26 @@ class EngineSpec:
     site_files: dict[str, str] = field(default_factory=dict)  # written into site-packages
 
     def requirement_lines(self) -> list[str]:
-        """The requirements file's lines without its comments and blank lines."""
-        return [line.strip() for line in self.requirements.read_text().splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
+        """The requirements file's lines without its comments and blank lines, with the
+        lines of a file it includes (``-r FILE``, relative to it) in its place."""
+        return _requirement_lines(self.requirements)
 
     def pinned(self) -> str:
         """The requirements' first line (the engine), for messages."""
         return self.requirement_lines()[0]
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    lines: list[str] = []
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("-r "):
+            lines.extend(_requirement_lines(path.parent / line[3:].strip()))
+        else:
+            lines.append(line)
+    return lines
 
 
 VLLM = EngineSpec(
@@ -103,14 +121,26 @@ VLLM = EngineSpec(
     override_var="LMCACHE_NVME_VLLM_VENV", probe=("vllm", "lmcache", "lmcache_nvme_backend"),
     size="a few minutes and about 3 GB", remove=("torchvision", "torchaudio", "torchcodec"))
 
+_SGLANG_SITE_FILES = {"_lmcache_nvme_torchvision_ops.py": TORCHVISION_OPS_HOOK,
+                      "_lmcache_nvme_torchvision_ops.pth": "import _lmcache_nvme_torchvision_ops\n"}
+
+#: SGLang 0.5.20, the last release with ``LMCRadixCache`` (LMCache's ``LMCacheMPConnector``).
 SGLANG = EngineSpec(
     name="sglang", requirements=HERE / "requirements-sglang.txt",
     override_var="LMCACHE_NVME_SGLANG_VENV",
     probe=("sglang", "sglang.srt.mem_cache.storage.lmcache.lmc_radix_cache", "lmcache",
            "lmcache_nvme_backend"),
     size="a minute or two and about 1.4 GB, 1 GB of it triton", no_deps=True,
-    site_files={"_lmcache_nvme_torchvision_ops.py": TORCHVISION_OPS_HOOK,
-                "_lmcache_nvme_torchvision_ops.pth": "import _lmcache_nvme_torchvision_ops\n"})
+    site_files=_SGLANG_SITE_FILES)
+
+#: SGLang 0.5.23: ``LMCacheUnifiedRadixCache`` (0.5.21+, LMCache's ``UnifiedLMCacheMPConnector``).
+SGLANG_UNIFIED = EngineSpec(
+    name="sglang-unified", requirements=HERE / "requirements-sglang-unified.txt",
+    override_var="LMCACHE_NVME_SGLANG_UNIFIED_VENV",
+    probe=("sglang", "sglang.srt.mem_cache.storage.lmcache.lmcache_unified_radix_cache",
+           "lmcache", "lmcache_nvme_backend"),
+    size="a minute or two and about 1.4 GB, 1 GB of it triton", no_deps=True,
+    site_files=_SGLANG_SITE_FILES)
 
 
 @dataclass(frozen=True)
@@ -241,4 +271,5 @@ def ensure_env(spec: EngineSpec, say: Callable[[str], None] = print) -> EngineEn
 
 if __name__ == "__main__":
     for engine in sys.argv[1:] or ["vllm"]:
-        print(ensure_env({"vllm": VLLM, "sglang": SGLANG}[engine]).summary())
+        print(ensure_env({"vllm": VLLM, "sglang": SGLANG,
+                          "sglang-unified": SGLANG_UNIFIED}[engine]).summary())

