@@ -36,7 +36,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import ADAPTER_PARAMS_PREFIX, NVMeConfigError, NVMeSettings, adapter_params_of
-from ..disk.format import TensorMeta
 from ..io.native import gc_untrack
 from ..store import IndexEntry, TaskOutcome
 from ._common import BackgroundCalls, announce, ignore_unknown_arguments, logger, open_store
@@ -229,21 +228,16 @@ class NVMeL2Adapter(L2AdapterInterface):
             logger.exception("NVMe L2 adapter: store task %d has unusable objects", task_id)
             self._stored(task_id, keys, TaskOutcome.failed())
             return task_id
-        if self._stores_wait:
-            self._background.submit(self._submit_task, task_id, keys, names, namespaces,
-                                    metas, payloads)
-        else:
-            self._submit_task(task_id, keys, names, namespaces, metas, payloads)
-        return task_id
-
-    def _submit_task(self, task_id: L2TaskId, keys: list[ObjectKey], names: list[str],
-                     namespaces: list[str], metas: list[TensorMeta],
-                     payloads: list[memoryview]) -> None:
+        on_done = functools.partial(self._stored, task_id, keys)
+        if self._stores_wait:  # a full queue is waited on by the adapter's thread
+            self._background.submit(self.store.submit_task, names, namespaces, metas, payloads,
+                                    on_done)
+            return task_id
         try:
-            self.store.submit_task(names, namespaces, metas, payloads,
-                                   functools.partial(self._stored, task_id, keys))
+            self.store.submit_task(names, namespaces, metas, payloads, on_done)
         except Exception:  # the task has completed (failed) all the same
             logger.exception("NVMe L2 adapter: store task %d failed to submit", task_id)
+        return task_id
 
     def _stored(self, task_id: L2TaskId, keys: list[ObjectKey], outcome: TaskOutcome) -> None:
         """Every chunk of the task ended: its result for LMCache, the stored keys announced."""
@@ -275,6 +269,7 @@ class NVMeL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         try:
             names, namespaces = object_key_columns(keys)
+            self._builds.recheck_if_due()  # here, on the lookup thread: not on the store path
             hits = self.store.lookup_many(names, self._builds.namespaces(namespaces), pin=True)
             for i, hit in enumerate(hits):
                 if hit:

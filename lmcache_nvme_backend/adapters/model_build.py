@@ -107,19 +107,29 @@ class ModelBuilds:
         self._models: dict[str, tuple[Path, Signature, str] | None] = {}
         self._lock = threading.Lock()
         self._next_check = time.monotonic() + RECHECK_S
+        self._last: tuple[list[str], list[str]] = ([], [])
 
     def namespace(self, namespace: str) -> str:
         """``namespace`` (a model name, or ``model@salt``) bound to its model's build."""
-        if time.monotonic() >= self._next_check:
-            self._recheck()
+        self.recheck_if_due()
         return self._bound.get(namespace) or self._learn(namespace)
 
-    def namespaces(self, namespaces: Iterable[str]) -> list[str]:
-        """:meth:`namespace` of each (one dictionary lookup a chunk)."""
+    def namespaces(self, namespaces: list[str]) -> list[str]:
+        """:meth:`namespace` of each, without looking at the weights again (the caller calls
+        :meth:`recheck_if_due` where it costs least).  The same list as the last call's (a
+        call of one model and salt, the common one) gets the last answer (not to be changed
+        by the caller): no Python per chunk."""
+        last = self._last
+        if namespaces == last[0]:
+            return last[1]
+        bound = self._bound
+        answer = [bound.get(ns) or self._learn(ns) for ns in namespaces]
+        self._last = (namespaces, answer)
+        return answer
+
+    def recheck_if_due(self) -> None:
         if time.monotonic() >= self._next_check:
             self._recheck()
-        bound = self._bound
-        return [bound.get(ns) or self._learn(ns) for ns in namespaces]
 
     def _learn(self, namespace: str) -> str:
         model = namespace.split("@", 1)[0]
@@ -197,6 +207,7 @@ class ModelBuilds:
                 if now[2] != build:
                     self._bound = {ns: bound for ns, bound in self._bound.items()
                                    if ns.split("@", 1)[0] != model}
+                    self._last = ([], [])
             if now[2] != build:
                 logger.warning("NVMe tier: the weights of model %r changed (build %s is now "
                                "%s); chunks of the earlier build are no longer served.",

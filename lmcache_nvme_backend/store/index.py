@@ -104,8 +104,12 @@ class ChunkIndex:
             used[root] += size
             reserved[root] -= size
         gc_untrack(entries, *added)
-        for root in set(roots):
-            self._namespaces[root].add(ns_id)
+        namespaces = self._namespaces
+        if len(namespaces) == 1:
+            namespaces[0].add(ns_id)
+        else:
+            for root in set(roots):
+                namespaces[root].add(ns_id)
 
     def remove(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)

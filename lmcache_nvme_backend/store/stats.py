@@ -156,15 +156,17 @@ class StoreStats:
         call of the store's own read path also gives its ``failures`` (it then counts the
         call's ``read_seconds`` too) and, when an engine verified the chunks itself,
         ``checked``: the ``read_chunks`` and ``read_bytes`` it served."""
-        self._log(self._reads, (path, chunks, nbytes, seconds, failures, checked))
+        reads = self._reads  # every read call: appended inline, folded now and then
+        reads.append((path, chunks, nbytes, seconds, failures, checked))
+        if len(reads) >= FOLD_EVERY:
+            with self._lock:
+                self._fold_locked()
 
     def record_write(self, nbytes: int, seconds: float, count: int = 1) -> None:
         """``count`` chunk files of ``nbytes`` in all written and published, ``seconds`` each."""
-        self._log(self._writes, (nbytes, seconds, count))
-
-    def _log(self, log: list[_Call], call: _Call) -> None:
-        log.append(call)
-        if len(log) >= FOLD_EVERY:
+        writes = self._writes  # as reads
+        writes.append((nbytes, seconds, count))
+        if len(writes) >= FOLD_EVERY:
             with self._lock:
                 self._fold_locked()
 

@@ -207,14 +207,14 @@ class ChunkWriter:
         """The engine finished a batch (``result``; None: none of it was placed): settle it,
         give the queue its bytes back, tell the call (whatever happened: LMCache holds its
         objects until then)."""
-        outcome = TaskOutcome.failed()
         try:
             outcome = self.placement.settle(placed, result)
-            if not admitted:
-                outcome = outcome._replace(ok=False)
-        finally:
+        except BaseException:
             self.queue.release(accepted * placed[0].nbytes, accepted)
-            _call(on_done, outcome)
+            _call(on_done, TaskOutcome.failed())
+            raise
+        self.queue.release(accepted * placed[0].nbytes, accepted)
+        _call(on_done, outcome if admitted else outcome._replace(ok=False))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued write has finished (persisted or dropped)."""
