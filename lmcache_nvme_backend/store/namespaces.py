@@ -3,8 +3,8 @@
 ``forget`` renames ``ns/<ns16>`` away in one step, then empties the renamed directory (left
 for a minute, so that its inode is not reused).  The store notices without a failed read:
 a thread (``nvme-namespaces``) looks, every ``CHECK_S``, at the directory of each namespace
-the index has entries of (one ``fstatat`` each, relative to the root's ``ns`` directory,
-opened once a round) and compares its device and inode with the ones it saw first: at
+the index has entries of (one ``fstatat`` each, relative to the root's kept descriptor)
+and compares its device and inode with the ones it saw first: at
 start, or in the first round after the namespace's first chunk was indexed (a directory
 removed and made again before that round goes unnoticed; its chunks are forgotten as their
 reads miss, as before).  A directory that is gone, or is another directory now (made again
@@ -24,7 +24,6 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-from ..disk.safe_fs import open_dir_beneath
 from .catalog import Catalog
 from .roots import Roots, RootState
 
@@ -82,13 +81,10 @@ class NamespaceWatch:
         if not names:
             return 0
         try:
-            fd = open_dir_beneath(root.layout.root, "ns")
+            fd = root.descriptor()  # the store's own, kept open: no open per round
         except (OSError, ValueError):  # the cache directory itself is gone: reads say so
             return 0
-        try:
-            now = {ns_id: _identity(fd, ns_id) for ns_id in names}
-        finally:
-            os.close(fd)
+        now = {ns_id: _identity(fd, f"ns/{ns_id}") for ns_id in names}
         dropped = 0
         seen = self._seen
         for ns_id, current in now.items():
@@ -123,9 +119,9 @@ class NamespaceWatch:
         return len(entries)
 
 
-def _identity(ns_fd: int, ns_id: str) -> Identity:
+def _identity(root_fd: int, rel: str) -> Identity:
     try:
-        st = os.stat(ns_id, dir_fd=ns_fd, follow_symlinks=False)
+        st = os.stat(rel, dir_fd=root_fd, follow_symlinks=False)
     except OSError:
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
