@@ -238,8 +238,13 @@ class Catalog:
         with self._lock:
             return self._index.remove_many(digests)
 
+    def note_namespace(self, ns_id: str) -> None:
+        """A writer takes up namespace ``ns_id`` (``ChunkIndex.note_namespace``)."""
+        with self._lock:
+            self._index.note_namespace(ns_id)
+
     def namespaces(self, root: int) -> list[str]:
-        """The namespaces ``root`` has (or had) entries of (``ChunkIndex.namespaces``)."""
+        """The namespaces ``root`` has, had or may have entries of."""
         with self._lock:
             return self._index.namespaces(root)
 

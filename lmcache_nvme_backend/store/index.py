@@ -48,8 +48,9 @@ class ChunkIndex:
         gc_untrack(*self._lru)  # str keys and None values: never tracked again
         self._used = [0] * len(budgets)
         self._reserved = [0] * len(budgets)
-        # the namespaces each root has had entries of since they were last dropped (kept
-        # per call, not per chunk: ``store/namespaces.py`` looks at their directories)
+        # the namespaces each root has or may have entries of (noted per entry added and per
+        # namespace a writer takes up, not per publish: ``store/namespaces.py`` looks at
+        # their directories)
         self._namespaces: list[set[str]] = [set() for _ in budgets]
 
     def __len__(self) -> int:
@@ -104,12 +105,6 @@ class ChunkIndex:
             used[root] += size
             reserved[root] -= size
         gc_untrack(entries, *added)
-        namespaces = self._namespaces
-        if len(namespaces) == 1:
-            namespaces[0].add(ns_id)
-        else:
-            for root in set(roots):
-                namespaces[root].add(ns_id)
 
     def remove(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)
@@ -130,15 +125,18 @@ class ChunkIndex:
                 removed.append(entry)
         return removed
 
+    def note_namespace(self, ns_id: str) -> None:
+        """A writer takes up namespace ``ns_id``: its chunks may land on any root."""
+        for namespaces in self._namespaces:
+            namespaces.add(ns_id)
+
     def namespaces(self, root: int) -> list[str]:
-        """The namespaces ``root`` has had entries of since ``drop_namespace`` last dropped
-        them (some may have none left)."""
+        """The namespaces ``root`` has, had or may have entries of."""
         return list(self._namespaces[root])
 
     def drop_namespace(self, root: int, ns_id: str) -> list[IndexEntry]:
         """Remove every entry of namespace ``ns_id`` on ``root`` (a walk of the whole
         table: for a namespace whose directory was removed, not on any chunk's path)."""
-        self._namespaces[root].discard(ns_id)
         return self.remove_many([digest for digest, entry in self._entries.items()
                                  if entry.ns_id == ns_id and entry.root == root])
 

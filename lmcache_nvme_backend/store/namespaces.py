@@ -3,13 +3,13 @@
 ``forget`` renames ``ns/<ns16>`` away in one step, then empties the renamed directory (left
 for a minute, so that its inode is not reused).  The store notices without a failed read:
 a thread (``nvme-namespaces``) looks, every ``CHECK_S``, at the directory of each namespace
-the index has entries of (one ``fstatat`` each, relative to the root's kept descriptor)
-and compares its device and inode with the ones it saw first: at
-start, or in the first round after the namespace's first chunk was indexed (a directory
-removed and made again before that round goes unnoticed; its chunks are forgotten as their
-reads miss, as before).  A directory that is gone, or is another directory now (made again
-by a writer meanwhile), takes every entry of that namespace on that root out of the index,
-and the removal listeners hear of them.  Without shared mode the entries' files are removed
+the index has entries of or a writer took up (one ``fstatat`` each, relative to the root's
+kept descriptor) and compares its device and inode with the ones it saw first: at start,
+or in the first round it was there (a directory removed before that round, or removed and
+made again, goes unnoticed; its chunks are forgotten as their reads miss, as before).
+A directory that is gone, or is another directory now (made again by a writer meanwhile),
+takes every entry of that namespace on that root out of the index, and the removal
+listeners hear of them.  Without shared mode the entries' files are removed
 too (``Room.unlink``): a writer may have put some into the new directory meanwhile, and
 nothing else would ever remove them.  In shared mode every member forgets them, as a failed
 read does, and stops counting the ones it owns in its account of the directory's budget;
@@ -38,6 +38,7 @@ MAX_REMEMBERED = 4096  # directories remembered of namespaces no longer in the i
 #: What a namespace directory is: (st_dev, st_ino), None when it is not there (or is not a
 #: directory).
 Identity = tuple[int, int] | None
+_UNSEEN = (-1, -1)  # a namespace not looked at yet on that root
 
 
 class NamespaceWatch:
@@ -89,15 +90,14 @@ class NamespaceWatch:
         seen = self._seen
         for ns_id, current in now.items():
             key = (root.index, ns_id)
-            before = seen.get(key)
-            if current is not None and before in (None, current):
-                seen[key] = current  # first seen, or as it was
+            before = seen.get(key, _UNSEEN)
+            if current is not None and before in (_UNSEEN, None, current):
+                seen[key] = current  # first seen, there again, or as it was
                 continue
+            if before is None:
+                continue  # gone, and its entries dropped when that was first seen
             dropped += self._drop(root, ns_id)
-            if current is None:
-                seen.pop(key, None)  # seen afresh when written again
-            else:
-                seen[key] = current  # made again: the entries published there from now on
+            seen[key] = current  # gone, or made again: entries published there from now on
         if len(seen) > MAX_REMEMBERED:  # namespaces that left the index long ago
             self._seen = {k: v for k, v in seen.items()
                           if k[0] != root.index or k[1] in now}

@@ -115,6 +115,7 @@ class ChunkWriter:
                 meta, namespace, meta.nbytes, file_size, max_key_bytes(namespace, meta),
                 meta.nbytes <= self.queue.capacity and file_size <= self.catalog.budgets[0],
                 meta.to_json(), namespace_bytes(namespace), namespace_id(namespace))
+            self.catalog.note_namespace(layout.ns_id)  # its directory is watched from now on
         return layout
 
     # -- admission -------------------------------------------------------------
