@@ -8,6 +8,7 @@ port from the one configured, ``nvme.stats_log_interval_s`` logs what changed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -45,12 +46,13 @@ def _per_path(what: str) -> dict[str, str]:
     return {path: path_counter(path, what) for path in READ_PATHS}
 
 
-def _counter(name: str, help_text: str, key: str | None = None) -> MetricSpec:
-    return MetricSpec(name, "counter", help_text, {"": key or name})
+def _unlabelled(kind: str, name: str, help_text: str, key: str | None = None) -> MetricSpec:
+    """A metric of the snapshot's ``key`` (default: its name)."""
+    return MetricSpec(name, kind, help_text, {"": key or name})
 
 
-def _gauge(name: str, help_text: str, key: str | None = None) -> MetricSpec:
-    return MetricSpec(name, "gauge", help_text, {"": key or name})
+_counter = functools.partial(_unlabelled, "counter")
+_gauge = functools.partial(_unlabelled, "gauge")
 
 
 METRICS: tuple[MetricSpec, ...] = (
