@@ -1,10 +1,9 @@
-"""Settings of the NVMe tier, shared by every LMCache hook: ``nvme.<name>`` keys in
-LMCache's ``extra_config``, the bare ``<name>`` in an L2 adapter's ``adapter_params``.
+"""Settings of the NVMe tier: ``nvme.<name>`` keys in LMCache's ``extra_config``, the bare
+``<name>`` in an L2 adapter's ``adapter_params``.
 
-Each field of :class:`NVMeSettings` carries its validation rule in its ``metadata``; every
-problem is an ``NVMeConfigError`` that names the key and the fix.  The tier raises the first
-(``from_params``), ``check-config`` asks for all (``review``).  Validating creates and writes
-nothing: a path is only looked at; the store probes its directories when it opens them.
+Each :class:`NVMeSettings` field carries its validation rule in its ``metadata``; a problem
+is an ``NVMeConfigError`` naming the key and the fix (the tier raises the first, ``review``
+lists all).  Validating writes nothing: paths are only looked at.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def adapter_params_of(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def min_free_bytes_for(min_free_gb: float | None, filesystem_bytes: int) -> int:
     """The free-space guard in bytes on a filesystem of ``filesystem_bytes``: ``min_free_gb``
-    GiB, or for ``None`` (``auto``) 5% of the filesystem, at most 1 GiB (so a small disk
-    still caches and a large one keeps 1 GiB free)."""
+    GiB, or for ``None`` (``auto``) 5% of the filesystem, at most 1 GiB."""
     if min_free_gb is not None:
         return int(min_free_gb * GIB)
     return min(MIN_FREE_AUTO_CAP, int(filesystem_bytes * MIN_FREE_AUTO_FRACTION))
@@ -50,7 +48,7 @@ class NVMeConfigError(ValueError):
 
 class StrChoice(str, enum.Enum):
     """An enum member that is also its string: ``str()``, f-strings, ``%s`` and JSON give
-    ``full``, not ``FsyncPolicy.FULL``, on every supported Python."""
+    ``full``, not ``FsyncPolicy.FULL``."""
 
     def __str__(self) -> str:
         return str.__str__(self)
@@ -210,8 +208,8 @@ class _ModelBuild(_Rule):
 
 
 class _Directories(_Rule):
-    """One directory or several (a list, or a comma-separated string), only looked at: a
-    path that is a file, or lies below one, is an error; the store creates a missing one."""
+    """One directory or several (a list, or a comma-separated string), only looked at (the
+    store creates a missing one)."""
 
     def parse(self, raw: Any, fail: _Fail) -> tuple[Path, ...]:
         if raw is None or raw == "" or raw == []:
@@ -326,8 +324,7 @@ class NVMeSettings:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], key_prefix: str = "") -> NVMeSettings:
-        """Validate bare setting names (``path``, ``max_size_gb``, ...); the first problem
-        is raised."""
+        """Validate bare setting names (``path``, ``max_size_gb``, ...); raise the first problem."""
         review = cls.review(params, key_prefix)
         if review.settings is None:
             raise review.errors[0]
@@ -335,8 +332,8 @@ class NVMeSettings:
 
     @classmethod
     def review(cls, params: Mapping[str, Any], key_prefix: str = "") -> SettingsReview:
-        """Every problem of bare setting names (unknown keys first, then the settings in
-        field order) and the values that passed, by the rules ``from_params`` applies."""
+        """Every problem of bare setting names (unknown keys first, then in field order) and
+        the values that passed."""
         known = _settings()
         errors: list[NVMeConfigError] = []
         for name in params:
@@ -366,8 +363,8 @@ class NVMeSettings:
 
     @classmethod
     def parse_setting(cls, name: str, raw: Any, key_prefix: str = EXTRA_CONFIG_PREFIX) -> Any:
-        """One setting's value as the tier reads it (``name`` bare, e.g. ``gds_mode``), for
-        tools that check a config without opening a tier; raises :class:`NVMeConfigError`."""
+        """One setting's value as the tier reads it (``name`` bare, e.g. ``gds_mode``); raises
+        :class:`NVMeConfigError`."""
         f = _settings().get(name)
         if f is None:
             raise _error(key_prefix, name, "unknown setting",
@@ -391,8 +388,8 @@ def _failer(prefix: str, name: str) -> _Fail:
 
 @dataclass(frozen=True)
 class SettingsReview:
-    """What :meth:`NVMeSettings.review` found: the settings when nothing is wrong, every
-    problem, and the value of each setting that passed (by field name)."""
+    """What :meth:`NVMeSettings.review` found: the settings (None on a problem), every
+    problem, and each value that passed (by field name)."""
 
     settings: NVMeSettings | None
     errors: list[NVMeConfigError]

@@ -1,16 +1,14 @@
 """Prometheus metrics and a periodic one-line summary of the NVMe tier (docs/metrics.md).
 
-The store only counts (``stats.py``); this observer reads the counters when asked, so the
-hot path never touches prometheus_client.  Every open tier is exported, labelled with its
-adapter and cache directory, through one collector in the default registry, which
-whatever serves that registry shows (LMCache's servers' ``/metrics``).
-``nvme.metrics_port`` also serves it on the first free port from the one configured (one
-per tensor-parallel rank: vLLM workers serve none); ``nvme.stats_log_interval_s`` logs
-one line per interval with what changed.
+The store only counts; the counters are read at scrape time, so the hot path never touches
+prometheus_client.  Every open tier is exported (labels: adapter, cache directory) by one
+collector in the default registry; ``nvme.metrics_port`` also serves it on the first free
+port from the one configured, ``nvme.stats_log_interval_s`` logs what changed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -48,12 +46,13 @@ def _per_path(what: str) -> dict[str, str]:
     return {path: path_counter(path, what) for path in READ_PATHS}
 
 
-def _counter(name: str, help_text: str, key: str | None = None) -> MetricSpec:
-    return MetricSpec(name, "counter", help_text, {"": key or name})
+def _unlabelled(kind: str, name: str, help_text: str, key: str | None = None) -> MetricSpec:
+    """A metric of the snapshot's ``key`` (default: its name)."""
+    return MetricSpec(name, kind, help_text, {"": key or name})
 
 
-def _gauge(name: str, help_text: str, key: str | None = None) -> MetricSpec:
-    return MetricSpec(name, "gauge", help_text, {"": key or name})
+_counter = functools.partial(_unlabelled, "counter")
+_gauge = functools.partial(_unlabelled, "gauge")
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -227,11 +226,8 @@ _setup_lock = threading.Lock()
 
 
 def serve_metrics(port: int) -> int | None:
-    """Serve the default registry on the first free port from ``port``; the port, or None.
-
-    One endpoint per process: a second call returns the first one's port.  A port
-    that cannot be had is logged, never raised: the engine runs on without it.
-    """
+    """Serve the default registry on the first free port from ``port``; the port, or None
+    (logged, never raised).  One endpoint per process: a second call returns its port."""
     global _served_port
     with _setup_lock:
         if _served_port is not None:

@@ -1,13 +1,9 @@
 """What the three adapters share: opening the tier, saying so, and LMCache key translation.
 
-Each adapter's constructor runs the same chain: the installed LMCache against the supported
-range (one warning per process outside it: ``lmcache_range``) → settings → ``ChunkStore`` → (on a
-bad setting) an error-level ``NOT loaded`` line, because LMCache's plugin
-launchers only log constructor exceptions where nobody looks → the metrics
-observer → one ``ready`` line that says what the tier found.  The two in-process
-adapters also check that their chunk keys survive a restart: at start from the
-engine's hash settings (``check_token_hashing``), and while serving from the hits
-(``RestartMissWatch``); see ``hashing.py``.
+Each constructor runs one chain: LMCache's version checked (``lmcache_range``) → settings →
+``ChunkStore`` (a bad setting is logged as ``NOT loaded`` at error level: LMCache's plugin
+launchers hide constructor exceptions) → metrics observer → one ``ready`` line.  The
+in-process adapters also check that chunk keys survive a restart (``hashing.py``).
 """
 
 from __future__ import annotations
@@ -43,22 +39,17 @@ _ignored: set[tuple[str, frozenset[str]]] = set()  # unknown arguments logged (t
 def check_lmcache_range() -> None:
     """Warn once per process when the installed LMCache is outside the supported range."""
     global _range_checked
-    if _range_checked:
-        return
-    _range_checked = True
-    warning = range_warning()
-    if warning:
-        logger.warning("%s", warning)
+    if not _range_checked:
+        _range_checked = True
+        if warning := range_warning():
+            logger.warning("%s", warning)
 
 
 def ignore_unknown_arguments(tier: str, arguments: Mapping[str, Any]) -> None:
-    """Accept keyword arguments a newer LMCache passes that this version does not know
-    (LMCache's plugin interface asks plugins to take ``**kwargs``): log their names once
-    per process (and tier and set of names), use none of them."""
-    if not arguments:
-        return
+    """Log keyword arguments a newer LMCache passes (plugins take ``**kwargs``) once per
+    tier and set of names; use none of them."""
     names = frozenset(arguments)
-    if (tier, names) in _ignored:
+    if not names or (tier, names) in _ignored:
         return
     _ignored.add((tier, names))
     logger.warning("NVMe tier: ignoring arguments this version does not know: %s, from %s; "
@@ -68,10 +59,8 @@ def ignore_unknown_arguments(tier: str, arguments: Mapping[str, Any]) -> None:
 
 @contextmanager
 def loading(tier: str, consequence: str = "") -> Iterator[None]:
-    """Log ``<tier> NOT loaded: <problem>`` at error level when the settings are wrong.
-
-    The start of every adapter's chain: it first checks the installed LMCache against the
-    supported range (``check_lmcache_range``)."""
+    """Check LMCache's version, then log ``<tier> NOT loaded: <problem>`` at error level
+    when the settings are wrong."""
     check_lmcache_range()
     try:
         yield
@@ -100,9 +89,8 @@ def announce(adapter: str, tier: str, store: ChunkStore,
 
 
 class BackgroundCalls:
-    """Calls run in order on one thread of their own: work that may wait on the drive,
-    handed over by calls that must not.  The hand-over is one ``SimpleQueue.put`` (an
-    executor's future and work item per call cost about 120 interpreter opcodes more)."""
+    """Calls run in order on one thread of their own: work that may wait on the drive.  One
+    ``SimpleQueue.put`` per call (an executor's future costs ~120 opcodes more)."""
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]] | None] \
@@ -127,9 +115,8 @@ class BackgroundCalls:
 
 
 class EngineKeyNames:
-    """The store's key string and namespace of an in-process LMCache key: the model's name,
-    bound to the build of its weights (``nvme.model_build``).  ``NVMeBackend`` and
-    ``NVMeConnector`` use the same translation, so the two hooks read each other's files."""
+    """The store's key string and namespace (the model bound to its build) of an in-process
+    LMCache key; both in-process hooks use it, so they read each other's files."""
 
     def __init__(self, store: ChunkStore) -> None:
         self._builds = ModelBuilds(store.settings.model_build, store.namespace_names)
@@ -152,10 +139,8 @@ def check_token_hashing(tier: str, config: Any) -> TokenHashing:
 
 
 class RestartMissWatch:
-    """Watches the first lookups after a start that found chunks on disk: if none of the
-    first ``RESTART_MISS_LOOKUPS`` hit, logs one warning with the likely causes and stops
-    watching (also at the first hit).  Reads only the store's counters; call it after every
-    lookup."""
+    """Call after every lookup: after a start that found chunks, one warning if none of the
+    first ``RESTART_MISS_LOOKUPS`` lookups hit (watching stops at the first hit)."""
 
     def __init__(self, tier: str, store: ChunkStore, hashing: TokenHashing) -> None:
         self._tier, self._store, self._hashing = tier, store, hashing

@@ -1,11 +1,7 @@
 """``NVMeBackend``: the chunk store behind LMCache's ``storage_plugins`` hook.
 
-This module only translates: LMCache keys become key strings and namespaces,
-memory objects become host buffers plus tensor metadata, and the store's
-results become what LMCache's storage manager expects.  Storage decisions live
-in ``store/``.
-
-Configuration (LMCache YAML)::
+Translates only: LMCache keys become key strings and namespaces, memory objects host
+buffers and tensor metadata.  Configuration (LMCache YAML)::
 
     storage_plugins: ["nvme"]
     extra_config:
@@ -163,11 +159,8 @@ class NVMeBackend(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Read the chunks into memory objects; None for each chunk not served.
-
-        Host memory objects on a CPU worker; GPU pool objects on a CUDA worker
-        (host objects where the pool is full).
-        """
+        """Read the chunks into memory objects (GPU pool objects on a CUDA worker with a
+        pool that has room, else host ones); None for each chunk not served."""
         key_strs = [k.to_string() for k in keys]
         metas = [self.store.tensor_meta(k) for k in key_strs]
         if self._gpu is not None:

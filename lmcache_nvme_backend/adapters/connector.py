@@ -10,15 +10,9 @@ LMCache's ``remote_storage_plugins`` hook wraps it in a ``RemoteBackend``::
       nvme.max_size_gb: 500
       nvme.shared: true
 
-The remote tier is the place for storage that several engines share (TP
-ranks, engines on one node, nodes on a shared filesystem).  With
-``nvme.shared: true`` every lookup that misses this process's index looks on
-disk for a chunk another process published, and an index hit is confirmed
-against the file system, so files other processes evict are misses, never
-errors (see ``ChunkStore.lookup``).
-
-Same keys and namespaces as ``NVMeBackend`` (``CacheEngineKey.to_string()`` in
-the model's namespace), so both hooks read each other's files.
+The remote tier suits storage several engines share: with ``nvme.shared: true`` a chunk
+another process published is found and one it evicted is a miss (``ChunkStore.lookup``).
+Keys and namespaces are ``NVMeBackend``'s, so both hooks read each other's files.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Will the in-process engine's chunk keys be the same after a restart?
 
-LMCache's in-process engine (the ``storage_plugins`` and ``remote_storage_plugins``
-hooks) names each chunk by a hash chain over its tokens, computed with
-``pre_caching_hash_algorithm``.  Where vLLM is installed, LMCache takes the hash
-function from vLLM and vLLM derives the first link of the chain (``NONE_HASH``):
+The in-process engine names chunks by a hash chain over tokens (``pre_caching_hash_algorithm``).
+Where vLLM is installed, vLLM's function hashes and derives the chain's first link:
 
 * ``sha256_cbor`` / ``sha256``: from a fixed seed, so keys are the same in every process;
 * ``builtin`` (LMCache's default; vLLM has no such function, so LMCache falls back to
@@ -11,11 +9,8 @@ function from vLLM and vLLM derives the first link of the chain (``NONE_HASH``):
   ``PYTHONHASHSEED`` is fixed;
 * ``xxhash`` / ``xxhash_cbor``: from random bytes unless ``PYTHONHASHSEED`` is set.
 
-Without vLLM, LMCache hashes with Python's ``hash()`` of integer tuples and a fixed first
-link, which is the same in every process.  The multiprocess server (``NVMeL2Adapter``)
-hashes with blake3 and is not affected.
-
-Nothing here imports LMCache or vLLM (``lmcache-nvme doctor`` uses it too).
+Without vLLM, LMCache's ``hash()`` of integer tuples is the same in every process.  The
+multiprocess server hashes with blake3.  Imports neither LMCache nor vLLM (doctor uses it).
 """
 
 from __future__ import annotations

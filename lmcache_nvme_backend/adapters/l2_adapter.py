@@ -1,27 +1,14 @@
 """``NVMeL2Adapter``: the chunk store behind LMCache's multiprocess server (``lmcache server``).
 
-Loaded through LMCache's plugin L2 adapter::
+Loaded as ``--l2-adapter '{"type": "plugin", "module_path": "lmcache_nvme_backend",
+"class_name": "NVMeL2Adapter", "adapter_params": {"path": ..., "max_size_gb": 500}}'``;
+``adapter_params`` take the bare ``nvme.<name>`` setting names (docs/configuration.md).
 
-    lmcache server ... --l2-adapter '{"type": "plugin",
-        "module_path": "lmcache_nvme_backend", "class_name": "NVMeL2Adapter",
-        "adapter_params": {"path": "/mnt/nvme0/lmcache", "max_size_gb": 500}}'
-
-``adapter_params`` take the bare setting names of ``nvme.<name>`` (see
-``docs/configuration.md``); LMCache finds ``NVMeL2AdapterConfig`` by its name
-and validates them when the server starts.
-
-This module only translates.  An ``ObjectKey`` becomes a key string (the same
-reversible ``model@rank@group@hash[@salt]`` form LMCache's ``fs`` adapter uses
-for file names) in the namespace ``model`` or ``model@salt``; L1 memory objects
-become host buffers; the store's callbacks become completed tasks and event-fd
-signals.  Storage decisions (placement, capacity, eviction, write-back,
-validation, recovery) live in ``store/``.
-
-Threads: the interface is called by LMCache's store and prefetch controller
-threads.  Every ``submit_*`` returns at once; stores are queued to the store's
-write-back (the task completes when its chunks are on the drive, and the L1
-objects stay read-locked by LMCache until then), lookups and loads run on
-small executors, and results are handed over under one lock.
+This module only translates: an ``ObjectKey`` becomes a key string (LMCache's ``fs``
+adapter's reversible ``model@rank@group@hash[@salt]``) in the namespace ``model[@salt]``,
+L1 objects become host buffers, the store's callbacks completed tasks and event-fd
+signals.  Every ``submit_*`` returns at once: stores go to the store's write-back (the L1
+objects stay read-locked until the task completes), lookups and loads to threads.
 """
 
 from __future__ import annotations
@@ -61,21 +48,15 @@ if TYPE_CHECKING:
 
 TIER = "NVMe L2 adapter"
 
-#: Writer threads per path when ``write_threads`` is 0.  The server is a process of its
-#: own (its writers take no core from the inference engine) and LMCache keeps each L1
-#: object read-locked until its store task completes, so write throughput matters more
-#: here than in-process: one synchronous O_DIRECT writer reached ~1 GB/s on the test
-#: disk, four reached the rate of LMCache's fs_native (four C++ workers).
+#: Writer threads per path when ``write_threads`` is 0: the server's writers take no core
+#: from the engine, and L1 objects stay locked until written.  One O_DIRECT writer reached
+#: ~1 GB/s on the test disk, four the rate of LMCache's fs_native (four C++ workers).
 WRITERS_PER_PATH = 4
 
 
 class NVMeL2AdapterConfig(L2AdapterConfigBase):
-    """``adapter_params`` of ``NVMeL2Adapter``, validated by ``NVMeSettings``.
-
-    LMCache's plugin loader finds this class by name (``<class_name>Config``)
-    and calls :meth:`from_dict` with ``adapter_params``; a bad value stops the
-    server at start with a message that names the field and the fix.
-    """
+    """``adapter_params`` of ``NVMeL2Adapter``, validated by ``NVMeSettings``; LMCache's
+    plugin loader finds it by name (``<class_name>Config``) and calls :meth:`from_dict`."""
 
     def __init__(self, settings: NVMeSettings) -> None:
         self.settings = settings
@@ -115,11 +96,8 @@ def _server_settings(config: NVMeL2AdapterConfig | Mapping[str, Any]) -> NVMeSet
 
 
 def refuse_persist_disabled(argv: Sequence[str]) -> None:
-    """Stop a server whose ``--l2-adapter`` for this adapter says ``"persist_enabled": false``.
-
-    LMCache 0.5.6 keeps that key (beside ``adapter_params``) from plugin adapters, so the
-    command line is the one place it can be read.  The tier keeps its chunks across
-    restarts whatever it says, so a server that asked for the opposite does not start."""
+    """Stop a server whose ``--l2-adapter`` for this adapter says ``"persist_enabled": false``
+    (the tier keeps its chunks anyway; LMCache 0.5.6 hides the key from plugins)."""
     specs = [arg.partition("=")[2] if arg.startswith("--l2-adapter=") else nxt
              for arg, nxt in zip(argv, [*argv[1:], ""], strict=True)
              if arg.startswith("--l2-adapter=") or arg == "--l2-adapter"]
@@ -145,11 +123,8 @@ class NVMeL2Adapter(L2AdapterInterface):
 
     def __init__(self, config: NVMeL2AdapterConfig | Mapping[str, Any],
                  l1_memory_desc: L1MemoryDesc | None = None, **kwargs: Any) -> None:
-        """LMCache 0.5.6's plugin loader calls ``NVMeL2Adapter(config)`` or, with an L1
-        descriptor, ``NVMeL2Adapter(config, l1_memory_desc=...)``, ``config`` being
-        ``NVMeL2AdapterConfig.from_dict(adapter_params)``.  LMCache's plugin interface asks
-        plugins to accept ``**kwargs`` so that an argument a later LMCache adds does not
-        stop the server: those are logged once per process and not used."""
+        """Called as ``NVMeL2Adapter(config[, l1_memory_desc=...])``; arguments a later
+        LMCache adds (``**kwargs``) are logged once and not used."""
         ignore_unknown_arguments(TIER, kwargs)
         refuse_persist_disabled(sys.argv)
         store = open_store(TIER, lambda: _server_settings(config))
@@ -163,30 +138,25 @@ class NVMeL2Adapter(L2AdapterInterface):
         self._completed_stores: dict[L2TaskId, L2StoreResult] = {}
         self._completed_lookups: dict[L2TaskId, Bitmap] = {}
         self._completed_loads: dict[L2TaskId, Bitmap] = {}
-        # digest -> key of chunks reported to LMCache as stored (their bytes on disk are
-        # the index entry's size); one per chunk on the drive, so neither the table nor its
-        # keys (bytes, str and int: never part of a reference cycle) are tracked by the
-        # cycle collector, which would visit them all with the GIL held on every full
-        # collection (see ChunkIndex)
+        # digest -> key of chunks reported to LMCache as stored; one per chunk on the drive,
+        # so the table and its keys (never in a reference cycle) are kept out of the cycle
+        # collector's full collections (see ChunkIndex)
         self._reported: dict[str, ObjectKey] = {}
         self._closed = False
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
-        # A task finished on the engine's completion thread is signalled when that thread
-        # goes back to waiting, in the GIL release it makes anyway (an eventfd's notify is a
-        # write of 1, which the native engine makes): a GIL round trip less per task.
+        # A task finished on the engine's completion thread is signalled by the native
+        # engine when that thread goes back to waiting: a GIL round trip less per task.
         self._signal_later = store.engine.signal_later \
             if isinstance(self._store_efd, EventfdNotifier) else None
         self._lookup_pool = BackgroundCalls("nvme-l2-lookup")
         self._builds = ModelBuilds(settings.model_build, store.namespace_names)
-        # No call into the adapter may wait on the drive (LMCache may serialize every call
-        # under one lock): deletes unlink on a thread of their own, and with
-        # queue_full_policy "wait" a store waits for room there too, not in the caller.
+        # No call may wait on the drive (LMCache may serialize them under one lock): deletes
+        # unlink, and stores under queue_full_policy "wait" wait, on a thread of their own.
         self._background = BackgroundCalls("nvme-l2-background")
         self._stores_wait = settings.queue_full_policy == "wait"
-        # Chunks found on disk at start count toward usage; their keys are not known
-        # until read, so they are accounted as one untracked amount.
+        # Chunks found at start count toward usage as one amount (their keys are unknown).
         recovered = store.usage()["used_bytes"]
         with self._usage_lock:
             self._total_bytes_used += recovered
@@ -209,13 +179,8 @@ class NVMeL2Adapter(L2AdapterInterface):
     # -- store -------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        """Queue the chunks for write-back; the task completes once they are on the drive.
-
-        LMCache keeps the objects read-locked until the task completes, so the
-        write-back reads them in place (no copy).  The task fails (as a whole,
-        as the interface defines) if any chunk could not be persisted, e.g.
-        dropped on a full write queue.
-        """
+        """Queue the chunks for write-back, read in place (LMCache keeps them read-locked);
+        the task completes once they are on the drive, failed if any chunk was not."""
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
@@ -289,11 +254,8 @@ class NVMeL2Adapter(L2AdapterInterface):
     # -- load ----------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        """Read each chunk into its L1 object; a bit is set only after its checksum matched.
-
-        The chunks go straight to the store's I/O threads; each is verified by the
-        thread that read it, and the last one completes the task.
-        """
+        """Read each chunk into its L1 object on the store's I/O threads; a bit is set only
+        after its checksum matched."""
         task_id = next(self._task_ids)
         keys = list(keys)
         try:
@@ -346,10 +308,8 @@ class NVMeL2Adapter(L2AdapterInterface):
     # -- LMCache's L2 framework settings -------------------------------------------------
 
     def register_listener(self, listener: L2AdapterListener) -> None:
-        """LMCache's own L2 eviction (an ``"eviction"`` block in ``--l2-adapter``) listens
-        through here: refused, since the tier's budget already evicts (least recently
-        used, one budget for every member in shared mode) and both would evict for one
-        overage."""
+        """Refuse LMCache's own L2 eviction (``"eviction"`` in ``--l2-adapter``): the tier's
+        budget evicts already."""
         if isinstance(listener, L2EvictionPolicy):
             self.close()
             raise NVMeConfigError(
@@ -361,9 +321,8 @@ class NVMeL2Adapter(L2AdapterInterface):
         super().register_listener(listener)
 
     def set_backend_identity(self, name: str, shared: bool = False) -> None:
-        """LMCache's ``"shared": true`` (a storage domain several servers mount) is the
-        tier's shared mode: without ``adapter_params.shared`` each server would keep its
-        own budget and index of one directory, so that combination is refused."""
+        """Refuse LMCache's ``"shared": true`` without the tier's shared mode (each server
+        would keep its own budget and index of one directory)."""
         if shared and not self.settings.shared:
             self.close()
             raise NVMeConfigError(

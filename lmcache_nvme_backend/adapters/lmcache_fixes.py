@@ -1,21 +1,13 @@
 """A fix for LMCache's multiprocess server on CPU, so that SGLang's KV pools can register.
 
-SGLang's connector (``lmcache.integration.sglang.multi_process_adapter.LMCacheMPConnector``)
-registers its per-layer K and V pools in one flat list; the server turns that back into
-``[K layers, V layers]``, two lists of tensors, before it builds the cache context that
-copies KV between the engine's pools and L1.  LMCache 0.5.6's CUDA context only reads
-pointers from that structure, but its CPU context (``CPUCacheContext``) also calls
-``data_ptr()``, ``numel()``, ``element_size()`` and ``dtype`` on each entry, expecting
-one tensor per layer as vLLM registers them.  On CPU the registration therefore fails
-with ``AttributeError: 'list' object has no attribute 'data_ptr'``: the server logs the
-traceback, and SGLang waits for an answer that never comes (its 300 s message timeout).
-
-The fix gives each list of planes those four members, meaning what the CPU context uses
-them for (a pointer table nothing reads, a ``/dev/shm`` size check, a log line): the
-first plane's pointer, the elements of all planes, their element size and dtype.  It
-wraps only the CPU context module's reference to LMCache's layout function, so vLLM's
-per-layer tensors pass through untouched and GPU servers are not affected.
-``NVMeL2Adapter`` installs it when it starts inside ``lmcache server``.
+SGLang's connector registers its K and V pools, which the server turns into ``[K layers, V
+layers]``: two lists of tensors.  LMCache 0.5.6's CPU cache context calls ``data_ptr()``,
+``numel()``, ``element_size()`` and ``dtype`` on each entry, expecting a tensor per layer
+(as vLLM registers them), so registration fails (``'list' object has no attribute
+'data_ptr'``) and SGLang waits out its 300 s timeout.  The fix gives each list of planes
+those members (first plane's pointer, all planes' elements, their element size and dtype:
+all the CPU context needs them for), wrapping only that module's reference to LMCache's
+layout function: vLLM's tensors and GPU servers are not affected.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The LMCache versions this package supports, and what happens outside them.
 
-One place says which LMCache releases the adapters are written for: the ``lmcache``
-requirement in ``pyproject.toml``, read back from the installed package's metadata
-(``supported_range``; ``FALLBACK_RANGE`` only where the metadata is missing, e.g. a
-source tree on ``sys.path`` without an install).  Two things use it:
-
-* ``lmcache_imports()``: every module-level ``from lmcache... import ...`` in
-  ``adapters/`` runs inside it, so a module or name that a newer LMCache renamed fails
-  with an ``ImportError`` that names it, the installed LMCache, the supported range and
-  what to do, instead of a bare ``cannot import name``;
-* ``range_warning()``: the start-up chain (``_common.loading``, which every adapter enters)
-  logs it once when the installed LMCache is outside the range.  A warning, not a refusal:
-  LMCache publishes releases after ours (a patch release of the next minor often changes
-  nothing the adapters use), and an interface that did change fails on its own, at import
-  (``lmcache_imports``) or at the first call.
-
-This module imports no LMCache (it is what guards those imports) and no torch.
+The range is the ``lmcache`` requirement of ``pyproject.toml``, read from the installed
+metadata (``FALLBACK_RANGE`` without one).  ``lmcache_imports()`` wraps every LMCache import
+of ``adapters/`` so that a renamed module or name fails with a message naming the versions
+and the fix; ``range_warning()`` is logged once at start outside the range (a warning, not a
+refusal: a newer LMCache often changes nothing the adapters use).  Imports no LMCache.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Translations between LMCache memory objects and the chunk store's buffers.
-
-Shared by the three adapters (``backend.py``, ``connector.py``,
-``l2_adapter.py``) and the GPU reader: how memory objects become a store task
-(their tensor metadata and payload views, held until the task ends), how a
-stored chunk gets a host memory object to land in, and how a batch of results
-becomes the prefix LMCache expects.  No storage decisions here.
+"""Translations between LMCache memory objects and the chunk store's buffers, for the three
+adapters and the GPU reader: objects as a store task, host objects to read chunks into, a
+batch of results as the prefix LMCache expects.
 """
 
 from __future__ import annotations
@@ -69,10 +65,8 @@ def host_memory(local_cpu_backend: LocalCPUBackend) -> HostMemory:
 def read_into_host_objects(store: ChunkStore, local_cpu_backend: LocalCPUBackend,
                            keys: Sequence[str], metas: Sequence[TensorMeta | None]
                            ) -> list[MemoryObj | None]:
-    """Read chunks into new host memory objects; None (nothing held) for each one not served.
-
-    ``metas[i]`` is the stored chunk's metadata, None for a chunk not to read.
-    """
+    """Read chunks into new host memory objects; None (nothing held) for each one not served
+    or whose ``metas[i]`` is None (not to read)."""
     objs = [None if meta is None else allocate_for(local_cpu_backend, meta) for meta in metas]
     reads = [ChunkRead(k, host_view(o)) for k, o in zip(keys, objs, strict=True) if o]
     served = iter(store.read_into(reads) if reads else [])
@@ -110,12 +104,8 @@ def served_prefix(objs: list[MemoryObj | None]) -> list[MemoryObj]:
 
 def release_from_host_tier(local_cpu_backend: LocalCPUBackend, key: CacheEngineKey,
                            obj: MemoryObj) -> bool:
-    """Make LMCache's host tier let go of a GPU pool object only it still holds.
-
-    LMCache's storage manager puts what a lower tier returns into
-    ``LocalCPUBackend``; for GPU pool objects that would hold GPU memory until
-    the host tier happens to evict it.  The chunk stays on NVMe.
-    """
+    """Make LMCache's host tier (where its storage manager puts what a lower tier returns)
+    let go of a GPU pool object only it still holds; the chunk stays on NVMe."""
     hot_cache = getattr(local_cpu_backend, "hot_cache", None)
     if hot_cache is None or hot_cache.get(key) is not obj:
         return False
@@ -151,14 +141,9 @@ def check_pairs(keys: Sequence[object], objs: Sequence[MemoryObj]) -> None:
 def submit_objects(store: ChunkStore, naming: EngineKeyNames, keys: Sequence[CacheEngineKey],
                    objs: Sequence[MemoryObj],
                    on_complete: Callable[[CacheEngineKey], None] | None = None) -> int:
-    """Queue the objects as one store task (``ChunkStore.submit_task``): one admission and
-    one completion for all of them in the common case, as on the multiprocess server.
-
-    Each host object is referenced until the task ends (the write-back reads it in place);
-    a GPU-resident one is copied to host memory here (the checksum needs the bytes on the
-    host anyway).  ``on_complete(key)`` runs for each chunk persisted, once the task ended.
-    Returns how many objects were copied from GPU memory.
-    """
+    """Queue the objects as one store task; host objects are referenced until it ends (read
+    in place), GPU ones copied to host memory here.  ``on_complete(key)`` runs for each
+    chunk persisted once the task ended.  Returns how many objects were copied from GPU."""
     check_pairs(keys, objs)
     if not keys:
         return 0
@@ -211,12 +196,9 @@ class _PutTask:
 
 
 def tensor_meta_of(obj: MemoryObj) -> TensorMeta:
-    """The allocation metadata recorded in a chunk header (one per distinct layout: a
-    server sees a handful, and this runs for every chunk stored).
-
-    The chunks of one store task nearly always share a layout: the last single-tensor
-    layout seen is compared field by field before the cache keyed by all of them is asked
-    (building and hashing that key cost more than the whole comparison)."""
+    """The allocation metadata recorded in a chunk header (runs for every chunk stored): the
+    last single-tensor layout is compared field by field before the cache is asked
+    (building and hashing its key cost more than the comparison)."""
     meta = obj.metadata
     if meta.shapes:
         return _tensor_meta(tuple(map(tuple, meta.shapes)), tuple(meta.dtypes), meta.fmt,
@@ -233,12 +215,9 @@ def tensor_meta_of(obj: MemoryObj) -> TensorMeta:
 
 
 def tensor_metas(objs: Sequence[MemoryObj]) -> list[TensorMeta]:
-    """:func:`tensor_meta_of` of each object (a store task's, every chunk stored).
-
-    A task's objects nearly always share a layout: that is checked with C-level attribute
-    getters and comparisons on LMCache's ``meta`` attribute (what the ``metadata`` property
-    returns under the object's lock; its layout fields never change), so the only Python
-    call per object is its ``get_size``, and the first object's metadata serves them all."""
+    """:func:`tensor_meta_of` of each object.  A task's objects nearly always share a layout,
+    checked with C-level getters on LMCache's ``meta`` (the ``metadata`` property without
+    its lock; layout fields never change): the only Python call per object is ``get_size``."""
     if len(objs) > 1:  # one object: nothing to share
         try:
             layouts = list(map(_LAYOUT_FIELDS, map(_META, objs)))
@@ -270,12 +249,8 @@ def _tensor_meta(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype,
 
 
 def host_view(obj: MemoryObj, size: int | None = None) -> memoryview:
-    """Writable view of the object's whole physical allocation (padding included);
-    ``size``: the object's ``get_size()``, when the caller has it already.
-
-    Exposing the physical size lets an aligned allocation take an O_DIRECT read
-    of the padded payload in place, with no staging copy.
-    """
+    """Writable view of the object's whole physical allocation (padding included, so an
+    O_DIRECT read of the padded payload lands in place); ``size``: its ``get_size()``."""
     return host_views([obj], [obj.get_size() if size is None else size])[0]
 
 

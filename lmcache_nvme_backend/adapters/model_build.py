@@ -1,23 +1,14 @@
 """Which build of a model's weights a chunk belongs to (``nvme.model_build``).
 
-LMCache keys a chunk by model name, rank and token hashes, not by the weights: a model
-fine-tuned and redeployed under the same name or path would get KV computed by the old
-weights from the drive, whose chunks outlive restarts.  So the namespace a chunk is stored
-under names the build too (``<model>[@salt]#<build>``): chunks of another build are never
-looked up, and ``lmcache-nvme inspect`` shows which build each namespace holds.
+LMCache keys chunks by model name, not weights, so a model redeployed under the same name
+would be served KV of its old weights.  The namespace names the build too
+(``<model>[@salt]#<build>``), so chunks of another build are never looked up.
 
-A build is found once per model name and process, off the per-chunk path:
-
-* ``auto``: the model name is a directory on this host (a local path, as the engine was
-  given it) or a Hugging Face id whose snapshot is in the local Hugging Face cache
-  (``refs/main``): the build is a digest of its weight files' names, sizes and sampled
-  contents (the first 64 KiB, where a safetensors header is, and 15 more 64 KiB blocks
-  spread over each file), so a fine-tune with the same shapes gets a new one.  About 1 MiB
-  is read per file, once; sizes, times and inodes are looked at again every 10 s, so
-  weights replaced while a server runs get a new build within seconds.  A model that is
-  neither is bound to its name only, as with ``off``, and the log says what to set.
-* any other value: that revision (e.g. from a deployment's model registry) for every model.
-* ``off``: namespaces are the model names, as before this setting existed.
+* ``auto``: for a model that is a local directory or in the Hugging Face cache, a digest of
+  its weight files' names, sizes and up to 16 sampled 64 KiB blocks each (the first holds a
+  safetensors header), taken once; the files are stat-ed again every 10 s, so replaced
+  weights get a new build.  Any other model is bound to its name only, with a warning.
+* any other value: that revision for every model; ``off``: namespaces are model names.
 """
 
 from __future__ import annotations
@@ -93,12 +84,8 @@ def fingerprint(files: Sequence[Path]) -> str:
 
 
 class ModelBuilds:
-    """Namespaces bound to model builds, for one adapter.
-
-    ``namespace_names()`` lists the namespaces in the cache directories: when a namespace is
-    first bound, the log names the builds of the same model and salt found there, whose
-    chunks are skipped (not served).
-    """
+    """Namespaces bound to model builds, for one adapter; when one is first bound, the log
+    names the other builds of its model and salt in ``namespace_names()`` (skipped)."""
 
     def __init__(self, setting: str, namespace_names: Callable[[], Iterable[str]]) -> None:
         self._setting = setting
@@ -115,10 +102,8 @@ class ModelBuilds:
         return self._bound.get(namespace) or self._learn(namespace)
 
     def namespaces(self, namespaces: list[str]) -> list[str]:
-        """:meth:`namespace` of each, without looking at the weights again (the caller calls
-        :meth:`recheck_if_due` where it costs least).  The same list as the last call's (a
-        call of one model and salt, the common one) gets the last answer (not to be changed
-        by the caller): no Python per chunk."""
+        """:meth:`namespace` of each without a recheck (the caller's to do); the same list as
+        the last call's gets the last answer, not to be changed: no Python per chunk."""
         last = self._last
         if namespaces == last[0]:
             return last[1]

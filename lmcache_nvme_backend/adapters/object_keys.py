@@ -1,8 +1,5 @@
-"""Names of the multiprocess server's chunks: an ``ObjectKey`` as a key string and namespace.
-
-The key string is the same reversible ``model@rank@group@hash[@salt]`` form
-LMCache's ``fs`` L2 adapter uses for file names; the namespace is the model (and
-``cache_salt``), so every model and salt gets its own directory.
+"""Names of the multiprocess server's chunks: an ``ObjectKey`` as a key string (LMCache's
+``fs`` adapter's reversible ``model@rank@group@hash[@salt]``) and namespace (model[@salt]).
 """
 
 from __future__ import annotations
@@ -32,11 +29,8 @@ _KEY_FORMAT = f"%s{_SEP}%#010x{_SEP}%x{_SEP}%s"
 
 
 def object_key_string(key: ObjectKey) -> str:
-    """The chunk's key string: ``model@0xRANK@GROUP@HASH`` plus ``@salt`` when salted.
-
-    ``@`` cannot occur in a model name or a salt (``ObjectKey`` rejects it), so
-    the string is reversible (:func:`parse_object_key_string`).
-    """
+    """The chunk's key string: ``model@0xRANK@GROUP@HASH`` plus ``@salt`` when salted;
+    reversible, since ``ObjectKey`` rejects ``@`` in a model name or salt."""
     return object_key_strings([key])[0]
 
 
@@ -47,8 +41,7 @@ def object_key_parts(key: ObjectKey) -> tuple[str, str]:
 
 
 def object_key_strings(keys: Sequence[ObjectKey]) -> list[str]:
-    """:func:`object_key_string` of each key (every chunk stored, loaded and deleted has
-    one)."""
+    """:func:`object_key_string` of each key."""
     return _key_columns(keys, False)[0]
 
 

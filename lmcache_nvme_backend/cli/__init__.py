@@ -1,11 +1,6 @@
-"""The ``lmcache-nvme`` command line (also ``python -m lmcache_nvme_backend``).
-
-One module per command (each adds its subparser): ``bench`` (a package),
-``check_config``, ``doctor``, ``inspect``, ``verify``, ``gc``, ``forget``.
-
-Exit statuses: 0 success, 1 a problem was found or the command could not run
-(``doctor``, ``check-config``: 1 = warnings, 2 = failures), 2 usage error (argparse; also
-no command at all, after the help that lists the commands).
+"""The ``lmcache-nvme`` command line (also ``python -m lmcache_nvme_backend``), one module
+per command.  Exit statuses: 0 success, 1 a problem found or the command could not run
+(``doctor``, ``check-config``: 1 warnings, 2 failures), 2 usage error (or no command).
 """
 
 from __future__ import annotations

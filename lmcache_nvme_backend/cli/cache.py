@@ -1,9 +1,8 @@
-"""Offline view of a cache root, shared by ``inspect``, ``verify`` and ``gc``.
+"""Offline view of a cache root, shared by ``inspect``, ``verify``, ``gc`` and ``forget``.
 
-Listing only reads the tree (``lstat``, ``scandir``, the manifest and the NAMESPACE files),
-so it is safe while a server uses the directory; a file may vanish between the listing and
-a later look, which callers treat as "already gone".  Nothing is reached through a link
-(``disk/safe_fs.py``), no FIFO is waited on, and a damaged manifest is ignored.
+Listing only reads the tree, so it is safe while a server uses the directory (a file that
+vanished meanwhile is "already gone"); nothing is reached through a link, no FIFO is waited
+on, and a damaged manifest is ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..disk.layout import (
     CHUNK_SUFFIX,
@@ -23,6 +23,7 @@ from ..disk.layout import (
     STALE_TEMP_S,
     RootLayout,
     namespace_id,
+    split_build,
     split_tree_path,
 )
 from ..disk.manifest import ManifestRecord, load_manifest
@@ -54,6 +55,10 @@ class Dropped:
                 and stat.S_ISREG(st.st_mode):
             self.chunks += 1
             self.bytes += st.st_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chunks": self.chunks, "bytes": self.bytes, "complete": self.complete,
+                "left": self.where or None}
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,9 @@ class CacheRoot:
                                            max_bytes=manifest_limit(chunk_files))
         return self._manifest
 
-    def namespace_names(self) -> dict[str, str]:
-        """Readable name of every namespace directory (from its NAMESPACE file)."""
-        return self.layout.namespace_names()
-
     def resolve_namespace(self, name_or_id: str) -> str:
         """A namespace's directory id from its readable name or its 16-hex id."""
-        names = self.namespace_names()
+        names = self.layout.namespace_names()
         if NS_ID_RE.match(name_or_id) and name_or_id in names:
             return name_or_id
         ns_id = namespace_id(name_or_id)
@@ -116,10 +117,8 @@ class CacheRoot:
         raise CLIError(f"no namespace '{name_or_id}' in {self.path}; namespaces here: {known}")
 
     def drop_namespace(self, ns_id: str) -> Dropped:
-        """Rename the namespace's directory away in one step (a running store sees its
-        directory gone and drops its chunks from the index), then delete what the renamed
-        directory holds, never through a link; the directory itself is left empty (see
-        ``FORGOTTEN_KEEP_S``)."""
+        """Rename the namespace's directory away in one step (a running store then drops its
+        chunks), then empty it, never through a link (it stays: ``FORGOTTEN_KEEP_S``)."""
         rel = self.layout.forgotten_rel(ns_id)
         try:
             rename_beneath(self.path, f"ns/{ns_id}", rel)
@@ -140,9 +139,8 @@ class CacheRoot:
         return dropped
 
     def remove_forgotten(self, max_age_s: float = STALE_TEMP_S) -> Dropped:
-        """Delete the renamed namespace directories of earlier ``forget`` runs that are over
-        (a dead process on this host, or older than ``max_age_s``) and left alone for
-        ``FORGOTTEN_KEEP_S``: the emptied ones, and what one that died midway left."""
+        """Delete what earlier ``forget`` runs renamed away, once over (a dead process on this
+        host, or older than ``max_age_s``) and left alone for ``FORGOTTEN_KEEP_S``."""
         total = Dropped()
         now = time.time()
         for left in self.layout.iter_forgotten():
@@ -213,6 +211,13 @@ def same_file(path: Path, ref: CacheFile | os.stat_result) -> bool:
     want = ((ref.ino, ref.dev, ref.size, ref.mtime_ns) if isinstance(ref, CacheFile)
             else (ref.st_ino, ref.st_dev, ref.st_size, ref.st_mtime_ns))
     return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == want
+
+
+def namespace_row(ns_id: str, name: str) -> dict[str, Any]:
+    """A namespace as reports show it: id, name, and the model (with salt) and build
+    (None: bound to none) the name says."""
+    model, build = split_build(name)
+    return {"id": ns_id, "name": name, "model": model, "build": build}
 
 
 def relative(root: CacheRoot, path: Path) -> str:

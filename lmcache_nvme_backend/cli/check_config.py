@@ -1,10 +1,7 @@
-"""``lmcache-nvme check-config FILE``: will this config load the NVMe tier, and is each path
-ready?  FILE is an LMCache YAML (the ``storage_plugins`` / ``remote_storage_plugins`` hooks)
-or the ``--l2-adapter`` JSON of ``lmcache server``.  Checked: the plugin keys (and
-``local_cpu`` for ``NVMeBackend``), every setting by the tier's own rules, each ``nvme.path``
-as ``doctor`` checks it plus its tree and its share of the budget, token hashing, and the GPU
-stack where ``NVMeBackend`` may read into GPU memory.  Exit status as ``doctor``; nothing is
-created.
+"""``lmcache-nvme check-config FILE``: will this LMCache YAML or ``--l2-adapter`` JSON load
+the NVMe tier, and is each path ready?  Plugin keys, every setting by the tier's own rules,
+each path as ``doctor`` checks it (plus its tree and budget share), token hashing, the GPU
+stack for ``NVMeBackend``.  Exit status as ``doctor``; nothing is created.
 """
 
 from __future__ import annotations

@@ -192,10 +192,6 @@ class Progress:
         self._started = time.monotonic()
         self._last_draw = 0.0
 
-    def update(self, amount: float) -> None:
-        self.done += amount
-        self._draw()
-
     def advance(self, nbytes: int) -> None:
         """Count ``nbytes`` done (byte bars) or show the elapsed time (time bars)."""
         if self.unit == "bytes":

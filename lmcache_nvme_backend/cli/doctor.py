@@ -1,8 +1,7 @@
 """``lmcache-nvme doctor PATH``: is this path, and this machine's GPU I/O stack, ready?
 
-Exit status: 0 nothing to fix (PASS, INFO, SKIP), 1 a warning, 2 a failure.  The GPU checks
-are INFO unless ``--gpu`` or a ``--config`` with ``nvme.gds_mode: on`` makes them count.
-Nothing is changed except a probe file created and removed in PATH.
+The GPU checks are INFO unless ``--gpu`` or ``nvme.gds_mode: on`` in ``--config`` makes them
+count.  Nothing is changed but a probe file created and removed in PATH.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from ..adapters.lmcache_range import in_range, lmcache_version, supported_range
 from ..config import EXTRA_CONFIG_PREFIX, GdsMode, NVMeConfigError, NVMeSettings
 from ..disk.probe import probe_path
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
-from .common import CLIError, mount_for, non_negative_float, print_json
+from .common import CLIError, add_output_options, mount_for, non_negative_float, print_json
 from .gpu_checks import check_gpu, check_kvikio, check_libcufile, check_nvidia_fs, check_run_udev
 from .path_checks import (
     check_alignment,
@@ -66,7 +65,7 @@ def add_gpu_and_json_options(p: argparse.ArgumentParser) -> None:
                           "are warnings and failures (exit 1/2) instead of INFO")
     gpu.add_argument("--skip-gpu", action="store_true",
                      help="host-only deployment: skip the kvikio/GDS/GPU checks")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_output_options(p)
 
 
 def check_lmcache() -> Check:

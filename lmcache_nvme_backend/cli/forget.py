@@ -1,14 +1,9 @@
 """``lmcache-nvme forget PATH... --model NAME --build BUILD``: drop one build of a model.
 
-A namespace is ``<model>[@salt]#<build>`` (``adapters/model_build.py``).  ``forget`` drops
-the namespaces of one model (every salt) and one build, or the namespaces given by name or
-id: each directory ``ns/<ns16>`` is renamed in one step to ``ns/.forgotten-...`` (a name no
-store or walk reads), then emptied, never through a link.  Safe while servers use the
-directory: a running store notices within about a second that the directory it had entries
-of is gone or replaced (``store/namespaces.py``) and drops them from its index, and in
-shared mode every member does.  The emptied directory stays for ``FORGOTTEN_KEEP_S`` (its
-inode must not be reused meanwhile); a later ``forget`` removes it, and finishes what a
-``forget`` that died midway left.
+Each chosen namespace (``<model>[@salt]#<build>``) directory is renamed in one step to
+``ns/.forgotten-...``, then emptied, never through a link.  Safe while servers run: a store
+notices the directory gone within a second (``store/namespaces.py``).  The emptied directory
+stays for ``FORGOTTEN_KEEP_S`` (no inode reuse); a later ``forget`` removes it.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import argparse
 from typing import Any
 
 from ..disk.layout import split_build
-from .cache import CacheRoot, Dropped, require_namespace
+from .cache import CacheRoot, Dropped, namespace_row, require_namespace
 from .common import (
     CLIError,
     add_namespace_option,
@@ -94,7 +89,7 @@ def targets(roots: list[CacheRoot], args: argparse.Namespace) -> dict[str, str]:
     readable), checked before anything changes."""
     names: dict[str, str] = {}
     for root in roots:
-        for ns_id, name in root.namespace_names().items():
+        for ns_id, name in root.layout.namespace_names().items():
             names[ns_id] = names.get(ns_id) or name
     if args.model is not None:
         where = ", ".join(str(r.path) for r in roots)
@@ -113,18 +108,11 @@ def targets(roots: list[CacheRoot], args: argparse.Namespace) -> dict[str, str]:
     return chosen
 
 
-def described(ns_id: str, name: str) -> dict[str, Any]:
-    model, build = split_build(name)
-    return {"id": ns_id, "name": name, "model": model, "build": build}
-
-
 def forget_root(root: CacheRoot, chosen: dict[str, str], dry_run: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": str(root.path), "dry_run": dry_run, "namespaces": []}
-    here = root.namespace_names()
+    here = root.layout.namespace_names()
     if not dry_run:
-        left = root.remove_forgotten()
-        report["leftovers"] = {"chunks": left.chunks, "bytes": left.bytes,
-                               "complete": left.complete, "left": left.where or None}
+        report["leftovers"] = root.remove_forgotten().to_json()
     for ns_id, name in sorted(chosen.items(), key=lambda item: (item[1], item[0])):
         if ns_id not in here:
             continue
@@ -133,9 +121,7 @@ def forget_root(root: CacheRoot, chosen: dict[str, str], dry_run: bool) -> dict[
             dropped = Dropped(len(files), sum(f.size for f in files))
         else:
             dropped = root.drop_namespace(ns_id)
-        report["namespaces"].append({**described(ns_id, name), "chunks": dropped.chunks,
-                                     "bytes": dropped.bytes, "complete": dropped.complete,
-                                     "left": dropped.where or None})
+        report["namespaces"].append({**namespace_row(ns_id, name), **dropped.to_json()})
     return report
 
 
@@ -161,16 +147,14 @@ def run(args: argparse.Namespace) -> int:
     roots = [CacheRoot(p) for p in args.paths]
     chosen = targets(roots, args)
     reports = [forget_root(r, chosen, args.dry_run) for r in roots]
+    dropped = [n for rep in reports for n in rep["namespaces"]]
     complete = all(item.get("complete", True) for rep in reports
                    for item in [*rep["namespaces"], rep.get("leftovers") or {}])
     if args.json:
         print_json({"command": "forget", "dry_run": args.dry_run,
-                    "namespaces": [described(i, n) for i, n in sorted(chosen.items())],
-                    "roots": reports,
-                    "total": {"chunks": sum(n["chunks"] for r in reports
-                                            for n in r["namespaces"]),
-                              "bytes": sum(n["bytes"] for r in reports
-                                           for n in r["namespaces"])}})
+                    "namespaces": [namespace_row(i, n) for i, n in sorted(chosen.items())],
+                    "roots": reports, "total": {"chunks": sum(n["chunks"] for n in dropped),
+                                                "bytes": sum(n["bytes"] for n in dropped)}})
     else:
         for rep in reports:
             print_report(rep)

@@ -1,11 +1,8 @@
 """``lmcache-nvme gc PATH...``: enforce a byte budget, clear namespaces, remove stale temp files.
 
-Safe while a server uses the directory: gc only unlinks files, never rewrites one.  A
-running store treats a chunk file that vanished as a miss and forgets it (its manifest is a
-hint the next start reconciles).  Directories and NAMESPACE files are left alone (a writer
-may be about to create a file in them).  What a running server has pinned only it knows:
-gc deletes by recency alone, so when pins matter run it with the server stopped, or with a
-budget that leaves room.
+Safe while a server uses the directory: gc only unlinks files (a running store sees a miss),
+never directories or NAMESPACE files (a writer may be about to use them).  It deletes by
+recency alone: pins only a running server knows, so when they matter stop it first.
 """
 
 from __future__ import annotations
@@ -155,9 +152,7 @@ def run(args: argparse.Namespace) -> int:
     roots = [CacheRoot(p) for p in args.paths]
     for name in args.namespace:  # fail on an unknown namespace before deleting anything
         require_namespace(roots, name)
-    budget = None
-    if args.max_size_gb is not None:
-        budget = int(args.max_size_gb * GIB) // len(roots)
+    budget = None if args.max_size_gb is None else int(args.max_size_gb * GIB) // len(roots)
     reports = [gc_root(r, args, budget) for r in roots]
     if args.json:
         print_json({"command": "gc", "roots": reports})

@@ -1,7 +1,5 @@
-"""``doctor``'s checks of the GPU I/O stack: kvikio, libcufile, nvidia-fs, /run/udev, GPU.
-
-Each returns :class:`~.check.Check` lines; they read the machine and change nothing.
-"""
+"""``doctor``'s checks of the GPU I/O stack: kvikio, libcufile, nvidia-fs, /run/udev, GPU
+(read-only)."""
 
 from __future__ import annotations
 

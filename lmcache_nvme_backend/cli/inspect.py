@@ -1,12 +1,9 @@
 """``lmcache-nvme inspect PATH...``: entries and bytes per namespace, and an age histogram.
 
-Read-only: lists the tree, reads the manifest and the NAMESPACE files.  Age is the time
-since last access as recorded in the manifest (saved periodically and at close), else since
-the file was written.  A directory in shared mode also shows its one budget, each member's
-share and recency, dead and departed members (docs/deployment.md), from the newest ledger
-version and the leases.  Liveness is judged as members judge it, without comparing clocks:
-a member on this host is alive while its process is; one on another host is read twice
-``HEARTBEAT_S`` apart (only then does ``inspect`` wait), alive if its lease counter moved.
+Read-only.  Age is the time since last access as the manifest records it, else since the
+file was written.  In shared mode also the budget and each member's share and state, from
+the newest ledger and the leases: a member on this host is alive while its process is, one
+on another host if its lease counter moved over ``HEARTBEAT_S`` (only then does it wait).
 """
 
 from __future__ import annotations
@@ -18,22 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from ..disk.coordination import LEDGER_DIR, host_tag, member_host_pid
-from ..disk.layout import TEMP_INFIX, split_build
+from ..disk.layout import TEMP_INFIX
 from ..disk.manifest import MANIFEST_NAME
 from ..store.shared.leases import HEARTBEAT_S, Lease, on_this_host_and_gone, read_leases
 from ..store.shared.ledger import LIVE, LedgerChain, LedgerError
-from .cache import CacheRoot, relative
+from .cache import CacheRoot, namespace_row, relative
 from .common import add_output_options, cache_dir_command, human_age, human_bytes, print_json
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
-    ("< 1 min", 60.0),
-    ("< 1 hour", 3600.0),
-    ("< 1 day", 86400.0),
-    ("< 1 week", 7 * 86400.0),
-    ("< 30 days", 30 * 86400.0),
-    (">= 30 days", float("inf")),
-)
+    ("< 1 min", 60.0), ("< 1 hour", 3600.0), ("< 1 day", 86400.0), ("< 1 week", 7 * 86400.0),
+    ("< 30 days", 30 * 86400.0), (">= 30 days", float("inf")))
 READER = "inspect-0-00000000"  # the ledger chain needs a member id; this one never writes
+#: A member's report field and the lease attribute it comes from (None without a lease).
+LEASE_FIELDS = (("owned_bytes", "owned_bytes"), ("owned_chunks", "owned_chunks"),
+                ("in_flight_bytes", "reserved"), ("newest_read_age_s", "newest_read_age_s"),
+                ("oldest_read_age_s", "oldest_read_age_s"), ("lease_seq", "seq"))
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -52,7 +48,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
     """The report for one root, as a JSON-ready dict."""
     files = root.scan()
-    names = root.namespace_names()
+    names = root.layout.namespace_names()
     per_ns: dict[str, dict[str, Any]] = {ns_id: _namespace(ns_id, name)
                                          for ns_id, name in names.items()}
     buckets: list[dict[str, Any]] = [
@@ -102,10 +98,7 @@ def inspect_root(root: CacheRoot, now_ns: int) -> dict[str, Any]:
 
 
 def _namespace(ns_id: str, name: str) -> dict[str, Any]:
-    """A namespace's row: its name, the model (with salt) and build that name says (build
-    None: bound to no build), and counters."""
-    model, build = split_build(name)
-    return {"id": ns_id, "name": name, "model": model, "build": build, "files": 0, "bytes": 0}
+    return {**namespace_row(ns_id, name), "files": 0, "bytes": 0}
 
 
 def shared_report(root: Path) -> dict[str, Any] | None:
@@ -131,14 +124,8 @@ def shared_report(root: Path) -> dict[str, Any] | None:
         members.append({
             "member": member, "host": lease.host if lease else host,
             "pid": lease.pid if lease else pid, "state": state,
-            "budget_configured": account.budget or None,
-            "share_bytes": account.cap,
-            "owned_bytes": lease.owned_bytes if lease else None,
-            "owned_chunks": lease.owned_chunks if lease else None,
-            "in_flight_bytes": lease.reserved if lease else None,
-            "newest_read_age_s": lease.newest_read_age_s if lease else None,
-            "oldest_read_age_s": lease.oldest_read_age_s if lease else None,
-            "lease_seq": lease.seq if lease else None,
+            "budget_configured": account.budget or None, "share_bytes": account.cap,
+            **{key: getattr(lease, attr) if lease else None for key, attr in LEASE_FIELDS},
             "read_only": lease.read_only if lease else False,
         })
     return {"budget_bytes": doc.budget, "budget_set_by": doc.budget_by,

@@ -1,16 +1,11 @@
 """``lmcache-nvme verify PATH...``: decode every header and check every payload checksum.
 
-The checks are the store's before it serves a chunk (``docs/format.md``, "Validation a
-reader must do"), plus what a listing allows: the stored key hashes to the file's name,
-the namespace to its directory, and the file has exactly the size the header implies.
-Payloads are read through the I/O engine the store would run, one read share per
-namespace and layout, with O_DIRECT where the filesystem supports it (a server's page
-cache is not disturbed), and judged as the store judges what its engine did not serve.
-
-With ``--quarantine`` a bad file is renamed into ``<root>/quarantine/`` unless it changed
-since it was read (a running store treats it as a miss).  Without it nothing is written
-(the O_DIRECT probe reads the marker file), so it runs on a full or read-only filesystem.
-Links, directories and special files at chunk names are reported as skipped, never read.
+The store's checks before it serves a chunk (``docs/format.md``), plus the key against the
+file's name, the namespace against its directory and the exact file size.  Payloads are
+read through the store's I/O engine, with O_DIRECT where supported (a server's page cache
+is left alone).  ``--quarantine`` renames a bad file into ``<root>/quarantine/`` unless it
+changed since it was read; without it nothing is written.  Links and special files at chunk
+names are reported as skipped, never read.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..disk.format import ChunkHeader, padded_length, text_bytes
@@ -43,7 +37,15 @@ from ..io.engine import OK, ReadShare
 from ..io.files import read_failure
 from ..io.posix import NotAChunkFile, ShortFileError, probe_direct_read, read_header
 from .cache import CacheFile, CacheRoot, relative, same_file
-from .common import MIB, Progress, human_bytes, positive_int, print_json
+from .common import (
+    MIB,
+    Progress,
+    add_output_options,
+    cache_dir_command,
+    human_bytes,
+    positive_int,
+    print_json,
+)
 
 TASK_SIZE = 4 * MIB
 #: A batch of payload reads: files up to this many bytes on disk (a larger one alone).
@@ -51,22 +53,20 @@ BATCH_BYTES = 64 * MIB
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "verify", help="check every chunk file's header and payload checksum",
-        description="Decode every chunk header and check every payload checksum, the "
-                    "stored key against the file name and the file size. Read-only unless "
-                    "--quarantine; safe while a server uses the directory.",
-        epilog="exit status: 0 every file is valid, 1 bad files, or links / directories / "
-               "special files at chunk names, were found (or PATH is not a cache directory), "
-               "2 usage error")
-    p.add_argument("paths", metavar="PATH", type=Path, nargs="+",
-                   help="cache directory (nvme.path)")
+    p = cache_dir_command(
+        sub, "verify", "check every chunk file's header and payload checksum",
+        "Decode every chunk header and check every payload checksum, the stored key against "
+        "the file name and the file size. Read-only unless --quarantine; safe while a server "
+        "uses the directory.",
+        "exit status: 0 every file is valid, 1 bad files, or links / directories / special "
+        "files at chunk names, were found (or PATH is not a cache directory), 2 usage error",
+        paths_help="cache directory (nvme.path)")
     p.add_argument("--quarantine", action="store_true",
                    help="move bad files into <PATH>/quarantine/ (a running server then "
                         "treats them as misses)")
     p.add_argument("--threads", type=positive_int, default=4, metavar="N",
                    help="files checked in parallel (default 4)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_output_options(p)
     p.add_argument("--progress", action="store_true",
                    help="show the progress bar even when stderr is not a terminal")
     p.set_defaults(func=run)
@@ -75,8 +75,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 @dataclass
 class Outcome:
-    """What checking one file found: ``None`` reason means valid.  ``header``, ``raw`` and
-    ``expected``: its header, judged valid, for the payload's check."""
+    """What checking one file found (``reason`` None: valid); ``header``, ``raw`` and
+    ``expected`` keep a valid header for the payload's check."""
 
     file: CacheFile
     reason: str | None = None
@@ -100,9 +100,8 @@ class Outcome:
 
     def unserved(self, header: ChunkHeader, err: int, landed: bytes | None,
                  computed: int) -> None:
-        """The engine did not serve the file's payload: the read failed (``err``), or the
-        bytes landed under ``landed`` with checksum ``computed`` and the validator says why
-        (``store/reads.py``, ``_verdict``)."""
+        """The engine did not serve the payload: the read failed (``err``), or the validator
+        says why of what ``landed`` with checksum ``computed`` (as ``store/reads.py``)."""
         if landed is None:
             self.failed(read_failure(self.file.path, err))
         elif landed != self.raw:
@@ -234,7 +233,7 @@ def verify_root(root: CacheRoot, threads: int, do_quarantine: bool,
     try:
         for batch in batches(files):
             outcomes += verifier.check(batch)
-            progress.update(sum(f.size for f in batch))
+            progress.advance(sum(f.size for f in batch))
     finally:
         verifier.close()
         progress.close()

@@ -19,17 +19,10 @@ logger = logging.getLogger("lmcache_nvme_backend")
 
 
 class GpuBufferPool:
-    """Device memory lent to LMCache as memory objects (LMCache's ``GPUMemoryAllocator``).
-
-    Objects are reference counted by LMCache; one returns to the pool when its
-    last holder lets go, never earlier.  LMCache's storage manager also puts
-    every object a lower tier returns into its host memory tier
-    (``LocalCPUBackend``), which would then keep GPU memory indefinitely and
-    drain the pool.  When the pool is full, ``allocate`` asks ``reclaim`` to
-    drop the oldest such entries that nobody else holds or pins (the chunk is
-    still on NVMe), then tries again; if that is not enough it returns None and
-    the caller serves the chunk in host memory instead.
-    """
+    """Device memory lent to LMCache as memory objects (LMCache's ``GPUMemoryAllocator``);
+    one returns to the pool when its last holder lets go.  LMCache's host tier keeps what a
+    lower tier returns, so a full pool asks ``reclaim`` to drop its oldest entries nobody
+    else holds, then tries again; None: the caller serves the chunk in host memory."""
 
     def __init__(self, size: int, device: str, *,
                  fit: Callable[[MemoryObj, int], MemoryObj | None], register: bool = False,

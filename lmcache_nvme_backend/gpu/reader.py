@@ -1,16 +1,10 @@
-"""GPU read path: chunk payloads from NVMe straight into GPU memory objects.
+"""GPU read path: chunk payloads from NVMe straight into GPU memory objects (docs/gpu.md).
 
-On a CUDA worker ``NVMeBackend`` serves retrieved chunks as memory objects in a GPU
-buffer pool of its own (``nvme.gpu_pool_mb``), read by the path ``select_read_path``
-chose (docs/gpu.md): ``kvikio-gds`` and ``kvikio-compat`` read with kvikio's
-``CuFile.pread`` straight into the pool; ``host-bounce`` reads through the POSIX engine
-(xxh3 verified) and copies once to the device; ``posix`` serves host memory objects.
-
-The kvikio paths verify without a host copy: the writer records ``gpusum``'s checksum in
-the header and the reader computes it on the device; a mismatch is a miss, counted and
-quarantined like an xxh3 mismatch.  A file without that checksum is read through
-``host-bounce``: nothing unverified is served.  kvikio, torch and LMCache are imported
-only when a GPU path is built, so this module imports on any machine.
+``kvikio-gds`` and ``kvikio-compat`` read with ``CuFile.pread`` into the pool
+(``nvme.gpu_pool_mb``) and verify on the device against the header's ``gpusum`` checksum (a
+file without one goes through ``host-bounce``); ``host-bounce`` reads through the POSIX
+engine and copies once to the device.  kvikio, torch and LMCache are imported only when a
+GPU path is built.
 """
 
 from __future__ import annotations
@@ -328,11 +322,8 @@ def build_gpu_reader(
     probe: GpuProbe | None = None,
     payload_reader: PayloadReader | None = None,
 ) -> tuple[PathDecision, GpuChunkReader | None]:
-    """Choose the read path for ``dst_device`` and build its reader (None: host objects).
-
-    Raises ``NVMeConfigError`` for ``nvme.gds_mode: on`` when GDS cannot run,
-    and for a pool that cannot hold a chunk or does not fit in free GPU memory.
-    """
+    """Choose the read path for ``dst_device`` and build its reader (None: host objects);
+    ``NVMeConfigError`` for ``gds_mode: on`` without GDS, or a pool of the wrong size."""
     if probe is None:  # a host destination needs no detection (and no kvikio import)
         probe = GpuProbe.detect() if is_cuda_device(dst_device) else GpuProbe()
     decision = select_read_path(settings.gds_mode, dst_device, settings.gpu_pool_bytes, probe)

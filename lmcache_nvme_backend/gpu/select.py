@@ -1,7 +1,5 @@
-"""Which read path a CUDA worker uses (docs/gpu.md), decided from plain facts about the
-machine (a ``GpuProbe``), ``nvme.gds_mode`` and the destination device.  With
-``gds_mode: on`` each reason not to use GDS is a refusal that names the key.  Nothing here
-needs a GPU, so every branch is tested on CPU machines.
+"""Which read path a CUDA worker uses (docs/gpu.md), from facts about the machine (a
+``GpuProbe``), ``nvme.gds_mode`` and the destination device; needs no GPU to test.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ logger = logging.getLogger("lmcache_nvme_backend")
 
 KVIKIO_PATHS = (ReadPath.KVIKIO_GDS, ReadPath.KVIKIO_COMPAT)
 
-#: The package's GPU extras, by the CUDA major torch was built for: each pulls the kvikio
-#: wheel of that CUDA major (the RAPIDS naming, ``kvikio-cu12`` / ``kvikio-cu13``).
+#: The package's GPU extras (each pulls ``kvikio-cuNN``), by torch's CUDA major.
 GPU_EXTRAS = {12: "cu12", 13: "cu13"}
 
 

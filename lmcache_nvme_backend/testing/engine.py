@@ -1,15 +1,9 @@
 """Drive a real ``LMCacheEngine`` on CPU with byte-exact KV round trips.
 
-LMCache has no CPU connector that moves data (``MockGPUConnector`` does nothing).  With
-:class:`CopyingCPUConnector` standing in for GPU memory, ``engine.store()`` /
-``engine.retrieve()`` run their production paths (chunk keys, ``LocalCPUBackend``,
-fan-out to every storage tier, lookup order, write-back into host memory) for whatever
-tier the LMCache config selects: ``LocalDiskBackend`` or a plugin such as ``nvme``.
-
-KV tensors are ``MemoryFormat.KV_2LTD``: ``[2 (K and V), num_layers, num_tokens,
-num_heads * head_size]``, the shape LMCache allocates for one chunk; token ``t`` of a
-prompt is at index ``t`` of the token dimension.  Scripts call :func:`disable_telemetry`
-before they build an engine (LMCache reads the variables when it starts telemetry).
+:class:`CopyingCPUConnector` stands in for GPU memory (LMCache's ``MockGPUConnector`` moves
+nothing), so ``engine.store()`` / ``retrieve()`` run their production paths for whatever
+tier the config selects.  KV tensors are ``KV_2LTD``: ``[2, num_layers, num_tokens,
+num_heads * head_size]``.  Call :func:`disable_telemetry` before building an engine.
 """
 
 from __future__ import annotations
@@ -47,10 +41,9 @@ def disable_telemetry() -> None:
 
 
 class CopyingCPUConnector(GPUConnectorInterface):
-    """Copies token ranges between LMCache's memory objects and the ``kvcaches=<tensor>``
-    every ``store`` / ``retrieve`` call passes (LMCache forwards the call's keyword
-    arguments): ``[2, num_layers, num_tokens, hidden_dim]`` covering the whole prompt, so
-    tokens ``[start, end)`` are ``kvcaches[:, :, start:end]``."""
+    """Copies tokens ``[start, end)`` between LMCache's memory objects and
+    ``kvcaches[:, :, start:end]`` of the ``kvcaches=<tensor>`` (the whole prompt) every
+    ``store`` / ``retrieve`` call passes."""
 
     def __init__(self, num_layers: int, hidden_dim: int, dtype: torch.dtype) -> None:
         self.num_layers = num_layers
@@ -122,9 +115,8 @@ DEFAULT_KV_SHAPE: tuple[int, int, int, int, int] = (4, 2, 256, 8, 64)
 
 def load_config(yaml_path: str | os.PathLike[str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> LMCacheEngineConfig:
-    """An ``LMCacheEngineConfig`` from a YAML file plus overrides, without ``LMCACHE_*``
-    environment variables.  Top-level keys replace the file's; ``extra_config`` is merged key
-    by key (None deletes a key).  An override LMCache does not define raises ``KeyError``."""
+    """An ``LMCacheEngineConfig`` from a YAML file plus overrides (no ``LMCACHE_*`` variables):
+    top-level keys replace the file's, ``extra_config`` merges key by key (None deletes)."""
     settings: dict[str, Any] = {}
     if yaml_path is not None:
         settings = yaml.safe_load(Path(yaml_path).read_text()) or {}
@@ -171,9 +163,8 @@ def build_engine(config: LMCacheEngineConfig | str | os.PathLike[str], *, instan
                  kv_shape: tuple[int, int, int, int, int] = DEFAULT_KV_SHAPE,
                  dtype: torch.dtype = torch.bfloat16,
                  model_name: str = "test-model") -> tuple[LMCacheEngine, CopyingCPUConnector]:
-    """A post-initialised single-worker engine (config object or YAML path) and its
-    copying connector.  Release it with :func:`destroy_engine`: a process whose engine is
-    not destroyed hangs at exit on LMCache's non-daemon event-loop thread."""
+    """A post-initialised single-worker engine and its copying connector.  Release it with
+    :func:`destroy_engine`, or the process hangs at exit on LMCache's event-loop thread."""
     if not isinstance(config, LMCacheEngineConfig):
         config = load_config(config)
     num_layers, kv_dim, chunk_size, num_heads, head_size = kv_shape
@@ -267,8 +258,8 @@ class Retrieved:
 
 def retrieve_prompt(engine: LMCacheEngine, tokens: torch.Tensor,
                     connector: CopyingCPUConnector) -> Retrieved:
-    """``engine.retrieve()`` the prompt into a fresh destination, filled with NaN first so a
-    chunk the engine claims to have loaded but did not write never equals the stored KV."""
+    """``engine.retrieve()`` the prompt into a NaN-filled destination (a chunk claimed but not
+    written never equals the stored KV)."""
     destination = torch.full(connector.get_shape(len(tokens)), float("nan"),
                               dtype=connector.dtype)
     started = time.perf_counter()
@@ -298,9 +289,8 @@ def wait_until_in_tier(engine: LMCacheEngine, tier: str, keys: Sequence[CacheEng
 
 
 def evict_from_cpu(engine: LMCacheEngine, keys: Sequence[CacheEngineKey]) -> int:
-    """Remove the keys from the host-memory tier only, as an LRU eviction would; the
-    number removed.  Lower tiers keep their copies (one still being written holds its own
-    reference), so this is safe at any time."""
+    """Remove the keys from the host-memory tier only, as an LRU eviction would (lower tiers
+    keep theirs); the number removed."""
     assert engine.storage_manager is not None
     removed = engine.storage_manager.batched_remove(list(keys), locations=[CPU_TIER])
     left = keys_in_tier(engine, CPU_TIER, keys)

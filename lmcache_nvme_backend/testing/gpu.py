@@ -1,6 +1,5 @@
-"""Helpers that drive the GPU read path outside an engine, on any device (CPU included),
-for the tests and ``bench/bench_gpu.py``: ``HostTier`` stands in for LMCache's
-``LocalCPUBackend`` where only its allocator surface matters.  Imports torch and LMCache.
+"""Drive the GPU read path outside an engine, on any device (CPU included), for the tests and
+``bench/bench_gpu.py``; ``HostTier`` stands in for LMCache's ``LocalCPUBackend``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``lmcache-nvme bench PATH``: the arguments, and running the configurations.
-
-Single runs, ``--sweep`` (threads x queue depth, with the advice of ``tuning.py``) and
-``--vs-fio`` (fio on the same files, interleaved repetitions, ratio of medians);
-``docs/cli.md`` is the user's view.
+"""``lmcache-nvme bench PATH``: the arguments, and single runs, ``--sweep`` (threads x queue
+depth, advised by ``tuning.py``) and ``--vs-fio`` (interleaved with fio on the same files).
 """
 
 from __future__ import annotations

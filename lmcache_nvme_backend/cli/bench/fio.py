@@ -1,8 +1,6 @@
-"""``bench --vs-fio``: run fio with the same parameters as the engine, on the same files.
-
-Same block size, direct flag and total queue depth (``BenchConfig.in_flight``).  Reads
-read the engine's own chunk files (hard links), writes create as many new files of the
-same size (``offset`` skips the header); ``docs/cli.md`` explains the mapping.
+"""``bench --vs-fio``: fio with the engine's block size, direct flag and total queue depth
+(``BenchConfig.in_flight``), reading the engine's chunk files (hard links) or writing as
+many of the same size (``offset`` skips the header).
 """
 
 from __future__ import annotations
@@ -74,11 +72,8 @@ def free_huge_pages() -> int:
 
 def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
                    free_pages: int) -> tuple[str, str | None]:
-    """fio's ``mem=`` and, when it differs from the engine's buffers, a note saying so.
-
-    The engine's buffers of 2 MiB and more use transparent huge pages; fio's nearest
-    equivalent, ``shmhuge`` (the hugetlb pool), is ``auto``'s choice when the pool has room.
-    """
+    """fio's ``mem=`` and, when it differs from the engine's buffers, a note saying so:
+    ``auto`` matches the engine's huge pages (2 MiB and up) with ``shmhuge`` where it can."""
     if requested != "auto":
         return requested, None
     if cfg.bs < HUGE_PAGE:
@@ -94,10 +89,8 @@ def choose_fio_mem(requested: str, cfg: BenchConfig, numjobs: int, iodepth: int,
 
 
 def fio_files(fio_dir: Path, n: int, numjobs: int) -> list[Path]:
-    """fio's names for ``n`` files (``filename_format``): file ``i`` is job ``i % numjobs``'s.
-
-    fio's options (4 KiB at most) cannot list thousands of sharded paths, so reads go
-    through hard links to the engine's files under these names: the same inodes."""
+    """fio's names for ``n`` files (``filename_format``): file ``i`` is job ``i % numjobs``'s;
+    reads go through hard links of these names (fio cannot list thousands of paths)."""
     return [fio_dir / f"job{i % numjobs}.{i // numjobs}" for i in range(n)]
 
 

@@ -1,9 +1,6 @@
-"""What ``lmcache-nvme bench`` measures: the store's I/O engine on real chunk files.
-
-Every timed I/O goes through the engine the store runs (``io.engine_for``), in the store's
-shapes (a caller's read batch is one read share, each written chunk a write share of its
-own), on chunk files in the backend's format, from page-aligned buffers, hashed and
-verified as in the store.
+"""What ``lmcache-nvme bench`` measures: the store's I/O engine (``io.engine_for``) in the
+store's shapes (a read batch one read share, each written chunk a write share), on chunk
+files in the backend's format from page-aligned buffers, hashed and verified as in the store.
 """
 
 from __future__ import annotations
@@ -42,11 +39,8 @@ T = TypeVar("T")
 
 
 def drop_page_cache(keep_metadata_of: Iterable[Path] = ()) -> None:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only), then ``stat`` the given files.
-
-    Dropping caches also drops dentries and inodes; fio loads its files' metadata in its
-    untimed setup, so stat-ing ours here (untimed) makes the timed runs compare data paths.
-    """
+    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only), then ``stat`` the given files
+    untimed (fio loads its files' metadata in its setup: the runs compare data paths)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -97,9 +91,8 @@ def remove_files(paths: list[Path]) -> None:
 
 
 class EngineBench:
-    """Timed runs with the backend's I/O engine (``native_io`` as ``nvme.native_io`` takes it)
-    on chunk files in a private directory, ``<PATH>/.lmcache-nvme-bench-<pid>``: a cache root
-    of its own, so a real cache in PATH is never touched, removed at the end unless ``keep``."""
+    """Timed runs with the backend's I/O engine (``native_io`` as ``nvme.native_io``) in a
+    cache root of its own, ``<PATH>/.lmcache-nvme-bench-<pid>``, removed unless ``keep``."""
 
     def __init__(self, path: Path, bs: int, keep: bool, progress_enabled: bool,
                  native_io: str = "auto") -> None:
@@ -259,9 +252,8 @@ class EngineBench:
     def _write_files(self, engine: ChunkEngine, chunks: ChunkSet, order: list[int],
                      in_flight: int, direct: bool, deadline: float | None,
                      progress: Progress, timed: Timed) -> None:
-        """Publish the files in ``order`` through ``engine``, ``in_flight`` chunks at a time,
-        each a write share of its own (written, hashed and renamed into place), counted in
-        ``timed``; a chunk's latency runs from its submission to its batch's hand-back."""
+        """Publish the files in ``order``, ``in_flight`` at a time, each a write share of its
+        own, counted in ``timed`` (latency: from submission to its batch's hand-back)."""
         lock = threading.Lock()
         slots = threading.Semaphore(in_flight)
         errors: list[int] = []

@@ -1,9 +1,7 @@
 """What one ``lmcache-nvme bench`` run is: its configuration and its results, ours or fio's.
 
-``bs`` is one chunk file's payload, one I/O in the counts; ``threads``, ``iodepth`` and
-``callers`` mean what the command's options say (``docs/cli.md``).  Latency is what the
-caller sees: a read chunk completes when its batch returns, a written chunk when the
-engine hands it back, written and renamed into place.
+``bs`` is one chunk file's payload, one I/O.  Latency is what the caller sees: a read chunk
+completes when its batch returns, a written one when the engine hands it back, in place.
 """
 
 from __future__ import annotations
@@ -74,13 +72,11 @@ class BenchConfig:
     def in_flight(self) -> int:
         """Most I/Os the engine keeps in flight: the queue depth fio gets in ``--vs-fio``.
 
-        Reads are counted in pieces, all of a batch's in parallel up to the read threads,
-        as the native engine reads them; a batch of at most two pieces counts once per
-        caller, as the Python engine runs a read of at most ``INLINE_CHUNKS`` chunks on its
-        caller alone.  Where they part: the Python engine reads a chunk over ``task_size``
-        as one job, its pieces in order (fewer in flight than counted here), and the
-        native engine has no caller-alone rule (a read of two pieces may have both in
-        flight); both let the calling thread help with its own batch."""
+        Reads count in pieces, a batch's all in parallel up to the read threads (as the
+        native engine reads them), except that a batch of at most two counts once per caller
+        (the Python engine reads those on its caller alone).  Both engines only approach
+        this: the Python one reads a large chunk's pieces in order, the native one has no
+        caller-alone rule."""
         readers, writers = self.split_threads()
         total = writers
         if readers:

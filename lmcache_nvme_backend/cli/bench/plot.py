@@ -43,9 +43,8 @@ def _save(fig: Any, run: RunResult, where: str, out: Path) -> None:
 
 def plot_sweep(points: list[RunResult], groups: list[list[RunResult]], out: Path,
                where: str) -> None:
-    """Bandwidth (``points``: each configuration's median run, with the range of its runs in
-    ``groups`` as error bars) and latency against threads, one line per batch (and task)
-    size; legends below the axes, where they cover no line."""
+    """Bandwidth (each point's median run, its ``groups`` range as error bars) and latency
+    against threads, one line per batch (and task) size; legends below the axes."""
     reads = points[0].config.reads
     direction = "read" if reads else "write"
     several_tasks = len({p.config.task_size for p in points}) > 1

@@ -1,10 +1,8 @@
 """The tuning advice of ``bench --sweep``: change a default only for a measured, clear gain.
 
-A setting (threads, task size) is scored by the median bandwidth of each of its points,
-averaged over the swept batch sizes, with the range of its runs (averaged the same way) as
-the noise.  The defaults stay recommended unless some setting's lowest runs beat their
-highest: only then is the gain larger than the run-to-run spread.  Among the settings
-that do, the advice is the one with the fewest threads whose range reaches the best's.
+A setting (threads, task size) scores its points' median bandwidths, averaged over the swept
+batch sizes, with their runs' range as the noise.  The defaults stay unless a setting's
+lowest runs beat their highest; of those, the fewest threads whose range reaches the best's.
 """
 
 from __future__ import annotations
