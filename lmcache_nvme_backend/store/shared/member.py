@@ -7,7 +7,6 @@ cleanly.  Its janitor duties are in ``janitor.py``, its account in ``share.py`` 
 room) and ``account.py`` (the books).
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -35,14 +34,7 @@ from .leases import (
     remove_member_files,
     write_lease,
 )
-from .ledger import (
-    DEAD,
-    LEDGER_FORMAT,
-    LIVE,
-    LedgerChain,
-    LedgerDoc,
-    LedgerError,
-)
+from .ledger import DEAD, LEDGER_FORMAT, LIVE, LedgerChain, LedgerDoc, LedgerError
 from .ledger import Account as LedgerAccount
 from .share import Account
 
