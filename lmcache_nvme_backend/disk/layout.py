@@ -12,9 +12,8 @@
                                          away and is deleting (nothing else reads it)
 
 Every component below the root is derived from a hash (``ns16`` of the namespace, ``d32``
-of the full key), never from a user string, so any key lands inside the root.  A root made
-now has one level of 256 shard directories per namespace; one made by an earlier version
-keeps its two (65,536 directories); the marker records which (``shard_levels``).  Temporary
+of the full key), never from a user string.  A root made now has one level of 256 shard
+directories per namespace, one made by 0.2 or earlier two (the marker says).  Temporary
 files share the final file's directory (so ``rename`` is atomic), with a per-writer suffix.
 """
 
