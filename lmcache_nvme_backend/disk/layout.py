@@ -248,13 +248,11 @@ class RootLayout:
                 yield entry.name
 
     def forgotten_rel(self, ns_id: str) -> str:
-        """A unique name that ``lmcache-nvme forget`` renames namespace ``ns_id``'s
-        directory to (relative to the root)."""
+        """A unique name for ``forget`` to rename namespace ``ns_id``'s directory to."""
         return f"ns/{FORGOTTEN_PREFIX}{ns_id}-{_HOST}-{os.getpid()}-{time.time_ns()}"
 
     def iter_forgotten(self) -> Iterator[TempFile]:
-        """The namespace directories a ``forget`` renamed and has not finished deleting,
-        with the renaming process's host and pid."""
+        """The namespace directories a ``forget`` renamed and has not finished deleting."""
         for entry in _scandir_dirs(self.root, "ns"):
             if entry.name.startswith(FORGOTTEN_PREFIX):
                 parts = entry.name[len(FORGOTTEN_PREFIX):].split("-")

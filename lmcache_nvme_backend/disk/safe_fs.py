@@ -73,15 +73,13 @@ _STALE_FDS: list[int] = []
 
 
 def root_descriptor(root: str) -> int:
-    """The kept descriptor of a cache root, for the I/O engines (no lock: a dict read is
-    atomic)."""
+    """The kept descriptor of a cache root (no lock: a dict read is atomic)."""
     fd = _ROOT_FDS.get(root)
     return fd if fd is not None else _root_fd(root)
 
 
 def refresh_root_descriptor(root: str) -> bool:
-    """Reopen the kept descriptor of ``root`` if its directory was deleted; False when the
-    root is gone."""
+    """Reopen ``root``'s kept descriptor if it was deleted; False when the root is gone."""
     fd = _ROOT_FDS.get(root)
     if fd is None or not _root_deleted(fd):
         return True
@@ -137,8 +135,7 @@ def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
 
 
 def require_regular(fd: int, path: Path | str, expected: str) -> os.stat_result:
-    """The ``fstat`` of ``fd`` when it is a regular file; else ``fd`` is closed and
-    :class:`NotAChunkFile` raised."""
+    """The ``fstat`` of a regular file ``fd``; else it is closed, :class:`NotAChunkFile`."""
     try:
         st = os.fstat(fd)
     except OSError:
@@ -182,8 +179,7 @@ def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
 
 
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
-    """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
-    ``mode``; returns its descriptor."""
+    """The descriptor of a new file (``O_EXCL``: never a link) with exactly ``mode``."""
     return exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
 
 
@@ -249,9 +245,8 @@ def exists_beneath(root: Path | str, rel: str) -> bool:
 
 
 def scandir_beneath(root: Path | str, rel: str) -> Iterator[os.DirEntry[str]]:
-    """Entries of the directory ``root / rel`` (``""``: the root; missing, unreadable or a
-    link: none).  Ask ``is_dir``/``is_file`` with ``follow_symlinks=False``; ``path`` is
-    only the name."""
+    """Entries of the directory ``root / rel`` (missing, unreadable or a link: none); ask
+    ``is_dir``/``is_file`` with ``follow_symlinks=False``; ``path`` is only the name."""
     try:
         fd = open_dir_beneath(root, rel)
     except (OSError, ValueError):

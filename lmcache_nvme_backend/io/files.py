@@ -30,12 +30,9 @@ class ShortFileError(OSError):
 
 
 def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers.
-
-    The probe file has a random name, created ``O_EXCL | O_NOFOLLOW``.  On a full
-    filesystem the answer comes from an O_DIRECT read of ``existing`` (a regular file there,
-    e.g. the cache marker), which needs no space; without one it is False (buffered I/O).
-    """
+    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers
+    (a random probe name, ``O_EXCL | O_NOFOLLOW``); on a full filesystem an O_DIRECT read of
+    ``existing`` (e.g. the cache marker) answers, without one False."""
     if not _O_DIRECT:
         return False
     buf = AlignedBuffer(ALIGNMENT)
@@ -102,12 +99,8 @@ def _unlink_missing_ok(path: Path) -> None:
 
 
 def open_for_read(path: Path, direct: bool) -> tuple[int, int]:
-    """Open a chunk file for reading: the descriptor and the file's size.
-
-    ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks) and an ``fstat`` check: anything but
-    a regular file raises :class:`NotAChunkFile` (a miss, not a drive error).  A file in a
-    shard directory is opened beneath its root following no link (``disk/safe_fs.py``).
-    """
+    """Open a chunk file for reading (no link followed, ``O_NONBLOCK``): the descriptor and
+    the file's size; anything but a regular file raises :class:`NotAChunkFile` (a miss)."""
     flags = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC | (_O_DIRECT if direct else 0)
     where = split_tree_path(path)
     try:

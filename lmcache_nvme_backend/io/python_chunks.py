@@ -156,8 +156,7 @@ class ShareWrite:
         _release(self.payload)
 
     def _publish(self, task_size: int) -> int:
-        """Write, sync and rename the chunk; the first component of ``dir_rel`` this call
-        made (-1: none)."""
+        """Write, sync and rename; the first component of ``dir_rel`` made (-1: none)."""
         created_at = -1
         # O_PATH: a descriptor only to name entries by; fsync needs a real one
         flags = (os.O_RDONLY if self.fsync_level >= 2 else _O_PATH) | os.O_DIRECTORY
@@ -235,8 +234,7 @@ def _release(view: memoryview) -> None:
 
 
 def shard_dir(prefix: str, levels: int, digest: str) -> str:
-    """A chunk's shard directory as ``RootLayout`` names it (``csrc/module.c``
-    ``put_shard_dir``)."""
+    """A chunk's shard directory as ``RootLayout`` names it (``csrc`` ``put_shard_dir``)."""
     return prefix + digest[0:2] + ("/" + digest[2:4] if levels == 2 else "")
 
 

@@ -171,8 +171,7 @@ class PythonEngine:
             self._reads_ready.notify(max(1, len(batch.chunks)))
 
     def _read_next(self, batch: _Batch) -> bool:
-        """Run the batch's next chunk not taken yet; False when none was left (an empty
-        batch is handed back then)."""
+        """Run the batch's next chunk; False when none was left (an empty one is handed back)."""
         try:
             chunk = batch.pending.popleft()
         except IndexError:

@@ -68,8 +68,7 @@ class RootState:
     maybe_removed: bool = False
 
     def descriptor(self) -> int:
-        """The kept descriptor of the directory, for the engine (renewed if it was made
-        again)."""
+        """The kept descriptor of the directory (renewed if it was made again)."""
         if self.maybe_removed:
             self.maybe_removed = not refresh_root_descriptor(self.layout.root_str)
         return root_descriptor(self.layout.root_str)
@@ -227,8 +226,7 @@ class Roots(list[RootState]):
 
     def group(self, items: Sequence[T], digest_of: Callable[[T], str]
               ) -> tuple[list[tuple[RootState, list[T]]], list[T]]:
-        """``items`` grouped by the root each one's digest goes to (``choose``), and those
-        no root can take."""
+        """``items`` grouped by ``choose`` of their digests, and those no root can take."""
         if len(self) == 1:
             only = self[0]
             return ([(only, list(items))], []) if only.healthy else ([], list(items))

@@ -147,9 +147,8 @@ class AccountBooks:
                                                 entry.meta)])
 
     def disown(self, entries: Sequence[IndexEntry]) -> None:
-        """Chunks whose files were removed with their namespace's directory and that left
-        the index: the ones this member owns are no longer counted (its cap stays: the
-        room is its)."""
+        """Stop counting the owned chunks that left the index with their namespace's
+        directory (the cap stays: the room is this member's)."""
         with self._lock:
             for entry in entries:
                 if entry.owner == self.member and \
@@ -190,8 +189,7 @@ class AccountBooks:
         return taken
 
     def owned_lines(self) -> list[bytes]:
-        """``P`` records of every chunk this member owns (a new journal generation's
-        snapshot)."""
+        """``P`` records of every chunk this member owns (a journal snapshot)."""
         with self._lock:
             owned = dict(self.owned)
         entries = self._catalog.entries(list(owned))

@@ -198,8 +198,7 @@ class Janitor:
     # -- the walk -------------------------------------------------------------------------
 
     def reconcile(self, leases: dict[str, Lease]) -> None:
-        """Walk the tree: remove dead writers' temp files, recount the orphans, release
-        vanished chunks from live accounts (see the module doc)."""
+        """Walk the tree (see the module doc)."""
         started = time.monotonic()
         self._walk_due = False
         self._next_walk = started + RECONCILE_S

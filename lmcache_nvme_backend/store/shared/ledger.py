@@ -290,8 +290,7 @@ class LedgerChain:
         fd = create_beneath(self.root, tmp, self._file_mode)
         try:
             try:
-                data = doc.to_json()
-                view = memoryview(data)
+                view = memoryview(doc.to_json())
                 while view:
                     view = view[os.write(fd, view):]
                 if self._durable:

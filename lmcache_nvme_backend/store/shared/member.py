@@ -307,10 +307,9 @@ class RootMember:
         return True
 
     def headroom_target(self) -> int:
-        """The headroom kept ready in the background, so that a write (placed on the
-        thread that stores, with the native engine) seldom waits for an eviction:
-        ``refill`` (budget / 256, at most 64 MiB) when that holds whole chunks, else none
-        (a small budget is not emptied ahead of writes that may never come)."""
+        """The headroom kept ready in the background, so that a write seldom waits for an
+        eviction: ``refill`` (budget / 256, at most 64 MiB) when that holds whole chunks,
+        else none (a small budget is not emptied ahead of writes that may never come)."""
         return self.account.refill if self.account.refill >= self._largest > 0 else 0
 
     def keep_room(self) -> None:

@@ -91,16 +91,14 @@ class SharedTree:
                 member.account.delete(mine, evictions=False)
 
     def forgotten(self, entries: list[IndexEntry]) -> None:
-        """Chunks that left the index because their namespace's directory was removed
-        (``lmcache-nvme forget``): the ones this member owns are no longer counted."""
+        """Chunks that left the index with their namespace's directory (``forget``)."""
         for member in self.members:
             mine = [e for e in entries if e.root == member.root.index]
             if mine:
                 member.account.disown(mine)
 
     def refresh(self) -> None:
-        """Share this member's reads and read the others' journals and ledger now (the
-        background thread does this every ``INGEST_S``)."""
+        """Share reads, read journals and the ledger now (not waiting for the thread)."""
         self._share_reads()
         for member in self.members:
             member.ingest()
