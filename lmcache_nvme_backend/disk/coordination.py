@@ -1,8 +1,7 @@
 """Names of the files through which the members of a shared cache directory coordinate.
 
-With ``nvme.shared: true`` every process (a *member*) that uses a cache root keeps the
-directory's one byte budget with the others through files below ``<root>/shared/``; there
-is no server::
+With ``nvme.shared: true`` the processes (*members*) using a cache root keep its one
+budget through files below ``<root>/shared/`` (no server)::
 
     shared/ledger/<epoch>/<n>.json        the ledger: version n of the budget's accounts
     shared/ledger/.tmp-<member>-<rand>    a version being written (then linked as <n>.json)
@@ -10,8 +9,8 @@ is no server::
     shared/members/<member>.<gen>.journal what a member published, deleted and read
     shared/evicting/<member>/<digest>.<size>.<owner>  a victim claimed, not yet deleted
 
-Paths are relative to the root, as ``disk/safe_fs.py`` takes them.  A member id,
-``<host>-<pid>-<8 hex>``, is unique per process start and says where the member ran.
+Paths are relative to the root.  A member id, ``<host>-<pid>-<8 hex>``, is unique per
+process start.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@ One KV chunk is one file::
     offset 0      4 KiB header (this module)
     offset 4096   payload (the memory object's bytes), zero padded to a 4 KiB multiple
 
-so O_DIRECT and GPUDirect Storage can read the payload in place (``docs/format.md`` has
-the layout byte by byte).  A header checksum covers every header byte and the full key is
-stored, so a file holding another key is detected; decoding never allocates more than the
-header, whatever the lengths claim.  Version 2's payload checksum is the xxh3-64 of the
-xxh3-64 of every ``BLOCK_SIZE`` block (a reader hashes each block as it lands); version 1's
-is one xxh3-64 over the payload.
+so O_DIRECT and GPUDirect Storage can read the payload in place (``docs/format.md``).  A
+checksum covers every header byte and the full key is stored; decoding never allocates
+more than the header.  Version 2's payload checksum is the xxh3-64 of the xxh3-64 of each
+``BLOCK_SIZE`` block (hashed as it lands); version 1's is one xxh3-64 over the payload.
 """
 
 from __future__ import annotations
@@ -244,9 +242,8 @@ def encode_header(key: str, namespace: str, tensor_meta: TensorMeta, payload_len
                   checksum: int, created_unix_ns: int | None = None,
                   gpu_checksum: tuple[int, int] | None = None,
                   version: int = FORMAT_VERSION) -> bytes:
-    """Build the 4 KiB header; ``FormatError`` when the strings do not fit.  ``checksum``
-    is ``payload_checksum(payload, version)``; ``gpu_checksum`` is left out when the strings
-    leave no room for it; ``version`` 1 is only written to test readers of old caches."""
+    """Build the 4 KiB header (``FormatError`` when the strings do not fit; ``gpu_checksum``
+    left out when they leave no room); ``version`` 1 only for tests of old caches."""
     if version not in READABLE_VERSIONS:
         raise FormatError(f"cannot write format version {version}")
     if tensor_meta.nbytes != payload_len:
@@ -286,9 +283,8 @@ def encode_raw_header(key: bytes, namespace: bytes, meta: bytes, payload_len: in
 
 def quick_verdict(header: bytes, key: bytes, meta: bytes, payload_len: int,
                   computed: int) -> bool:
-    """Whether ``header`` is ours, intact, names exactly ``key``, ``payload_len`` and
-    ``meta`` (encoded) and has ``computed`` as its payload checksum: then
-    ``validate.judge_chunk`` would serve the chunk too.  As ``csrc/chunkio.c`` does it."""
+    """Whether ``validate.judge_chunk`` would serve ``header`` for exactly ``key``,
+    ``payload_len``, ``meta`` and payload checksum ``computed`` (as ``csrc/chunkio.c``)."""
     if len(header) < HEADER_SIZE or header[:8] != MAGIC:
         return False
     (_, version, header_size, flags, stored_len, stored_sum, _, key_len, ns_len,

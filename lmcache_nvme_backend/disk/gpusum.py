@@ -1,13 +1,11 @@
 """A payload checksum that a GPU can compute where the payload lands (``lin32x2``).
 
-On the GPU read path the payload goes from the drive straight into device memory, and
-copying it back only to hash it would cost the bandwidth the path saves.  So the writer
-also records this checksum, which torch computes on the device with a few elementwise
-kernels and two reductions and the writer with numpy, to the same bits.  Definition and
-properties in ``docs/format.md``: the payload as little-endian u32 words in rows of
-``ROW_WORDS``, each word weighted by the odd ``splitmix64`` column and row weights of two
-independent lanes (``sum_a``, ``sum_b``, modulo 2**64).  It detects errors, like xxh3 in
-this format; it does not authenticate.  ``device_checksum`` imports torch when called.
+On the GPU read path the payload lands in device memory, where copying it back to hash it
+would cost the bandwidth the path saves.  So the writer also records this checksum, which
+torch computes on the device and numpy on the host, to the same bits: the payload as
+little-endian u32 words in rows of ``ROW_WORDS``, each weighted by odd ``splitmix64`` column
+and row weights of two lanes (``sum_a``, ``sum_b``, modulo 2**64; ``docs/format.md``).  It
+detects errors, it does not authenticate.  ``device_checksum`` imports torch when called.
 """
 
 from __future__ import annotations
@@ -117,9 +115,8 @@ class DeviceWeights(_Weights):
 
 def device_checksum(data: torch.Tensor, nbytes: int, weights: DeviceWeights) -> torch.Tensor:
     """``[sum_a, sum_b]`` of the first ``nbytes`` of a contiguous uint8 tensor, as an int64
-    tensor on its device, without a host copy: int64 arithmetic wraps modulo 2**64 on CPU and
-    CUDA alike, so the bits equal ``host_checksum``'s (``to_unsigned`` converts).  Kernels are
-    queued on the current stream; reading the result synchronizes."""
+    tensor on its device (int64 wraps as uint64 does: ``to_unsigned`` gives the header's
+    bits).  Kernels are queued on the current stream; reading the result synchronizes."""
     import torch
 
     flat = data.reshape(-1)[:nbytes]

@@ -12,9 +12,8 @@
                                          away and is deleting (nothing else reads it)
 
 Every component below the root is derived from a hash (``ns16`` of the namespace, ``d32``
-of the full key), never from a user string, so any key lands inside the root.  A root made
-now has one level of 256 shard directories per namespace; one made by an earlier version
-keeps its two (65,536 directories); the marker records which (``shard_levels``).  Temporary
+of the full key), never from a user string.  A root made now has one level of 256 shard
+directories per namespace, one made by 0.2 or earlier two (the marker says).  Temporary
 files share the final file's directory (so ``rename`` is atomic), with a per-writer suffix.
 """
 
@@ -86,12 +85,10 @@ def split_build(namespace: str) -> tuple[str, str | None]:
     return (base, build) if sep and base and BUILD_RE.fullmatch(build) else (namespace, None)
 
 
-#: A namespace directory that ``lmcache-nvme forget`` renamed away (one atomic step that a
-#: running store notices) and then deletes: ``ns/.forgotten-<ns16>-<host>-<pid>-<ns>``.
-#: Not a namespace id, so the store, recovery and every walk of the tree pass it by.  The
-#: renamed directory itself is left empty for ``FORGOTTEN_KEEP_S`` (a later ``forget``
-#: removes it): while it exists its inode is not given to a namespace directory made
-#: again, which is how a running store tells that its directory was replaced.
+#: A namespace directory ``lmcache-nvme forget`` renamed away (one step a running store
+#: notices) and deletes; not a namespace id, so every walk of the tree passes it by.  It is
+#: left empty for ``FORGOTTEN_KEEP_S`` so that its inode is not reused by a namespace
+#: directory made again (how a running store tells that its directory was replaced).
 FORGOTTEN_PREFIX = ".forgotten-"
 FORGOTTEN_KEEP_S = 60.0
 
@@ -119,16 +116,16 @@ class ChunkLocation:
 
 @dataclass(frozen=True)
 class TempFile:
-    """A temporary file left by a writer (or a directory a ``forget`` renamed away), with
-    what its name says about that writer."""
+    """A writer's temporary file (or a directory a ``forget`` renamed away), with the host
+    and pid its name gives."""
 
     path: Path
     host: str
     pid: int
 
     def is_stale(self, max_age_s: float = STALE_TEMP_S, now: float | None = None) -> bool:
-        """Whether the writer is gone: a dead process on this host, or older than ``max_age_s``
-        (a file that vanished meanwhile is not: there is nothing to remove)."""
+        """Whether the writer is gone: a dead process on this host, or older than
+        ``max_age_s`` (a file that vanished meanwhile is not)."""
         if self.host == this_host() and self.pid > 0 and not pid_alive(self.pid):
             return self.path.exists()
         try:
@@ -145,9 +142,8 @@ def marker_text(shard_levels: int) -> bytes:
 
 
 def shard_levels_of(root: Path) -> int:
-    """The shard directory levels of the tree at ``root``: what its marker says (no such
-    line: two), without a marker what the tree holds.  ``ValueError`` naming the marker
-    when it names a layout this version does not know (a newer version's)."""
+    """The shard directory levels of the tree at ``root``: its marker's (no such line: two),
+    without a marker the tree's; ``ValueError`` for a layout this version does not know."""
     try:
         text = read_small_file(root, MARKER_NAME, 4096).decode("utf-8", "replace")
     except (OSError, ValueError):  # none (a new root), or not a readable regular file
@@ -217,8 +213,7 @@ class RootLayout:
         return f"ns/{ns_id}/{digest[0:2]}/{digest[2:4]}"
 
     def chunk_naming(self, ns_id: str) -> tuple[str, int, str]:
-        """``chunk_rel`` as the native engine applies it to each digest
-        (``io.engine.ChunkNaming``): ``(shard_prefix, shard_levels, final_suffix)``."""
+        """``chunk_rel`` as the engines apply it to each digest (``io.engine.ChunkNaming``)."""
         return f"ns/{ns_id}/", self.shard_levels, CHUNK_SUFFIX
 
     def write_naming(self, ns_id: str, temp_suffix: str) -> tuple[str, int, str, str]:
@@ -253,14 +248,11 @@ class RootLayout:
                 yield entry.name
 
     def forgotten_rel(self, ns_id: str) -> str:
-        """A new name (relative to the root) for namespace ``ns_id``'s directory that
-        ``lmcache-nvme forget`` renames it to, unique to this host, process and moment."""
+        """A unique name for ``forget`` to rename namespace ``ns_id``'s directory to."""
         return f"ns/{FORGOTTEN_PREFIX}{ns_id}-{_HOST}-{os.getpid()}-{time.time_ns()}"
 
     def iter_forgotten(self) -> Iterator[TempFile]:
-        """The renamed namespace directories that a ``forget`` has not finished deleting,
-        with the host and pid of the ``forget`` that renamed each (``TempFile.is_stale``
-        tells whether it is gone)."""
+        """The namespace directories a ``forget`` renamed and has not finished deleting."""
         for entry in _scandir_dirs(self.root, "ns"):
             if entry.name.startswith(FORGOTTEN_PREFIX):
                 parts = entry.name[len(FORGOTTEN_PREFIX):].split("-")
@@ -280,15 +272,14 @@ class RootLayout:
         return names
 
     def iter_tree_dirs(self) -> Iterator[str]:
-        """Every directory below ``ns/`` relative to the root, parents first; links are
-        skipped, a directory that cannot be listed is yielded without its contents."""
+        """Every directory below ``ns/`` relative to the root, parents first (no links)."""
         for ns in self.iter_namespace_ids():
             yield f"ns/{ns}"
             yield from (rel for _shard, rel, _leaf in self._walk_shards(ns))
 
     def _walk_shards(self, ns: str) -> Iterator[tuple[str, str, bool]]:
-        """(hex prefix, path relative to the root, whether it holds chunk files) of each
-        shard directory of namespace ``ns``, parents first."""
+        """(hex prefix, relative path, whether it holds chunk files) of each shard
+        directory of namespace ``ns``, parents first."""
         for shard1 in _scandir_dirs(self.root, f"ns/{ns}"):
             if not _SHARD_RE.match(shard1.name):
                 continue
@@ -301,13 +292,11 @@ class RootLayout:
                     yield shard1.name + shard2.name, f"{rel1}/{shard2.name}", True
 
     def iter_chunks(self, ns_id: str | None = None) -> Iterator[ChunkLocation]:
-        """Every well-named regular chunk file with its ``lstat``; links, foreign names and
-        files that vanish meanwhile are skipped."""
+        """Every well-named regular chunk file with its ``lstat`` (no links)."""
         return (f for f in self._iter_files(ns_id) if isinstance(f, ChunkLocation))
 
     def iter_special_entries(self, ns_id: str | None = None) -> Iterator[tuple[Path, str]]:
-        """(path, what it is) of every entry at a chunk file's name that is not a regular
-        file (never followed, never read)."""
+        """(path, kind) of every entry at a chunk file's name that is not a regular file."""
         for _ns, shard, rel in self._iter_shard_dirs(ns_id):
             for entry in scandir_beneath(self.root, rel):
                 name = entry.name
@@ -353,8 +342,8 @@ class RootLayout:
         return TempFile(Path(f"{self._root_prefix}{rel}/{entry.name}"), parts[0], pid)
 
     def _iter_shard_dirs(self, ns_id: str | None) -> Iterator[tuple[str, str, str]]:
-        """(namespace id, hex shard prefix, path relative to the root) of each directory
-        that holds chunk files; a planted link never takes the walk outside the tree."""
+        """(namespace id, hex shard prefix, relative path) of each directory that holds
+        chunk files; a planted link never takes the walk outside the tree."""
         if ns_id is not None and not NS_ID_RE.match(ns_id):
             raise ValueError(f"'{ns_id}' is not a namespace id (16 hex digits)")
         ns_ids = [ns for ns in self.iter_namespace_ids() if ns_id is None or ns == ns_id]
@@ -377,14 +366,14 @@ def split_tree_path(path: Path | str) -> tuple[str, str] | None:
     return None
 
 
-#: The writer number in the temp names of removed chunk files that the native engine keeps
-#: for reuse (``nvme.recycle_mb``); its writers write under number 0.
+#: The writer number in the temp names of removed chunk files the native engine keeps for
+#: reuse (``nvme.recycle_mb``); its writers write under number 0.
 RETIRED_FILES_WRITER = 1
 
 
 def temp_name(final_name: str, writer: int | None = None) -> str:
-    """The temporary name beside ``final_name`` unique to this host, process and writer
-    (the calling thread, or ``writer``: 0 serves all of the native engine's writers)."""
+    """A temporary name beside ``final_name``, unique to this host, process and writer
+    (the calling thread, or ``writer``: 0 for all of the native engine's writers)."""
     tid = threading.get_ident() if writer is None else writer
     return f"{final_name}{TEMP_INFIX}{_HOST}-{os.getpid()}-{tid}"
 
@@ -395,8 +384,7 @@ def this_host() -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host (a zombie, killed and not yet
-    reaped by its parent, does not)."""
+    """Whether a process with this id runs on this host (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

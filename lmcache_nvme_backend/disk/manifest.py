@@ -57,9 +57,8 @@ class ManifestRow(Protocol):
 
 def save_manifest(index_dir: Path, entries: Sequence[ManifestRow], file_mode: int,
                   batch: int = 4096) -> None:
-    """Write the entries (LRU order) of one root, atomically, never through a link.  Rows
-    are encoded ``batch`` at a time: one ``json.dump`` of a million rows would hold the GIL
-    (and stall the engine's threads) for about a second."""
+    """Write the entries (LRU order) of one root, atomically, never through a link; rows
+    are encoded ``batch`` at a time (a million at once would hold the GIL for a second)."""
     metas: dict[TensorMeta, int] = {}
     rows = []
     for e in entries:
@@ -88,9 +87,8 @@ def save_manifest(index_dir: Path, entries: Sequence[ManifestRow], file_mode: in
 
 
 def load_manifest(index_dir: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, ManifestRecord]:
-    """Records by digest; empty (with a log line) when the manifest is missing or unreadable.
-    Advice only: a row or document that is not what this version writes is skipped, a file
-    larger than ``max_bytes``, a link or a special file is ignored unread."""
+    """Records by digest; empty (logged) when the manifest is missing or unreadable.  Advice
+    only: rows this version does not write are skipped, a file over ``max_bytes`` unread."""
     path = index_dir / MANIFEST_NAME
     try:
         raw = read_small_file(index_dir.parent, f"{index_dir.name}/{MANIFEST_NAME}",

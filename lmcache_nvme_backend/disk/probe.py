@@ -1,10 +1,7 @@
 """Can this process use a directory as a cache root?  The one probe of an ``nvme.path``,
-rendered by the settings (``look_only``: nothing read or written), by the store at start
-(``store/access.py``) and by ``doctor`` / ``check-config`` (``cli/path_checks.py``).
-
-The probe creates one file and removes it at once, in the path or, when it does not exist
-yet, in its nearest existing parent; it then reads the tree's marker and, with ``tree``,
-checks that this process can list, enter and write every directory of an existing tree.
+for the settings (``look_only``), the store at start (``store/access.py``) and ``doctor`` /
+``check-config``.  It creates and removes one file in the path (or its nearest existing
+parent), reads the marker and, with ``tree``, checks every directory of an existing tree.
 """
 
 from __future__ import annotations
@@ -100,10 +97,9 @@ def probe_path(path: Path, *, look_only: bool = False, tree: bool = True) -> Pat
 
 
 def path_problem(probe: PathProbe, shared: bool = False) -> tuple[str, str] | None:
-    """(problem, fix) of a setting's error (``<key>: <problem>. <fix>``) when no cache
-    directory can be at the probed path or no file can be created there; None when one
-    can (a full filesystem can, and in ``shared`` mode so can a cache directory this
-    process only reads).  The marker and the tree are ``store/access.py``'s to judge."""
+    """(problem, fix) of a setting's error when no cache directory can be at the probed path
+    or no file can be created there; None when one can (full, or in ``shared`` mode read
+    only, included).  The marker and the tree are ``store/access.py``'s to judge."""
     path, error = probe.path, probe.error
     if probe.state is PathState.NOT_A_DIRECTORY:
         return f"'{path}' exists and is not a directory", NOT_A_DIRECTORY_FIX

@@ -103,9 +103,8 @@ def _walkable(rel: str) -> list[str]:
 
 
 def exact_mode(fd: int, mode: int) -> int:
-    """``fd``, a file or directory just created, with exactly ``mode`` whatever the umask (a
-    chmod only where the creation left another mode, as the compiled engine does); ``fd`` is
-    closed on failure."""
+    """``fd``, just created, with exactly ``mode`` whatever the umask (a chmod only where
+    needed, as the compiled engine does); ``fd`` is closed on failure."""
     try:
         if os.fstat(fd).st_mode & 0o7777 != mode:
             os.fchmod(fd, mode)
@@ -116,9 +115,8 @@ def exact_mode(fd: int, mode: int) -> int:
 
 
 def make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
-    """Directory ``name`` in ``dir_fd`` made with exactly ``mode`` (or found there) and opened
-    ``O_RDONLY | O_NOFOLLOW`` (a link there is ELOOP or ENOTDIR); and whether this call made
-    it."""
+    """Directory ``name`` in ``dir_fd`` made with exactly ``mode`` (or found) and opened
+    ``O_RDONLY | O_NOFOLLOW``; and whether this call made it."""
     try:
         os.mkdir(name, mode, dir_fd=dir_fd)
         created = True
@@ -131,10 +129,9 @@ def make_dir_at(dir_fd: int, name: str, mode: int) -> tuple[int, bool]:
 
 
 def make_dirs_at(root_fd: int, rel: str, mode: int) -> tuple[int, int]:
-    """Open the directory ``rel`` beneath the root, making its missing components with exactly
-    ``mode``; its descriptor (``O_RDONLY``) and the index of the first component this call
-    made (-1: none).  As ``chunkio.c``: a new shard's parent nearly always exists, so only
-    the leaf is made; otherwise every component is made or opened in turn from the root."""
+    """Open the directory ``rel`` beneath the root, making missing components with exactly
+    ``mode``: its descriptor and the index of the first component made (-1: none).  As
+    ``chunkio.c``: the leaf alone first (a shard's parent nearly always exists)."""
     parts = _walkable(rel)
     parent, _, leaf = rel.rpartition("/")
     if parent:

@@ -1,11 +1,11 @@
 """File operations inside a cache tree that never follow a link.
 
-Another local user may plant symbolic links, directories or FIFOs under the names the store
-uses.  Every open, create, mkdir, rename, unlink and listing below a cache root goes through
-this module, which resolves the path beneath the root's descriptor without following a link
-in any component (``resolve.py``: ``openat2`` where the kernel has it, else a walk).  The
-root itself (``nvme.path``) is trusted.  A link, or a non-directory where the tree needs a
-directory, is :class:`NotAChunkFile`: a miss for a read, a dropped write, never a drive error.
+Another local user may plant links, directories or FIFOs under the names the store uses.
+Every open, create, mkdir, rename, unlink and listing below a cache root goes through this
+module, which resolves the path beneath the root's descriptor following no link in any
+component (``resolve.py``).  The root itself (``nvme.path``) is trusted.  A link, or a
+non-directory where the tree needs one, is :class:`NotAChunkFile`: a miss for a read, a
+dropped write, never a drive error.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def dir_mode_for(file_mode: int) -> int:
 
 
 class NotAChunkFile(OSError):
-    """A path in the cache tree holds something the store never uses (a link, a directory
-    or a special file where a regular file belongs, a link or file where a directory does)."""
+    """A path in the cache tree holds something the store never uses (a link, a special
+    file, or a directory where a file belongs, or the reverse)."""
 
 
 def _unsafe(exc: OSError, root: Path | str, rel: str) -> OSError:
@@ -73,15 +73,13 @@ _STALE_FDS: list[int] = []
 
 
 def root_descriptor(root: str) -> int:
-    """The kept descriptor of a cache root, for a caller that resolves beneath it itself
-    (the native I/O engine); read without the lock (a dict read is atomic)."""
+    """The kept descriptor of a cache root (no lock: a dict read is atomic)."""
     fd = _ROOT_FDS.get(root)
     return fd if fd is not None else _root_fd(root)
 
 
 def refresh_root_descriptor(root: str) -> bool:
-    """Reopen the kept descriptor of ``root`` if its directory was deleted (and maybe made
-    again); whether it is of a live directory now (False: the root is gone)."""
+    """Reopen ``root``'s kept descriptor if it was deleted; False when the root is gone."""
     fd = _ROOT_FDS.get(root)
     if fd is None or not _root_deleted(fd):
         return True
@@ -107,9 +105,8 @@ def _check_rel(rel: str) -> list[str]:
 
 
 def open_beneath(root: Path | str, rel: str, flags: int, mode: int = 0o600) -> int:
-    """``open(root / rel, flags, mode)`` without following a link in any component of ``rel``:
-    :class:`NotAChunkFile` for a link (or a file where a directory belongs), other errors as
-    they come."""
+    """``open(root / rel, flags, mode)`` following no link in ``rel``: :class:`NotAChunkFile`
+    for a link (or a file where a directory belongs), other errors as they come."""
     rel = "/".join(_check_rel(rel))
     root_fd = _root_fd(root)
     try:
@@ -131,16 +128,14 @@ def open_dir_beneath(root: Path | str, rel: str) -> int:
 
 
 def open_regular(root: Path | str, rel: str, flags: int = os.O_RDONLY) -> int:
-    """Open an existing regular file for reading: ``O_NONBLOCK`` (a FIFO never blocks) and an
-    ``fstat`` check; anything else raises :class:`NotAChunkFile`."""
+    """Open an existing regular file ``O_NONBLOCK`` (else :class:`NotAChunkFile`)."""
     fd = open_beneath(root, rel, flags | _O_NONBLOCK)
     require_regular(fd, Path(root) / rel, "a regular file")
     return fd
 
 
 def require_regular(fd: int, path: Path | str, expected: str) -> os.stat_result:
-    """The ``fstat`` of ``fd`` when it is a regular file; otherwise ``fd`` is closed and
-    :class:`NotAChunkFile` (naming what was found instead of ``expected``) is raised."""
+    """The ``fstat`` of a regular file ``fd``; else it is closed, :class:`NotAChunkFile`."""
     try:
         st = os.fstat(fd)
     except OSError:
@@ -166,13 +161,12 @@ def kind_of(mode: int) -> str:
 
 def makedirs_beneath(root: Path | str, rel: str, mode: int) -> None:
     """Create the directories of ``rel`` below ``root`` with exactly ``mode`` (whatever the
-    umask); existing real directories are kept as they are, a link raises ``NotAChunkFile``."""
+    umask); a link raises ``NotAChunkFile``."""
     os.close(open_dirs_beneath(root, rel, mode))
 
 
 def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
-    """``makedirs_beneath``, returning a descriptor (``O_RDONLY``) of the deepest directory
-    (one open when it exists, else ``resolve.make_dirs_at``)."""
+    """``makedirs_beneath``, returning a descriptor (``O_RDONLY``) of the deepest directory."""
     rel = "/".join(_check_rel(rel))
     try:
         return open_dir_beneath(root, rel)  # (a deleted root's descriptor is renewed here)
@@ -185,14 +179,12 @@ def open_dirs_beneath(root: Path | str, rel: str, mode: int) -> int:
 
 
 def create_beneath(root: Path | str, rel: str, mode: int, flags: int = os.O_WRONLY) -> int:
-    """Create a new file (``O_CREAT | O_EXCL``: never an existing file or link) with exactly
-    ``mode``; returns its descriptor."""
+    """The descriptor of a new file (``O_EXCL``: never a link) with exactly ``mode``."""
     return exact_mode(open_beneath(root, rel, flags | os.O_CREAT | os.O_EXCL, mode), mode)
 
 
 def create_in(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> int:
-    """Create a new file called ``name`` in an open directory (``O_CREAT | O_EXCL |
-    O_NOFOLLOW``: never an existing file or link) with exactly ``mode``."""
+    """``create_beneath`` of ``name`` in an open directory."""
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"not a file name: {name!r}")
     fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode,
@@ -212,8 +204,7 @@ def _parent(root: Path | str, rel: str) -> Iterator[tuple[int, str]]:
 
 
 def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
-    """``rename`` within the tree; neither parent is reached through a link (and ``rename``
-    itself never follows the names it moves)."""
+    """``rename`` within the tree; neither parent is reached through a link."""
     with _parent(root, src_rel) as (src_fd, src_name):
         if src_rel.rpartition("/")[0] == dst_rel.rpartition("/")[0]:  # one directory
             os.rename(src_name, dst_rel.rpartition("/")[2], src_dir_fd=src_fd,
@@ -224,9 +215,8 @@ def rename_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
 
 
 def link_beneath(root: Path | str, src_rel: str, dst_rel: str) -> None:
-    """``link(2)`` within the tree: a new name for an existing file, ``FileExistsError`` when
-    ``dst_rel`` exists (an atomic compare-and-set on every POSIX filesystem, network ones
-    included); neither parent is reached through a link and ``src`` itself is not followed."""
+    """``link(2)`` within the tree, no link followed: ``FileExistsError`` when ``dst_rel``
+    exists (an atomic compare-and-set on every POSIX filesystem, network ones included)."""
     with (_parent(root, src_rel) as (src_fd, src_name),
           _parent(root, dst_rel) as (dst_fd, dst_name)):
         os.link(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
@@ -246,8 +236,7 @@ def lstat_beneath(root: Path | str, rel: str) -> os.stat_result:
 
 
 def exists_beneath(root: Path | str, rel: str) -> bool:
-    """Whether ``root / rel`` is there now (``lstat_beneath``: no link followed; a path that
-    is bad or cannot be reached is not there)."""
+    """Whether ``root / rel`` is there now (``lstat_beneath``; a bad path is not)."""
     try:
         lstat_beneath(root, rel)
     except (OSError, ValueError):
@@ -256,9 +245,8 @@ def exists_beneath(root: Path | str, rel: str) -> bool:
 
 
 def scandir_beneath(root: Path | str, rel: str) -> Iterator[os.DirEntry[str]]:
-    """Entries of the directory ``root / rel`` (``""``: the root); a missing, unreadable or
-    linked directory is empty.  Entries' ``is_dir``/``is_file`` must be asked with
-    ``follow_symlinks=False``; their ``path`` is only the name."""
+    """Entries of the directory ``root / rel`` (missing, unreadable or a link: none); ask
+    ``is_dir``/``is_file`` with ``follow_symlinks=False``; ``path`` is only the name."""
     try:
         fd = open_dir_beneath(root, rel)
     except (OSError, ValueError):
@@ -296,12 +284,10 @@ MAX_TREE_DEPTH = 16
 def remove_tree_beneath(root: Path | str, rel: str,
                         removed: Callable[[str, os.stat_result], None] | None = None,
                         passes: int = 3, keep_top: bool = False) -> bool:
-    """Delete the directory ``root / rel`` and everything in it without following a link:
-    each directory is opened relative to its parent (``O_NOFOLLOW``), a link or special file
-    is removed itself, never its target.  ``removed(rel_path, lstat)`` hears of each file
-    removed.  A directory that a writer filled again meanwhile is listed again, up to
-    ``passes`` times; ``keep_top``: ``root / rel`` itself is left, empty.  Whether it is all
-    gone (False: something could not be removed)."""
+    """Delete the directory ``root / rel`` and everything in it following no link (a link
+    is removed itself); ``removed(rel_path, lstat)`` hears of each file.  A directory filled
+    again meanwhile is listed again, up to ``passes`` times; ``keep_top``: ``root / rel``
+    is left, empty.  Whether it is all gone."""
     for _ in range(passes):
         try:
             fd = open_dir_beneath(root, rel)

@@ -69,9 +69,8 @@ def defect(kind: Defect, detail: str = "") -> Verdict:
 
 def judge_chunk(raw_header: bytes | memoryview, expected: Expected,
                 payload_ok: Callable[[ChunkHeader], bool] | None = None) -> Verdict:
-    """Decode ``raw_header`` and check it, then the payload, against what the reader knows;
-    ``payload_ok(header)`` checks the payload against the header's checksum (None: the
-    header alone is judged)."""
+    """Decode ``raw_header`` and check it, then the payload (``payload_ok(header)``; None:
+    the header alone), against what the reader knows."""
     try:
         header = decode_header(raw_header)
     except FormatError as exc:

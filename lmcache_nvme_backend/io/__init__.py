@@ -1,12 +1,10 @@
 """I/O engines (layer 2): move chunk bytes between files and memory.
 
-``engine`` is the seam the store talks through: two batch shapes (read and write shares)
-and the ``ChunkEngine`` protocol, which ``native`` (compiled, batches without the GIL) and
-``python_engine`` (the same in Python) implement; ``engine_for`` picks one, for the store
-and the tools alike.  ``posix`` reads and writes chunk files with O_DIRECT and aligned
-buffers for the Python engine (and reads headers by path); ``kvikio`` reads payloads into
-GPU memory with kvikio (GDS or its compat mode).  Engines know the file layout, not keys,
-indexes or capacity.
+``engine`` is the seam the store talks through (read and write shares, the
+``ChunkEngine`` protocol), implemented by ``native`` (compiled, batches without the GIL) and
+``python_engine``; ``engine_for`` picks one.  ``posix`` does O_DIRECT file I/O for the
+Python engine and the tools; ``kvikio`` reads payloads into GPU memory.  Engines know the
+file layout, not keys, indexes or capacity.
 """
 
 from __future__ import annotations
@@ -19,11 +17,9 @@ if TYPE_CHECKING:
 
 def engine_for(native_io: str, threads: int, write_threads: int, task_size: int, *,
                recycle_bytes: int = 0, recycle_suffix: str | None = None) -> ChunkEngine:
-    """The I/O engine for ``native_io`` (``nvme.native_io``: ``auto``, ``on`` or ``off``):
-    the compiled one (``native.py``) when it is built and not ``off``, else the Python one
-    (``python_engine.py``); ``on`` without it raises ``RuntimeError`` with the fix.
-    ``threads`` readers, ``write_threads`` writers, I/Os of at most ``task_size`` bytes;
-    ``recycle_bytes`` and ``recycle_suffix`` go to the compiled engine only."""
+    """The I/O engine for ``nvme.native_io``: the compiled one when it is built and not
+    ``off``, else the Python one (``on`` without it raises ``RuntimeError``).  ``recycle_*``
+    go to the compiled engine only."""
     from . import native
     from .python_engine import PythonEngine
 

@@ -15,11 +15,10 @@ HUGE_PAGE = 2 * 1024 * 1024
 class AlignedBuffer:
     """Page-aligned private anonymous memory (mmap), usable as an O_DIRECT buffer.
 
-    Buffers of 2 MiB and more start on a 2 MiB boundary and ask for transparent
-    huge pages: a direct read into 4 KiB pages needs one DMA segment per page,
-    and queues with a segment limit (virtio-blk: 254) split every 2 MiB read
-    into several requests.  Measured on a virtio disk: 2 MiB O_DIRECT reads at
-    queue depth 8 ran 2.4x faster into huge-page buffers (docs/cli.md).
+    Buffers of 2 MiB and more start on a 2 MiB boundary and ask for transparent huge
+    pages: into 4 KiB pages a direct read needs a DMA segment per page, and queues with a
+    segment limit (virtio-blk: 254) split it; 2 MiB O_DIRECT reads at depth 8 ran 2.4x
+    faster into huge pages on a virtio disk (docs/cli.md).
     """
 
     def __init__(self, size: int) -> None:

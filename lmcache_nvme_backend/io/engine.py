@@ -1,16 +1,12 @@
 """The seam between the chunk store and an I/O engine: two batch shapes, one result, one protocol.
 
 The store decides (which chunks, which root, how many bytes, what a result means); an
-engine moves bytes.  What crosses between them is plain values, never store objects: a
-batch is a sequence of shares (``ReadShare``, ``WriteShare``: the chunks of one call or
-store task on one root, in one namespace and layout, what is common said once, then
-columns of one length), and the engine hands back one ``Batch``.  The engine makes each
-chunk's file names from its digest and the share's naming
-(``disk.layout.RootLayout.chunk_naming`` / ``write_naming``): no Python per chunk on the
-native engine.
-
-Two engines implement ``ChunkEngine``: the compiled one (``native.py``) and the Python one
-(``python_engine.py``); ``tests/unit/test_engine_contract.py`` runs one suite against both.
+engine moves bytes.  Only plain values cross: a batch is a sequence of shares
+(``ReadShare``, ``WriteShare``: the chunks of one call or task on one root, in one
+namespace and layout, the common part once, then columns of one length), and the engine
+hands back one ``Batch``.  The engine names each chunk's files from its digest and the
+share's naming (``RootLayout.chunk_naming`` / ``write_naming``): no Python per chunk.
+Both engines, ``native.py`` and ``python_engine.py``, pass ``tests/unit/test_engine_contract.py``.
 """
 
 from __future__ import annotations
@@ -19,12 +15,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
-#: A chunk's status in a ``Batch``.  OK: read and verified (header, key, length, metadata,
-#: checksum all match) / written and renamed into place.  JUDGE (reads): the bytes landed
-#: but the quick check did not pass; the details carry the header and the checksum of what
-#: landed for ``disk.validate`` to name the defect.  FAILED: an errno in the details.
-#: NEW_NAMESPACE (writes): published, and the namespace's directory was created for it (the
-#: store writes the namespace's name file).
+#: A chunk's status in a ``Batch``.  OK: read and verified / written and renamed into place.
+#: JUDGE (reads): the bytes landed but the quick check failed; the details carry the header
+#: and checksum for ``disk.validate`` to name the defect.  FAILED: an errno in the details.
+#: NEW_NAMESPACE (writes): published, in a namespace directory made for it.
 OK, JUDGE, FAILED, NEW_NAMESPACE = 0, 1, 2, 3
 
 #: How a root names a chunk's file from its digest, ``(shard_prefix, shard_levels,
@@ -36,29 +30,25 @@ ChunkNaming = tuple[str, int, str]
 WriteNaming = tuple[str, int, str, str]
 
 #: The chunks of a read call on one root in one namespace and layout, ``(root_fd, naming,
-#: direct, payload_len, meta, digests, dests, keys)``: ``meta`` the layout's JSON as the
-#: header holds it, ``keys`` UTF-8; each chunk is read from the file its digest names into
-#: its buffer (at least ``payload_len`` bytes) and checked against its key and ``meta``.
-#: A plain tuple: a named tuple's constructor (a Python function) costs about five times one.
+#: direct, payload_len, meta, digests, dests, keys)``: ``meta`` as the header holds it, keys
+#: UTF-8; each chunk is read into its buffer and checked against its key and ``meta``.  A
+#: plain tuple: a named tuple's constructor costs about five times one.
 ReadShare = tuple[int, ChunkNaming, bool, int, bytes, list[str], list[memoryview], list[bytes]]
 
 #: The chunks of a store task that go to one root, ``(root_fd, naming, namespace, meta,
 #: direct, mode, dir_mode, fsync_level, victims, digests, payloads, keys, gpu_checksums)``:
 #: ``namespace`` and ``meta`` as the header holds them; each chunk is written as its temp
-#: name in its shard directory (made with ``dir_mode`` where missing), mode ``mode``, then
-#: renamed to its final name; ``fsync_level`` 0 none, 1 the file's data, 2 also the
-#: directory; ``victims``: chunk files beneath the same root (relative paths) removed before
-#: the first write (evicted for this share); ``gpu_checksums``: None, or an ``(a, b)`` per
-#: chunk written into its header.
+#: name, then renamed; ``fsync_level`` 0 none, 1 the file's data, 2 also the directory;
+#: ``victims``: relative paths removed before the first write (evicted for this share);
+#: ``gpu_checksums``: None, or an ``(a, b)`` per chunk for its header.
 WriteShare = tuple[int, WriteNaming, bytes, bytes, bool, int, int, int, tuple[str, ...],
                    list[str], list[memoryview], list[bytes], "list[tuple[int, int]] | None"]
 
 
 class Batch(NamedTuple):
-    """A batch's outcome: a status per chunk (OK, JUDGE, FAILED, NEW_NAMESPACE), in the
-    batch's order, and the details of every chunk that is not OK: for reads ``(index,
-    errno, header or None, payload checksum of the bytes that landed)`` (JUDGE: errno 0 and
-    the header; FAILED: the errno, None, 0), for writes ``(index, status, errno)``."""
+    """A batch's outcome: a status per chunk, in order, and the details of every chunk not
+    OK: reads ``(index, errno, header or None, checksum of what landed)``, writes ``(index,
+    status, errno)``."""
 
     statuses: bytes
     details: list[Any]

@@ -1,10 +1,8 @@
 """Opening chunk files: only regular files, never through a link, and the O_DIRECT probe.
 
-Every read of a chunk file by path opens it with :func:`open_for_read`, which never
-follows a link (a path inside a cache tree resolves beneath the root without following one
-in any component, ``disk/safe_fs.py``).  A batch engine reports a failed read as an errno;
-:func:`read_failure` turns it into the exception ``open_for_read`` and the reads raise for
-the same file, so callers classify it alike.
+Every read of a chunk file by path opens it with :func:`open_for_read`; :func:`read_failure`
+turns an errno a batch engine reported into the exception ``open_for_read`` and the reads
+raise for the same file, so callers classify it alike.
 """
 
 from __future__ import annotations
@@ -32,14 +30,9 @@ class ShortFileError(OSError):
 
 
 def probe_direct_io(directory: Path, existing: Path | None = None) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers.
-
-    The probe file has a random name, created ``O_EXCL | O_NOFOLLOW`` (a name planted in
-    the directory is skipped, never followed).  On a full filesystem (ENOSPC / EDQUOT:
-    no block or no inode for the probe) the answer comes from reading ``existing`` (a
-    regular file in the same filesystem, e.g. the cache marker) with O_DIRECT, which
-    needs no space; with no such file the answer is False (buffered I/O, always safe).
-    """
+    """Whether files in ``directory`` accept O_DIRECT writes and reads of aligned buffers
+    (a random probe name, ``O_EXCL | O_NOFOLLOW``); on a full filesystem an O_DIRECT read of
+    ``existing`` (e.g. the cache marker) answers, without one False."""
     if not _O_DIRECT:
         return False
     buf = AlignedBuffer(ALIGNMENT)
@@ -82,11 +75,8 @@ def _probe_answer(exc: OSError, existing: Path | None) -> bool:
 
 
 def probe_direct_read(path: Path) -> bool:
-    """Whether an existing regular file reads with O_DIRECT into an aligned buffer.
-
-    Writes nothing and needs no free space: what ``lmcache-nvme verify`` uses, and
-    the store's probe on a full filesystem.  A missing or unusable file is False.
-    """
+    """Whether an existing regular file reads with O_DIRECT into an aligned buffer (writes
+    nothing: ``verify`` and the probe on a full filesystem use it)."""
     if not _O_DIRECT:
         return False
     buf = AlignedBuffer(ALIGNMENT)
@@ -109,15 +99,8 @@ def _unlink_missing_ok(path: Path) -> None:
 
 
 def open_for_read(path: Path, direct: bool) -> tuple[int, int]:
-    """Open a chunk file for reading; every read of a chunk file by path opens it here.
-    Returns the descriptor and the file's size (from the ``fstat`` of the check).
-
-    ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks the reader) and an ``fstat``
-    check: anything but a regular file raises :class:`NotAChunkFile`, which readers
-    treat as a miss, not a drive error.  A file in a cache tree's shard directory is
-    opened beneath its root without following a link in any component
-    (``disk/safe_fs.py``).
-    """
+    """Open a chunk file for reading (no link followed, ``O_NONBLOCK``): the descriptor and
+    the file's size; anything but a regular file raises :class:`NotAChunkFile` (a miss)."""
     flags = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC | (_O_DIRECT if direct else 0)
     where = split_tree_path(path)
     try:
@@ -142,13 +125,10 @@ def open_for_read(path: Path, direct: bool) -> tuple[int, int]:
 
 
 def read_failure(path: Path, err: int) -> OSError:
-    """The exception a read of the chunk file ``path`` raises here for what an engine
-    reported as ``err``: ``FileNotFoundError`` (ENOENT), ``PermissionError`` (EACCES,
-    EPERM), ``ShortFileError`` (ENODATA: shorter than its header and payload),
-    ``NotAChunkFile`` for a link, a non-directory in the tree, a path out of the root, or
-    something not a regular file at ``path`` (ELOOP, ENOTDIR, EXDEV; EINVAL, ENXIO, EISDIR
-    when an ``lstat`` finds no regular file there), else ``OSError(err)`` (ESTALE, EIO,
-    ...).  What is there is found without following a link."""
+    """The exception a read of ``path`` raises here for what an engine reported as
+    ``err``: ``FileNotFoundError``, ``PermissionError``, ``ShortFileError`` (ENODATA),
+    ``NotAChunkFile`` for a link, a non-directory in the tree, a path out of the root or
+    anything but a regular file (found by ``lstat``, no link followed), else ``OSError``."""
     text = os.strerror(err)
     if err == errno.ENOENT:
         return FileNotFoundError(err, text, str(path))
@@ -176,10 +156,8 @@ def read_failure(path: Path, err: int) -> OSError:
 
 
 def _found_at(path: Path) -> tuple[str, Path] | None:
-    """What blocks the way to ``path``: the first entry of the cache tree on it (from the
-    root, which is trusted) that is not a real directory, or the file itself, as ``(kind,
-    where)``; None when nothing is there.  Each entry is ``lstat``-ed (never followed)
-    after every one before it was found a real directory."""
+    """``(kind, where)`` of the first entry on the way to ``path`` (from its trusted root)
+    that is not a real directory, or of the file itself; None when nothing is there."""
     where = split_tree_path(path)
     root, parts = (Path(where[0]), where[1].split("/")) if where else (path.parent, [path.name])
     at = root

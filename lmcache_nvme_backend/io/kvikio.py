@@ -1,13 +1,10 @@
 """Payload readers into GPU memory: kvikio (GDS or its compat mode) and a POSIX one.
 
-A payload sits at a 4 KiB-aligned offset of its chunk file (docs/format.md); a
-reader fills a contiguous uint8 CUDA tensor with it.  ``KvikioPayloadReader``
-issues kvikio ``CuFile.pread`` for every payload of a batch at once (the drive
-DMAs into GPU memory with cuFile/GDS; kvikio's pinned bounce buffers in compat
-mode).  ``PosixTensorPayloadReader`` reads the same bytes with ``os.preadv`` into
-a CPU tensor, so the GPU reader's logic is tested on machines without a GPU.
-
-kvikio is imported only when a reader is built: this module imports anywhere.
+A reader fills a contiguous uint8 CUDA tensor with a payload (at a 4 KiB-aligned offset
+of its chunk file).  ``KvikioPayloadReader`` issues kvikio ``CuFile.pread`` for every
+payload of a batch at once (DMA with cuFile/GDS, bounce buffers in compat mode);
+``PosixTensorPayloadReader`` reads the same bytes into a CPU tensor, so the GPU reader's
+logic is tested without a GPU.  kvikio is imported only when a reader is built.
 """
 
 from __future__ import annotations
@@ -47,10 +44,9 @@ class PayloadReader(Protocol):
 class KvikioPayloadReader:
     """kvikio ``CuFile.pread`` of every payload of a batch at once (kvikio's thread pool).
 
-    ``num_threads`` and ``task_size`` are process-wide kvikio settings: a
-    payload larger than the task size is split into tasks read in parallel.
-    With ``strict`` kvikio's compat mode is switched off, so a file cuFile
-    cannot serve fails loudly instead of going through bounce buffers.
+    ``num_threads`` and ``task_size`` are process-wide kvikio settings (a larger payload
+    is split into tasks read in parallel).  ``strict`` switches compat mode off, so a file
+    cuFile cannot serve fails loudly instead of going through bounce buffers.
     """
 
     name = "kvikio"

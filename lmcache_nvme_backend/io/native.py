@@ -1,21 +1,15 @@
 """The native I/O engine: batches of chunk reads and writes run without the GIL.
 
-The compiled module (``io/csrc``: ``module.c`` the Python binding, ``batches.c`` a list of
-shares made into one batch and its outcome handed back, ``workers.c`` the queues and
-threads, ``chunkio.c`` one chunk's open, vectored I/O, block hashes and verdict, ``pool.c``
-removed files kept for reuse, ``xxh3.c`` the checksum) is built at install time when a C
-compiler is there (``setup.py``; optional).  It runs the same steps
-as the Python engine (``python_engine.py``, each chunk ``python_chunks.py``) for a whole
-batch per GIL round trip: on a big server one process then moves many GiB/s before the
-interpreter becomes its limit (``docs/benchmarks.md``, "GIL ceiling").
-
-What stays in Python: deciding per batch (the index, placement, capacity), and every case
-that is not the common one.  A read the engine could not verify comes back with its header
-and checksum for ``disk/validate.judge_chunk`` to name the defect; a read that failed comes
-back with its errno, which ``io.files.read_failure`` turns into the exception that
-classifies it (gone, planted, short, drive error), as for the Python engine.  A write that
-made its namespace's directory comes back ``NEW_NAMESPACE`` for the store to write the
-namespace's name file.
+The compiled module (``io/csrc``: ``module.c`` the binding, ``batches.c`` shares into a
+batch and its outcome, ``workers.c`` queues and threads, ``chunkio.c`` one chunk's I/O,
+hashes and verdict, ``pool.c`` removed files kept for reuse, ``xxh3.c`` the checksum) is
+built at install time when a C compiler is there (``setup.py``; optional).  It runs the
+Python engine's steps (``python_engine.py``, ``python_chunks.py``) for a whole batch per GIL
+round trip, so one process moves many GiB/s before the interpreter limits it
+(``docs/benchmarks.md``, "GIL ceiling").  Python keeps the decisions (index, placement,
+capacity) and every uncommon case: an unverified read comes back with its header and
+checksum for ``disk/validate.judge_chunk``, a failed one with its errno for
+``io.files.read_failure``, a write that made its namespace's directory as ``NEW_NAMESPACE``.
 """
 
 from __future__ import annotations
@@ -56,10 +50,9 @@ def unavailable_reason() -> str:
 
 def counters() -> dict[str, int]:
     """The engine's process-wide counters: GIL releases (``gil_releases``, of them
-    ``wake_releases``), bytes hashed (``hashed_bytes``) and the checksum's CPU time, sampled:
-    one hash call in eight per thread is timed (``hash_sampled_ns`` over
-    ``hash_sampled_bytes``); see ``hash_cpu_ns``; and the chunks written while they were
-    hashed (``overlapped_writes``: O_DIRECT chunks of two blocks or more, through Linux AIO)."""
+    ``wake_releases``), ``hashed_bytes``, the checksum's CPU time sampled in one hash call in
+    eight (``hash_sampled_ns`` over ``hash_sampled_bytes``, see ``hash_cpu_ns``), and
+    ``overlapped_writes`` (O_DIRECT chunks written through Linux AIO while hashed)."""
     return dict(_native.counters()) if _native is not None else {}
 
 
@@ -73,17 +66,15 @@ def hash_cpu_ns(before: dict[str, int], after: dict[str, int]) -> float:
     return (after["hash_sampled_ns"] - before["hash_sampled_ns"]) * hashed / sampled
 
 
-#: ``memory_view(address, length)``: a writable byte view of ``length`` bytes at ``address``
-#: (None without the engine); the caller keeps the memory alive while the view is in use.
-#: The extension's own function when it is built (called for every chunk moved).
+#: ``memory_view(address, length)``: a writable byte view of the memory at ``address`` (None
+#: without the engine), which the caller keeps alive while the view is in use.
 memory_view: Callable[[int, int], memoryview | None] = (
     _native.memory_view if _native is not None else lambda address, length: None)
 
 
-#: ``gc_untrack(*objs)``: the cycle collector no longer tracks these objects, which must
-#: never be part of a reference cycle (the index and its entries: every full collection
-#: visited them all with the GIL held, 0.17 s per million entries).  A no-op without the
-#: engine: the cycle collector keeps tracking them (Python cannot stop it).
+#: ``gc_untrack(*objs)``: the cycle collector stops tracking these objects, never part of a
+#: cycle (the index entries: a full collection took 0.17 s per million); a no-op without the
+#: engine.
 gc_untrack: Callable[..., None] = (
     _native.gc_untrack if _native is not None else lambda *objs: None)
 
@@ -101,10 +92,8 @@ class NativeEngine:
 
     def __init__(self, threads: int, write_threads: int, task_size: int,
                  recycle_bytes: int = 0, recycle_suffix: str | None = None) -> None:
-        """``recycle_bytes``: up to this many bytes of chunk files removed through the
-        engine (``unlink``, a write's victims) are kept, renamed ``<name><recycle_suffix>``
-        in their directory, for later writes of the same size to overwrite in place instead
-        of creating, allocating and freeing a file each; ``close`` removes what is left."""
+        """``recycle_bytes``: up to this many bytes of removed chunk files are kept, renamed
+        ``<name><recycle_suffix>``, for writes of the same size to overwrite in place."""
         if _native is None:
             raise RuntimeError(unavailable_reason())
         self._engine = _native.Engine(threads, write_threads, task_size, recycle_bytes,
@@ -116,7 +105,6 @@ class NativeEngine:
         self._completer.start()
 
     def read(self, shares: Sequence[ReadShare]) -> Batch:
-        """Read and verify a batch; the calling thread helps and returns when all are done."""
         return Batch(*self._engine.read_shares(shares))
 
     def submit_read(self, shares: Sequence[ReadShare], on_done: OnDone) -> None:
@@ -124,9 +112,8 @@ class NativeEngine:
         self._engine.submit_read_shares(shares, on_done)
 
     def submit_write(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
-        """Start writing a batch (the engine's writers, at nice 10, let reads in flight go
-        first for up to 50 ms); ``on_done(batch)`` runs on ``nvme-io-done`` after it; the
-        batch's chunks come back share by share, in order."""
+        """Start writing a batch (writers at nice 10 let reads go first for up to 50 ms);
+        ``on_done(batch)`` runs on ``nvme-io-done`` after it."""
         self._engine.submit_shares(shares, on_done)
 
     def writer_thread_ids(self) -> list[int]:
@@ -134,27 +121,22 @@ class NativeEngine:
         return list(self._engine.thread_ids())[self._threads:]
 
     def cancel_writes(self) -> int:
-        """Writes not started yet end as ``ECANCELED`` (a closing store); how many."""
         return int(self._engine.cancel_writes())
 
     def wait(self, timeout_s: float, signals: tuple[int, ...] = ()
              ) -> list[tuple[OnDone, Batch]] | None:
         """Finished batches (``[]`` after ``timeout_s``); None once closed and drained.  First
-        adds 1 to each eventfd in ``signals`` (at most ``MAX_WAIT_SIGNALS``), in the release
-        of the GIL that waiting makes anyway."""
+        signals each eventfd in ``signals``, in the GIL release that waiting makes anyway."""
         done = self._engine.wait(timeout_s, signals)
         return None if done is None else [(token, Batch(*res)) for token, res in done]
 
     def reading(self) -> AbstractContextManager[None]:
-        """Held while reading outside the engine: the compiled writers see only the engine's
-        own reads in flight, so this changes nothing."""
+        """Changes nothing: the compiled writers see only the engine's own reads."""
         return contextlib.nullcontext()
 
     def signal_later(self, eventfd: int) -> bool:
-        """In a batch's ``on_done`` (on ``nvme-io-done``): have ``eventfd`` signalled when the
-        thread goes back to waiting, moments later, in the same GIL release (signalling it
-        here would release and re-acquire the GIL once more).  False on any other thread:
-        the caller signals it itself."""
+        """On ``nvme-io-done``: have ``eventfd`` signalled in the thread's next GIL release
+        (saving one release here); False on any other thread: the caller signals it."""
         if threading.get_ident() != self._completer.ident:
             return False
         if eventfd not in self._signals:
@@ -164,9 +146,7 @@ class NativeEngine:
         return True
 
     def unlink(self, items: Sequence[tuple[int, str]]) -> list[int]:
-        """Remove chunk files ``(root_fd, rel)`` on the calling thread (or keep them for
-        reuse, see ``recycle_bytes``); an errno per item (0: removed).  No link in a file's
-        directories is followed."""
+        """``ChunkEngine.unlink``, keeping files for reuse (see ``recycle_bytes``)."""
         return list(self._engine.unlink(items))
 
     def retired_bytes(self) -> int:
@@ -174,7 +154,6 @@ class NativeEngine:
         return int(self._engine.retired_bytes())
 
     def close(self) -> None:
-        """Finish queued reads and writes, hand back their batches, stop every thread."""
         self._engine.close()
         if self._completer is not threading.current_thread():
             self._completer.join()

@@ -1,12 +1,10 @@
 """Host I/O of chunk files: O_DIRECT and aligned buffers, for the Python engine and the tools.
 
-What is here knows the file layout (header, then a 4 KiB-aligned padded payload) but
-nothing about keys, indexes or capacity: ``write_chunk`` and ``read_chunk`` move a whole
-chunk file (the Python engine, ``python_chunks.py``, one chunk per call), ``read_header``
-reads a header by path (metadata reads, the tools).  A payload moves in I/Os of at most
-``task_size`` bytes, the header in the same vectored call as the first; zero copy where the
-caller's buffer is 4 KiB aligned (only a sub-4 KiB tail goes through a staging buffer), one
-staging copy where it is not.
+It knows the file layout (header, then a 4 KiB-aligned padded payload), not keys, indexes
+or capacity: ``write_chunk`` and ``read_chunk`` move a whole chunk file, ``read_header``
+reads a header by path.  A payload moves in I/Os of at most ``task_size`` bytes, the header
+in the first; zero copy where the caller's buffer is 4 KiB aligned (only a sub-4 KiB tail
+is staged), one staging copy where it is not.
 """
 
 from __future__ import annotations

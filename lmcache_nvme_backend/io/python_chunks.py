@@ -1,24 +1,19 @@
 """One chunk read or written by the Python engine, from a share's plain values.
 
-What ``csrc/chunkio.c`` does per chunk, so that both engines give the same statuses and
-errnos for the same files.  Paths resolve beneath the root's descriptor with
-``disk/resolve.py`` (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, else the
-``O_NOFOLLOW`` walk) and keep their errnos as they come (a link is ``ELOOP`` or
-``ENOTDIR``, a path out of the root ``EXDEV``), as the compiled engine reports them:
+What ``csrc/chunkio.c`` does per chunk, with the same statuses and errnos.  Paths resolve
+beneath the root's descriptor (``disk/resolve.py``) and keep their errnos as they come (a
+link is ``ELOOP`` or ``ENOTDIR``, a path out of the root ``EXDEV``):
 
-* a read opens its file ``O_NONBLOCK`` (a FIFO never blocks) and reads only a regular file
-  (else ``EINVAL``), header and payload (``posix.read_chunk``); a file shorter than its
-  header and payload is ``ENODATA``; the checksum of what landed and the header then judge
-  the chunk (``format.quick_verdict``);
-* a write removes its share's victims (on the share's first chunk), opens its shard
-  directory (making what is missing, exactly ``dir_mode``), creates its temp name
-  ``O_EXCL | O_NOFOLLOW`` with exactly ``mode`` (a dead writer's leftover is replaced
-  once), writes the header and payload (``posix.write_chunk``), syncs as asked and renames
-  it into place; any failure removes the temp file.
+* a read opens its file ``O_NONBLOCK`` and reads only a regular file (else ``EINVAL``); a
+  file shorter than header and payload is ``ENODATA``; the checksum of what landed and the
+  header then judge the chunk (``format.quick_verdict``);
+* a write removes its share's victims (with the share's first chunk), opens its shard
+  directory (making what is missing), creates its temp name ``O_EXCL | O_NOFOLLOW`` (a
+  dead writer's leftover is replaced once), writes, syncs as asked and renames it into
+  place; any failure removes the temp file.
 
-``shares_to_reads`` and ``shares_to_writes`` turn batches (``engine.ReadShare``,
-``engine.WriteShare``) into these chunks, refusing a malformed share as the compiled
-engine does before anything runs.
+``shares_to_reads`` and ``shares_to_writes`` turn batches into these chunks, refusing a
+malformed share as the compiled engine does, before anything runs.
 """
 
 from __future__ import annotations
@@ -66,8 +61,7 @@ class ShareRead:
     detail: tuple[int, bytes | None, int] | None = None
 
     def run(self, task_size: int) -> None:
-        """Read and judge the chunk in I/Os of at most ``task_size``; its buffer is let go of
-        either way."""
+        """Read and judge the chunk in I/Os of at most ``task_size``; the buffer is let go."""
         try:
             header = self._read(task_size)
             # the checksum as the header that landed states its version (1: the whole
@@ -102,8 +96,7 @@ class ShareRead:
             os.close(fd)
 
     def release(self) -> None:
-        """Let go of the destination (its owner may free or resize it once the batch is
-        handed back, as after the compiled engine)."""
+        """Let go of the destination (its owner may free it once the batch is handed back)."""
         _release(self.dest)
 
 
@@ -131,8 +124,7 @@ class ShareWrite:
 
     def run(self, task_size: int) -> None:
         """Remove the victims, write, sync and publish: OK, NEW_NAMESPACE (this write made the
-        namespace's directory) or FAILED with the errno.  The payload is let go of either
-        way."""
+        namespace's directory) or FAILED with the errno; the payload is let go."""
         try:
             for victim in self.victims:
                 unlink_at(self.root_fd, victim)
@@ -164,8 +156,7 @@ class ShareWrite:
         _release(self.payload)
 
     def _publish(self, task_size: int) -> int:
-        """The chunk written as its temp name, synced as asked and renamed into place; the
-        first component of ``dir_rel`` this call made (-1: none)."""
+        """Write, sync and rename; the first component of ``dir_rel`` made (-1: none)."""
         created_at = -1
         # O_PATH: a descriptor only to name entries by; fsync needs a real one
         flags = (os.O_RDONLY if self.fsync_level >= 2 else _O_PATH) | os.O_DIRECTORY
@@ -210,8 +201,7 @@ class ShareWrite:
 
 
 def unlink_at(root_fd: int, rel: str) -> int:
-    """Remove the file ``rel`` beneath the root (its directory reached without following a
-    link; a link at ``rel`` itself is removed, never its target); 0 or an errno."""
+    """Remove the file ``rel`` beneath the root, following no link; 0 or an errno."""
     directory, _, name = rel.rpartition("/")
     try:
         if not directory:
@@ -235,8 +225,7 @@ def _remove(name: str, dir_fd: int) -> None:
 
 
 def _release(view: memoryview) -> None:
-    """Let go of a view now; one still exported (held by a traceback after a failure) is
-    let go of by the garbage collector instead."""
+    """Let go of a view now (one still exported is left to the garbage collector)."""
     with contextlib.suppress(BufferError):
         view.release()
 
@@ -245,17 +234,14 @@ def _release(view: memoryview) -> None:
 
 
 def shard_dir(prefix: str, levels: int, digest: str) -> str:
-    """A chunk's shard directory as ``RootLayout`` names it (``csrc/module.c``
-    ``put_shard_dir``): the prefix and the digest's first two characters, and with two
-    levels ``/`` and the next two."""
+    """A chunk's shard directory as ``RootLayout`` names it (``csrc`` ``put_shard_dir``)."""
     return prefix + digest[0:2] + ("/" + digest[2:4] if levels == 2 else "")
 
 
 def _checked(share: object, n: int, kind: str, length: int, at: int
              ) -> tuple[str, str, int, list[str]]:
-    """What reads and writes check of a share: a tuple of ``length``, its naming (3 fields
-    for reads, 4 for writes), its columns from ``at`` (digests, buffers, keys: lists of one
-    length; keys bytes; digests lowercase hex); ``(what, prefix, levels, suffixes)``."""
+    """The checks of a share common to reads and writes (its length, naming, and the
+    digests, buffers and keys columns from ``at``); ``(what, prefix, levels, suffixes)``."""
     what = f"{kind} share {n}"
     if not isinstance(share, tuple) or len(share) != length:
         raise TypeError(f"{what} is not a tuple of {length}")
@@ -297,8 +283,8 @@ def _byte_view(buf: object, writable: bool) -> memoryview:
 
 
 def shares_to_reads(shares: Sequence[ReadShare]) -> list[ShareRead]:
-    """The chunks of a read batch, share by share; ``TypeError`` / ``ValueError`` /
-    ``BufferError`` for a malformed share (then no buffer is kept)."""
+    """The chunks of a read batch; ``TypeError``, ``ValueError`` or ``BufferError`` for a
+    malformed share (then no buffer is kept)."""
     reads: list[ShareRead] = []
     try:
         for n, share in enumerate(shares):
@@ -322,8 +308,8 @@ def shares_to_reads(shares: Sequence[ReadShare]) -> list[ShareRead]:
 
 
 def shares_to_writes(shares: Sequence[WriteShare]) -> list[ShareWrite]:
-    """The chunks of a write batch, share by share (a share's victims with its first
-    chunk); ``TypeError`` / ``ValueError`` for a malformed share (then no buffer is kept)."""
+    """The chunks of a write batch; ``TypeError`` or ``ValueError`` for a malformed share
+    (then no buffer is kept)."""
     writes: list[ShareWrite] = []
     try:
         for n, share in enumerate(shares):

@@ -1,29 +1,22 @@
 """The Python I/O engine: the seam's batches (``engine.py``) on Python threads.
 
-It implements ``ChunkEngine`` with the behaviour of the compiled engine (``native.py`` over
-``csrc/``): the same statuses, details and errnos for the same files, from the same plain
-values (``tests/unit/test_engine_contract.py`` runs one suite against both).  It is what a
-store runs where the extension was not built, and the reference the compiled engine is
-checked against.  Each chunk is one job (``python_chunks.py``); this module owns the
-threads and the batches:
+It gives the compiled engine's (``native.py`` over ``csrc/``) statuses, details and errnos
+for the same files (``tests/unit/test_engine_contract.py`` runs one suite on both); a store
+runs it where the extension was not built.  Each chunk is one job (``python_chunks.py``);
+this module owns the threads and the batches:
 
-* **reads**: ``threads`` reader threads take a batch's chunks in order, several at once
-  (the system calls and the checksum let go of the GIL); a chunk over ``task_size`` is
-  read in pieces, in order, by its one job (the compiled engine reads them in parallel);
-  ``read`` helps with its own batch on the calling thread (a batch of at most
-  ``INLINE_CHUNKS`` runs there alone, no hand-off), ``submit_read`` hands the batch to the
-  readers and ``on_done`` runs on the one that ends its last chunk;
-* **writes**: ``write_threads`` writer threads take the chunks of the batches in order;
-  they are background work (a read is what an inference request waits for), so they run
-  at nice ``WRITER_NICE`` (never taking a core from the inference engine's threads when
-  the host is busy) and before each chunk a writer lets reads in flight go first, for at
-  most ``READS_FIRST_S`` so that writes never starve (the compiled engine does the same,
-  ``csrc/workers.c``: ``WRITER_NICE``, ``WRITERS_YIELD_S``); each chunk's payload is
-  hashed whole before its header goes out with the first I/O; ``on_done`` runs on the
-  writer that ends a batch's last chunk.
+* **reads**: ``threads`` reader threads take a batch's chunks in order (system calls and
+  checksums let go of the GIL); a chunk over ``task_size`` is read in pieces by its one
+  job; ``read`` helps on the calling thread (a batch of at most ``INLINE_CHUNKS`` runs
+  there alone), ``submit_read`` hands the batch over and ``on_done`` runs on the reader
+  that ends its last chunk;
+* **writes**: ``write_threads`` writer threads take the batches' chunks in order at nice
+  ``WRITER_NICE`` (a read is what inference waits for), and before each chunk let reads in
+  flight go first, for at most ``READS_FIRST_S`` so writes never starve (as
+  ``csrc/workers.c`` does); ``on_done`` runs on the writer that ends a batch.
 
-A callback that raises is logged; no thread ever dies of one.  ``close`` lets every queued
-batch finish and hands it back before the threads end.
+A callback that raises is logged; no thread dies of one.  ``close`` lets every queued batch
+finish and hands it back before the threads end.
 """
 
 from __future__ import annotations
@@ -64,7 +57,7 @@ class ReadPriorityGate:
         self._cond = threading.Condition()
 
     def begin_read(self) -> None:
-        """A read starts (pair with ``end_read``; an asynchronous read ends on another thread)."""
+        """A read starts (an asynchronous read ends on another thread)."""
         with self._cond:
             self._readers += 1
 
@@ -84,8 +77,7 @@ class ReadPriorityGate:
             self.end_read()
 
     def wait_for_readers(self) -> bool:
-        """Block while reads are in flight, at most ``max_wait_s``; True if the writer had
-        to wait."""
+        """Block while reads are in flight, at most ``max_wait_s``; whether it waited."""
         with self._cond:
             if self._readers == 0 or self._released:
                 return False
@@ -94,8 +86,7 @@ class ReadPriorityGate:
             return True
 
     def release_writers(self) -> None:
-        """From now on writers never wait (an engine that closes: its queued writes go at
-        once); a writer waiting now goes on."""
+        """From now on writers never wait (a closing engine's queued writes go at once)."""
         with self._cond:
             self._released = True
             self._cond.notify_all()
@@ -129,8 +120,6 @@ class PythonEngine:
     name = "python"
 
     def __init__(self, threads: int, write_threads: int, task_size: int) -> None:
-        """``threads`` readers, ``write_threads`` writers, I/Os of at most ``task_size`` bytes
-        (a positive multiple of 4 KiB)."""
         if threads < 1 or write_threads < 1 or task_size < ALIGNMENT or task_size % ALIGNMENT:
             raise ValueError("threads and write_threads must be >= 1 and task_size a "
                              f"positive multiple of {ALIGNMENT}")
@@ -157,7 +146,6 @@ class PythonEngine:
     # -- reads -----------------------------------------------------------------------------
 
     def read(self, shares: Sequence[ReadShare]) -> Batch:
-        """Read and verify a batch; the calling thread helps and returns when all are done."""
         self._refuse_if_closed()
         finished = threading.Event()
         batch = _Batch(shares_to_reads(shares), lambda _: finished.set())
@@ -183,8 +171,7 @@ class PythonEngine:
             self._reads_ready.notify(max(1, len(batch.chunks)))
 
     def _read_next(self, batch: _Batch) -> bool:
-        """Run the batch's next chunk not taken yet; False when none was left (a batch with
-        none at all is handed back then)."""
+        """Run the batch's next chunk; False when none was left (an empty one is handed back)."""
         try:
             chunk = batch.pending.popleft()
         except IndexError:
@@ -203,8 +190,7 @@ class PythonEngine:
     # -- writes ----------------------------------------------------------------------------
 
     def submit_write(self, shares: Sequence[WriteShare], on_done: OnDone) -> None:
-        """Start writing a batch; ``on_done(batch)`` runs on the writer that ends it (the
-        batch's chunks come back share by share, in order)."""
+        """Start writing a batch; ``on_done(batch)`` runs on the writer that ends it."""
         batch = _Batch(writes := shares_to_writes(shares), on_done)
         with self._lock:
             self._refuse_if_closed(writes)
@@ -212,8 +198,7 @@ class PythonEngine:
             self._writes_ready.notify(max(1, len(writes)))
 
     def cancel_writes(self) -> int:
-        """Chunks not started yet end as ``ECANCELED`` (a closing store); how many.  Their
-        batches are handed back on a writer, as any other."""
+        """Chunks not started yet end as ``ECANCELED`` (a closing store); how many."""
         with self._lock:
             queued = list(self._writes)
             self._writes.clear()
@@ -246,8 +231,6 @@ class PythonEngine:
     # -- the rest of the protocol ------------------------------------------------------------
 
     def unlink(self, items: Sequence[tuple[int, str]]) -> list[int]:
-        """Remove chunk files ``(root_fd, rel)`` now, on the calling thread, without following
-        a link in their directories; an errno per item (0: removed)."""
         return [unlink_at(root_fd, rel) for root_fd, rel in items]
 
     def reading(self) -> AbstractContextManager[None]:
@@ -269,9 +252,8 @@ class PythonEngine:
         return 0
 
     def close(self) -> None:
-        """Finish queued reads and writes, hand back their batches, stop every thread (the
-        calling one excepted, when a callback closes the engine).  Later calls do nothing
-        more; reads and writes are then refused."""
+        """Finish queued reads and writes, hand back their batches, stop every thread (but
+        the calling one); later reads and writes are refused."""
         with self._lock:
             self._closing = True
             self._reads_ready.notify_all()
@@ -283,8 +265,7 @@ class PythonEngine:
 
     def _serve(self, queue: deque[_Entry], ready: threading.Condition,
                run: Callable[[_Entry], object]) -> None:
-        """An engine thread: ``run`` each entry of ``queue`` as it comes, until the engine
-        closes and every queued entry ran."""
+        """An engine thread: ``run`` each entry of ``queue`` until closed and drained."""
         while True:
             with self._lock:
                 while not queue and not self._closing:

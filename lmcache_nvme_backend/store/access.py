@@ -1,11 +1,9 @@
 """Can this process use a cache directory?  The store's check at start, before it creates
 anything there (``disk/probe.py``'s probe, which ``doctor`` and ``check-config`` report).
 
-One it cannot use is refused with one ``NVMeConfigError`` naming the setting, the
-directory and the fix.  A common case: a tree created by one user (a server once started
-as root leaves ``index/``, ``quarantine/`` and ``ns/...`` owned by root, mode ``0700``)
-and opened by another; the error then names the directory, its owner and mode, this
-process's user, and the ``chown`` that fixes it.
+One it cannot use is refused with an ``NVMeConfigError`` naming the setting, the
+directory and the fix; for a tree another user created (a server once started as root),
+the directory's owner and mode, this process's user, and the ``chown`` that fixes it.
 """
 
 from __future__ import annotations
@@ -44,10 +42,9 @@ def path_error(key_prefix: str, problem: str, fix: str = "") -> NVMeConfigError:
 
 def require_usable_root(path: Path, shared: bool = False,
                         key_prefix: str = EXTRA_CONFIG_PREFIX) -> PathProbe:
-    """Probe ``path`` and raise ``NVMeConfigError`` naming ``<key_prefix>path``, the problem
-    and the fix when the store cannot use it; else the probe (whether the path exists, the
-    tree's layout).  In ``shared`` mode a cache directory this process may not write is
-    served read-only (``store/shared/member.py``)."""
+    """The probe of ``path``, or ``NVMeConfigError`` (naming ``<key_prefix>path``, the
+    problem and the fix) when the store cannot use it; in ``shared`` mode a directory this
+    process may not write is served read-only."""
     probe = probe_path(path, tree=os.geteuid() != 0)
     found = path_problem(probe, shared)
     if found is not None:
@@ -60,10 +57,9 @@ def require_usable_root(path: Path, shared: bool = False,
 
 
 def check_paths(settings: NVMeSettings) -> None:
-    """Check every directory of ``settings.paths`` as the store does when it opens it, and
-    raise ``NVMeConfigError`` for the first one it would refuse: a launcher's pre-start
-    check (``examples/quickstart.py``).  Creates nothing (one probe file per path, removed at
-    once): a missing directory passes when it can be created under its nearest parent."""
+    """Check every directory of ``settings.paths`` as the store would, raising
+    ``NVMeConfigError`` for the first it would refuse: a launcher's pre-start check
+    (``examples/quickstart.py``).  Creates nothing but one probe file per path."""
     for path in settings.paths:
         require_usable_root(path, settings.shared, settings.key_prefix)
 

@@ -115,10 +115,9 @@ class Catalog:
 
     def register(self, digests: Iterable[str], now_ns: int, ns_id: str,
                  stale: list[IndexEntry]) -> list[bool]:
-        """Mark each chunk of namespace ``ns_id`` pending (being written); False for one
-        already stored or pending (a use, for LRU).  A chunk indexed under another namespace
-        (its key under another build of the model's weights) leaves the index into
-        ``stale``, for its file to be removed, and is registered afresh."""
+        """Mark each chunk of namespace ``ns_id`` pending; False for one already stored or
+        pending (a use, for LRU).  One indexed under another namespace (another build of the
+        weights) leaves the index into ``stale`` (its file to remove) and is registered."""
         fresh: list[bool] = []
         with self._lock:
             for digest in digests:
@@ -174,9 +173,8 @@ class Catalog:
             self.accounting.on_release(root, size)
 
     def publish_many(self, published: Iterable[tuple[IndexEntry, int]]) -> None:
-        """Index chunk files just published, each in place of its reservation and no longer
-        pending, under one lock hold (shared mode: the entries are this member's, and its
-        account hears of each, outside the lock)."""
+        """Index chunk files just published in place of their reservations, under one lock
+        hold (shared mode: owned by this member, whose account hears of each, unlocked)."""
         done: list[tuple[IndexEntry, IndexEntry | None, int]] = []
         with self._lock:
             index, pending, members = self._index, self._pending, self.members
@@ -195,8 +193,7 @@ class Catalog:
     def publish_layout(self, digests: Sequence[str], roots: Sequence[int], ns_id: str,
                        size: int, meta: TensorMeta, now_ns: int) -> None:
         """``publish_many`` for chunks of one namespace and layout, each ``size`` bytes on
-        disk and reserved as such: one entry built per chunk and nothing else, under one lock
-        hold (shared mode: through ``publish_many``, which the accounts hear of)."""
+        disk and reserved: one entry built per chunk (shared mode: ``publish_many``)."""
         if self.accounting is not None or self.members:
             self.publish_many([(IndexEntry(digest, ns_id, root, size, meta, now_ns), size)
                                for digest, root in zip(digests, roots, strict=True)])
@@ -209,9 +206,8 @@ class Catalog:
 
     def add_recovered(self, root: int, entries: Sequence[IndexEntry],
                       enforce_budget: bool = True) -> list[IndexEntry]:
-        """Index the chunks found at start (oldest first); the ones over the budget (lowered,
-        or a stale manifest) are removed LRU first and returned for the caller to delete (in
-        shared mode, ``enforce_budget`` False, the directory's ledger decides instead)."""
+        """Index the chunks found at start (oldest first); with ``enforce_budget``, the ones
+        over the budget are removed LRU first and returned for the caller to delete."""
         over: list[IndexEntry] = []
         with self._lock:
             for entry in entries:
@@ -250,8 +246,7 @@ class Catalog:
 
     def drop_namespace(self, root: int, ns_id: str) -> list[IndexEntry]:
         """Take every entry of namespace ``ns_id`` on ``root`` out of the index (its
-        directory was removed); the ones removed.  A walk of the whole table under the lock
-        (about 40 ms a million entries), once for each namespace removed."""
+        directory was removed; a walk of the table, 40 ms a million entries)."""
         with self._lock:
             return self._index.drop_namespace(root, ns_id)
 
@@ -265,10 +260,9 @@ class Catalog:
     def apply_remote(self, published: Sequence[IndexEntry], deleted: Sequence[str],
                      accessed: Sequence[str], now_ns: int
                      ) -> tuple[int, list[IndexEntry], list[tuple[str, str]]]:
-        """What another member's journal said: chunks it published (indexed, most recently
-        used, owned by it), deleted and read.  Returns how many chunks were new here, the
-        entries removed, and ``(digest, previous owner)`` where two members published the
-        same chunk."""
+        """Apply another member's journal: chunks it published (owned by it, most recently
+        used), deleted and read.  How many were new here, the entries removed, and
+        ``(digest, previous owner)`` where two members published the same chunk."""
         added = 0
         doubles: list[tuple[str, str]] = []
         with self._lock:

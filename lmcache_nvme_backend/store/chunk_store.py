@@ -1,10 +1,9 @@
 """``ChunkStore``: the storage core's one entry point, a façade over its parts.
 
-Keys here are plain strings (the adapters translate LMCache keys); payloads are host
-buffers.  ``submit_many`` registers and enqueues a chunk (the caller never waits for the
-drive); a writer thread publishes it atomically; ``read_into`` serves it only after
-header, key, length and payload checksum match; on restart the directory tree and the
-manifest rebuild the index (``docs/architecture.md`` names each part's module).
+Keys are plain strings (the adapters translate LMCache keys); payloads are host buffers.
+Writes are queued and published atomically by writer threads; a read is served only after
+header, key, length and payload checksum match; a restart rebuilds the index from the tree
+and the manifest (``docs/architecture.md`` names each part's module).
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ class ChunkStore:
             self._room.shared = self._shared
         self._manifests = ManifestKeeper(self._roots, self._catalog, settings.file_mode,
                                          settings.manifest_interval_s)
-        # namespace directories removed meanwhile (lmcache-nvme forget): looked at once now,
-        # then every second
+        # namespace directories removed (lmcache-nvme forget): checked now, then every second
         self._namespaces = NamespaceWatch(self._catalog, self._roots, self._room, self._shared)
         self._namespaces.check()
         self._namespaces.start()
@@ -103,9 +101,8 @@ class ChunkStore:
         return self._lookup(key, None, pin)
 
     def lookup(self, key: str, namespace: str, pin: bool = False) -> bool:
-        """Whether ``key`` is stored in ``namespace`` (optionally pinned).  Memory only: with
-        ``nvme.shared`` the index also holds what the other processes published (read from
-        their journals in the background); a file one deleted meanwhile is a miss when read."""
+        """Whether ``key`` is stored in ``namespace`` (optionally pinned).  Memory only (in
+        shared mode the index holds the other processes' chunks too)."""
         return self._lookup(key, namespace_id(namespace), pin)
 
     def _lookup(self, key: str, ns_id: str | None, pin: bool) -> bool:
@@ -161,10 +158,8 @@ class ChunkStore:
     def remove_many(self, keys: Sequence[str],
                     unlink_in: Callable[..., object] | None = None) -> int:
         """Delete chunks (pinned or not), their files in one batch; how many were stored.
-
-        With ``unlink_in`` (e.g. an executor's ``submit``) the files are unlinked by
-        ``unlink_in(unlink, entries)``, so that the caller does not wait on the drive: the
-        chunks have left the index, and the removal listeners heard of it, on return."""
+        ``unlink_in(unlink, entries)`` (e.g. an executor's ``submit``) unlinks the files
+        instead, so the caller does not wait on the drive (the index is updated already)."""
         entries = self._catalog.remove_many(key_digests(keys))
         if entries and unlink_in is not None:
             self._catalog.notify_removed(entries)
@@ -179,8 +174,7 @@ class ChunkStore:
         return {name for root in self._roots for name in root.layout.namespace_names().values()}
 
     def refresh_shared(self) -> None:
-        """Shared mode: read the other members' journals and the ledger now, and share
-        this member's reads (done every 0.1 s in the background anyway)."""
+        """Shared mode: sync with the other members now (done every 0.1 s anyway)."""
         if self._shared is not None:
             self._shared.refresh()
 
@@ -203,19 +197,16 @@ class ChunkStore:
                                             on_persisted)])[0]
 
     def submit_many(self, writes: Sequence[ChunkWrite]) -> list[SubmitResult]:
-        """Queue chunks for persistence without waiting for the drive.  Each ``payload`` must
-        stay valid until its ``release``, which the store calls exactly once, whatever the
-        result."""
+        """Queue chunks for persistence without waiting for the drive; each ``payload`` stays
+        valid until its ``release``, called exactly once whatever the result."""
         return self._writer.submit_many(writes)
 
     def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
                     metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
                     on_done: Callable[[TaskOutcome], None]) -> None:
-        """Queue a task's chunks (the i-th of each sequence is one chunk, its payload valid
-        until then); ``on_done(outcome)`` (``TaskOutcome``) runs once, after every one of
-        them ended, whatever happened, possibly on this thread before this returns.  If this
-        raises, it ran with nothing persisted.  One admission and one completion serve a
-        task of one layout and namespace (the multiprocess server's store path)."""
+        """Queue a task's chunks (the i-th of each sequence is one chunk); ``on_done``
+        (``TaskOutcome``) runs once after all of them ended, maybe before this returns
+        (if this raises, it ran with nothing persisted).  The multiprocess server's path."""
         self._writer.submit_task(keys, namespaces, metas, payloads, on_done)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
@@ -233,9 +224,8 @@ class ChunkStore:
     # -- reads ---------------------------------------------------------------
 
     def read_into(self, reads: Sequence[ChunkRead]) -> list[bool]:
-        """Fill each buffer with its chunk's payload; False (a miss) for anything not served.
-        A buffer is only reported filled after the header names the same key and the payload
-        checksum matches, so a False buffer may hold garbage.  After ``close``: all misses."""
+        """Fill each buffer with its chunk's payload once header, key and payload checksum
+        match; False (a miss, the buffer may hold garbage) otherwise, and after ``close``."""
         if self._closed:
             return self._closed_misses(len(reads))
         served: list[bool] = []
@@ -254,9 +244,8 @@ class ChunkStore:
 
     def read_async(self, keys: Sequence[str], dests: Sequence[memoryview],
                    lengths: Sequence[int | None], on_done: Callable[[list[bool]], None]) -> None:
-        """``read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each, without
-        waiting: the I/O thread that judges the last chunk calls ``on_done(served)`` (keep
-        it short)."""
+        """``read_into`` without waiting: the I/O thread that judges the last chunk calls
+        ``on_done(served)`` (keep it short)."""
         if self._closed:
             on_done([False] * len(keys))
             return
@@ -267,8 +256,7 @@ class ChunkStore:
         return self._reader.plan(keys)
 
     def reading(self) -> AbstractContextManager[None]:
-        """Hold while reading outside the store: write-back yields to readers (where the
-        engine's writers can see them)."""
+        """Hold while reading outside the store: write-back yields to readers."""
         return self.engine.reading()
 
     def complete_read(self, plan: ReadPlan, header: bytes, error: BaseException | None,
@@ -304,8 +292,7 @@ class ChunkStore:
         return [root.layout for root in self._roots]
 
     def describe_roots(self) -> list[RootInfo]:
-        """Each cache directory: path, O_DIRECT or not, in service or not, free-space guard
-        and free space, budget share and bytes used."""
+        """Each cache directory's path, I/O mode, health, free space, budget and use."""
         budgets = self._catalog.budgets
         return [dataclasses.replace(info, capacity_bytes=budgets[i],
                                     used_bytes=self._catalog.used_bytes(i))
@@ -369,8 +356,7 @@ class ChunkStore:
 
 
 def _engine(settings: NVMeSettings, writers: int) -> ChunkEngine:
-    """The store's I/O engine: the compiled one per ``nvme.native_io`` (``on`` refuses to
-    start without it), else the Python one."""
+    """The I/O engine ``nvme.native_io`` asks for (``on`` refuses to start without it)."""
     if settings.native_io == NativeIOMode.ON and not native.available():
         raise NVMeConfigError(f"nvme.native_io: on, but {native.unavailable_reason()}. "
                               "Or set nvme.native_io: auto to run the Python engine.")

@@ -17,9 +17,8 @@ from ..io.native import gc_untrack
 
 @dataclass(slots=True)
 class IndexEntry:
-    """One published chunk file (slots: a store indexes millions, and builds one per write).
-    Its fields are strings, integers and a :class:`TensorMeta` only, so the cycle collector
-    need not track it (see :class:`ChunkIndex`): no field may refer back to an entry."""
+    """One published chunk file (slots: a store indexes millions).  No field may refer
+    back to an entry: the cycle collector does not track it (see :class:`ChunkIndex`)."""
 
     digest: str
     ns_id: str
@@ -36,9 +35,8 @@ class ChunkIndex:
     """Entries by digest, with one LRU list and one byte budget per root.
 
     Neither tables nor entries can be part of a reference cycle, so the cycle collector does
-    not track them (``native.gc_untrack``; a dict is tracked again when an entry is put in
-    it): otherwise every full collection visits each entry twice with the GIL held, about
-    0.17 s per million (``bench/instruments/bench_gc_pause.py``).
+    not track them (``native.gc_untrack``): else every full collection visits each entry
+    twice with the GIL held, 0.17 s per million (``bench/instruments/bench_gc_pause.py``).
     """
 
     def __init__(self, budgets: list[int]) -> None:

@@ -1,19 +1,15 @@
 """Namespace directories removed under a running store (``lmcache-nvme forget``).
 
-``forget`` renames ``ns/<ns16>`` away in one step, then empties the renamed directory (left
-for a minute, so that its inode is not reused).  The store notices without a failed read:
-a thread (``nvme-namespaces``) looks, every ``CHECK_S``, at the directory of each namespace
-the index has entries of or a writer took up (one ``fstatat`` each, relative to the root's
-kept descriptor) and compares its device and inode with the ones it saw first: at start,
-or in the first round it was there (a directory removed before that round, or removed and
-made again, goes unnoticed; its chunks are forgotten as their reads miss, as before).
-A directory that is gone, or is another directory now (made again by a writer meanwhile),
-takes every entry of that namespace on that root out of the index, and the removal
-listeners hear of them.  Without shared mode the entries' files are removed
-too (``Room.unlink``): a writer may have put some into the new directory meanwhile, and
-nothing else would ever remove them.  In shared mode every member forgets them, as a failed
-read does, and stops counting the ones it owns in its account of the directory's budget;
-nothing is unlinked.
+``forget`` renames ``ns/<ns16>`` away in one step, then empties it (left for a minute so its
+inode is not reused).  A thread (``nvme-namespaces``) looks every ``CHECK_S`` at the
+directory of each namespace the index holds or a writer took up (one ``fstatat`` relative
+to the root's kept descriptor) and compares its device and inode with the ones first seen
+(at start, or in the first round it was there: one removed before that, or removed and made
+again, goes unnoticed and its chunks are forgotten as their reads miss).  A directory gone,
+or made again, takes every entry of that namespace on that root out of the index, and the
+removal listeners hear of them.  Without shared mode their files are removed too
+(``Room.unlink``: a writer may have put some into the new directory); in shared mode every
+member forgets them, as a failed read does, and stops counting the ones it owns.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ logger = logging.getLogger(__name__)
 
 CHECK_S = 1.0
 MAX_REMEMBERED = 4096  # directories remembered of namespaces no longer in the index
-#: What a namespace directory is: (st_dev, st_ino), None when it is not there (or is not a
-#: directory).
+#: A namespace directory's (st_dev, st_ino); None when it is not there or not a directory.
 Identity = tuple[int, int] | None
 _UNSEEN = (-1, -1)  # a namespace not looked at yet on that root
 

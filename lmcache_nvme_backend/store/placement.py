@@ -106,9 +106,8 @@ class Placement:
         return layout, digests, payloads, key_bytes, shares, dropped, time.perf_counter()
 
     def shares(self, placed: Placed, gpu_checksums: bool) -> list[engine.WriteShare]:
-        """The engine's write shares of a batch, one per root (it names each chunk's files
-        from its digest: no Python per chunk when the batch goes to one root whole), with
-        the GPU read path's checksum of each payload when files carry it."""
+        """The engine's write shares of a batch, one per root, with the GPU read path's
+        checksum of each payload when files carry it."""
         layout, digests, payloads, key_bytes, shares, _, _ = placed
         file_mode, dir_mode, fsync = self._modes
         out: list[engine.WriteShare] = []
@@ -180,9 +179,8 @@ class Placement:
 
     def _errors(self, placed: Placed, order: list[int], details: list[tuple[int, int, int]]
                 ) -> dict[int, OSError]:
-        """The chunks of a batch that were not published (by position), each settled: its
-        reservation given back and its reason counted; a chunk that made its namespace's
-        directory gets the name file (and is published)."""
+        """The positions of a batch's chunks not published, each settled (reservation given
+        back, reason counted); one that made its namespace's directory writes the name file."""
         layout, digests, _, _, shares, _, _ = placed
         root_of = {i: root for root, mine, _ in shares for i in mine}
         errors: dict[int, OSError] = {}

@@ -1,11 +1,9 @@
 """Reading chunk files: headers for metadata, payloads into host buffers, and the judgement.
 
-Every read, whoever performs it (``read_into`` here, the GPU reader with kvikio), ends in
+A read the engine could not serve, and every read of the GPU reader (kvikio), ends in
 :meth:`ChunkReader.complete`: the I/O outcome is classified (gone or unreadable: a miss,
 forgotten; a drive error: counted against the root; a short file: invalid), then
-``disk.validate`` judges header and payload; an invalid file is forgotten, counted and
-quarantined.  The engine verifies what it reads itself and returns only what it could not
-serve, with the header, checksum or error this judgement needs.
+``disk.validate`` judges header and payload; an invalid file is forgotten and quarantined.
 """
 
 from __future__ import annotations
@@ -79,9 +77,8 @@ def _share(root: RootState, ns_id: str, meta: TensorMeta, digests: list[str],
 def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
              dests: Sequence[memoryview], lengths: Sequence[int | None], digests: list[str],
              encoded: list[bytes]) -> tuple[list[int], list[engine.ReadShare], int, set[int]]:
-    """The chunks of a call that can be read (indexed, on a root in service, into a buffer
-    that fits), as one share per root, namespace and layout: their positions in the batch's
-    order, the shares, their payload bytes and their roots."""
+    """The readable chunks of a call as one share per root, namespace and layout: their
+    positions in the batch's order, the shares, their payload bytes and their roots."""
     groups: dict[tuple[int, str, int], tuple[IndexEntry, TensorMeta, RootState, list[int]]] = {}
     for i, entry in enumerate(entries):
         if entry is None or (meta := entry.meta) is None or (root := roots[entry.root]) is None:
@@ -107,9 +104,8 @@ def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
 def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
              dests: Sequence[memoryview], lengths: Sequence[int | None]
              ) -> tuple[IndexEntry, TensorMeta, RootState] | None:
-    """Whether every chunk of a read call is read, as one share (``engine.ReadShare``): all
-    indexed with one metadata object, in one namespace, on one root in service, into
-    buffers that fit; its first entry, metadata and root if so."""
+    """The first entry, metadata and root when every chunk of a call is read as one share
+    (one metadata object, namespace and root in service; buffers that fit)."""
     first = entries[0] if entries else None
     if first is None or (meta := first.meta) is None or (root := roots[first.root]) is None:
         return None
@@ -209,10 +205,9 @@ class ChunkReader:
     def read(self, keys: Sequence[str], dests: Sequence[memoryview],
              lengths: Sequence[int | None], on_done: Callable[[list[bool]], None],
              wait: bool) -> None:
-        """``ChunkStore.read_into`` of ``ChunkRead(keys[i], dests[i], lengths[i])`` each (as
-        columns: a load task builds no object per chunk), answered through
-        ``on_done(served)``: without ``wait`` it runs when the last chunk is judged, on an
-        I/O thread (or here, when nothing can be read), and must be quick."""
+        """``ChunkStore.read_into`` in columns (no object per chunk), answered through
+        ``on_done(served)``: without ``wait`` on the I/O thread that judges the last chunk
+        (or here, when nothing can be read); it must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
         if uniform := _uniform(entries, roots, dests, lengths):
@@ -236,9 +231,8 @@ class ChunkReader:
 
     def _batch_done(self, call: _Call, on_done: Callable[[list[bool]], None], started: float,
                     result: engine.Batch) -> None:
-        """A read batch the engine finished: judge what it did not serve, account the call
-        under one lock hold, answer ``on_done`` (also when accounting fails: a chunk is
-        marked served only once its bytes were verified)."""
+        """A read batch the engine finished: judge what it did not serve, account the call,
+        answer ``on_done`` (also when accounting fails)."""
         keys, encoded, digests, entries, roots, order, issued_bytes, touched = call
         size = len(keys)
         served = [False] * size
@@ -303,10 +297,9 @@ class ChunkReader:
 
     def complete(self, plan: ReadPlan, header: bytes, error: BaseException | None,
                  payload_ok: Callable[[ChunkHeader], bool]) -> Verdict:
-        """Judge one read (done here or by another reader), with its counters and quarantine.
-        ``payload_ok(header)``: whether the payload that landed matches the header's
-        checksum.  A miss caused by the file system (gone, not ours to read, a drive error)
-        is a verdict without a header, not quarantined."""
+        """Judge one read (done here or by another reader), with its counters and quarantine;
+        ``payload_ok(header)``: whether the payload matches.  A miss the file system caused
+        (gone, not ours, a drive error) is a verdict without a header, not quarantined."""
         root = self._roots[plan.root]
         if isinstance(error, NotAChunkFile):
             # A link, directory or special file planted at the chunk path: a miss for this
@@ -327,10 +320,9 @@ class ChunkReader:
             payload_ok)
         if verdict.defect in (Defect.WRONG_LENGTH, Defect.WRONG_META) and \
                 verdict.header is not None:
-            # The index (metadata from a manifest, or a key rewritten by another process)
-            # disagrees with the file's header, so the buffer was allocated for another
-            # payload.  A miss this time, not the file's fault: the next read allocates
-            # from the header's metadata and judges the file in full.
+            # The index (a manifest's metadata, a key rewritten elsewhere) disagrees with the
+            # header: a miss this time, not the file's fault; the next read allocates from
+            # the header's metadata and judges the file in full.
             self._catalog.learn_meta(plan.digest, verdict.header.tensor_meta, replace=True)
             return verdict
         if not verdict.ok:

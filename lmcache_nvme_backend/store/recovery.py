@@ -1,9 +1,8 @@
 """Restart: rebuild a root's index from its directory tree and manifest, and keep the manifest.
 
-The directory tree is the truth about which chunks exist; the manifest (``disk/manifest.py``)
-adds recency and tensor metadata.  A chunk file the manifest does not know is indexed with
-its ``stat`` size and mtime and learns its metadata from its header on first use.  While
-the store runs, a thread snapshots the index every ``nvme.manifest_interval_s``.
+The tree says which chunks exist; the manifest (``disk/manifest.py``) adds recency and
+tensor metadata.  A chunk file the manifest does not know is indexed with its ``stat`` size
+and mtime and learns its metadata from its header on first use.
 """
 
 from __future__ import annotations
@@ -25,18 +24,16 @@ logger = logging.getLogger(__name__)
 
 # A manifest row takes ~100 bytes; one more than this per chunk file is not this tree's.
 MANIFEST_BYTES_PER_CHUNK = 1024
-#: The largest share of one thread's time the periodic snapshot may take: a save costs
-#: about 1.5 CPU-s per million chunks, all of it Python holding the GIL (in short turns),
-#: so a big index is saved less often than ``nvme.manifest_interval_s``.
+#: The largest share of one thread's time the periodic snapshot may take (a save costs about
+#: 1.5 CPU-s, GIL held, per million chunks: a big index is saved less often).
 MANIFEST_CPU_SHARE = 0.01
 
 
 def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
                  evict: Callable[[list[IndexEntry]], None], enforce_budget: bool = True) -> None:
-    """Index the chunks found in ``root``; delete what exceeds its budget (LRU first; in
-    shared mode, ``enforce_budget`` False, the directory's ledger decides instead).  Which
-    chunks exist and their sizes come from the directory (``lstat``, links never followed);
-    the manifest adds recency, and tensor metadata where it matches the file's size."""
+    """Index the chunks found in ``root`` (sizes from ``lstat``, recency and metadata from
+    the manifest where it matches); with ``enforce_budget``, delete what exceeds the budget
+    (LRU first)."""
     started = time.perf_counter()
     located, temps = root.layout.scan()
     remove_stale_temp_files(root, temps, stats)
@@ -62,14 +59,12 @@ def recover_root(root: RootState, catalog: Catalog, stats: StoreStats,
 
 
 def manifest_limit(chunk_files: int) -> int:
-    """The largest manifest worth reading for a tree of ``chunk_files`` files: a real one
-    takes ~100 bytes per chunk, so anything far larger is not this tree's."""
+    """The largest manifest worth reading for a tree of ``chunk_files`` files."""
     return MANIFEST_BYTES_PER_CHUNK * chunk_files + (1 << 20)
 
 
 def remove_stale_temp_files(root: RootState, temps: list[TempFile], stats: StoreStats) -> None:
-    """Temp files of dead writers: the chunk temps found in the tree (``temps``) and
-    ``.manifest.json.tmp-<host>-<pid>``."""
+    """Remove dead writers' chunk temps (``temps``) and manifest temps."""
     now = time.time()
     for tmp in temps:
         if tmp.is_stale(now=now):
@@ -79,15 +74,13 @@ def remove_stale_temp_files(root: RootState, temps: list[TempFile], stats: Store
 
 
 def next_save_in(interval_s: float, save_cpu_s: float) -> float:
-    """Seconds until the next periodic snapshot: ``interval_s``, or longer after a save
-    that took more than ``MANIFEST_CPU_SHARE`` of that (a big index)."""
+    """Seconds until the next periodic snapshot (longer after a costly save)."""
     return max(interval_s, save_cpu_s / MANIFEST_CPU_SHARE)
 
 
 class ManifestKeeper:
-    """Saves every root's index snapshot: periodically on a thread (within
-    ``MANIFEST_CPU_SHARE``: saving less often costs little, the directory tree is the truth),
-    and on demand."""
+    """Saves every root's index snapshot, on demand and on a thread every
+    ``nvme.manifest_interval_s`` (within ``MANIFEST_CPU_SHARE``)."""
 
     def __init__(self, roots: Roots, catalog: Catalog, file_mode: int,
                  interval_s: float) -> None:

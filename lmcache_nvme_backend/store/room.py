@@ -40,10 +40,9 @@ class Room:
     def reserve(self, root: RootState, size: int,
                 deferred: list[IndexEntry] | None = None) -> bool:
         """Reserve ``size`` bytes on ``root``, evicting LRU chunks for budget and free space.
-        With ``deferred`` the victims leave the index here but their files are only added to
-        it: the write that needs the room removes them first, and the free-space guard counts
-        them as freed meanwhile.  In shared mode the victims are claimed and deleted with the
-        other members, never deferred."""
+        ``deferred``: the victims' files are only added to it, for the write that needs the
+        room to remove first (the free-space guard counts them freed).  In shared mode the
+        victims are claimed and deleted with the other members, never deferred."""
         guard = self.guards[root.index]
         if self.shared is not None:
             return self.shared.reserve(root, size, guard)

@@ -1,10 +1,9 @@
 """The cache directories of a store: opening them, placement, health and quarantine.
 
 A root is one ``nvme.path`` entry, usually one drive.  Chunks are placed by rendezvous
-hashing (each digest ranks the roots by ``xxh64(root index, digest)`` and goes to the best
-healthy one), so adding or losing a root moves only its share of the keys, and a reader
-that looks on disk (shared mode) tries the roots in the order a writer would have chosen.
-A root that fails ``ROOT_ERROR_LIMIT`` I/Os in a row is out of service for ``ROOT_RETRY_S``.
+hashing (each digest ranks the roots by ``xxh64(root index, digest)``), so adding or losing
+a root moves only its share of the keys.  A root that fails ``ROOT_ERROR_LIMIT`` I/Os in a
+row is out of service for ``ROOT_RETRY_S``.
 """
 
 from __future__ import annotations
@@ -65,13 +64,11 @@ class RootState:
     offline_until: float = 0.0
     # set while writes are dropped because the filesystem is full (one log line per episode)
     full: bool = False
-    # set when a read or write found the directory gone (ENOENT beneath it): the kept
-    # descriptor is checked, and renewed if it was made again, before it is used next
+    # a read or write found the directory gone (ENOENT): check the kept descriptor next
     maybe_removed: bool = False
 
     def descriptor(self) -> int:
-        """The kept descriptor of the directory, for the engine (renewed first if the
-        directory was seen removed and has been made again)."""
+        """The kept descriptor of the directory (renewed if it was made again)."""
         if self.maybe_removed:
             self.maybe_removed = not refresh_root_descriptor(self.layout.root_str)
         return root_descriptor(self.layout.root_str)
@@ -83,8 +80,7 @@ class RootState:
 
 @dataclass(frozen=True)
 class RootInfo:
-    """One of the store's directories as the outside sees it: ``free_bytes`` is None when
-    ``statvfs`` fails; ``ChunkStore.describe_roots`` fills the budget share and its use."""
+    """One of the store's directories as the outside sees it (``free_bytes`` None: unknown)."""
 
     path: Path
     direct_io: bool
@@ -98,10 +94,9 @@ class RootInfo:
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
               min_free_gb: float | None = None, shared: bool = False,
               key_prefix: str = EXTRA_CONFIG_PREFIX) -> RootState:
-    """Check the root (``access.require_usable_root``, before anything is created), create
-    it, its directories (``dir_mode_for(file_mode)``) and marker, whatever the umask and
-    never through a link, and probe O_DIRECT per ``nvme.direct_io``.  A full filesystem does
-    not stop the start: writes are dropped (``capacity_drops``) until space frees."""
+    """Check the root (``access.require_usable_root``), create it, its directories and
+    marker (exact modes, never through a link), and probe O_DIRECT per ``nvme.direct_io``.
+    A full filesystem does not stop the start: writes are dropped until space frees."""
     probe = require_usable_root(path, shared, key_prefix)
     dir_mode = dir_mode_for(file_mode)
     if not probe.exists:
@@ -145,8 +140,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
 
 
 def _create_directory(path: Path, dir_mode: int, key_prefix: str) -> None:
-    """Create ``path`` and its missing parents, each with exactly ``dir_mode`` (whatever the
-    umask); another process creating one meanwhile is fine."""
+    """Create ``path`` and its missing parents, each with exactly ``dir_mode``."""
     missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
         for p in reversed(missing):
@@ -164,8 +158,7 @@ def _create_directory(path: Path, dir_mode: int, key_prefix: str) -> None:
 
 
 def _probe(path: Path) -> bool:
-    """O_DIRECT on ``path``: probed by writing, or (a read-only directory, which shared
-    mode serves) by reading the marker."""
+    """O_DIRECT on ``path``: probed by writing, or in a read-only directory by reading."""
     try:
         return probe_direct_io(path, path / MARKER_NAME)
     except OSError as exc:
@@ -175,8 +168,7 @@ def _probe(path: Path) -> bool:
 
 
 def _write_marker(path: Path, file_mode: int, shard_levels: int) -> None:
-    """The ``LMCNVME`` marker, created once with the tree's shard levels (never through a
-    link; no space: later)."""
+    """The ``LMCNVME`` marker, created once (never through a link; no space: later)."""
     try:
         st = lstat_beneath(path, MARKER_NAME)
     except FileNotFoundError:
@@ -212,8 +204,7 @@ class Roots(list[RootState]):
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
              min_free_gb: float | None = None, shared: bool = False,
              key_prefix: str = EXTRA_CONFIG_PREFIX) -> Roots:
-        """Open (and create) each root (``open_root``); errors name the settings with
-        ``key_prefix`` (``nvme.``, ``adapter_params.``, or none for bare names)."""
+        """Open (and create) each root; errors name the settings with ``key_prefix``."""
         return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared,
                               key_prefix) for i, path in enumerate(paths)])
 
@@ -235,8 +226,7 @@ class Roots(list[RootState]):
 
     def group(self, items: Sequence[T], digest_of: Callable[[T], str]
               ) -> tuple[list[tuple[RootState, list[T]]], list[T]]:
-        """``items`` grouped by the root each one's digest goes to (``choose``); and those no
-        root can take (every root out of service).  One root: no choice per item."""
+        """``items`` grouped by ``choose`` of their digests, and those no root can take."""
         if len(self) == 1:
             only = self[0]
             return ([(only, list(items))], []) if only.healthy else ([], list(items))
@@ -274,8 +264,7 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mode: int) -> None:
-    """The namespace's readable name, created once with ``file_mode`` (``O_EXCL``: an
-    existing file or planted link is left alone, never written through)."""
+    """The namespace's readable name, created once (``O_EXCL``: never through a link)."""
     try:
         fd = create_beneath(layout.root, layout.relative(layout.namespace_name_file(ns_id)),
                             file_mode)
@@ -305,9 +294,8 @@ def note_space(root: RootState) -> None:
 
 
 def quarantine_file(root: RootState, digest: str, path: Path) -> bool:
-    """Move a file that failed validation aside (deleted when it cannot be moved); whether
-    it was moved.  At most ``MAX_QUARANTINED_FILES`` are kept per root, the oldest removed
-    first; neither directory is ever reached through a link."""
+    """Move a file that failed validation aside (deleted when it cannot be); whether it was
+    moved.  At most ``MAX_QUARANTINED_FILES`` are kept per root, the oldest removed first."""
     layout = root.layout
     try:
         rename_beneath(layout.root, layout.relative(path),
@@ -328,8 +316,7 @@ def _quarantine_age(name: str) -> int:
 
 
 def unlink_quietly(path: Path, root: Path | None = None) -> None:
-    """Remove a file (already gone is fine, other failures are logged); a file of a cache
-    tree (``root`` given, or in a shard directory) without following a link."""
+    """Remove a file (failures but ENOENT logged); in a cache tree following no link."""
     try:
         if root is not None:
             unlink_beneath(root, path.relative_to(root).as_posix())

@@ -20,9 +20,8 @@ from ..config import StrChoice
 
 
 class ReadPath(StrChoice):
-    """Where a chunk read went (docs/gpu.md): host memory through the POSIX engine, GPU
-    memory through kvikio (GDS or compat mode), or through a host read and a device copy.
-    Each has ``_chunks``, ``_bytes`` and ``_seconds`` counters and a ``_gbps`` gauge."""
+    """Where a chunk read went (docs/gpu.md), each with ``_chunks``, ``_bytes`` and
+    ``_seconds`` counters and a ``_gbps`` gauge."""
 
     POSIX = "posix"
     KVIKIO_GDS = "kvikio-gds"
@@ -96,9 +95,8 @@ HISTOGRAMS = (WRITE_LATENCY, *(read_latency(p) for p in ReadPath))
 # A read call's path counters and latency histogram (every call moves them).
 _PATH_KEYS = {p: (path_counter(p, "chunks"), path_counter(p, "bytes"), read_latency(p))
               for p in ReadPath}
-#: Read and write calls are logged (one list append each, no lock: they run on every read
-#: and write) and folded into the counters and histograms this many at a time, with a few
-#: calls over whole columns, and whenever a value is asked for.
+#: Read and write calls are logged (one list append each, no lock) and folded into the
+#: counters and histograms this many at a time, and whenever a value is asked for.
 FOLD_EVERY = 256
 _bucket_of = functools.partial(bisect.bisect_left, LATENCY_BUCKETS_S)
 _path_of = operator.itemgetter(0)
@@ -128,10 +126,9 @@ class HistogramSnapshot:
 
 
 class StoreStats:
-    """Thread-safe monotonically increasing counters and latency histograms: ``write``, the
-    time to write and publish one chunk file; ``read_<path>``, of one read call on that
-    path.  The counters they already sum (``writes_completed``, ``write_seconds``, each
-    path's ``_seconds``) are read from them."""
+    """Thread-safe monotonic counters and latency histograms (``write``: one chunk file
+    written and published; ``read_<path>``: one read call); the counters they sum are read
+    from them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -152,10 +149,9 @@ class StoreStats:
     def record_read(self, path: ReadPath, chunks: int, nbytes: int, seconds: float,
                     failures: int | None = None,
                     checked: tuple[int, int] | None = None) -> None:
-        """One read call on ``path`` that served ``chunks`` chunks of ``nbytes`` in total.  A
-        call of the store's own read path also gives its ``failures`` (it then counts the
-        call's ``read_seconds`` too) and, when an engine verified the chunks itself,
-        ``checked``: the ``read_chunks`` and ``read_bytes`` it served."""
+        """One read call on ``path`` that served ``chunks`` chunks of ``nbytes``; the store's
+        own read path also gives its ``failures`` (then ``read_seconds`` counts it too) and
+        ``checked``: the ``read_chunks`` and ``read_bytes`` an engine verified itself."""
         reads = self._reads  # every read call: appended inline, folded now and then
         reads.append((path, chunks, nbytes, seconds, failures, checked))
         if len(reads) >= FOLD_EVERY:

@@ -42,9 +42,8 @@ class TaskOutcome(NamedTuple):
 
 
 class ChunkWrite:
-    """One chunk to persist: ``payload`` stays valid until the store calls ``release``,
-    exactly once whatever happens; ``persisted`` is set and then ``on_persisted`` runs once
-    the chunk file is published (before ``release``)."""
+    """One chunk to persist: ``payload`` stays valid until ``release`` (called exactly once);
+    once the file is published ``persisted`` is set and ``on_persisted`` runs."""
 
     __slots__ = ("key", "namespace", "meta", "payload", "release", "on_persisted", "persisted")
 

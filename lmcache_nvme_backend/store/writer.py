@@ -1,11 +1,10 @@
 """Writing chunks: one admission, one placement, one settlement per layout of a store call.
 
 A call (keys, namespaces, metadata and payloads as columns) is admitted per layout (one
-metadata object and namespace): chunks too big for the queue, the budget or the header
-dropped, duplicates dropped, the payload bytes accounted in the byte-bounded queue
-(``nvme.queue_full_policy``); ``placement.py`` places the rest, the engine writes them,
-and the batch is settled before the call is told.  Python decides once per layout and
-takes each lock once per call (``docs/benchmarks.md``, "GIL ceiling").
+metadata object and namespace): chunks too big or already stored dropped, the payload
+bytes accounted in the byte-bounded queue (``nvme.queue_full_policy``); ``placement.py``
+places the rest, the engine writes them, and the batch is settled before the call is told
+(one decision per layout, each lock once per call: ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -72,10 +71,9 @@ class ChunkWriter:
     def submit_task(self, keys: Sequence[str], namespaces: Sequence[str],
                     metas: Sequence[TensorMeta], payloads: Sequence[memoryview],
                     on_done: OnTaskDone) -> list[SubmitResult]:
-        """A call's chunks, layout by layout, through ``_write``; what admission did with
-        each.  ``on_done`` runs once, after every chunk ended (``ChunkStore.submit_task``);
-        ValueError (after ``on_done``, nothing stored) for a payload that is not the size its
-        metadata says."""
+        """A call's chunks, layout by layout (``ChunkStore.submit_task``); what admission did
+        with each.  ValueError (after ``on_done``, nothing stored) for a payload that is not
+        the size its metadata says."""
         n = len(keys)
         if n and metas.count(metas[0]) == n and namespaces.count(namespaces[0]) == n and \
                 list(map(len, payloads)).count(metas[0].nbytes) == n:  # the common call
@@ -205,9 +203,8 @@ class ChunkWriter:
 
     def _settle(self, placed: Placed, accepted: int, admitted: bool, on_done: OnTaskDone,
                 result: Batch | None) -> None:
-        """The engine finished a batch (``result``; None: none of it was placed): settle it,
-        give the queue its bytes back, tell the call (whatever happened: LMCache holds its
-        objects until then)."""
+        """The engine finished a batch (``result``; None: nothing placed): settle it, give
+        the queue its bytes back, tell the call (LMCache holds its objects until then)."""
         try:
             outcome = self.placement.settle(placed, result)
         except BaseException:
@@ -257,10 +254,9 @@ class _Gather:
 
 
 class _WritesEnd:
-    """How the writes of a ``submit_many`` call end: each one not queued released at once;
-    the queued ones once admission and the call's outcome (which may come first, on the
-    engine's thread) are both in: each persisted one marked and its ``on_persisted`` run,
-    then each one's ``release``."""
+    """How the writes of a ``submit_many`` call end: one not queued released at once; the
+    queued ones once admission and the call's outcome (either may come first) are both in:
+    each persisted one marked and its ``on_persisted`` run, then each one's ``release``."""
 
     def __init__(self, writes: Sequence[ChunkWrite]) -> None:
         self._writes = writes

@@ -1,18 +1,15 @@
 """The books of this member's account of one shared root's budget, in step with the ledger.
 
-The account (``store/shared/ledger.py``) holds ``cap`` bytes; this member owns ``usage`` bytes of
-chunk files and has ``reserved`` bytes of writes in flight, and writes only while
-``usage + reserved <= cap``.  ``AccountBooks`` keeps those numbers and the chunks behind
-``usage``: it adopts each ledger version (the cap, and the ``freed`` entries of owned chunks
-other members evicted), updates the ledger one change at a time, claims unheld budget from
-the pool, counts what this member publishes, shares its reads, and reports.  Making room by
-evicting, and tidying the ledger, are ``share.py``'s (its ``Account`` is these books too).
+The account (``ledger.py``) holds ``cap`` bytes; this member owns ``usage`` bytes of chunk
+files, has ``reserved`` bytes of writes in flight, and writes only while ``usage + reserved
+<= cap``.  ``AccountBooks`` keeps those numbers and the chunks behind ``usage``: it adopts
+each ledger version (the cap, and ``freed`` entries of owned chunks others evicted),
+updates the ledger, claims budget from the pool, counts publishes and shares reads.
 
 An owner can hear that its file is gone (the evicter's journal, a read that misses) before
-it reads the ledger version with the ``freed`` entry, and store the chunk again meanwhile:
-that entry is the earlier file's, so the earlier file is counted apart (*superseded*) until
-its entry comes, or until no eviction of it is pending (it was removed otherwise: ``gc``,
-quarantine), and the new file stays counted.
+it reads the ``freed`` entry, and store the chunk again meanwhile: the entry is the earlier
+file's, so that file is counted apart (*superseded*) until its entry comes, or until no
+eviction of it is pending (``gc``, quarantine), and the new file stays counted.
 """
 
 from __future__ import annotations
@@ -150,9 +147,8 @@ class AccountBooks:
                                                 entry.meta)])
 
     def disown(self, entries: Sequence[IndexEntry]) -> None:
-        """Chunks whose files were removed with their namespace's directory and that left
-        the index: the ones this member owns are no longer counted (its cap stays: the
-        room is its)."""
+        """Stop counting the owned chunks that left the index with their namespace's
+        directory (the cap stays: the room is this member's)."""
         with self._lock:
             for entry in entries:
                 if entry.owner == self.member and \
@@ -193,8 +189,7 @@ class AccountBooks:
         return taken
 
     def owned_lines(self) -> list[bytes]:
-        """``P`` records of every chunk this member owns (a new journal generation's
-        snapshot)."""
+        """``P`` records of every chunk this member owns (a journal snapshot)."""
         with self._lock:
             owned = dict(self.owned)
         entries = self._catalog.entries(list(owned))

@@ -1,24 +1,21 @@
 """The janitor of a shared root: finishes what dead members left, keeps the ledger true.
 
-One member is the janitor: the live member with the smallest id, as each member sees it
-(two may act for a moment while views differ; every step below is a ledger update that
-re-checks its premise, or an idempotent file removal, so that is harmless).  Each round:
+The janitor is the live member with the smallest id, as each member sees it (two may act
+while views differ: each step is a ledger update that re-checks its premise, or an
+idempotent removal).  Each round:
 
-* a member whose lease stopped moving (``store/shared/leases.py``) is marked dead;
-* a dead or departed member's claimed victims are settled (the ones whose transfer it
-  had not recorded are taken from their owners) and deleted, then its account is merged
-  into the orphans' (its cap keeps counting its files: nothing is over-committed), and
-  its lease, journal and evicting directory are removed;
-* after a death, and every ``RECONCILE_S`` (or ten times as long as the last walk took),
-  the tree is walked: temp files of dead writers are removed, the orphans' cap is
-  recounted from the files no live member owns (what a dead member held but never wrote
-  returns to the pool here), and chunks a live member still counts but that are gone
-  (deleted by ``lmcache-nvme gc``, quarantined) are released from its account;
-* a ledger over its budget (the budget was lowered, or a walk found more) is trimmed by
-  evicting the least recently used chunks into the pool.
+* a member whose lease stopped moving (``leases.py``) is marked dead;
+* a dead or departed member's claimed victims are settled (transfers it had not recorded
+  are taken from their owners) and deleted, its account merged into the orphans' (its cap
+  keeps counting its files), its lease, journal and evicting directory removed;
+* after a death, and every ``RECONCILE_S`` (or ten times the last walk's duration), the
+  tree is walked: dead writers' temp files go, the orphans' cap is recounted from the
+  files no live member owns, and chunks a live member counts that are gone (``gc``,
+  quarantine) are released from its account;
+* a ledger over its budget is trimmed by evicting the least recently used chunks.
 
-A janitor killed at any point leaves a ledger version that is whole (each update is one
-``link``) and files the next janitor recognises by name.
+A janitor killed at any point leaves a whole ledger version (each update is one ``link``)
+and files the next janitor recognises by name.
 """
 
 from __future__ import annotations
@@ -201,8 +198,7 @@ class Janitor:
     # -- the walk -------------------------------------------------------------------------
 
     def reconcile(self, leases: dict[str, Lease]) -> None:
-        """Walk the tree: remove dead writers' temp files, recount the orphans, release
-        vanished chunks from live accounts (see the module doc)."""
+        """Walk the tree (see the module doc)."""
         started = time.monotonic()
         self._walk_due = False
         self._next_walk = started + RECONCILE_S

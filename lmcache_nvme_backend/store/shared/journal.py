@@ -10,13 +10,10 @@ its own checksum, so a line still being appended (or torn by a crash) is never t
     <xxh32> A <digest> [<digest> ...]                               read (recency)
     <xxh32> S / Z                                   begin / end of a snapshot (new generation)
 
-A journal grows until it is much larger than what it describes; then the member starts
-the next generation with a snapshot (``S``, one ``P`` per chunk it owns, ``Z``) and
-removes the old file a little later, so that readers finish it first.
-
-Readers open the others' journals with O_DIRECT where the root supports it: through a
-GlusterFS mount a buffered reader saw appends up to a second late (client-side caches),
-an O_DIRECT one within milliseconds (docs/deployment.md).
+A journal much larger than what it describes starts its next generation with a snapshot
+(``S``, one ``P`` per chunk owned, ``Z``); the old file goes a little later, once read.
+Readers use O_DIRECT where the root supports it: through GlusterFS a buffered reader saw
+appends up to a second late, an O_DIRECT one within milliseconds (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -35,12 +32,7 @@ import xxhash
 from ...disk.coordination import MEMBERS_DIR, journal_path, parse_journal_name
 from ...disk.format import ALIGNMENT, FormatError, TensorMeta
 from ...disk.layout import DIGEST_RE, NS_ID_RE
-from ...disk.safe_fs import (
-    create_beneath,
-    open_regular,
-    remove_quietly,
-    scandir_beneath,
-)
+from ...disk.safe_fs import create_beneath, open_regular, remove_quietly, scandir_beneath
 from ...io.buffers import AlignedBuffer
 
 logger = logging.getLogger(__name__)

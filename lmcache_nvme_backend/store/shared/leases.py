@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from ...disk.coordination import (
     MEMBERS_DIR,
@@ -82,13 +83,9 @@ class Lease:
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("member"), str):
             return None
-        kept = {}
-        for f in fields(cls):
-            value = doc.get(f.name)
-            if value is None:
-                continue
-            if type(value) in _JSON_TYPES.get(str(f.type), ()):
-                kept[f.name] = value
+        kept: dict[str, Any] = {
+            f.name: value for f in fields(cls)
+            if type(value := doc.get(f.name)) in _JSON_TYPES.get(str(f.type), ())}
         return cls(**kept)
 
 

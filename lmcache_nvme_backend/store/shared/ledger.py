@@ -1,22 +1,16 @@
 """The ledger of a shared cache directory: who may hold how many of the budget's bytes.
 
-The budget of a root is split into *accounts*, one per member (a process using the
-root with ``nvme.shared: true``), an *orphans* account for chunks no live member counts
-(written by members that left or died, or found on disk), and the *pool*, what is left::
-
-    budget = pool + orphans.cap + sum(account.cap)
-
-A member writes only while the bytes it owns plus its writes in flight fit its ``cap``,
-so the tree never holds more than the budget.  Caps move only through a new version of
-the ledger, which is a compare-and-set: version ``n + 1`` is written to a temp file and
-``link(2)``-ed to its name, which fails if another member created it first (then the
-change is recomputed on the new version).  ``link`` is atomic on local and network
-filesystems alike, no lock is held, so no member ever waits for another, alive or dead.
-
-When a member evicts a chunk another member owns, the owner's cap shrinks by the chunk's
-size and the evicter's grows by it, in one version; the owner learns of it from the
-``freed`` entry (and acknowledges it), so its headroom (cap minus what it owns) never
-changes under it.  See ``docs/deployment.md`` for the whole protocol.
+A root's budget is split into one *account* per member (a process using the root with
+``nvme.shared: true``), an *orphans* account for chunks no live member counts (written by
+members that left or died, or found on disk), and the *pool*: ``budget = pool +
+orphans.cap + sum(account.cap)``.  A member writes only while what it owns plus its writes
+in flight fit its ``cap``.  Caps move only through a new version of the ledger, a
+compare-and-set: version ``n + 1`` is written to a temp file and ``link(2)``-ed to its
+name, which fails if another member created it first.  ``link`` is atomic on local and
+network filesystems alike and no lock is held, so no member waits for another.  An evicted
+chunk's size moves from its owner's cap to the evicter's in one version; the owner learns
+of it from a ``freed`` entry, so its headroom never changes under it
+(``docs/deployment.md``).
 """
 
 from __future__ import annotations
@@ -187,11 +181,9 @@ class LedgerChain:
     """Reads the newest version of one root's ledger and writes the next one.
 
     Versions are never rewritten, so a reader that has version ``n`` finds the newest by
-    opening ``n + 1``, ``n + 2``, ... (a new name is visible at once on the network
-    filesystems measured, where file contents may be cached).  Whole epochs of
-    ``EPOCH_VERSIONS`` versions are removed, oldest first, once two newer ones exist: so
-    while version ``n`` exists every later one does, and a reader that finds ``n`` but
-    not ``n + 1`` holds the newest.  A reader whose ``n`` is gone lists the directory.
+    opening ``n + 1``, ``n + 2``, ... (new names show at once on network filesystems, where
+    contents may be cached).  Whole epochs are removed, oldest first, once two newer ones
+    exist: while ``n`` exists every later version does; a reader whose ``n`` is gone lists.
     """
 
     def __init__(self, root: Path, member: str, file_mode: int, dir_mode: int,
@@ -298,8 +290,7 @@ class LedgerChain:
         fd = create_beneath(self.root, tmp, self._file_mode)
         try:
             try:
-                data = doc.to_json()
-                view = memoryview(data)
+                view = memoryview(doc.to_json())
                 while view:
                     view = view[os.write(fd, view):]
                 if self._durable:

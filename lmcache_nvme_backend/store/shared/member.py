@@ -7,7 +7,6 @@ cleanly.  Its janitor duties are in ``janitor.py``, its account in ``share.py`` 
 room) and ``account.py`` (the books).
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -35,14 +34,7 @@ from .leases import (
     remove_member_files,
     write_lease,
 )
-from .ledger import (
-    DEAD,
-    LEDGER_FORMAT,
-    LIVE,
-    LedgerChain,
-    LedgerDoc,
-    LedgerError,
-)
+from .ledger import DEAD, LEDGER_FORMAT, LIVE, LedgerChain, LedgerDoc, LedgerError
 from .ledger import Account as LedgerAccount
 from .share import Account
 
@@ -315,10 +307,9 @@ class RootMember:
         return True
 
     def headroom_target(self) -> int:
-        """The headroom kept ready in the background, so that a write (placed on the
-        thread that stores, with the native engine) seldom waits for an eviction:
-        ``refill`` (budget / 256, at most 64 MiB) when that holds whole chunks, else none
-        (a small budget is not emptied ahead of writes that may never come)."""
+        """The headroom kept ready in the background, so that a write seldom waits for an
+        eviction: ``refill`` (budget / 256, at most 64 MiB) when that holds whole chunks,
+        else none (a small budget is not emptied ahead of writes that may never come)."""
         return self.account.refill if self.account.refill >= self._largest > 0 else 0
 
     def keep_room(self) -> None:

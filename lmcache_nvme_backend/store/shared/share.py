@@ -1,21 +1,20 @@
 """Making room in this member's account of one shared root: the pool, then evicting.
 
-When a write does not fit the account's headroom (``account.py``: ``usage + reserved`` must
-stay within ``cap``), ``Account`` first claims unheld budget from the ledger's pool, then
-evicts the directory's least recently used chunks, whoever wrote them (the index holds
-every member's chunks and their recency, ``store/shared/journal.py``):
+A write that does not fit the account's headroom (``account.py``: ``usage + reserved``
+within ``cap``) first claims unheld budget from the ledger's pool, then evicts the
+directory's least recently used chunks, whoever wrote them (the index holds every member's
+chunks and their recency, ``journal.py``):
 
-1. each victim is *claimed* by renaming it into ``shared/evicting/<member>/`` (exactly one
-   member can move a file, so two members never both count one deletion);
-2. victims other members own are taken out of their accounts and added to this one, in
-   one ledger update; the owners learn of it from ``freed`` entries;
-3. the claimed files are deleted, and only then is the room used (it is held as
-   ``reserved`` until the unlink succeeded), so the tree never holds more than its budget.
+1. each victim is *claimed* by renaming it into ``shared/evicting/<member>/`` (only one
+   member can move a file, so no deletion is counted twice);
+2. victims other members own move from their accounts to this one in one ledger update;
+   the owners learn of it from ``freed`` entries;
+3. the claimed files are deleted; only then is the room used (held as ``reserved`` until
+   the unlink succeeded), so the tree never holds more than its budget.
 
-A member that dies between any two of these steps leaves state the janitor completes
-(``store/shared/janitor.py``).  In the background ``Account`` retries failed unlinks,
-settles the superseded files (``account.py``) no eviction is pending for, and tidies the
-ledger (acknowledgements, cleared claims, spare headroom).
+A member dying between two steps leaves state the janitor completes (``janitor.py``).  In
+the background ``Account`` retries failed unlinks, settles superseded files (``account.py``)
+no eviction is pending for, and tidies the ledger (acknowledgements, claims, headroom).
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """Shared mode: every process that uses a cache directory keeps one budget with the others.
 
-With ``nvme.shared: true`` this process is a *member* of each of its roots
-(``RootMember``, ``member.py``): it holds an account of the root's one byte budget in the
-root's ledger (``ledger.py``; its books ``account.py``, making room ``share.py``), says
-what it publishes, deletes and reads in its journal and follows the others'
-(``journal.py``: its index holds the whole directory, so a lookup is a dictionary
-lookup), renews a lease (``leases.py``), and, when it is the janitor, cleans up after
-members that died (``janitor.py``).  No server, no lock: the directory is the only thing
-the members share, so it works on a local disk and on a network filesystem alike.
-``docs/deployment.md`` says what is promised and how fast.
+With ``nvme.shared: true`` this process is a *member* of each of its roots (``RootMember``,
+``member.py``): it holds an account of the root's budget in the root's ledger
+(``ledger.py``; its books ``account.py``, making room ``share.py``), writes what it
+publishes, deletes and reads to its journal and follows the others' (``journal.py``: a
+lookup is a dictionary lookup), renews a lease (``leases.py``), and, as the janitor,
+cleans up after members that died (``janitor.py``).  No server, no lock: the directory is
+all the members share, on a local disk or a network filesystem (``docs/deployment.md``).
 
 Three background threads per store: ``nvme-shared`` (journals every ``INGEST_S``, the
 ledger every ``LEDGER_S``, the lease every ``HEARTBEAT_S``), ``nvme-janitor``, and
-``nvme-room``, which evicts ahead of the writes so that a store call seldom waits for an
-eviction (with the native engine, writes are placed on the thread that stores).
+``nvme-room``, which evicts ahead of the writes so that a store call seldom waits.
 """
 
 from __future__ import annotations
@@ -94,16 +91,14 @@ class SharedTree:
                 member.account.delete(mine, evictions=False)
 
     def forgotten(self, entries: list[IndexEntry]) -> None:
-        """Chunks that left the index because their namespace's directory was removed
-        (``lmcache-nvme forget``): the ones this member owns are no longer counted."""
+        """Chunks that left the index with their namespace's directory (``forget``)."""
         for member in self.members:
             mine = [e for e in entries if e.root == member.root.index]
             if mine:
                 member.account.disown(mine)
 
     def refresh(self) -> None:
-        """Share this member's reads and read the others' journals and ledger now (the
-        background thread does this every ``INGEST_S``)."""
+        """Share reads, read journals and the ledger now (not waiting for the thread)."""
         self._share_reads()
         for member in self.members:
             member.ingest()
@@ -136,23 +131,17 @@ class SharedTree:
             self.members[root].account.note_reads(digests, now)
 
     def _loop(self) -> None:
-        next_ingest = next_sync = next_beat = 0.0
+        due = {"ingest": 0.0, "sync": 0.0, "heartbeat": 0.0}
         while not self._stop.wait(READS_S):
             now = time.monotonic()
             self._guarded(self._share_reads)
-            for due, period, step in ((next_ingest, INGEST_S, "ingest"),
-                                      (next_sync, LEDGER_S, "sync"),
-                                      (next_beat, HEARTBEAT_S, "heartbeat")):
-                if now < due:
+            for step, period in (("ingest", INGEST_S), ("sync", LEDGER_S),
+                                 ("heartbeat", HEARTBEAT_S)):
+                if now < due[step]:
                     continue
                 for member in self.members:
                     self._guarded(getattr(member, step))
-                if step == "ingest":
-                    next_ingest = now + period
-                elif step == "sync":
-                    next_sync = now + period
-                else:
-                    next_beat = now + period
+                due[step] = now + period
 
     def _room_loop(self) -> None:
         """Keep each root's headroom ready (evictions off the storing thread)."""
