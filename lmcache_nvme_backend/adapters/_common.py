@@ -125,7 +125,9 @@ class EngineKeyNames:
         return key.to_string(), self._builds.namespace(key.model_name)
 
     def many(self, keys: Iterable[CacheEngineKey]) -> Iterator[tuple[str, str]]:
-        return map(self, keys)
+        self._builds.recheck_if_due()  # once a batch, not once a key
+        bound = self._builds.bound
+        return ((key.to_string(), bound(key.model_name)) for key in keys)
 
 
 def check_token_hashing(tier: str, config: Any) -> TokenHashing:

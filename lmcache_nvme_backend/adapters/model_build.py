@@ -95,20 +95,24 @@ class ModelBuilds:
         self._lock = threading.Lock()
         self._next_check = time.monotonic() + RECHECK_S
         self._last: tuple[list[str], list[str]] = ([], [])
+        self._announced: set[tuple[str, str | None]] = set()
 
     def namespace(self, namespace: str) -> str:
         """``namespace`` (a model name, or ``model@salt``) bound to its model's build."""
         self.recheck_if_due()
+        return self.bound(namespace)
+
+    def bound(self, namespace: str) -> str:
+        """:meth:`namespace` without a recheck (the caller's to do, once per batch)."""
         return self._bound.get(namespace) or self._learn(namespace)
 
     def namespaces(self, namespaces: list[str]) -> list[str]:
-        """:meth:`namespace` of each without a recheck (the caller's to do); the same list as
-        the last call's gets the last answer, not to be changed: no Python per chunk."""
+        """:meth:`bound` of each; the same list as the last call's gets the last answer, not
+        to be changed: no Python per chunk."""
         last = self._last
         if namespaces == last[0]:
             return last[1]
-        bound = self._bound
-        answer = [bound.get(ns) or self._learn(ns) for ns in namespaces]
+        answer = list(map(self.bound, namespaces))
         self._last = (namespaces, answer)
         return answer
 
@@ -123,9 +127,11 @@ class ModelBuilds:
                 self._models[model] = self._find(model)
             build = self._build_of(model)
             bound = f"{namespace}{BUILD_SEP}{build}" if build else namespace
-            fresh = namespace not in self._bound
             self._bound[namespace] = bound
-        if fresh and build:
+            # once per build of a model, not per salt: it lists the cache's namespaces
+            announce = build is not None and (model, build) not in self._announced
+            self._announced.add((model, build))
+        if announce:
             self._announce(namespace, bound)
         return bound
 
@@ -142,8 +148,8 @@ class ModelBuilds:
         logger.warning(
             "NVMe tier: %r is build %s of its weights now; chunks stored under its earlier "
             "builds (%s) are skipped, never served. They age out of the budget; `lmcache-nvme "
-            "forget PATH --namespace '%s#<build>'` drops one now.", namespace, build,
-            ", ".join(earlier), namespace)
+            "forget PATH --model %r --build <build>` drops one now.", namespace, build,
+            ", ".join(earlier), namespace.split("@", 1)[0])
 
     def _build_of(self, model: str) -> str | None:
         if self._setting == "off":

@@ -111,3 +111,13 @@ def test_earlier_builds_on_the_drive_are_named(tmp_path: Path,
         builds("rev2", on_disk).namespace("org/m")
     assert "earlier builds (aaaa, bbbb) are skipped" in package_log.text
 
+
+
+def test_the_cache_is_listed_once_per_build_not_once_per_salt() -> None:
+    """Every user's ``cache_salt`` is a namespace of its own: binding a new one must not
+    read every NAMESPACE file of the cache again."""
+    listed: list[int] = []
+    model_builds = ModelBuilds("rev1", lambda: listed.append(1) or [])
+    assert model_builds.namespaces([f"org/m@user{i}" for i in range(50)]) == \
+        [f"org/m@user{i}#rev1" for i in range(50)]
+    assert len(listed) == 1
