@@ -108,7 +108,8 @@ class ChunkStore:
     def _lookup(self, key: str, ns_id: str | None, pin: bool) -> bool:
         hit = self._catalog.lookup(key_digest(key), self._roots.healthy, time.time_ns(), pin,
                                    ns_id)
-        self._count_lookups(1, int(hit))
+        self._stats.add(Counter.LOOKUPS)  # per key in-process: two counts, not three
+        self._stats.add(Counter.HITS if hit else Counter.MISSES)
         return hit
 
     def lookup_many(self, keys: Sequence[str], namespaces: Sequence[str],
@@ -116,13 +117,11 @@ class ChunkStore:
         """``lookup(keys[i], namespaces[i])`` of each under one lock hold (memory only)."""
         hits = self._catalog.lookup_many(key_digests(keys), self._roots.healthy,
                                          time.time_ns(), pin, list(map(namespace_id, namespaces)))
-        self._count_lookups(len(hits), sum(hits))
+        found = sum(hits)
+        self._stats.add(Counter.LOOKUPS, len(hits))
+        self._stats.add(Counter.HITS, found)
+        self._stats.add(Counter.MISSES, len(hits) - found)
         return hits
-
-    def _count_lookups(self, lookups: int, hits: int) -> None:
-        self._stats.add(Counter.LOOKUPS, lookups)
-        self._stats.add(Counter.HITS, hits)
-        self._stats.add(Counter.MISSES, lookups - hits)
 
     def lookup_prefix(self, keys: Iterable[tuple[str, str]], pin: bool = False) -> int:
         """How many leading ``(key, namespace)`` pairs are stored (LMCache's prefix hit)."""
