@@ -27,6 +27,9 @@ MIB = 1024**2
 # nvme.min_free_gb "auto": this share of the filesystem, at most MIN_FREE_AUTO_CAP.
 MIN_FREE_AUTO_FRACTION = 0.05
 MIN_FREE_AUTO_CAP = GIB
+# nvme.io_deadline_s at most this (a deadline longer than a network filesystem's own
+# timeouts, e.g. GlusterFS's 42 s ping-timeout, would never fire)
+IO_DEADLINE_MAX_S = 600.0
 
 
 def adapter_params_of(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,6 +265,8 @@ class NVMeSettings:
     file_mode: int = _setting(_FileMode(), 0o600)
     manifest_interval_s: float = _setting(_Number(0.0), 60.0)
     close_timeout_s: float = _setting(_Number(0.0), 30.0)
+    # a read not answered by then is a miss and its path goes out of service; 0: no deadline
+    io_deadline_s: float = _setting(_Number(0.0, maximum=IO_DEADLINE_MAX_S), 5.0)
     # other processes write the same directories
     shared: bool = _setting(_Flag(), False)
     model_build: str = _setting(_ModelBuild(), "auto")

@@ -71,6 +71,10 @@ METRICS: tuple[MetricSpec, ...] = (
                _per_path("gbps"), label="path"),
     _counter("read_seconds", "Time spent in read calls, all paths."),
     _counter("read_failures", "Chunks asked for and not served (missing, invalid, I/O error)."),
+    _counter("deadline_misses", "Chunks answered as misses because their read passed "
+             "nvme.io_deadline_s (their path goes out of service)."),
+    _counter("late_reads_discarded", "Chunks whose read ended after its deadline (discarded, "
+             "never copied into the caller's buffer)."),
     _counter("writes_enqueued", "Chunks accepted into the write-back queue."),
     _counter("writes", "Chunk files written and published.", "writes_completed"),
     _counter("write_bytes", "Payload bytes written."),
@@ -128,6 +132,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("write_queue_chunks", "Chunks waiting to be written.", "pending_writes"),
     _gauge("write_queue_bytes", "Host memory held by queued writes.", "queue_bytes"),
     _gauge("roots_offline", "Cache directories taken out of service after I/O errors."),
+    _gauge("roots_hung", "Cache directories out of service after a read passed its deadline "
+           "(back when the filesystem answers a probe and the late I/O ended)."),
     _gauge("direct_io_roots", "Cache directories using O_DIRECT."),
     _gauge("gpu_pool_bytes", "GPU pool size (CUDA workers with a pool)."),
     _gauge("gpu_pool_objects_lent", "GPU pool memory objects lent to LMCache."),

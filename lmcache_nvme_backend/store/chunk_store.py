@@ -9,6 +9,8 @@ and the manifest (``docs/architecture.md`` names each part's module).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -30,6 +32,7 @@ from ..io.engine import ChunkEngine
 from ..io.native import NativeEngine
 from ..io.posix import read_header
 from .catalog import Catalog, RemovalListener
+from .deadline import HangWatch
 from .index import IndexEntry
 from .namespaces import NamespaceWatch
 from .reads import ChunkRead, ChunkReader, ReadPlan
@@ -39,10 +42,12 @@ from .roots import RootInfo, Roots
 from .shared.tree import SharedTree
 from .stats import Counter, HistogramSnapshot, ReadPath, StoreStats
 from .writeback import ChunkWrite, SubmitResult, TaskOutcome
-from .writer import ChunkWriter
+from .writer import CANCEL_WAIT_S, ChunkWriter
 
 __all__ = ["ChunkRead", "ChunkStore", "ChunkWrite", "ReadPlan", "SubmitResult",
            "TaskOutcome"]
+
+logger = logging.getLogger(__name__)
 
 #: The ``stats()`` key of the chunks accepted into the write-back queue: the queue counts
 #: them under the lock it holds anyway, not ``StoreStats``.
@@ -60,7 +65,9 @@ class ChunkStore:
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         # writer threads: ``nvme.write_threads``, or one per path
         self.engine = engine = _engine(settings, settings.write_threads or len(self._roots))
-        self._reader = ChunkReader(self._catalog, self._roots, engine, self._stats)
+        self._watch = HangWatch(self._roots, self._stats, settings.io_deadline_s) \
+            if settings.io_deadline_s > 0 else None
+        self._reader = ChunkReader(self._catalog, self._roots, engine, self._stats, self._watch)
         self._room = Room(self._catalog, self._roots, self._stats, engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, self._room, engine,
                                    self._stats)
@@ -329,6 +336,7 @@ class ChunkStore:
         snap[WRITES_ENQUEUED] = self._writer.queue.accepted
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
+        snap["roots_hung"] = sum(r.hung for r in self._roots)
         if self._shared is not None:
             snap.update(self._shared.describe())
         snap["direct_io_roots"] = sum(r.direct for r in self._roots)
@@ -341,17 +349,52 @@ class ChunkStore:
         self._manifests.save_all()
 
     def close(self) -> None:
-        """Finish queued writes (up to ``close_timeout_s``), save manifests, stop threads."""
+        """Finish queued writes (up to ``close_timeout_s``), save manifests, stop threads.
+        With ``nvme.io_deadline_s`` it returns within ``close_bound_s`` even while I/O is
+        stuck in the kernel (a hung network filesystem): the step it waited for is named in
+        the log, and left to finish on daemon threads."""
         if self._closed:
             return
         self._closed = True
+        if self._watch is None:
+            self._shut_down([])
+            return
+        steps: list[str] = []
+        closer = threading.Thread(target=self._shut_down, args=(steps,), name="nvme-close",
+                                  daemon=True)
+        closer.start()
+        closer.join(self.close_bound_s)
+        if closer.is_alive():
+            hung = [str(root.layout.root) for root in self._roots if root.hung]
+            logger.warning("NVMe tier: close() gave up after %.0f s while %s (paths out of "
+                           "service: %s); left to finish on a daemon thread, with the I/O "
+                           "threads stuck in the filesystem.", self.close_bound_s,
+                           steps[-1] if steps else "starting", ", ".join(hung) or "none")
+
+    @property
+    def close_bound_s(self) -> float:
+        """How long ``close`` waits at most (with ``nvme.io_deadline_s``): the write-back's
+        ``close_timeout_s`` and cancel wait, then a deadline for each of the other steps."""
+        return self.settings.close_timeout_s + CANCEL_WAIT_S + 3 * self.settings.io_deadline_s
+
+    def _shut_down(self, steps: list[str]) -> None:
+        """``close``'s steps, each named in ``steps`` as it starts."""
+        steps.append("stopping the namespace watch")
         self._namespaces.stop()
+        steps.append("finishing queued writes")
         self._writer.close(self.settings.close_timeout_s)
+        steps.append("saving manifests")
         self._manifests.stop()
         self._manifests.save_all()
         if self._shared is not None:
+            steps.append("leaving the shared directory")
             self._shared.close()
+        if self._watch is not None:
+            steps.append("answering reads in flight")
+            self._watch.stop(self.settings.io_deadline_s)
+        steps.append("stopping the I/O engine")
         self.engine.close()
+        steps.append("closed")
 
 
 def _engine(settings: NVMeSettings, writers: int) -> ChunkEngine:

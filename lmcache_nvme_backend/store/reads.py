@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,10 +21,12 @@ from ..disk.format import ChunkHeader, TensorMeta, texts_bytes
 from ..disk.layout import digest_of_key_bytes, key_digest
 from ..disk.validate import Defect, Expected, Verdict, defect, judge_chunk
 from ..io import engine
+from ..io.buffers import AlignedBuffer
 from ..io.engine import ChunkEngine
 from ..io.files import read_failure
 from ..io.posix import NotAChunkFile, ShortFileError, read_header
 from .catalog import Catalog
+from .deadline import DeadlineCall, HangWatch, StagingPool, copy_served
 from .index import IndexEntry
 from .roots import Roots, RootState, quarantine_file
 from .stats import Counter, ReadPath, StoreStats
@@ -101,6 +104,26 @@ def _grouped(entries: list[IndexEntry | None], roots: list[RootState | None],
     return order, shares, nbytes, {entry.root for entry, *_ in groups.values()}
 
 
+def _staging_for(pool: StagingPool, entries: list[IndexEntry | None],
+                 roots: list[RootState | None], dests: Sequence[memoryview],
+                 lengths: Sequence[int | None]
+                 ) -> tuple[list[memoryview], list[AlignedBuffer | None]]:
+    """Store-owned buffers to read each chunk into (reads under a deadline), and the views
+    the engine is given: a staging buffer's, as long as the caller's buffer allows, where a
+    chunk is read; the caller's own (never read into) where it is a miss anyway."""
+    targets = list(dests)
+    staging: list[AlignedBuffer | None] = [None] * len(dests)
+    for i, entry in enumerate(entries):
+        if entry is None or (meta := entry.meta) is None or roots[entry.root] is None:
+            continue
+        length = lengths[i]
+        if len(dests[i]) < meta.nbytes or (length is not None and length != meta.nbytes):
+            continue
+        buf = staging[i] = pool.take(meta.nbytes)
+        targets[i] = buf.view[:min(len(dests[i]), buf.size)]
+    return targets, staging
+
+
 def _uniform(entries: list[IndexEntry | None], roots: list[RootState | None],
              dests: Sequence[memoryview], lengths: Sequence[int | None]
              ) -> tuple[IndexEntry, TensorMeta, RootState] | None:
@@ -132,11 +155,12 @@ class ChunkReader:
     """Reads and judges chunk files for one store."""
 
     def __init__(self, catalog: Catalog, roots: Roots, engine: ChunkEngine,
-                 stats: StoreStats) -> None:
+                 stats: StoreStats, watch: HangWatch | None = None) -> None:
         self._catalog = catalog
         self._roots = roots
         self.engine = engine
         self._stats = stats
+        self._watch = watch  # nvme.io_deadline_s: reads into staging, answered by then
 
     # -- headers -------------------------------------------------------------
 
@@ -210,24 +234,82 @@ class ChunkReader:
         (or here, when nothing can be read); it must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
+        staging: list[AlignedBuffer | None] = []
+        targets = dests
+        if self._watch is not None:
+            targets, staging = _staging_for(self._watch.staging, entries, roots, dests, lengths)
         if uniform := _uniform(entries, roots, dests, lengths):
             first, meta, root = uniform
-            shares = [_share(root, first.ns_id, meta, digests, list(dests), encoded)]
+            shares = [_share(root, first.ns_id, meta, digests, list(targets), encoded)]
             call: _Call = (keys, encoded, digests, entries, roots, None, len(keys) * meta.nbytes,
                            {root.index})
         else:
-            order, shares, nbytes, touched = _grouped(entries, roots, dests, lengths, digests,
+            order, shares, nbytes, touched = _grouped(entries, roots, targets, lengths, digests,
                                                       encoded)
             call = (keys, encoded, digests, entries, roots, order, nbytes, touched)
             if not order:  # nothing to read: every chunk a miss
                 self._stats.add(Counter.READ_FAILURES, len(keys))
                 on_done([False] * len(keys))
                 return
+        if self._watch is not None:
+            self._read_by_deadline(self._watch, call, shares, dests, staging, on_done, wait)
+            return
         done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
         if wait:
             done(self.engine.read(shares))
         else:
             self.engine.submit_read(shares, done)
+
+    def _read_by_deadline(self, watch: HangWatch, call: _Call,
+                          shares: list[engine.ReadShare], dests: Sequence[memoryview],
+                          staging: list[AlignedBuffer | None],
+                          on_done: Callable[[list[bool]], None], wait: bool) -> None:
+        """Read ``call`` into the staging ``targets`` on the engine's threads, answer
+        ``on_done`` by the deadline: from the batch when it came back in time (served chunks
+        copied into ``dests``), with misses otherwise (the batch, when it comes back, is
+        discarded: ``HangWatch.late``)."""
+        size = len(call[0])
+        entries = call[3]
+        lengths = [0 if e is None or e.meta is None else e.meta.nbytes for e in entries]
+        held = [buf for buf in staging if buf is not None]
+        started = time.perf_counter()
+        answer: list[bool] = []
+        finished = threading.Event()
+
+        def copied(served: list[bool]) -> None:
+            copy_served(served, dests, staging, lengths)
+            watch.staging.give(held)
+            on_done(served)
+
+        def expired() -> None:
+            watch.missed(deadline_call, size)
+            on_done([False] * size)
+
+        deadline_call = DeadlineCall(time.monotonic() + watch.deadline_s, call[7], held,
+                                     None if wait else expired)
+
+        def done(result: engine.Batch) -> None:
+            if not deadline_call.finish():
+                watch.late(deadline_call, size)
+            elif wait:
+                self._batch_done(call, answer.extend, started, result)
+                finished.set()
+            else:
+                self._batch_done(call, copied, started, result)
+
+        try:
+            self.engine.submit_read(shares, done)
+        except BaseException:
+            watch.staging.give(held)
+            raise
+        if not wait:
+            watch.watch(deadline_call)
+            return
+        if finished.wait(watch.deadline_s) or not deadline_call.expire():
+            finished.wait()  # answered in time (maybe just now): judged in a moment
+            copied(answer)
+        else:
+            expired()
 
     def _batch_done(self, call: _Call, on_done: Callable[[list[bool]], None], started: float,
                     result: engine.Batch) -> None:

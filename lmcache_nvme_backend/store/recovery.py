@@ -97,6 +97,10 @@ class ManifestKeeper:
     def save_all(self) -> None:
         """Snapshot every root's index (the catalogue's lock is held only to copy it)."""
         for root in self._roots:
+            if root.hung:  # its filesystem does not answer: saved once it is back
+                logger.warning("NVMe tier: not saving the manifest of %s: the path is out of "
+                               "service (a read passed nvme.io_deadline_s).", root.layout.root)
+                continue
             entries = self._catalog.lru_entries(root.index)
             try:
                 save_manifest(root.layout.index_dir, entries, self._file_mode)

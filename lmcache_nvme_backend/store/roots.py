@@ -66,6 +66,8 @@ class RootState:
     full: bool = False
     # a read or write found the directory gone (ENOENT): check the kept descriptor next
     maybe_removed: bool = False
+    # a read passed nvme.io_deadline_s: out of service until the filesystem answers again
+    hung: bool = False
 
     def descriptor(self) -> int:
         """The kept descriptor of the directory (renewed if it was made again)."""

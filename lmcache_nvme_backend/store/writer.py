@@ -192,7 +192,10 @@ class ChunkWriter:
         wait = self.settings.queue_full_policy == "wait"
         if wait:
             self.stats.add(Counter.QUEUE_FULL_WAITS)
-        ok = self.queue.offer([nbytes] * len(offered), wait_s=1e9 if wait else 0.0)
+        # ``wait`` waits at most nvme.io_deadline_s: a queue held by writes to a hung
+        # filesystem does not hold the caller (the chunk is dropped and counted)
+        wait_s = (self.settings.io_deadline_s or 1e9) if wait else 0.0
+        ok = self.queue.offer([nbytes] * len(offered), wait_s=wait_s)
         refused = [i for i, fits in zip(offered, ok, strict=True) if not fits]
         self.catalog.end_pending(digests[i] for i in refused)
         for i in refused:
