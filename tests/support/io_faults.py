@@ -109,3 +109,41 @@ class FlakyReads:
 
     def __exit__(self, *exc: object) -> None:
         self.active.clear()
+
+
+class StuckReads:
+    """Every chunk read of a store hangs, as one on a stopped GlusterFS brick or a lost NFS
+    server does, until ``release``: then each held batch really runs (its bytes land
+    wherever the store told the engine to put them) and comes back late.  Closing the
+    engine waits for the release too, as joining an I/O thread stuck in the kernel would.
+    """
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.released = threading.Event()
+        self.batches = 0  # batches the store handed to the engine
+        engine = store.engine
+        real_submit, real_close = engine.submit_read, engine.close
+
+        def stuck(shares: Any, on_done: Callable[[seam.Batch], None]) -> None:
+            self.batches += 1
+            threading.Thread(target=self._late, args=(real_submit, shares, on_done),
+                             daemon=True).start()
+
+        def stuck_close() -> None:
+            self.released.wait()
+            real_close()
+
+        engine.submit_read = stuck  # type: ignore[method-assign]
+        engine.close = stuck_close  # type: ignore[method-assign]
+
+    def _late(self, submit: Callable[..., None], shares: Any,
+              on_done: Callable[[seam.Batch], None]) -> None:
+        self.released.wait()
+        try:
+            submit(shares, on_done)
+        except RuntimeError:  # the store closed meanwhile: the batch ends with the engine
+            pass
+
+    def release(self) -> None:
+        """The filesystem answers again: held batches run, and later ones are not held."""
+        self.released.set()

@@ -70,6 +70,7 @@ def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     assert s.fsync == "none"
     assert s.file_mode == 0o600
     assert (s.manifest_interval_s, s.close_timeout_s) == (60.0, 30.0)
+    assert s.io_deadline_s == 5.0
 
 
 def test_foreign_extra_config_keys_are_ignored(extra: dict[str, Any], cache_dir: Path) -> None:
@@ -83,6 +84,7 @@ def test_every_setting_can_be_given(extra: dict[str, Any]) -> None:
         "nvme.write_threads": 3.0, "nvme.task_size_mb": 0.5, "nvme.write_queue_mb": "64",
         "nvme.queue_full_policy": "Wait", "nvme.fsync": "full", "nvme.file_mode": "0640",
         "nvme.manifest_interval_s": 0, "nvme.close_timeout_s": "1.5",
+        "nvme.io_deadline_s": "0.25",
     })
     s = NVMeSettings.from_extra_config(extra)
     assert s.min_free_gb == 0
@@ -94,6 +96,7 @@ def test_every_setting_can_be_given(extra: dict[str, Any]) -> None:
     assert (s.queue_full_policy, s.fsync) == ("wait", "full")
     assert s.file_mode == 0o640
     assert (s.manifest_interval_s, s.close_timeout_s) == (0.0, 1.5)
+    assert s.io_deadline_s == 0.25
 
 
 def test_task_size_rounds_to_4k_and_never_below(extra: dict[str, Any]) -> None:
@@ -298,7 +301,9 @@ def test_max_size_accepts_numeric_string(extra: dict[str, Any]) -> None:
      ("io_threads", 0, "out of range"), ("io_threads", "1e400", "not a finite number"),
      ("write_threads", -1, "out of range"), ("task_size_mb", 0, "out of range"),
      ("write_queue_mb", 0, "out of range"), ("min_free_gb", -0.1, "out of range"),
-     ("close_timeout_s", "soon", "not a number")],
+     ("close_timeout_s", "soon", "not a number"), ("io_deadline_s", -1, "out of range"),
+     ("io_deadline_s", 601, "out of range"), ("io_deadline_s", "nan", "not a finite number"),
+     ("io_deadline_s", "soon", "not a number")],
 )
 def test_bad_numbers_name_their_key(extra: dict[str, Any], name: str, value: Any,
                                     why: str) -> None:
