@@ -9,6 +9,7 @@ engine's own).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -139,10 +140,8 @@ class StuckReads:
     def _late(self, submit: Callable[..., None], shares: Any,
               on_done: Callable[[seam.Batch], None]) -> None:
         self.released.wait()
-        try:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: ends with the engine
             submit(shares, on_done)
-        except RuntimeError:  # the store closed meanwhile: the batch ends with the engine
-            pass
 
     def release(self) -> None:
         """The filesystem answers again: held batches run, and later ones are not held."""
