@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
 from support.chunks import CHUNK, NS, payload_for, put, read
 from support.io_faults import StuckReads, before_each_write
 from support.stores import StoreFactory
@@ -85,7 +86,8 @@ def test_a_stuck_async_read_is_answered_with_misses_by_its_deadline(
     assert answers == [[False]] and bytes(dest) == PATTERN[:CHUNK]
 
 
-def test_close_returns_while_the_io_is_stuck(open_store: StoreFactory, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_close_returns_while_the_io_is_stuck(open_store: StoreFactory,
+                                             package_log: pytest.LogCaptureFixture) -> None:
     """close() returns within its bound though the engine's threads cannot be joined, and
     says which step it left."""
     store = _stored(open_store, "a")
@@ -96,7 +98,8 @@ def test_close_returns_while_the_io_is_stuck(open_store: StoreFactory, caplog) -
         store.close()
         took = time.monotonic() - started
         assert took <= store.close_bound_s + BOUND_S
-        assert "close() gave up" in caplog.text and "stopping the I/O engine" in caplog.text
+        assert "close() gave up" in package_log.text
+        assert "stopping the I/O engine" in package_log.text
     finally:
         stuck.release()
 
