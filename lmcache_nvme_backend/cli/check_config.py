@@ -20,10 +20,11 @@ from ..config import (
     SettingsReview,
     adapter_params_of,
 )
+from ..disk.mounts import mount_for
 from ..disk.probe import probe_path
 from ..store.access import user_name
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
-from .common import mount_for, print_json
+from .common import print_json
 from .doctor import (
     add_gpu_and_json_options,
     check_lmcache,

@@ -10,10 +10,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from ..config import GIB, MIB
-from ..disk.probe import nearest_existing
 
 T = TypeVar("T")
 KIB = 1024
@@ -224,36 +223,3 @@ class Progress:
             self._draw(force=True)
             self.stream.write("\n")
             self.stream.flush()
-
-
-class MountInfo(NamedTuple):
-    """The /proc/mounts entry a path lives on."""
-
-    device: str
-    mountpoint: str
-    fstype: str
-    options: str
-
-
-def mount_for(path: Path, mounts_file: str = "/proc/mounts") -> MountInfo | None:
-    """The mount holding ``path`` (longest matching mount point; the last one wins)."""
-    target = str(nearest_existing(path).resolve())
-    best: MountInfo | None = None
-    try:
-        lines = Path(mounts_file).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        device, mountpoint, fstype, options = (_unescape_mount(p) for p in parts[:4])
-        inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
-        if inside and (best is None or len(mountpoint) >= len(best.mountpoint)):
-            best = MountInfo(device, mountpoint, fstype, options)
-    return best
-
-
-def _unescape_mount(field: str) -> str:
-    """/proc/mounts escapes space, tab, newline and backslash as octal (``\\040``)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)

@@ -15,9 +15,10 @@ from ..adapters.hashing import FIX as HASHING_FIX
 from ..adapters.hashing import RECOMMENDED_ALGORITHM, token_hashing, unknown_algorithm
 from ..adapters.lmcache_range import in_range, lmcache_version, supported_range
 from ..config import EXTRA_CONFIG_PREFIX, GdsMode, NVMeConfigError, NVMeSettings
+from ..disk.mounts import mount_for
 from ..disk.probe import probe_path
 from .check import FAIL, INFO, PASS, SKIP, WARN, WORST_FOR, Check, exit_status, print_report
-from .common import CLIError, add_output_options, mount_for, non_negative_float, print_json
+from .common import CLIError, add_output_options, non_negative_float, print_json
 from .gpu_checks import check_gpu, check_kvikio, check_libcufile, check_nvidia_fs, check_run_udev
 from .path_checks import (
     check_alignment,

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from ..config import min_free_bytes_for
 from ..disk.format import ALIGNMENT
+from ..disk.mounts import MountInfo
 from ..disk.probe import PathProbe, PathState
 from ..io.posix import probe_direct_io
 from ..store.access import describe_owner, user_name
 from .check import FAIL, INFO, PASS, WARN, Check
-from .common import GIB, MountInfo
+from .common import GIB
 
 GOOD_LOCAL_FS = {"ext4", "xfs"}
 SHARED_FS = {"lustre", "gpfs", "beegfs", "wekafs", "nfs", "nfs4", "cephfs", "ceph"}

@@ -11,13 +11,13 @@ import pytest
 from lmcache_nvme_backend.cli.common import (
     human_bytes,
     int_list_arg,
-    mount_for,
     non_negative_float,
     parse_size,
     positive_float,
     short_size,
     size_arg,
 )
+from lmcache_nvme_backend.disk.mounts import mount_for
 
 
 @pytest.mark.parametrize(("text", "expect"), [

@@ -17,6 +17,7 @@ from typing import Any
 
 from ...config import NVMeSettings
 from ...disk.format import file_size_for
+from ...disk.mounts import mount_for
 from ...io import native
 from ...io.posix import probe_direct_io
 from ..common import (
@@ -24,7 +25,6 @@ from ..common import (
     MIB,
     CLIError,
     int_list_arg,
-    mount_for,
     positive_float,
     positive_int,
     print_json,
