@@ -30,6 +30,8 @@ MIN_FREE_AUTO_CAP = GIB
 # nvme.io_deadline_s at most this (a deadline longer than a network filesystem's own
 # timeouts, e.g. GlusterFS's 42 s ping-timeout, would never fire)
 IO_DEADLINE_MAX_S = 600.0
+# nvme.io_deadline_s "auto": this deadline on a network filesystem, none on a local one
+IO_DEADLINE_AUTO_S = 5.0
 
 
 def adapter_params_of(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -43,6 +45,15 @@ def min_free_bytes_for(min_free_gb: float | None, filesystem_bytes: int) -> int:
     if min_free_gb is not None:
         return int(min_free_gb * GIB)
     return min(MIN_FREE_AUTO_CAP, int(filesystem_bytes * MIN_FREE_AUTO_FRACTION))
+
+
+def io_deadline_for(io_deadline_s: float | None, network_filesystem: bool) -> float:
+    """The read deadline of one path in seconds (0: none, reads go straight into the
+    caller's buffers): ``io_deadline_s``, or for ``None`` (``auto``) ``IO_DEADLINE_AUTO_S``
+    on a network filesystem and none on a local one."""
+    if io_deadline_s is not None:
+        return io_deadline_s
+    return IO_DEADLINE_AUTO_S if network_filesystem else 0.0
 
 
 class NVMeConfigError(ValueError):
@@ -265,8 +276,10 @@ class NVMeSettings:
     file_mode: int = _setting(_FileMode(), 0o600)
     manifest_interval_s: float = _setting(_Number(0.0), 60.0)
     close_timeout_s: float = _setting(_Number(0.0), 30.0)
-    # a read not answered by then is a miss and its path goes out of service; 0: no deadline
-    io_deadline_s: float = _setting(_Number(0.0, maximum=IO_DEADLINE_MAX_S), 5.0)
+    # a read not answered by then is a miss and its path goes out of service; 0: no deadline;
+    # None ("auto"): io_deadline_for each path's filesystem
+    io_deadline_s: float | None = _setting(
+        _NumberOrAuto(_Number(0.0, maximum=IO_DEADLINE_MAX_S)), None)
     # other processes write the same directories
     shared: bool = _setting(_Flag(), False)
     model_build: str = _setting(_ModelBuild(), "auto")

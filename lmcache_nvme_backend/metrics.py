@@ -134,6 +134,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("roots_offline", "Cache directories taken out of service after I/O errors."),
     _gauge("roots_hung", "Cache directories out of service after a read passed its deadline "
            "(back when the filesystem answers a probe and the late I/O ended)."),
+    _gauge("deadline_roots", "Cache directories whose reads have a deadline "
+           "(nvme.io_deadline_s; auto: those on network filesystems)."),
     _gauge("direct_io_roots", "Cache directories using O_DIRECT."),
     _gauge("gpu_pool_bytes", "GPU pool size (CUDA workers with a pool)."),
     _gauge("gpu_pool_objects_lent", "GPU pool memory objects lent to LMCache."),
@@ -152,6 +154,9 @@ ROOT_GAUGES: tuple[tuple[str, str, str], ...] = (
      "sees them, at scrape time.", "free_bytes"),
     ("root_min_free_bytes", "The directory's free-space guard (min_free_gb): writes are "
      "dropped while the filesystem has no more free bytes than this.", "min_free_bytes"),
+    ("root_io_deadline_seconds", "The deadline of a read from the directory "
+     "(nvme.io_deadline_s; auto: 5 on a network filesystem); 0: none, reads go straight into "
+     "the caller's buffers.", "deadline_s"),
 )
 
 HISTOGRAMS: tuple[MetricSpec, ...] = (

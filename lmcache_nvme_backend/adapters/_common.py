@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import NVMeConfigError, NVMeSettings
 from ..metrics import TierObserver
-from ..store import ChunkStore, Counter
+from ..store import ChunkStore, Counter, RootInfo
 from .hashing import TokenHashing, restart_miss_warning, token_hashing
 from .lmcache_range import describe_lmcache, lmcache_imports, range_warning, supported_range
 from .model_build import ModelBuilds
@@ -82,10 +82,20 @@ def announce(adapter: str, tier: str, store: ChunkStore,
     observer = TierObserver.for_store(adapter, store, stats)
     roots = store.describe_roots()
     logger.info("%s ready: %s, budget %.1f GiB, %d chunks found, direct I/O on %d of %d "
-                "path(s), %s I/O%s.", tier, ", ".join(str(r.path) for r in roots),
+                "path(s), %s I/O, %s%s.", tier, ", ".join(str(r.path) for r in roots),
                 store.settings.max_size_gb, store.usage()["entries"],
-                sum(r.direct_io for r in roots), len(roots), store.io_engine_name, details)
+                sum(r.direct_io for r in roots), len(roots), store.io_engine_name,
+                describe_deadlines(roots), details)
     return observer
+
+
+def describe_deadlines(roots: list[RootInfo]) -> str:
+    """Which paths' reads have a deadline (``nvme.io_deadline_s``), for the ready line."""
+    timed = [r for r in roots if r.deadline_s > 0]
+    if not timed:
+        return "no read deadline (reads straight into the caller's buffers)"
+    return "read deadline " + ", ".join(f"{r.deadline_s:g} s on {r.path} ({r.filesystem})"
+                                        for r in timed)
 
 
 class BackgroundCalls:

@@ -61,12 +61,14 @@ class ChunkStore:
         self.settings = settings
         self._stats = StoreStats()
         self._roots = Roots.open(settings.paths, settings.direct_io, settings.file_mode,
-                                 settings.min_free_gb, settings.shared, settings.key_prefix)
+                                 settings.min_free_gb, settings.shared, settings.key_prefix,
+                                 settings.io_deadline_s)
         self._catalog = Catalog([settings.max_size_bytes // len(self._roots)] * len(self._roots))
         # writer threads: ``nvme.write_threads``, or one per path
         self.engine = engine = _engine(settings, settings.write_threads or len(self._roots))
-        self._watch = HangWatch(self._roots, self._stats, settings.io_deadline_s) \
-            if settings.io_deadline_s > 0 else None
+        # reads on the paths with a deadline (nvme.io_deadline_s) go through it; none: the
+        # store reads straight into the caller's buffers
+        self._watch = HangWatch(self._roots, self._stats) if self._roots.deadline_s else None
         self._reader = ChunkReader(self._catalog, self._roots, engine, self._stats, self._watch)
         self._room = Room(self._catalog, self._roots, self._stats, engine)
         self._writer = ChunkWriter(settings, self._catalog, self._roots, self._room, engine,
@@ -337,6 +339,7 @@ class ChunkStore:
         snap.update(self.usage())
         snap["roots_offline"] = sum(not r.healthy for r in self._roots)
         snap["roots_hung"] = sum(r.hung for r in self._roots)
+        snap["deadline_roots"] = sum(r.deadline_s > 0 for r in self._roots)
         if self._shared is not None:
             snap.update(self._shared.describe())
         snap["direct_io_roots"] = sum(r.direct for r in self._roots)
@@ -350,9 +353,9 @@ class ChunkStore:
 
     def close(self) -> None:
         """Finish queued writes (up to ``close_timeout_s``), save manifests, stop threads.
-        With ``nvme.io_deadline_s`` it returns within ``close_bound_s`` even while I/O is
-        stuck in the kernel (a hung network filesystem): the step it waited for is named in
-        the log, and left to finish on daemon threads."""
+        With a read deadline on any path (``nvme.io_deadline_s``) it returns within
+        ``close_bound_s`` even while I/O is stuck in the kernel (a hung network filesystem):
+        the step it waited for is named in the log, and left to finish on daemon threads."""
         if self._closed:
             return
         self._closed = True
@@ -373,9 +376,10 @@ class ChunkStore:
 
     @property
     def close_bound_s(self) -> float:
-        """How long ``close`` waits at most (with ``nvme.io_deadline_s``): the write-back's
-        ``close_timeout_s`` and cancel wait, then a deadline for each of the other steps."""
-        return self.settings.close_timeout_s + CANCEL_WAIT_S + 3 * self.settings.io_deadline_s
+        """How long ``close`` waits at most (with a read deadline on any path): the
+        write-back's ``close_timeout_s`` and cancel wait, then a deadline for each of the
+        other steps."""
+        return self.settings.close_timeout_s + CANCEL_WAIT_S + 3 * self._roots.deadline_s
 
     def _shut_down(self, steps: list[str]) -> None:
         """``close``'s steps, each named in ``steps`` as it starts."""
@@ -391,7 +395,7 @@ class ChunkStore:
             self._shared.close()
         if self._watch is not None:
             steps.append("answering reads in flight")
-            self._watch.stop(self.settings.io_deadline_s)
+            self._watch.stop(self._watch.deadline_s)
         steps.append("stopping the I/O engine")
         self.engine.close()
         steps.append("closed")

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..disk.format import padded_length
 from ..io.buffers import AlignedBuffer, buffer_address
+from .index import IndexEntry
 from .roots import Roots, RootState
 from .stats import Counter, StoreStats
 
@@ -116,8 +117,11 @@ class HangWatch:
     brings a path back once a probe (``os.statvfs``, on a thread of its own, answered within
     the deadline) succeeds and the engine handed back every late batch on it."""
 
-    def __init__(self, roots: Roots, stats: StoreStats, deadline_s: float) -> None:
-        self.deadline_s = deadline_s
+    def __init__(self, roots: Roots, stats: StoreStats) -> None:
+        self.deadline_s = roots.deadline_s
+        # the roots whose reads have a deadline (nvme.io_deadline_s, per filesystem for auto)
+        self.roots = frozenset(root.index for root in roots if root.deadline_s > 0)
+        self._everywhere = len(self.roots) == len(roots)
         self.staging = StagingPool()
         self._roots = roots
         self._stats = stats
@@ -133,6 +137,14 @@ class HangWatch:
         self._thread.start()
 
     # -- calls ------------------------------------------------------------------------------
+
+    def covers(self, entries: Iterable[IndexEntry | None]) -> bool:
+        """Whether a read of ``entries`` has a deadline: some chunk is on a root with one
+        (the whole call is then read under it: its chunks share the engine's batch)."""
+        if self._everywhere:
+            return True
+        roots = self.roots
+        return any(entry is not None and entry.root in roots for entry in entries)
 
     def watch(self, call: DeadlineCall) -> None:
         """Expire the asynchronous ``call`` at its deadline unless it finished before."""

@@ -234,40 +234,52 @@ class ChunkReader:
         (or here, when nothing can be read); it must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
-        staging: list[AlignedBuffer | None] = []
-        targets = dests
-        if self._watch is not None:
-            targets, staging = _staging_for(self._watch.staging, entries, roots, dests, lengths)
-        if uniform := _uniform(entries, roots, dests, lengths):
+        watch = self._watch
+        if watch is not None and watch.covers(entries):
+            targets, staging = _staging_for(watch.staging, entries, roots, dests, lengths)
+            if planned := self._planned(keys, encoded, digests, entries, roots, targets,
+                                        lengths, on_done):
+                self._read_by_deadline(watch, *planned, dests, staging, on_done, wait)
+            return
+        if planned := self._planned(keys, encoded, digests, entries, roots, dests, lengths,
+                                    on_done):
+            call, shares = planned
+            done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
+            if wait:
+                done(self.engine.read(shares))
+            else:
+                self.engine.submit_read(shares, done)
+
+    def _planned(self, keys: Sequence[str], encoded: list[bytes], digests: list[str],
+                 entries: list[IndexEntry | None], roots: list[RootState | None],
+                 targets: Sequence[memoryview], lengths: Sequence[int | None],
+                 on_done: Callable[[list[bool]], None]
+                 ) -> tuple[_Call, list[engine.ReadShare]] | None:
+        """The call and the shares that read it into ``targets``: one share when every chunk
+        is alike (``_uniform``), else one per root, namespace and layout.  None when nothing
+        can be read (``on_done`` was answered with misses)."""
+        if uniform := _uniform(entries, roots, targets, lengths):
             first, meta, root = uniform
-            shares = [_share(root, first.ns_id, meta, digests, list(targets), encoded)]
             call: _Call = (keys, encoded, digests, entries, roots, None, len(keys) * meta.nbytes,
                            {root.index})
-        else:
-            order, shares, nbytes, touched = _grouped(entries, roots, targets, lengths, digests,
-                                                      encoded)
-            call = (keys, encoded, digests, entries, roots, order, nbytes, touched)
-            if not order:  # nothing to read: every chunk a miss
-                self._stats.add(Counter.READ_FAILURES, len(keys))
-                on_done([False] * len(keys))
-                return
-        if self._watch is not None:
-            self._read_by_deadline(self._watch, call, shares, dests, staging, on_done, wait)
-            return
-        done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
-        if wait:
-            done(self.engine.read(shares))
-        else:
-            self.engine.submit_read(shares, done)
+            return call, [_share(root, first.ns_id, meta, digests, list(targets), encoded)]
+        order, shares, nbytes, touched = _grouped(entries, roots, targets, lengths, digests,
+                                                  encoded)
+        if not order:  # nothing to read: every chunk a miss
+            self._stats.add(Counter.READ_FAILURES, len(keys))
+            on_done([False] * len(keys))
+            return None
+        return (keys, encoded, digests, entries, roots, order, nbytes, touched), shares
 
     def _read_by_deadline(self, watch: HangWatch, call: _Call,
                           shares: list[engine.ReadShare], dests: Sequence[memoryview],
                           staging: list[AlignedBuffer | None],
                           on_done: Callable[[list[bool]], None], wait: bool) -> None:
-        """Read ``call`` into the staging ``targets`` on the engine's threads, answer
-        ``on_done`` by the deadline: from the batch when it came back in time (served chunks
-        copied into ``dests``), with misses otherwise (the batch, when it comes back, is
-        discarded: ``HangWatch.late``)."""
+        """Read ``call`` by its ``shares`` (into the ``staging`` buffers) on the engine's
+        threads, answer ``on_done`` by the deadline: from the batch when it came back in time
+        (served chunks copied into ``dests``), with misses otherwise (the batch, when it
+        comes back, is discarded: ``HangWatch.late``); the paths with a deadline go out of
+        service then."""
         size = len(call[0])
         entries = call[3]
         lengths = [0 if e is None or e.meta is None else e.meta.nbytes for e in entries]
@@ -285,8 +297,8 @@ class ChunkReader:
             watch.missed(deadline_call, size)
             on_done([False] * size)
 
-        deadline_call = DeadlineCall(time.monotonic() + watch.deadline_s, call[7], held,
-                                     None if wait else expired)
+        deadline_call = DeadlineCall(time.monotonic() + watch.deadline_s,
+                                     call[7] & watch.roots, held, None if wait else expired)
 
         def done(result: engine.Batch) -> None:
             if not deadline_call.finish():

@@ -20,9 +20,10 @@ from typing import TypeVar
 
 import xxhash
 
-from ..config import EXTRA_CONFIG_PREFIX, NVMeConfigError, min_free_bytes_for
+from ..config import EXTRA_CONFIG_PREFIX, NVMeConfigError, io_deadline_for, min_free_bytes_for
 from ..disk.format import text_bytes
 from ..disk.layout import MARKER_NAME, RootLayout, marker_text, split_tree_path
+from ..disk.mounts import is_network_filesystem, mount_for
 from ..disk.probe import CREATE_FIX, NOT_A_DIRECTORY_FIX
 from ..disk.safe_fs import (
     NotAChunkFile,
@@ -60,6 +61,10 @@ class RootState:
     direct: bool
     # the free-space guard of this path (nvme.min_free_gb, or scaled to the filesystem)
     min_free_bytes: int = 0
+    # its filesystem's type (/proc/mounts; "" when unknown)
+    filesystem: str = ""
+    # reads here are answered by then (nvme.io_deadline_s, by filesystem for auto); 0: none
+    deadline_s: float = 0.0
     consecutive_errors: int = 0
     offline_until: float = 0.0
     # set while writes are dropped because the filesystem is full (one log line per episode)
@@ -91,14 +96,18 @@ class RootInfo:
     free_bytes: int | None = None
     capacity_bytes: int = 0
     used_bytes: int = 0
+    filesystem: str = ""
+    deadline_s: float = 0.0
 
 
 def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o600,
               min_free_gb: float | None = None, shared: bool = False,
-              key_prefix: str = EXTRA_CONFIG_PREFIX) -> RootState:
+              key_prefix: str = EXTRA_CONFIG_PREFIX,
+              io_deadline_s: float | None = None) -> RootState:
     """Check the root (``access.require_usable_root``), create it, its directories and
-    marker (exact modes, never through a link), and probe O_DIRECT per ``nvme.direct_io``.
-    A full filesystem does not stop the start: writes are dropped until space frees."""
+    marker (exact modes, never through a link), probe O_DIRECT per ``nvme.direct_io``, and
+    give it its read deadline (``config.io_deadline_for`` its filesystem).  A full
+    filesystem does not stop the start: writes are dropped until space frees."""
     probe = require_usable_root(path, shared, key_prefix)
     dir_mode = dir_mode_for(file_mode)
     if not probe.exists:
@@ -131,7 +140,11 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
                        "(page cache in the data path).", path)
     st = os.statvfs(path)
     min_free = min_free_bytes_for(min_free_gb, st.f_blocks * st.f_frsize)
-    state = RootState(index, layout, direct, min_free_bytes=min_free)
+    mount = mount_for(path)
+    filesystem = mount.fstype if mount is not None else ""
+    state = RootState(index, layout, direct, min_free_bytes=min_free, filesystem=filesystem,
+                      deadline_s=io_deadline_for(io_deadline_s,
+                                                 is_network_filesystem(filesystem)))
     if st.f_bavail * st.f_frsize <= min_free or (st.f_files and not st.f_favail):
         state.full = True
         logger.warning("NVMe tier: %s is full (%d MiB, %d inodes free; the guard keeps %d MiB):"
@@ -205,10 +218,15 @@ class Roots(list[RootState]):
     @classmethod
     def open(cls, paths: Sequence[Path], direct_io_mode: str, file_mode: int = 0o600,
              min_free_gb: float | None = None, shared: bool = False,
-             key_prefix: str = EXTRA_CONFIG_PREFIX) -> Roots:
+             key_prefix: str = EXTRA_CONFIG_PREFIX, io_deadline_s: float | None = None) -> Roots:
         """Open (and create) each root; errors name the settings with ``key_prefix``."""
         return cls([open_root(i, path, direct_io_mode, file_mode, min_free_gb, shared,
-                              key_prefix) for i, path in enumerate(paths)])
+                              key_prefix, io_deadline_s) for i, path in enumerate(paths)])
+
+    @property
+    def deadline_s(self) -> float:
+        """The longest read deadline of any root (0: no root has one)."""
+        return max((root.deadline_s for root in self), default=0.0)
 
     def healthy(self, index: int) -> bool:
         return self[index].healthy
@@ -254,7 +272,8 @@ class Roots(list[RootState]):
 
     def describe(self) -> list[RootInfo]:
         return [RootInfo(r.layout.root, r.direct, r.healthy, r.min_free_bytes,
-                         _free_bytes(r.layout.root)) for r in self]
+                         _free_bytes(r.layout.root), filesystem=r.filesystem,
+                         deadline_s=r.deadline_s) for r in self]
 
 
 def _free_bytes(path: Path) -> int | None:

@@ -50,6 +50,10 @@ class ChunkWriter:
         self.record_gpu_checksums = False
         self.room = room
         self.placement = Placement(settings, catalog, roots, room, stats)
+        # queue_full_policy wait waits at most the paths' read deadline (nvme.io_deadline_s),
+        # if any: a queue held by writes to a hung filesystem does not hold the caller (the
+        # chunk is dropped and counted)
+        self._full_wait_s = roots.deadline_s or 1e9
         self._layout: Layout | None = None  # the last one seen: replaced whole
 
     # -- store calls -----------------------------------------------------------
@@ -192,9 +196,7 @@ class ChunkWriter:
         wait = self.settings.queue_full_policy == "wait"
         if wait:
             self.stats.add(Counter.QUEUE_FULL_WAITS)
-        # ``wait`` waits at most nvme.io_deadline_s: a queue held by writes to a hung
-        # filesystem does not hold the caller (the chunk is dropped and counted)
-        wait_s = (self.settings.io_deadline_s or 1e9) if wait else 0.0
+        wait_s = self._full_wait_s if wait else 0.0
         ok = self.queue.offer([nbytes] * len(offered), wait_s=wait_s)
         refused = [i for i, fits in zip(offered, ok, strict=True) if not fits]
         self.catalog.end_pending(digests[i] for i in refused)

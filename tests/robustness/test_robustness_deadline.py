@@ -1,5 +1,9 @@
-"""A hung filesystem never stalls the caller (``nvme.io_deadline_s``).
+"""A hung filesystem never stalls the caller (``nvme.io_deadline_s``), and a local one pays
+nothing for it.
 
+Under ``auto`` (the default) only paths on network filesystems have a deadline: a local
+path reads straight into the caller's buffer on the calling thread, as without the setting.
+A number puts every path under it; these tests set one to hold a local path's reads.
 The hang is injected at the I/O engine's seam (``support.io_faults.StuckReads``): every read
 batch is held, as a read on a stopped GlusterFS brick is, then really runs when released,
 late, into whatever buffers the store gave the engine.  The same case on a real stopped
@@ -11,12 +15,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from support.chunks import CHUNK, NS, payload_for, put, read
 from support.io_faults import StuckReads, before_each_write
 from support.stores import StoreFactory
 
+from lmcache_nvme_backend.adapters._common import describe_deadlines
+from lmcache_nvme_backend.disk.mounts import is_network_filesystem, mount_for
+from lmcache_nvme_backend.io.buffers import buffer_address
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, SubmitResult
 
 DEADLINE_S = 0.5
@@ -39,6 +47,69 @@ def _stored(open_store: StoreFactory, *keys: str, **params: object) -> ChunkStor
         put(store, key)
     assert store.flush(10)
     return store
+
+
+def _read_targets(store: ChunkStore, monkeypatch: pytest.MonkeyPatch, key: str,
+                  dest: bytearray) -> tuple[bool, list[int], list[str]]:
+    """Read ``key`` into ``dest``: whether it was served, the addresses the engine was told
+    to read into, and the engine calls: ``read`` (on the calling thread) or ``submit_read``
+    (handed to the engine's threads)."""
+    targets: list[int] = []
+    calls: list[str] = []
+    engine = store.engine
+    real_read, real_submit = engine.read, engine.submit_read
+
+    def note(call: str, shares):  # type: ignore[no-untyped-def]
+        targets.extend(buffer_address(view) for share in shares for view in share[6])
+        calls.append(call)
+
+    monkeypatch.setattr(engine, "read", lambda shares: (
+        note("read", shares), real_read(shares))[1])
+    monkeypatch.setattr(engine, "submit_read", lambda shares, on_done: (
+        note("submit_read", shares), real_submit(shares, on_done))[1])
+    served = store.read_into([ChunkRead(key, memoryview(dest))])[0]
+    return served, targets, calls
+
+
+def test_a_local_path_has_no_deadline_under_auto_and_reads_into_the_callers_buffer(
+        open_store: StoreFactory, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` (the default) on a local filesystem: no deadline, said in the stats and the
+    ready line; the engine reads into the caller's own buffer, on the calling thread."""
+    store = open_store()
+    mount = mount_for(cache_dir)
+    assert mount is not None
+    if is_network_filesystem(mount.fstype):
+        pytest.skip(f"the test directory is on {mount.fstype}, a network filesystem")
+    info = store.describe_roots()[0]
+    assert (info.filesystem, info.deadline_s) == (mount.fstype, 0.0)
+    assert store.stats_snapshot()["deadline_roots"] == 0
+    assert describe_deadlines(store.describe_roots()).startswith("no read deadline")
+    put(store, "a")
+    assert store.flush(10)
+    dest = bytearray(CHUNK + 8192)
+    served, targets, calls = _read_targets(store, monkeypatch, "a", dest)
+    assert served and bytes(dest[:CHUNK]) == payload_for("a")
+    assert targets == [buffer_address(memoryview(dest))] and calls == ["read"]
+
+
+@pytest.mark.parametrize("deadline_s", [DEADLINE_S, 0])
+def test_a_number_sets_the_deadline_of_every_path(
+        open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch, deadline_s: float) -> None:
+    """A number is that deadline on every path, local ones too (0: none anywhere); under a
+    deadline the engine reads into the store's buffer on its own thread, the caller gets
+    the bytes copied."""
+    store = open_store(io_deadline_s=deadline_s)
+    assert store.describe_roots()[0].deadline_s == deadline_s
+    assert store.stats_snapshot()["deadline_roots"] == (1 if deadline_s else 0)
+    assert describe_deadlines(store.describe_roots()).startswith(
+        "read deadline" if deadline_s else "no read deadline")
+    put(store, "a")
+    assert store.flush(10)
+    dest = bytearray(CHUNK + 8192)
+    served, targets, calls = _read_targets(store, monkeypatch, "a", dest)
+    assert served and bytes(dest[:CHUNK]) == payload_for("a")
+    assert (targets == [buffer_address(memoryview(dest))]) is (deadline_s == 0)
+    assert calls == ["submit_read" if deadline_s else "read"]
 
 
 def test_a_stuck_read_is_a_miss_its_path_leaves_and_comes_back(

@@ -1,7 +1,9 @@
 """A stopped GlusterFS brick (``SIGSTOP`` of ``glusterfsd``) never stalls the caller.
 
 While the brick is stopped every client call that reaches it hangs until GlusterFS's own
-``network.ping-timeout`` (42 s): the case ``nvme.io_deadline_s`` is for.  The chunks are
+``network.ping-timeout`` (42 s): the case ``nvme.io_deadline_s`` is for.  The stores run
+with its default, ``auto``: a GlusterFS mount (``fuse.glusterfs``) is a network filesystem,
+so its reads have the 5 s deadline, and a local path beside it has none.  The chunks are
 written through one mount and read through the other, so that no client cache can answer
 for the brick.  The brick is always resumed (``finally``).
 """
@@ -20,11 +22,11 @@ from support.chunks import NS, payload_for, put, read
 from support.gluster import gluster_volume
 from support.stores import open_store
 
+from lmcache_nvme_backend.config import IO_DEADLINE_AUTO_S
 from lmcache_nvme_backend.store.chunk_store import ChunkStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-DEADLINE_S = 1.0
 BOUND_S = 15.0  # well under the 42 s a client call hangs for
 KEYS = [f"k{i}" for i in range(8)]
 
@@ -47,8 +49,21 @@ def _stopped(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
-def _store(root: Path) -> ChunkStore:
-    return open_store(root, io_deadline_s=DEADLINE_S, close_timeout_s=2, direct_io="off")
+def _store(*roots: Path) -> ChunkStore:
+    """A store with the default ``nvme.io_deadline_s`` (auto)."""
+    return open_store(*roots, close_timeout_s=2, direct_io="off")
+
+
+def test_auto_gives_a_gluster_path_the_deadline_and_a_local_one_none(tmp_path: Path) -> None:
+    with gluster_volume(tmp_path, mounts=1) as volume:
+        store = _store(tmp_path / "local", volume.mounts[0] / "cache")
+        try:
+            local, gluster = store.describe_roots()
+            assert gluster.filesystem == "fuse.glusterfs"
+            assert (local.deadline_s, gluster.deadline_s) == (0.0, IO_DEADLINE_AUTO_S)
+            assert store.stats_snapshot()["deadline_roots"] == 1
+        finally:
+            store.close()
 
 
 def test_a_stopped_brick_is_a_miss_by_the_deadline_and_heals(tmp_path: Path) -> None:

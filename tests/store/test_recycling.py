@@ -132,17 +132,17 @@ def test_a_chunk_removed_while_it_is_read_is_a_miss_not_a_bad_file(
     assert store.flush(10)
     engine = store.engine
     assert engine is not None
-    read_batch = engine.submit_read  # a call of one chunk is one share (read by deadline)
+    read_batch = engine.read  # a call of one chunk is one share
 
-    def racing_read(shares, on_done):  # type: ignore[no-untyped-def]
+    def racing_read(shares):  # type: ignore[no-untyped-def]
         store.remove_many(["a"])
         shutil.copyfile(store.chunk_path("b", NS), store.chunk_path("a", NS))
-        return read_batch(shares, on_done)
+        return read_batch(shares)
 
-    monkeypatch.setattr(engine, "submit_read", racing_read)
+    monkeypatch.setattr(engine, "read", racing_read)
     assert read(store, "a") is None
     assert store.counter("invalid_files") == 0 and store.counter("quarantined_files") == 0
-    monkeypatch.setattr(engine, "submit_read", read_batch)
+    monkeypatch.setattr(engine, "read", read_batch)
     assert read(store, "b") == payload_for("b")
 
     put(store, "c")

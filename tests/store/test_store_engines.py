@@ -118,10 +118,9 @@ def test_a_call_of_one_layout_is_one_share_and_each_chunk_judged_at_its_place(
         f.write(b"\xff")
     shutil.copyfile(store.chunk_path("ok0", NS), store.chunk_path("other", NS))
     shares: list[int] = []
-    real = store.engine.submit_read  # reads under nvme.io_deadline_s go through it
-    monkeypatch.setattr(store.engine, "submit_read",
-                        lambda batch, on_done: (shares.extend(len(s[5]) for s in batch),
-                                                real(batch, on_done))[1])
+    real = store.engine.read
+    monkeypatch.setattr(store.engine, "read",
+                        lambda batch: (shares.extend(len(s[5]) for s in batch), real(batch))[1])
     dests = [memoryview(bytearray(size)) for _ in keys]
     assert store.read_into([ChunkRead(k, d) for k, d in zip(keys, dests, strict=True)]) == \
         [True, False, False, True, False]

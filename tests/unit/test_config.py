@@ -17,7 +17,16 @@ from typing import Any
 
 import pytest
 
-from lmcache_nvme_backend.config import GIB, MIB, NVMeConfigError, NVMeSettings, min_free_bytes_for
+from lmcache_nvme_backend.config import (
+    GIB,
+    IO_DEADLINE_AUTO_S,
+    MIB,
+    NVMeConfigError,
+    NVMeSettings,
+    io_deadline_for,
+    min_free_bytes_for,
+)
+from lmcache_nvme_backend.disk.mounts import is_network_filesystem
 from lmcache_nvme_backend.store.roots import Roots
 
 
@@ -70,7 +79,10 @@ def test_defaults(extra: dict[str, Any], cache_dir: Path) -> None:
     assert s.fsync == "none"
     assert s.file_mode == 0o600
     assert (s.manifest_interval_s, s.close_timeout_s) == (60.0, 30.0)
-    assert s.io_deadline_s == 5.0
+    # "auto": a deadline on network filesystems, none on local ones
+    assert s.io_deadline_s is None
+    assert io_deadline_for(s.io_deadline_s, True) == IO_DEADLINE_AUTO_S == 5.0
+    assert io_deadline_for(s.io_deadline_s, False) == 0.0
 
 
 def test_foreign_extra_config_keys_are_ignored(extra: dict[str, Any], cache_dir: Path) -> None:
@@ -97,6 +109,30 @@ def test_every_setting_can_be_given(extra: dict[str, Any]) -> None:
     assert s.file_mode == 0o640
     assert (s.manifest_interval_s, s.close_timeout_s) == (0.0, 1.5)
     assert s.io_deadline_s == 0.25
+
+
+@pytest.mark.parametrize(("raw", "local", "network"),
+                         [("auto", 0.0, 5.0), (" AUTO ", 0.0, 5.0), (None, 0.0, 5.0),
+                          (0, 0.0, 0.0), ("0", 0.0, 0.0), (0.25, 0.25, 0.25),
+                          ("600", 600.0, 600.0)])
+def test_io_deadline_is_auto_or_a_number_for_every_path(
+        extra: dict[str, Any], raw: Any, local: float, network: float) -> None:
+    """``auto`` (the default): a deadline on a network filesystem's paths only; a number:
+    that deadline on every path (0: none anywhere)."""
+    s = NVMeSettings.from_extra_config({**extra, "nvme.io_deadline_s": raw})
+    assert io_deadline_for(s.io_deadline_s, False) == local
+    assert io_deadline_for(s.io_deadline_s, True) == network
+
+
+@pytest.mark.parametrize(("fstype", "network"),
+                         [("nfs", True), ("nfs4", True), ("fuse.glusterfs", True),
+                          ("glusterfs", True), ("cifs", True), ("smb3", True), ("ceph", True),
+                          ("lustre", True), ("beegfs", True), ("gpfs", True), ("9p", True),
+                          ("fuse.sshfs", True), ("fuse", True), ("ext4", False),
+                          ("xfs", False), ("tmpfs", False), ("overlay", False),
+                          ("fuseblk", False), ("", False)])
+def test_network_filesystems_are_known_by_type(fstype: str, network: bool) -> None:
+    assert is_network_filesystem(fstype) is network
 
 
 def test_task_size_rounds_to_4k_and_never_below(extra: dict[str, Any]) -> None:
@@ -303,7 +339,8 @@ def test_max_size_accepts_numeric_string(extra: dict[str, Any]) -> None:
      ("write_queue_mb", 0, "out of range"), ("min_free_gb", -0.1, "out of range"),
      ("close_timeout_s", "soon", "not a number"), ("io_deadline_s", -1, "out of range"),
      ("io_deadline_s", 601, "out of range"), ("io_deadline_s", "nan", "not a finite number"),
-     ("io_deadline_s", "soon", "not a number")],
+     ("io_deadline_s", "soon", "neither a number nor auto"),
+     ("io_deadline_s", "", "neither a number nor auto")],
 )
 def test_bad_numbers_name_their_key(extra: dict[str, Any], name: str, value: Any,
                                     why: str) -> None:
