@@ -3,8 +3,10 @@ the filesystem does.
 
 On network storage a read can hang for as long as the filesystem's own timeouts (GlusterFS:
 ``network.ping-timeout``, 42 s; a hard NFS mount: for ever), in the kernel, where no thread
-can be interrupted.  So with a deadline the engine reads into buffers the store owns
-(``StagingPool``): a call answered in time has its served chunks copied into the caller's
+can be interrupted.  So a call that reads a path with a deadline (``RootState.deadline_s``:
+the setting's number, or under ``auto`` 5 s on network filesystems and none on local ones,
+which read straight into the caller's buffers) has the engine read into buffers the store
+owns (``StagingPool``): a call answered in time has its served chunks copied into the caller's
 buffers; a call past its deadline is answered with misses, and its buffers stay the store's
 until the engine hands the batch back, late, when they are discarded.  Late bytes never
 reach memory the caller got back.  The paths such a call read go out of service
