@@ -234,42 +234,33 @@ class ChunkReader:
         (or here, when nothing can be read); it must be quick."""
         encoded, digests, entries = self._locate(keys)
         roots = self._healthy_roots()
-        watch = self._watch
-        if watch is not None and watch.covers(entries):
-            targets, staging = _staging_for(watch.staging, entries, roots, dests, lengths)
-            if planned := self._planned(keys, encoded, digests, entries, roots, targets,
-                                        lengths, on_done):
-                self._read_by_deadline(watch, *planned, dests, staging, on_done, wait)
-            return
-        if planned := self._planned(keys, encoded, digests, entries, roots, dests, lengths,
-                                    on_done):
-            call, shares = planned
-            done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
-            if wait:
-                done(self.engine.read(shares))
-            else:
-                self.engine.submit_read(shares, done)
-
-    def _planned(self, keys: Sequence[str], encoded: list[bytes], digests: list[str],
-                 entries: list[IndexEntry | None], roots: list[RootState | None],
-                 targets: Sequence[memoryview], lengths: Sequence[int | None],
-                 on_done: Callable[[list[bool]], None]
-                 ) -> tuple[_Call, list[engine.ReadShare]] | None:
-        """The call and the shares that read it into ``targets``: one share when every chunk
-        is alike (``_uniform``), else one per root, namespace and layout.  None when nothing
-        can be read (``on_done`` was answered with misses)."""
+        # a local path (no deadline) reads into ``dests`` on this thread; a call on a path
+        # with a deadline into staging buffers, by ``_read_by_deadline``
+        targets, staging = dests, None
+        if self._watch is not None and self._watch.covers(entries):
+            targets, staging = _staging_for(self._watch.staging, entries, roots, dests, lengths)
         if uniform := _uniform(entries, roots, targets, lengths):
             first, meta, root = uniform
+            shares = [_share(root, first.ns_id, meta, digests, list(targets), encoded)]
             call: _Call = (keys, encoded, digests, entries, roots, None, len(keys) * meta.nbytes,
                            {root.index})
-            return call, [_share(root, first.ns_id, meta, digests, list(targets), encoded)]
-        order, shares, nbytes, touched = _grouped(entries, roots, targets, lengths, digests,
-                                                  encoded)
-        if not order:  # nothing to read: every chunk a miss
-            self._stats.add(Counter.READ_FAILURES, len(keys))
-            on_done([False] * len(keys))
-            return None
-        return (keys, encoded, digests, entries, roots, order, nbytes, touched), shares
+        else:
+            order, shares, nbytes, touched = _grouped(entries, roots, targets, lengths, digests,
+                                                      encoded)
+            call = (keys, encoded, digests, entries, roots, order, nbytes, touched)
+            if not order:  # nothing to read: every chunk a miss
+                self._stats.add(Counter.READ_FAILURES, len(keys))
+                on_done([False] * len(keys))
+                return
+        if staging is not None:
+            assert self._watch is not None
+            self._read_by_deadline(self._watch, call, shares, dests, staging, on_done, wait)
+            return
+        done = functools.partial(self._batch_done, call, on_done, time.perf_counter())
+        if wait:
+            done(self.engine.read(shares))
+        else:
+            self.engine.submit_read(shares, done)
 
     def _read_by_deadline(self, watch: HangWatch, call: _Call,
                           shares: list[engine.ReadShare], dests: Sequence[memoryview],
