@@ -209,7 +209,8 @@ class LedgerChain:
 
     def _start(self) -> LedgerDoc | None:
         """Where a reader without a version starts: the newest valid version that names
-        the newest valid version below it (or has none below it)."""
+        the newest valid version below it with at most one free number between them (as
+        ``_follow`` goes on over one hole), or has none below it."""
         numbers = self._listed()
         self._next = (numbers[0] + 1) if numbers else 1
         candidates: list[LedgerDoc | NewerLedger] = []
@@ -230,10 +231,13 @@ class LedgerChain:
                                       f"has {doc}: upgrade this member")
                 self._set_aside(doc.n, f"{doc}, naming no version below it")
                 continue
-            if below is None or doc.prev == below.digest or doc.format == below.format == 1:
+            free = doc.n - below.n - 1 - sum(below.n < k < doc.n for k in numbers) \
+                if below is not None else 0
+            if below is None or free <= 1 and (
+                    doc.prev == below.digest or doc.format == below.format == 1):
                 return doc
-            self._set_aside(doc.n, f"prev: names no version below it (a copy ahead of the "
-                            f"chain; the chain goes on from version {below.n})")
+            self._set_aside(doc.n, f"prev: does not follow version {below.n} (a copy ahead "
+                            f"of the chain, {free} free numbers between them)")
         return None
 
     def _version(self, n: int) -> LedgerDoc | Damaged | None:

@@ -272,6 +272,8 @@ class Account(AccountBooks):
             self.reserved += excess
         doc = self.chain.cached
         mine = doc.accounts.get(self.member) if doc is not None else None
+        if mine is not None:
+            cleared |= self._claims_not_held(mine.evicting, cleared)
         due = mine is not None and (
             any(seq <= processed for seq, _, _ in mine.freed) or
             any(n in cleared for n in mine.evicting))
@@ -294,6 +296,16 @@ class Account(AccountBooks):
         with self._lock:
             self.reserved -= excess
             self._cleared -= cleared
+
+    def _claims_not_held(self, recorded: list[str], cleared: set[str]) -> set[str]:
+        """Names this account's ledger entry lists as claimed that are not in its evicting
+        directory (a damaged or planted version's): cleared like deleted ones.  A claim
+        is recorded while its file is there, so a name without a file is done."""
+        todo = [n for n in recorded if n not in cleared]
+        if not todo:
+            return set()
+        held = {e.name for e in scandir_beneath(self.path, evicting_dir(self.member))}
+        return {n for n in todo if n not in held}
 
     def _settle_superseded(self) -> None:
         """Stop counting the superseded files no eviction is pending for.
