@@ -24,6 +24,7 @@ from support.ledger_files import newest, plant, successor, version_file
 from support.shared_run import tree_bytes
 from support.stores import StoreFactory
 
+from lmcache_nvme_backend.cli.inspect import shared_report
 from lmcache_nvme_backend.disk.coordination import EVICTING_DIR, lease_path
 from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest
@@ -336,6 +337,17 @@ def test_a_janitor_whose_lease_moves_without_progress_is_passed_over(
     assert doc.accounts[moving_lease].state == "live"  # its lease moves: not dead
     assert a.stats_snapshot()["janitor_stalled"] == 1
     assert f"member {killed} is dead" in package_log.text
+    assert shared_report(tmp_path)["janitor_stalled"] == [moving_lease]  # type: ignore[index]
+
+
+def test_inspect_names_a_damaged_version(tmp_path: Path,
+                                         members: tuple[ChunkStore, ChunkStore]) -> None:
+    _, n = newest(tmp_path)
+    path = plant(tmp_path, n, b"not a ledger")
+    report = shared_report(tmp_path)
+    assert report is not None and report["damaged_versions"] == [
+        {"version": n, "path": str(path), "why": report["damaged_versions"][0]["why"]}]
+    assert report["damaged_versions"][0]["why"].startswith("json: not JSON")
 
 
 def test_every_planted_value_is_named_with_its_field(tmp_path: Path,
