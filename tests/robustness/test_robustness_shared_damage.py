@@ -10,6 +10,7 @@ warning names the file, and every byte served is the one written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore
 from lmcache_nvme_backend.store.shared.leases import Lease, write_lease
-from lmcache_nvme_backend.store.shared.ledger import LedgerChain
+from lmcache_nvme_backend.store.shared.ledger import Account, LedgerChain, LedgerDoc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -294,24 +295,36 @@ def test_close_returns_while_the_janitor_has_thousands_of_members_to_clear(
     assert time.monotonic() - started < 10
 
 
-@pytest.fixture
-def moving_lease(tmp_path: Path) -> Iterator[str]:
-    """A live account whose lease keeps moving while its member does nothing (a stuck or
-    foreign process rewriting it); its id is the smallest, so it would be the janitor."""
-    stuck = "000stuck-1-0000abcd"
+@contextlib.contextmanager
+def renewed_lease(root: Path, member: str, ledger_format: int) -> Iterator[None]:
+    """A lease of ``member`` (on another host) renewed every 0.2 s, whose janitor counter
+    never moves: a member that does nothing (a stuck or foreign process rewriting it)."""
     stop = threading.Event()
+    lease = Lease(member, host=member.split("-")[0], pid=1, budget=BUDGET,
+                  ledger_format=ledger_format)
+    (root / "shared" / "members").mkdir(parents=True, exist_ok=True)
+    write_lease(root, lease, 0o600)
 
     def renew() -> None:
-        lease = Lease(stuck, host="000stuck", pid=1, budget=BUDGET, ledger_format=2)
         while not stop.wait(0.2):
             lease.seq += 1
-            write_lease(tmp_path, lease, 0o600)
+            write_lease(root, lease, 0o600)
 
     thread = threading.Thread(target=renew, daemon=True)
     thread.start()
-    yield stuck
-    stop.set()
-    thread.join()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.fixture
+def moving_lease(tmp_path: Path) -> Iterator[str]:
+    """A live account's moving lease; its id is the smallest, so it would be the janitor."""
+    stuck = "000stuck-1-0000abcd"
+    with renewed_lease(tmp_path, stuck, 2):
+        yield stuck
 
 
 def test_a_janitor_whose_lease_moves_without_progress_is_passed_over(
@@ -360,3 +373,31 @@ def test_every_planted_value_is_named_with_its_field(tmp_path: Path,
     LedgerChain(tmp_path, "reader-1-00000000", 0o600, 0o700).latest()
     assert f"{path} is damaged (budget: not an integer: nan)" in package_log.text
     assert json.loads(raw.replace(b"NaN", b"0"))["n"] == n
+
+
+def test_a_member_of_an_older_format_running_keeps_a_newer_one_reading_until_it_left(
+        tmp_path: Path, open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
+    """Version skew: a directory whose ledger an older package (format 1) keeps, with one
+    of its members running; a member of this version serves reads only, says why, and
+    joins (moving the ledger to its format) once that member left."""
+    older = "oldnode-1-0000abcd"
+    doc = LedgerDoc(1, BUDGET, older, {older: Account(0, budget=BUDGET)}, format=1)
+    plant(tmp_path, 1, doc.to_json())
+    with renewed_lease(tmp_path, older, 1):
+        b = open_store(tmp_path, shared=True, max_size_gb=BUDGET / 2**30)
+        assert f"member(s) {older} of an older version of the package (ledger format 1, " \
+            "this version writes format 2) are running" in package_log.text
+        put(b, "k-while-older-runs")
+        assert b.counter("capacity_drops") == 1 and newest(tmp_path)[0].format == 1
+        # the older member leaves (its account departs, its lease goes)
+        plant(tmp_path, 2, LedgerDoc(2, BUDGET, older, {older: Account(0, "departed")},
+                                     format=1).to_json())
+    (tmp_path / lease_path(older)).unlink()
+    deadline = time.monotonic() + 30
+    while b.stats_snapshot()["member_cap_bytes"] == 0 and time.monotonic() < deadline:
+        put(b, "k-after")
+        time.sleep(0.5)
+    assert "joins the directory's shared budget now" in package_log.text
+    assert newest(tmp_path)[0].format == 2
+    assert b.lookup("k-after", "model") and served_right(b, "k-after")
