@@ -18,10 +18,9 @@ READER = "planter-1-00000000"
 
 def newest(root: Path) -> tuple[LedgerDoc, int]:
     """The newest valid version and the number the next one takes."""
-    chain = LedgerChain(root, READER, 0o600, 0o700)
-    doc = chain.latest()
+    doc, n = LedgerChain(root, READER, 0o600, 0o700)._latest()
     assert doc is not None, f"{root} has no ledger"
-    return doc, chain._next
+    return doc, n
 
 
 def successor(root: Path, edit: Callable[[dict[str, Any]], None] = lambda _: None,

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ class LedgerChain:
         self._dir_mode = dir_mode
         self._durable = durable
         self._doc: LedgerDoc | None = None
-        self._next = 1  # where the next version goes: the first free number after _doc
+        self._lock = threading.Lock()  # ``_doc``: this process's threads walk the chain
         self.damaged: dict[int, Damaged] = {}  # versions set aside, by number
         self.damaged_total = 0  # versions set aside since this chain was made
         self.conflicts = 0
@@ -122,25 +123,31 @@ class LedgerChain:
     def latest(self) -> LedgerDoc | None:
         """The newest valid version (None: the root has no ledger yet).  Under a storm of
         updates the answer may already be a little old: an update then simply conflicts."""
+        return self._latest()[0]
+
+    def _latest(self) -> tuple[LedgerDoc | None, int]:
+        """The newest valid version and the number the next one takes (one walk's answer:
+        other threads of this process walk the chain too)."""
         doc = self._doc
         if doc is not None and not self._exists(doc.n):
             doc = None  # our version was removed with its epoch: far behind, list
         for _ in range(UPDATE_TRIES):
             try:
                 if doc is None:
-                    doc = self._start()
+                    doc, start_next = self._start()
                     if doc is None:
-                        return None
-                self._follow(doc)
+                        return None, start_next
+                return self._follow(doc)
             except FileNotFoundError:
                 doc = None  # retired between the listing and the read: list again
-                continue
-            return self._doc
         raise LedgerError(f"{self.root}: the ledger changed faster than it could be read")
 
     def create(self, doc: LedgerDoc) -> bool:
         """Write the first version (False: another member created the ledger first)."""
-        doc.n, doc.prev, doc.format = self._next, "", LEDGER_FORMAT
+        found, n = self._latest()
+        if found is not None:
+            return False
+        doc.n, doc.prev, doc.format = n, "", LEDGER_FORMAT
         makedirs_beneath(self.root, epoch_dir(epoch_of(doc.n)), self._dir_mode)
         return self._publish(doc, None)
 
@@ -148,13 +155,13 @@ class LedgerChain:
         """Apply ``change`` (which edits a copy, returning False for "nothing to change")
         to the newest version and publish it, recomputing after each conflict."""
         for attempt in range(UPDATE_TRIES):
-            doc = self.latest()
+            doc, n = self._latest()
             if doc is None:
                 raise LedgerError(f"{self.root}: the ledger is missing")
             new = doc.copy()
             if not change(new):
                 return doc
-            new.n, new.prev, new.format = self._next, doc.digest, LEDGER_FORMAT
+            new.n, new.prev, new.format = n, doc.digest, LEDGER_FORMAT
             if self._publish(new, doc):
                 self.updates += 1
                 if epoch_of(new.n) != epoch_of(doc.n):
@@ -167,8 +174,9 @@ class LedgerChain:
 
     # -- the chain rule ------------------------------------------------------------------
 
-    def _follow(self, doc: LedgerDoc) -> None:
-        """Walk from ``doc`` to the end of the chain (see the module doc)."""
+    def _follow(self, doc: LedgerDoc) -> tuple[LedgerDoc, int]:
+        """Walk from ``doc`` to the end of the chain (see the module doc): the newest valid
+        version and the number the next one takes."""
         n = doc.n + 1
         while True:
             got = self._newer_or_damaged(n, doc)
@@ -182,8 +190,15 @@ class LedgerChain:
             if isinstance(got, LedgerDoc) and self._follows(got, doc):
                 doc = got
             n += 1
-        self._doc, self._next = doc, n
+        self._remember(doc)
         self.damaged = {k: d for k, d in self.damaged.items() if k >= doc.n}
+        return doc, n
+
+    def _remember(self, doc: LedgerDoc) -> None:
+        """Keep ``doc`` as the newest known, unless a thread already knows a newer one."""
+        with self._lock:
+            if self._doc is None or doc.n >= self._doc.n:
+                self._doc = doc
 
     def _newer_or_damaged(self, n: int, doc: LedgerDoc) -> LedgerDoc | Damaged | None:
         """``_version(n)``; one of a newer format is the newer members' chain if it names
@@ -207,12 +222,13 @@ class LedgerChain:
         self._set_aside(new.n, why)
         return False
 
-    def _start(self) -> LedgerDoc | None:
+    def _start(self) -> tuple[LedgerDoc | None, int]:
         """Where a reader without a version starts: the newest valid version that names
         the newest valid version below it with at most one free number between them (as
-        ``_follow`` goes on over one hole), or has none below it."""
+        ``_follow`` goes on over one hole), or has none below it; without one, the number
+        after every version listed."""
         numbers = self._listed()
-        self._next = (numbers[0] + 1) if numbers else 1
+        after = (numbers[0] + 1) if numbers else 1
         candidates: list[LedgerDoc | NewerLedger] = []
         for n in numbers[:START_CANDIDATES]:
             try:
@@ -235,10 +251,10 @@ class LedgerChain:
                 if below is not None else 0
             if below is None or free <= 1 and (
                     doc.prev == below.digest or doc.format == below.format == 1):
-                return doc
+                return doc, after
             self._set_aside(doc.n, f"prev: does not follow version {below.n} (a copy ahead "
                             f"of the chain, {free} free numbers between them)")
-        return None
+        return None, after
 
     def _version(self, n: int) -> LedgerDoc | Damaged | None:
         """Version ``n`` (None: there is none; ``Damaged``: it is set aside).  A read
@@ -337,7 +353,7 @@ class LedgerChain:
         finally:
             remove_quietly(self.root, tmp)
         doc.digest = digest_of(raw)
-        self._doc, self._next = doc, doc.n + 1
+        self._remember(doc)
         return True
 
     def _collect_old_epochs(self, current: int) -> None:
