@@ -75,6 +75,15 @@ VLLM_START_S = 600
 REQUEST_S = 600
 
 
+#: A request's time by part, from the counters around it (one request at a time): vLLM's
+#: queue (a request waiting for its external KV waits there: LMCache's prefetch into L1, our
+#: reads inside it), its prefill (the tail's compute and the KV copied in from L1), and the
+#: tier's reads (the sum of its read calls' time).
+BREAKDOWN = {"vllm_queue": "vllm:request_queue_time_seconds_sum",
+             "vllm_prefill": "vllm:request_prefill_time_seconds_sum",
+             "tier_reads": "lmcache_nvme_read_seconds_total"}
+
+
 @dataclass(frozen=True)
 class Shape:
     """The model: a Llama with random weights; what a chunk of its KV costs."""
@@ -135,8 +144,11 @@ class Result:
     latency_ms: float
     text: str
     vllm_hit_tokens: int = 0  # vLLM's own prefix cache
-    lmcache_hit_tokens: int = 0  # LMCache: L1 or L2
-    l2_read_bytes: int = 0
+    lmcache_hit_tokens: int = 0  # LMCache: L1 or L2, as vLLM counted them
+    l1_lookup_tokens: int = 0  # LMCache's lookups: found in L1
+    l2_lookup_tokens: int = 0  # ... found in L2 (to be prefetched into L1)
+    l2_read_bytes: int = 0  # the server's reads from files
+    parts_ms: dict[str, float] = field(default_factory=dict)  # where the TTFT went
     again_ttft_ms: float | None = None  # vLLM alone: the same request at once again
 
 
@@ -149,7 +161,6 @@ class Run:
     server_read_bytes: int = 0
     server_write_bytes: int = 0
     adapter: dict[str, Any] = field(default_factory=dict)
-    vllm_times: dict[str, float] = field(default_factory=dict)
 
 
 def process_group_io(pgid: int) -> tuple[int, int]:
@@ -317,22 +328,27 @@ class Bench:
         """Send ``requests`` one at a time; ``again``: each twice in a row (vLLM alone)."""
         pgid = server.proc.pid if server is not None else None
         io_start = process_group_io(pgid) if pgid else (0, 0)
-        vllm_start = vllm.metrics()
         started = time.perf_counter()
         for user, rnd, prompt in requests:
             before_io = process_group_io(pgid) if pgid else (0, 0)
-            before = vllm.metrics()
+            before = {**vllm.metrics(), **(scrape(f"{server.http}/metrics") if server else {})}
             ttft, latency, text = vllm.complete(str(self.model), prompt,
                                                 self.workload.answer_tokens)
-            after = vllm.metrics()
+            after = {**vllm.metrics(), **(scrape(f"{server.http}/metrics") if server else {})}
             after_io = process_group_io(pgid) if pgid else (0, 0)
+
+            def delta(name: str, after: dict[str, float] = after,
+                      before: dict[str, float] = before) -> float:
+                return after.get(name, 0.0) - before.get(name, 0.0)
+
             result = Result(
                 user, rnd, len(prompt), ttft, latency, text,
-                vllm_hit_tokens=int(after["vllm:prefix_cache_hits_total"]
-                                    - before["vllm:prefix_cache_hits_total"]),
-                lmcache_hit_tokens=int(after["vllm:external_prefix_cache_hits_total"]
-                                       - before["vllm:external_prefix_cache_hits_total"]),
-                l2_read_bytes=after_io[0] - before_io[0])
+                vllm_hit_tokens=int(delta("vllm:prefix_cache_hits_total")),
+                lmcache_hit_tokens=int(delta("vllm:external_prefix_cache_hits_total")),
+                l1_lookup_tokens=int(delta("lmcache_mp_lookup_hit_l1_tokens_total")),
+                l2_lookup_tokens=int(delta("lmcache_mp_lookup_hit_l2_tokens_total")),
+                l2_read_bytes=after_io[0] - before_io[0],
+                parts_ms={part: delta(metric) * 1000 for part, metric in BREAKDOWN.items()})
             if again:
                 result.again_ttft_ms = vllm.complete(str(self.model), prompt, 1)[0]
             run.results.append(result)
@@ -341,11 +357,6 @@ class Bench:
                   f"{result.lmcache_hit_tokens} tokens, {result.l2_read_bytes >> 20} MiB read)",
                   flush=True)
         run.seconds = time.perf_counter() - started
-        vllm_end = vllm.metrics()
-        run.vllm_times = {k: vllm_end.get(k, 0.0) - vllm_start.get(k, 0.0) for k in (
-            "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
-            "vllm:request_decode_time_seconds_sum", "vllm:time_to_first_token_seconds_sum",
-            "vllm:request_queue_time_seconds_count")}
         if server is not None:
             settle(server.http, timeout_s=600)
             io_end = process_group_io(pgid)  # type: ignore[arg-type]
@@ -414,6 +425,9 @@ def summarize(run: Run, chunk_bytes: int) -> dict[str, Any]:
                     for r in run.results)
     lmcache_tokens = sum(r.lmcache_hit_tokens for r in run.results)
     tokens = sum(r.prompt_tokens for r in run.results)
+    breakdown = {part: percentile([r.parts_ms.get(part, 0.0) for r in l2], 50)
+                 for part in BREAKDOWN}
+    breakdown["ttft"] = percentile([r.ttft_ms for r in l2], 50)
     return {
         "config": run.config, "phase": run.phase, "requests": len(run.results),
         "ttft_p50": percentile(ttfts, 50), "ttft_p90": percentile(ttfts, 90),
@@ -427,6 +441,9 @@ def summarize(run: Run, chunk_bytes: int) -> dict[str, Any]:
         "server_write_gb_s": run.server_write_bytes / run.seconds / 1e9 if run.seconds else 0,
         "again_ttft_p50": percentile([r.again_ttft_ms for r in run.results
                                       if r.again_ttft_ms is not None], 50),
+        "l2_hit_breakdown_p50_ms": breakdown,
+        "lookup_tokens": {"l1": sum(r.l1_lookup_tokens for r in run.results),
+                          "l2": sum(r.l2_lookup_tokens for r in run.results)},
     }
 
 
@@ -460,6 +477,22 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {fmt(r['req_per_s'], 2)} | {fmt(r['prompt_tok_per_s'])} "
             f"| {h['vllm']:,} / {h['l1']:,} / {h['l2']:,} of {h['prompt']:,} "
             f"| {fmt(r['server_read_gb_s'], 2)} / {fmt(r['server_write_gb_s'], 2)} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    """Where the TTFT of a request that read from the drive went (p50 of each part)."""
+    lines = ["| config | phase | drive-hit TTFT p50 ms | vLLM queue (waiting for its KV) "
+             "| vLLM prefill | the tier's reads | LMCache lookups L1 / L2 tokens |",
+             "|" + "---|" * 7]
+    for r in rows:
+        if not r["l2_hits"]:
+            continue
+        b = r["l2_hit_breakdown_p50_ms"]
+        lines.append(f"| {r['config']} | {r['phase']} | {fmt(b['ttft'])} "
+                     f"| {fmt(b['vllm_queue'])} | {fmt(b['vllm_prefill'])} "
+                     f"| {fmt(b['tier_reads']) if r['config'] == 'nvme' else '-'} "
+                     f"| {r['lookup_tokens']['l1']:,} / {r['lookup_tokens']['l2']:,} |")
     return "\n".join(lines)
 
 
@@ -558,6 +591,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.dir / "bench_e2e.json").write_text(json.dumps(report, indent=1))
     plot(runs, args.dir / "bench_e2e.png")
     print(table(rows))
+    print(breakdown_table(rows))
     print(f"floor of a drive hit: {fmt(floor['floor_ms'])} ms (tail prefill "
           f"{fmt(floor['tail_prefill_ms'])} ms + {floor['prefix_bytes'] / 1e6:,.0f} MB at "
           f"{fmt(rate, 2)} GB/s)")
