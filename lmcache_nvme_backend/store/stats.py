@@ -69,6 +69,8 @@ class Counter(str, enum.Enum):
     SHARED_TRANSFERS = "shared_transfers"  # evicted chunks other members owned
     SHARED_TAKEOVERS = "shared_takeovers"  # dead members taken over (as janitor)
     SHARED_RECONCILES = "shared_reconciles"  # walks of the tree (as janitor)
+    SHARED_JOURNAL_REFUSED = "shared_journal_refused"  # journal lines failing a rule
+    SHARED_JOURNALS_SET_ASIDE = "shared_journals_set_aside"  # special or oversized journals
     # GPU read path
     GPU_CHECKSUM_FAILURES = "gpu_checksum_failures"  # also counted in checksum_failures
     GPU_UNVERIFIED_FALLBACKS = "gpu_unverified_fallbacks"  # no GPU checksum: host-bounce
