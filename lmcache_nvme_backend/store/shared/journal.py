@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -223,7 +224,7 @@ def _published(rest: str) -> Published:
         raise Refused("metadata") from None
     if not _SIZE_RE.fullmatch(size_text) or not chunk_file_size_ok(size := int(size_text), meta):
         raise Refused("size")
-    return Published(digest, ns_id, size, meta)
+    return Published(digest, sys.intern(ns_id), size, meta)  # one string per namespace
 
 
 class JournalWriter:
@@ -367,6 +368,10 @@ class JournalTail:
 
     def members(self) -> list[str]:
         return list(self._follows)
+
+    def reading_history(self) -> bool:
+        """Whether some journal followed has not been read to its end yet."""
+        return any(f.history for f in self._follows.values())
 
     def _open(self, member: str, gen: int) -> _Follow | None:
         rel = journal_path(member, gen)
