@@ -108,6 +108,8 @@ METRICS: tuple[MetricSpec, ...] = (
              "wrote."),
     _counter("ledger_conflicts", "Shared mode: ledger updates redone because another member "
              "wrote a version first."),
+    _counter("ledger_damaged", "Shared mode: versions of the directory's ledger this member "
+             "set aside as damaged (unreadable, out of range, a special file, off the chain)."),
     _counter("gpu_checksum_failures", "GPU path: GPU-side checksum mismatches (never served)."),
     _counter("gpu_unverified_fallbacks", "GPU path: files without a GPU checksum, read "
              "through the host."),
@@ -129,6 +131,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("members_live", "Shared mode: live members of the directory (this one included)."),
     _gauge("members_dead", "Shared mode: members that stopped renewing their lease and are "
            "not yet taken over."),
+    _gauge("janitor_stalled", "Shared mode: 1 while the member due to be janitor is passed "
+           "over because its janitor thread made no round for 5 s while its lease moved."),
     _gauge("write_queue_chunks", "Chunks waiting to be written.", "pending_writes"),
     _gauge("write_queue_bytes", "Host memory held by queued writes.", "queue_bytes"),
     _gauge("roots_offline", "Cache directories taken out of service after I/O errors."),

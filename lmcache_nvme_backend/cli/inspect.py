@@ -105,14 +105,15 @@ def shared_report(root: Path) -> dict[str, Any] | None:
     """The shared-budget part of ``inspect``'s report (None: not a shared directory)."""
     if not (root / LEDGER_DIR).is_dir():
         return None
+    chain = LedgerChain(root, READER, 0o600, 0o700)
     try:
-        doc = LedgerChain(root, READER, 0o600, 0o700).latest()
+        doc = chain.latest()
     except (LedgerError, OSError) as exc:
         return {"error": f"cannot read the ledger: {exc}"}
     if doc is None:
         return None
     leases = read_leases(root)
-    moving = _moving(root, leases, [m for m, a in doc.accounts.items() if a.state == LIVE])
+    moving, again = _moving(root, leases, [m for m, a in doc.accounts.items() if a.state == LIVE])
     members = []
     for member, account in sorted(doc.accounts.items()):
         lease = leases.get(member)
@@ -128,23 +129,38 @@ def shared_report(root: Path) -> dict[str, Any] | None:
             **{key: getattr(lease, attr) if lease else None for key, attr in LEASE_FIELDS},
             "read_only": lease.read_only if lease else False,
         })
-    return {"budget_bytes": doc.budget, "budget_set_by": doc.budget_by,
-            "ledger_version": doc.n, "orphan_bytes": doc.orphans_cap, "free_bytes": doc.pool(),
-            "held_bytes": sum(a.cap for a in doc.accounts.values()), "members": members}
+    return {"budget_bytes": doc.effective_budget(), "budget_set_by": doc.budget_by,
+            "ledger_version": doc.n, "ledger_format": doc.format,
+            "orphan_bytes": doc.orphans_cap, "free_bytes": doc.pool(),
+            "held_bytes": sum(a.cap for a in doc.accounts.values()), "members": members,
+            "damaged_versions": [{"version": d.n, "path": str(d.path), "why": d.why}
+                                 for d in sorted(chain.damaged.values(), key=lambda d: d.n)],
+            "janitor_stalled": _stalled_janitors(leases, again, doc.live())}
 
 
-def _moving(root: Path, leases: dict[str, Lease], live: list[str]) -> dict[str, bool]:
-    """Whether each live account's member is alive (see the module doc)."""
+def _stalled_janitors(before: dict[str, Lease], after: dict[str, Lease],
+                      live: list[str]) -> list[str]:
+    """Live members whose lease moved while ``inspect`` waited but whose janitor thread
+    did not (``leases.py``): the others pass them over as janitor."""
+    return sorted(m for m in live if m in before and m in after
+                  and after[m].seq != before[m].seq
+                  and after[m].janitor_rounds == before[m].janitor_rounds)
+
+
+def _moving(root: Path, leases: dict[str, Lease], live: list[str]
+            ) -> tuple[dict[str, bool], dict[str, Lease]]:
+    """Whether each live account's member is alive (see the module doc), and the leases
+    as read after the wait (the first reading when there was none)."""
     alive = {m: not on_this_host_and_gone(m) for m in live}
     remote = [m for m in live if member_host_pid(m)[0] != host_tag()]
-    again: dict[str, Lease] = {}
+    again: dict[str, Lease] = leases
     if any(m in leases for m in remote):
         time.sleep(2.5 * HEARTBEAT_S)
         again = read_leases(root)
     for member in remote:
         alive[member] = member in leases and member in again and \
             again[member].seq != leases[member].seq
-    return alive
+    return alive, again
 
 
 def print_shared(rep: dict[str, Any]) -> None:
@@ -154,6 +170,11 @@ def print_shared(rep: dict[str, Any]) -> None:
     print(f"  shared budget: {human_bytes(rep['budget_bytes'])} for every member (set by "
           f"{rep['budget_set_by']}); members hold {human_bytes(rep['held_bytes'])}, "
           f"orphans {human_bytes(rep['orphan_bytes'])}, free {human_bytes(rep['free_bytes'])}")
+    for d in rep["damaged_versions"]:
+        print(f"  ledger version {d['version']} set aside: {d['path']}: {d['why']}")
+    for member in rep["janitor_stalled"]:
+        print(f"  member {member}: lease moves but its janitor thread does not (passed over "
+              "as janitor)")
     print(f"  {'member':<34} {'state':<26} {'owns':>10} {'share':>10} {'in flight':>10}  "
           "reads (newest / oldest)")
     for m in rep["members"]:

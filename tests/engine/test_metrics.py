@@ -144,7 +144,8 @@ def test_every_counter_and_gauge_of_stats_is_exported(tmp_path: Path, open_store
     exported |= {path_counter(p, "seconds") for p in READ_PATHS} | {"write_seconds"}
     gpu_only = {"gpu_pool_bytes", "gpu_pool_objects_lent"}  # the backend's, on CUDA workers
     shared_only = {"directory_budget_bytes", "member_bytes", "member_cap_bytes", "orphan_bytes",
-                   "members_live", "members_dead", "ledger_updates", "ledger_conflicts"}
+                   "members_live", "members_dead", "ledger_updates", "ledger_conflicts",
+                   "ledger_damaged", "janitor_stalled"}
     assert set(snapshot) <= exported
     assert exported - set(snapshot) == gpu_only | (set() if shared else shared_only)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.ledger_files import plant, successor
 from support.mounts import tmpfs
 from support.stores import StoreFactory
 
@@ -237,10 +238,10 @@ def test_a_newer_ledger_format_leaves_a_member_reading_only(
         package_log: pytest.LogCaptureFixture) -> None:
     a = open_store(tmp_path, shared=True)
     put(a, "k1")
-    chain = LedgerChain(tmp_path, a.shared_members()[0], 0o600, 0o700)
-    chain.update(lambda doc: doc.__setattr__("format", 99) or True)
+    plant(tmp_path, *successor(tmp_path, lambda fields: fields.update(format=99)))
     b = open_store(tmp_path, shared=True)
-    assert "its ledger has format 99, this version writes format 1" in package_log.text
+    assert "has format 99, this version of the package writes format 2: upgrade this " \
+        "member" in package_log.text
     assert b.lookup("k1", "model") and read(b, "k1") is not None
     put(b, "k2")
     assert b.counter("capacity_drops") == 1 and not b.lookup("k2", "model")

@@ -1,11 +1,12 @@
 """Driver for tests/e2e/test_e2e_mp_vllm.py and test_e2e_model_build.py, run by the python
 of the vLLM environment as ``python -m support.e2e_vllm_driver`` (tests/ on ``PYTHONPATH``).
 
-``build-model OUT [--seed N]``: a tiny random-weight Llama (2 layers, hidden 128, 4 heads,
-2 KV heads) and a byte-level BPE tokenizer trained here, saved with
-``save_pretrained`` -- nothing is downloaded.  ``--seed`` (default 0) draws the weights
-only: another seed into the same directory replaces the weights with others of the same
-shapes and file size, and rewrites the tokenizer and config as they were.
+``build-model OUT [--seed N] [--layers L --hidden H --heads A --kv-heads K --max-len N]``: a
+random-weight Llama (default tiny: 2 layers, hidden 128, 4 heads, 2 KV heads; the end-to-end
+benchmark, bench/bench_e2e.py, asks for a realistic shape) and a byte-level BPE tokenizer
+trained here, saved with ``save_pretrained`` -- nothing is downloaded.  ``--seed`` (default
+0) draws the weights only: another seed into the same directory replaces the weights with
+others of the same shapes and file size, and rewrites the tokenizer and config as they were.
 
 ``run``: a real vLLM ``LLM`` with ``LMCacheMPConnector`` against a running
 ``lmcache server``; prints one JSON line with what each request saw.
@@ -37,7 +38,8 @@ WARMUP_TOKENS = 200  # less than a chunk: stores nothing
 LOGPROBS = 20
 
 
-def build_model(out: Path, seed: int = 0) -> None:
+def build_model(out: Path, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 4,
+                kv_heads: int = 2, max_len: int = 2048) -> None:
     import random
 
     import torch
@@ -59,9 +61,10 @@ def build_model(out: Path, seed: int = 0) -> None:
                                    eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(out)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=max_len,
+                         bos_token_id=1, eos_token_id=2,
                          pad_token_id=3, tie_word_embeddings=False, initializer_range=0.2)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
@@ -123,6 +126,9 @@ def main() -> None:
     b = sub.add_parser("build-model")
     b.add_argument("out", type=Path)
     b.add_argument("--seed", type=int, default=0)
+    for shape, default in (("layers", 2), ("hidden", 128), ("heads", 4), ("kv-heads", 2),
+                           ("max-len", 2048)):
+        b.add_argument(f"--{shape}", type=int, default=default)
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--port", type=int, required=True)
@@ -131,7 +137,8 @@ def main() -> None:
     r.add_argument("--cold-reference", action="store_true")
     args = parser.parse_args()
     if args.cmd == "build-model":
-        build_model(args.out, args.seed)
+        build_model(args.out, args.seed, args.layers, args.hidden, args.heads, args.kv_heads,
+                    args.max_len)
         reports.emit({"built": str(args.out)})
     reports.emit(run(args.model, args.port, args.http, args.phase, args.cold_reference))
 

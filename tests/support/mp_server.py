@@ -21,7 +21,7 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from .paths import MP_SERVER_SCRIPT
 from .process import child_env, free_port, wait_until_answers
@@ -75,16 +75,18 @@ def clear_l1(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
 def settle(http: str, timeout_s: float = 60.0) -> dict[str, Any]:
     """Wait until the server has nothing in flight: no L1 object staged or locked (a store
     that ``store_kv`` has returned from may still be staged; a retrieve's temporary copies
-    stay until it is done) and no L2 write pending.  Its L1 status then."""
+    stay until it is done) and no L2 write pending (of this tier: LMCache's own adapters do
+    not report theirs).  Its L1 status then."""
     deadline = time.monotonic() + timeout_s
     while True:
         status = http_json(f"{http}/status")["storage_manager"]
-        l1, (adapter,) = status["l1_manager"], status["l2_adapters"]
+        l1 = status["l1_manager"]
         busy = {name: l1[name] for name in ("staging_object_count", "write_locked_count",
                                             "read_locked_count", "temporary_count")
                 if l1[name]}
-        if adapter["pending_writes"]:
-            busy["pending_writes"] = adapter["pending_writes"]
+        pending = sum(a.get("pending_writes", 0) for a in status["l2_adapters"])  # ours only
+        if pending:
+            busy["pending_writes"] = pending
         if not busy:
             return l1  # type: ignore[no-any-return]
         if time.monotonic() > deadline:
@@ -120,11 +122,13 @@ class MPServer:
     ``L2_ADAPTER_EXTRA``); ``server_args`` are the script's arguments, which it passes on to
     ``lmcache server`` (e.g. ``--separate-object-groups``).  With ``l2_adapter`` (an
     ``--l2-adapter`` spec, e.g. one of LMCache's own adapters) the server is started as the
-    script starts it, with that L2 instead (``cache_dir`` unused).
+    script starts it, with that L2 instead (``cache_dir`` unused); ``l2_adapter="none"``:
+    with no L2 (LMCache's host memory only).
     """
 
     def __init__(self, cache_dir: Path, log: Path, env: Mapping[str, str] | None = None,
-                 l2_adapter: dict[str, Any] | None = None, server_args: Sequence[str] = (),
+                 l2_adapter: dict[str, Any] | Literal["none"] | None = None,
+                 server_args: Sequence[str] = (),
                  **settings: str) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
@@ -143,7 +147,8 @@ class MPServer:
                        "--chunk-size", "256", "--l1-size-gb", variables["L1_GB"],
                        "--no-l1-use-lazy", "--eviction-policy", "LRU",
                        "--supported-transfer-mode", "auto",
-                       "--l2-adapter", json.dumps(l2_adapter), *server_args]
+                       *([] if l2_adapter == "none" else
+                         ["--l2-adapter", json.dumps(l2_adapter)]), *server_args]
         self.proc = subprocess.Popen(command, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)

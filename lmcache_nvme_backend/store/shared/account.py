@@ -38,13 +38,14 @@ class AccountBooks:
     """The bytes this member owns, holds in flight, and may hold, on one root."""
 
     def __init__(self, root: RootState, member: str, catalog: Catalog, chain: LedgerChain,
-                 refill: int) -> None:
+                 refill: int, budget: int) -> None:
         self.root = root
         self.path = root.layout.root
         self.member = member
         self._catalog = catalog
         self.chain = chain
         self.refill = refill
+        self.budget = budget  # as configured: no ledger version grants more (``pool``)
         self.journal: JournalWriter | None = None
         self.fenced = False
         self.leaving = False
@@ -70,11 +71,15 @@ class AccountBooks:
     def adopt(self, doc: LedgerDoc) -> None:
         """Take a ledger version as this member's view: apply the ``freed`` entries (the
         owned chunks others evicted) and the cap, both from the same version."""
+        account = doc.accounts.get(self.member)
+        with self._lock:
+            fresh = [] if account is None else \
+                [f for f in account.freed if f[0] > self._processed]
+        false = self._false_freed(doc, fresh)
         with self._lock:
             if doc.n <= self._doc_n:
                 return
             self._doc_n = doc.n
-            account = doc.accounts.get(self.member)
             if account is None or account.state != LIVE:
                 if not self.fenced and not self.leaving:
                     logger.error("NVMe tier: %s: this member (%s) is no longer in the "
@@ -85,15 +90,43 @@ class AccountBooks:
                 return
             for seq, digest, _size in account.freed:
                 if seq > self._processed:
-                    self.usage -= self._forget(digest)
+                    if digest not in false:
+                        self.usage -= self._forget(digest)
                     self._processed = seq
             self.cap = account.cap
 
+    def _false_freed(self, doc: LedgerDoc, fresh: list[tuple[int, str, int]]) -> set[str]:
+        """The ``freed`` entries of ``fresh`` that cannot be true: the chunk is this
+        member's in the index and its file is still in place, not superseded (an evicter
+        moves the file away before it records the entry).  They are not applied, so a
+        damaged or planted version cannot make this member stop counting files on disk."""
+        with self._lock:
+            suspect = [d for _, d, size in fresh
+                       if size and d in self.owned and d not in self._superseded]
+        false = {d for d, e in zip(suspect, self._catalog.entries(suspect), strict=True)
+                 if e is not None and e.owner == self.member
+                 and self.root.layout.has_chunk(e.ns_id, d)}
+        if false:
+            logger.warning("NVMe tier: %s: ledger version %d lists %d chunk(s) of this "
+                           "member as evicted (accounts.%s.freed) whose files are still in "
+                           "place, e.g. %s; those entries are ignored (still counted).",
+                           self.path, doc.n, len(false), self.member, sorted(false)[0])
+        return false
+
     def update(self, change: Callable[[LedgerDoc], bool]) -> LedgerDoc | None:
-        """One ledger update from this process, adopted; None when the ledger refused."""
+        """One ledger update from this process, adopted; None when the ledger refused.
+        A version this member writes also records its configured budget in its account
+        (each member keeps its own record true: ``LedgerDoc.effective_budget``)."""
+        def change_and_record(doc: LedgerDoc) -> bool:
+            changed = change(doc)
+            mine = doc.accounts.get(self.member)
+            if changed and mine is not None and mine.state == LIVE:
+                mine.budget = self.budget
+            return changed
+
         try:
             with self._ledger_lock:
-                doc = self.chain.update(change)
+                doc = self.chain.update(change_and_record)
         except Fenced:
             self.fenced = True
             return None
@@ -119,7 +152,7 @@ class AccountBooks:
         def change(doc: LedgerDoc) -> bool:
             nonlocal got
             account = self._mine(doc)
-            got = max(0, min(want, doc.pool()))
+            got = max(0, min(want, doc.pool(self.budget)))
             account.cap += got
             return got > 0
 

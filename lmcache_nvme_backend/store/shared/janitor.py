@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 RECONCILE_S = 60.0
 WALK_SHARE = 10  # periodic walks take at most a tenth of the janitor's time
 GRACE_S = 0.5  # after a walk: the journals of what was published meanwhile are read
+SAID_PER_ROUND = 5  # members named in a round's log lines (the rest are counted)
 
 
 def _tag(host: str) -> str:
@@ -60,7 +62,8 @@ class Janitor:
     """The janitor's duties on one root (run by whichever member is the janitor)."""
 
     def __init__(self, account: Account, liveness: Liveness, catalog: Catalog,
-                 stats: StoreStats, ingest: Callable[[], None]) -> None:
+                 stats: StoreStats, ingest: Callable[[], None],
+                 stopping: threading.Event) -> None:
         self.account = account
         self.path = account.path
         self.member = account.member
@@ -68,6 +71,7 @@ class Janitor:
         self._catalog = catalog
         self._stats = stats
         self._ingest = ingest
+        self._stopping = stopping
         self._walk_due = True
         self._next_walk = 0.0
         self._dead_writers: set[tuple[str, int]] = set()
@@ -75,99 +79,130 @@ class Janitor:
         self.last_walk_s = 0.0
 
     def tick(self, leases: dict[str, Lease], now: float) -> None:
-        """One round of duties (see the module doc)."""
+        """One round of duties (see the module doc); each step is one ledger version
+        for every member it concerns, and the round ends early when the store closes."""
         doc = self.account.chain.latest()
         if doc is None:
             return
-        for member, acct in doc.accounts.items():
-            if member != self.member and acct.state == LIVE and not self.liveness.alive(member):
-                self._declare_dead(member, leases.get(member))
+        dead = [m for m, acct in doc.accounts.items()
+                if m != self.member and acct.state == LIVE and not self.liveness.alive(m)]
+        if dead:
+            self._declare_dead(dead, leases)
         doc = self.account.chain.cached or doc
-        for member, acct in list(doc.accounts.items()):
-            if acct.state in (DEAD, DEPARTED):
-                self._settle(member)
-                self._merge(member, acct.state)
-        self._remove_strays(leases)
+        gone = {m: acct.state for m, acct in doc.accounts.items()
+                if acct.state in (DEAD, DEPARTED)}
+        for step in (lambda: self._settle(list(gone)), lambda: self._merge(gone),
+                     lambda: self._remove_strays(leases)):
+            if self._stopping.is_set():
+                return
+            step()
         if self._walk_due or now >= self._next_walk:
             self.reconcile(leases)
-        self.trim()
-        self._release_doubles()
+        if not self._stopping.is_set():
+            self.trim()
+            self._release_doubles()
 
     # -- dead and departed members --------------------------------------------------------
 
-    def _declare_dead(self, member: str, lease: Lease | None) -> None:
+    def _declare_dead(self, members: list[str], leases: dict[str, Lease]) -> None:
         def change(doc: LedgerDoc) -> bool:
-            acct = doc.accounts.get(member)
-            if acct is None or acct.state != LIVE:
-                return False
-            acct.state = DEAD
-            return True
+            changed = False
+            for member in members:
+                acct = doc.accounts.get(member)
+                if acct is not None and acct.state == LIVE:
+                    acct.state = DEAD
+                    changed = True
+            return changed
 
         if self.account.update(change) is None:
             return
-        if lease is not None:
-            self._dead_writers.add((_tag(lease.host), lease.pid))
-        silent = self.liveness.silent_for(member)
-        why = ("its process is gone" if on_this_host_and_gone(member) else
-               f"its lease has not moved for {silent:.0f} s" if silent is not None else
-               "it has no lease")
-        logger.warning("NVMe tier: %s: member %s is dead (%s); taking over its share of "
-                       "the budget.", self.path, member, why)
-        self._stats.add(Counter.SHARED_TAKEOVERS)
+        for member in members:
+            lease = leases.get(member)
+            if lease is not None:
+                self._dead_writers.add((_tag(lease.host), lease.pid))
+        for member in members[:SAID_PER_ROUND]:
+            silent = self.liveness.silent_for(member)
+            why = ("its process is gone" if on_this_host_and_gone(member) else
+                   f"its lease has not moved for {silent:.0f} s" if silent is not None else
+                   "it has no lease")
+            logger.warning("NVMe tier: %s: member %s is dead (%s); taking over its share "
+                           "of the budget.", self.path, member, why)
+        if len(members) > SAID_PER_ROUND:
+            logger.warning("NVMe tier: %s: %d more members are dead; taking over their "
+                           "shares too.", self.path, len(members) - SAID_PER_ROUND)
+        self._stats.add(Counter.SHARED_TAKEOVERS, len(members))
         self._walk_due = True
 
-    def _settle(self, member: str) -> None:
-        """Finish a gone member's evictions: record the transfers it had not, delete."""
-        names = [e.name for e in scandir_beneath(self.path, evicting_dir(member))]
-        if not names:
+    def _settle(self, members: list[str]) -> None:
+        """Finish gone members' evictions: record the transfers they had not, delete."""
+        wanted = set(members)
+        claimed = {e.name: [c.name for c in scandir_beneath(self.path, evicting_dir(e.name))]
+                   for e in scandir_beneath(self.path, EVICTING_DIR) if e.name in wanted}
+        claimed = {m: names for m, names in claimed.items() if names}
+        if not claimed:
             return
         doc = self.account.chain.cached
-        acct = doc.accounts.get(member) if doc is not None else None
-        recorded = set(acct.evicting) if acct is not None else set()
-        unrecorded = [(n, p) for n in names if n not in recorded
-                      and (p := parse_evicting_name(n)) is not None]
-        if unrecorded and acct is not None:
+        if doc is None:
+            return
+
+        def unrecorded(doc: LedgerDoc, member: str) -> list[tuple[str, tuple[str, int, str]]]:
+            gone = doc.accounts.get(member)
+            return [] if gone is None else \
+                [(n, p) for n in claimed[member]
+                 if n not in gone.evicting and (p := parse_evicting_name(n)) is not None]
+
+        if any(unrecorded(doc, m) for m in claimed):
             def change(doc: LedgerDoc) -> bool:
-                gone = doc.accounts.get(member)
-                if gone is None:
-                    return False
-                todo = [(n, p) for n, p in unrecorded if n not in gone.evicting]
-                for _, (digest, size, owner) in todo:
-                    doc.take(owner, digest, size, claim_gen=-1)  # the orphans: at the walk
-                gone.evicting.extend(n for n, _ in todo)
-                return bool(todo)
+                changed = False
+                for member in claimed:
+                    todo = unrecorded(doc, member)
+                    for name, (digest, size, owner) in todo:
+                        doc.take(owner, digest, size, claim_gen=-1)  # orphans: at the walk
+                        doc.accounts[member].evicting.append(name)
+                    changed |= bool(todo)
+                return changed
 
             if self.account.update(change) is None:
                 return
-        for name in names:
-            remove_quietly(self.path, f"{evicting_dir(member)}/{name}")
+        for member, names in claimed.items():
+            for name in names:
+                remove_quietly(self.path, f"{evicting_dir(member)}/{name}")
 
-    def _merge(self, member: str, state: str) -> None:
-        cap = 0
+    def _merge(self, gone: dict[str, str]) -> None:
+        """Dead and departed members' accounts become the orphans' (one version)."""
+        caps: dict[str, int] = {}
 
         def change(doc: LedgerDoc) -> bool:
-            nonlocal cap
-            acct = doc.accounts.get(member)
-            if acct is None or acct.state == LIVE:
-                return False
-            cap = acct.cap
-            doc.merge_into_orphans(member)
-            return True
+            caps.clear()
+            for member in gone:
+                acct = doc.accounts.get(member)
+                if acct is not None and acct.state != LIVE:
+                    caps[member] = acct.cap
+                    doc.merge_into_orphans(member)
+            return bool(caps)
 
-        if self.account.update(change) is None:
+        if not gone or self.account.update(change) is None or not caps:
             return
-        self._remove_member_files(member)
-        self.liveness.forget(member)
-        logger.info("NVMe tier: %s: the %s member %s's chunks (%.1f MiB) now count as "
-                    "orphans.", self.path, state, member, cap / 2**20)
+        self._remove_member_files(set(caps))
+        for member in caps:
+            self.liveness.forget(member)
+        for member in list(caps)[:SAID_PER_ROUND]:
+            logger.info("NVMe tier: %s: the %s member %s's chunks (%.1f MiB) now count as "
+                        "orphans.", self.path, gone[member], member, caps[member] / 2**20)
 
-    def _remove_member_files(self, member: str) -> None:
-        remove_member_files(self.path, member)
+    def _remove_member_files(self, members: set[str]) -> None:
+        """Leases, journals and evicting directories of ``members`` (one listing)."""
         for entry in scandir_beneath(self.path, MEMBERS_DIR):
+            if self._stopping.is_set():
+                return
             parsed = parse_journal_name(entry.name)
-            if parsed is not None and parsed[0] == member:
-                remove_quietly(self.path, journal_path(member, parsed[1]))
-        remove_tree_quietly(self.path, evicting_dir(member))
+            if parsed is not None and parsed[0] in members:
+                remove_quietly(self.path, journal_path(*parsed))
+        for member in members:
+            if self._stopping.is_set():
+                return
+            remove_member_files(self.path, member)
+            remove_tree_quietly(self.path, evicting_dir(member))
 
     def _remove_strays(self, leases: dict[str, Lease]) -> None:
         """Files of members the ledger no longer knows and that are not starting up."""
@@ -185,9 +220,9 @@ class Janitor:
                   if (p := parse_journal_name(e.name)) is not None}
         names |= {e.name for e in scandir_beneath(self.path, EVICTING_DIR)
                   if MEMBER_RE.match(e.name)}
-        for member in names:
-            if member and stray(member):
-                self._remove_member_files(member)
+        strays = {m for m in names if m and stray(m)}
+        if strays:
+            self._remove_member_files(strays)
         for entry in scandir_beneath(self.path, LEDGER_DIR):
             if entry.name.startswith(".tmp-"):
                 owner = entry.name[len(".tmp-"):].rsplit("-", 1)[0]
@@ -219,7 +254,8 @@ class Janitor:
             if self._temp_of_dead_writer(temp, live_writers):
                 unlink_quietly(temp.path, layout.root)
                 self._stats.add(Counter.REMOVED_TEMP_FILES)
-        time.sleep(GRACE_S)
+        if self._stopping.wait(GRACE_S):
+            return
         self._ingest()
         claimed = {p[0] for d in scandir_beneath(self.path, EVICTING_DIR)
                    for e in scandir_beneath(self.path, f"{EVICTING_DIR}/{d.name}")
@@ -276,9 +312,8 @@ class Janitor:
         """Evict (into the pool) while the accounts hold more than the budget."""
         for _ in range(64):
             doc = self.account.chain.cached
-            if doc is None or doc.pool() >= 0:
-                return
-            if self.account.evict(-doc.pool(), to_pool=True) < 0:
+            over = 0 if doc is None else -doc.pool(self.account.budget)
+            if over <= 0 or self.account.evict(over, to_pool=True) < 0:
                 return
 
     def _release_doubles(self) -> None:

@@ -9,6 +9,12 @@ rate).  A member on this host whose process is gone is dead at once.
 A member also stops writing by itself once it has failed to renew its lease for
 ``LEASE_S / 2`` (a stalled or disconnected member fences itself off before anyone can
 take its share over).
+
+A lease also carries ``janitor_rounds``, which the member's janitor thread moves on every
+round whether or not it is the janitor.  A member whose lease moves while that counter
+has not for ``JANITOR_STALL_S`` (a janitor stuck in a round, a lease rewritten by a stuck
+or foreign process, a member of a version without the counter) is *stalled*: it stays a
+member, but the others pass it over when they choose the janitor.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 LEASE_S = 10.0
+JANITOR_STALL_S = 5.0
 MAX_LEASE_BYTES = 64 << 10
 _JSON_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "bool": (bool,),
                                             "float | None": (int, float)}
@@ -69,6 +76,7 @@ class Lease:
     # is compared across nodes)
     newest_read_age_s: float | None = None
     oldest_read_age_s: float | None = None
+    janitor_rounds: int = 0  # moved by the member's janitor thread on every round
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -144,14 +152,22 @@ class Liveness:
         self.lease_s = lease_s
         self._clock = clock
         self._seen: dict[str, tuple[int, float]] = {}  # member -> (seq, when it moved)
+        self._rounds: dict[str, tuple[int, float]] = {}  # member -> (janitor_rounds, when)
 
     def observe(self, leases: dict[str, Lease]) -> None:
-        """Note each lease's counter; a counter that moved renews the member."""
+        """Note each lease's counters; a counter that moved renews the member."""
         now = self._clock()
         for member, lease in leases.items():
-            seen = self._seen.get(member)
-            if seen is None or seen[0] != lease.seq:
-                self._seen[member] = (lease.seq, now)
+            for seen, value in ((self._seen, lease.seq), (self._rounds, lease.janitor_rounds)):
+                last = seen.get(member)
+                if last is None or last[0] != value:
+                    seen[member] = (value, now)
+
+    def janitor_stalled(self, member: str) -> bool:
+        """Whether ``member``'s janitor thread has not moved for ``JANITOR_STALL_S`` while
+        its lease was seen (see the module doc)."""
+        rounds = self._rounds.get(member)
+        return rounds is not None and self._clock() - rounds[1] >= JANITOR_STALL_S
 
     def alive(self, member: str) -> bool:
         """Alive: its process exists (this host) and its lease moved within ``lease_s``
@@ -169,3 +185,4 @@ class Liveness:
 
     def forget(self, member: str) -> None:
         self._seen.pop(member, None)
+        self._rounds.pop(member, None)

@@ -5,30 +5,40 @@ A root's budget is split into one *account* per member (a process using the root
 members that left or died, or found on disk), and the *pool*: ``budget = pool +
 orphans.cap + sum(account.cap)``.  A member writes only while what it owns plus its writes
 in flight fit its ``cap``.  Caps move only through a new version of the ledger, a
-compare-and-set: version ``n + 1`` is written to a temp file and ``link(2)``-ed to its
+compare-and-set: the next version is written to a temp file and ``link(2)``-ed to its
 name, which fails if another member created it first.  ``link`` is atomic on local and
 network filesystems alike and no lock is held, so no member waits for another.  An evicted
 chunk's size moves from its owner's cap to the evicter's in one version; the owner learns
 of it from a ``freed`` entry, so its headroom never changes under it
 (``docs/deployment.md``).
+
+**The chain rule**, which every member applies alike, so that no two follow different
+chains: each version names its predecessor (``prev``: the digest of its bytes).  From the
+last valid version ``v``, a reader looks at the next numbers in turn: a valid version
+naming ``v`` becomes ``v``; anything else there (unparseable, out of range, ``n`` not its
+name, a link, FIFO or directory, naming another predecessor) is *damage*: its number is
+spent, it is set aside (left in place, counted, named in one warning), and the chain goes
+on at the next number from ``v``'s state; the first free number ends the chain and is
+where the next version goes.  A version far ahead of the chain (a gap) names no
+predecessor the chain has, so it is damage too when the chain reaches it.  Versions are
+parsed as untrusted input (``ledger_doc.py``) and a member publishes nothing its own
+parser would refuse.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...disk.coordination import (
-    EPOCH_VERSIONS,
     LEDGER_DIR,
-    MEMBER_RE,
     epoch_dir,
     epoch_of,
     is_epoch_name,
@@ -36,8 +46,8 @@ from ...disk.coordination import (
     version_number,
     version_path,
 )
-from ...disk.layout import DIGEST_RE
 from ...disk.safe_fs import (
+    NotAChunkFile,
     create_beneath,
     link_beneath,
     lstat_beneath,
@@ -48,140 +58,45 @@ from ...disk.safe_fs import (
     scandir_beneath,
     unlink_beneath,
 )
+from .ledger_doc import (
+    DEAD,
+    DEPARTED,
+    LEDGER_FORMAT,
+    LIVE,
+    MAX_LEDGER_BYTES,
+    Account,
+    LedgerDamage,
+    LedgerDoc,
+    LedgerError,
+    NewerLedger,
+    digest_of,
+    parse_version,
+)
+
+__all__ = ["DEAD", "DEPARTED", "LEDGER_FORMAT", "LIVE", "Account", "Damaged", "LedgerChain",
+           "LedgerDamage", "LedgerDoc", "LedgerError", "NewerLedger", "remove_tree_quietly"]
 
 logger = logging.getLogger(__name__)
 
-LEDGER_FORMAT = 1
-LIVE, DEAD, DEPARTED = "live", "dead", "departed"
-_STATES = (LIVE, DEAD, DEPARTED)
-MAX_LEDGER_BYTES = 16 << 20
 UPDATE_TRIES = 200
+START_CANDIDATES = 1024  # versions a reader without a start point considers, newest first
 
 
-class LedgerError(Exception):
-    """The ledger cannot be read or changed (damaged, unwritable, or always contended)."""
-
-
-@dataclass
-class Account:
-    """One member's share of the budget."""
-
-    cap: int
-    state: str = LIVE
-    budget: int = 0  # the budget this member was configured with (warnings, inspect)
-    chunk_format: int = 0  # the chunk file format version it writes
-    # chunks of this member that others took out of its account: (seq, digest, size)
-    freed: list[tuple[int, str, int]] = field(default_factory=list)
-    next_seq: int = 1
-    # victims this member claimed whose transfer is recorded here, not yet unlinked
-    evicting: list[str] = field(default_factory=list)
-
-
-@dataclass
-class LedgerDoc:
-    """One version of the ledger."""
+@dataclass(frozen=True)
+class Damaged:
+    """A version set aside: where, and what is wrong with it."""
 
     n: int
-    budget: int
-    budget_by: str
-    accounts: dict[str, Account] = field(default_factory=dict)
-    orphans_cap: int = 0
-    # bumped whenever the orphans' cap is recomputed from a walk of the tree: a victim
-    # claimed under an older generation may or may not have been counted by that walk
-    orphans_gen: int = 0
-    format: int = LEDGER_FORMAT
-
-    def pool(self) -> int:
-        """Bytes of the budget no account holds (negative: over-committed)."""
-        return self.budget - self.orphans_cap - sum(a.cap for a in self.accounts.values())
-
-    def live(self) -> list[str]:
-        return [m for m, a in self.accounts.items() if a.state == LIVE]
-
-    def take(self, owner: str, digest: str, size: int, claim_gen: int) -> int:
-        """Take a deleted chunk's bytes out of its owner's account; how many it held.
-
-        A live owner hears of it through a ``freed`` entry.  A chunk without a live owner
-        comes out of the orphans' cap, unless the orphans were recounted since the victim
-        was claimed (``claim_gen``): that walk decided whether it was counted, so nothing
-        is taken (the tree is over-counted until the next walk, never under-counted).
-        """
-        account = self.accounts.get(owner) if owner else None
-        if account is not None and account.state == LIVE:
-            account.cap -= size
-            account.freed.append((account.next_seq, digest, size))
-            account.next_seq += 1
-            return size
-        if account is not None:  # dead or departed, not yet merged into the orphans
-            taken = max(0, min(size, account.cap))
-            account.cap -= taken
-            return taken
-        if claim_gen != self.orphans_gen:
-            return 0
-        taken = max(0, min(size, self.orphans_cap))
-        self.orphans_cap -= taken
-        return taken
-
-    def merge_into_orphans(self, member: str) -> None:
-        """A dead or departed member's chunks become the orphans'."""
-        account = self.accounts.pop(member, None)
-        if account is not None:
-            self.orphans_cap += max(0, account.cap)
-
-    def copy(self) -> LedgerDoc:
-        return LedgerDoc.from_json(self.to_json())
-
-    def to_json(self) -> bytes:
-        accounts = {
-            m: {"cap": a.cap, "state": a.state, "budget": a.budget,
-                "chunk_format": a.chunk_format, "freed": [list(f) for f in a.freed],
-                "next": a.next_seq, "evicting": a.evicting}
-            for m, a in sorted(self.accounts.items())}
-        return json.dumps({"format": self.format, "n": self.n, "budget": self.budget,
-                           "budget_by": self.budget_by,
-                           "orphans": {"cap": self.orphans_cap, "gen": self.orphans_gen},
-                           "accounts": accounts}, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> LedgerDoc:
-        """Parse a version; anything but a ledger this code wrote is a ``LedgerError``."""
-        try:
-            doc = json.loads(raw)
-            accounts = {}
-            for member, a in doc["accounts"].items():
-                if not MEMBER_RE.match(member) or a["state"] not in _STATES:
-                    raise ValueError(f"bad account {member[:40]!r}")
-                freed = [(_int(s), str(d), _int(z)) for s, d, z in a["freed"]]
-                if not all(DIGEST_RE.match(d) for _, d, _ in freed):
-                    raise ValueError("bad digest in freed")
-                accounts[member] = Account(_signed(a["cap"]), a["state"], _int(a["budget"]),
-                                           _int(a["chunk_format"]), freed, _int(a["next"]),
-                                           [str(n) for n in a["evicting"]])
-            return cls(_int(doc["n"]), _int(doc["budget"]), str(doc["budget_by"]), accounts,
-                       _signed(doc["orphans"]["cap"]), _int(doc["orphans"]["gen"]),
-                       _int(doc["format"]))
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-            raise LedgerError(f"not a ledger version: {str(exc)[:200]}") from None
-
-
-def _int(value: object) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"not a count: {str(value)[:40]}")
-    return value
-
-
-def _signed(value: object) -> int:
-    """A cap: an integer, negative only while a trim is due."""
-    if type(value) is not int:
-        raise ValueError(f"not a byte count: {str(value)[:40]}")
-    return value
+    path: Path
+    why: str
+    identity: tuple[int, int, int, int]  # (mode, inode, size, mtime): the same file
 
 
 class LedgerChain:
     """Reads the newest version of one root's ledger and writes the next one.
 
     Versions are never rewritten, so a reader that has version ``n`` finds the newest by
-    opening ``n + 1``, ``n + 2``, ... (new names show at once on network filesystems, where
+    opening the next numbers (new names show at once on network filesystems, where
     contents may be cached).  Whole epochs are removed, oldest first, once two newer ones
     exist: while ``n`` exists every later version does; a reader whose ``n`` is gone lists.
     """
@@ -194,6 +109,9 @@ class LedgerChain:
         self._dir_mode = dir_mode
         self._durable = durable
         self._doc: LedgerDoc | None = None
+        self._lock = threading.Lock()  # ``_doc``: this process's threads walk the chain
+        self.damaged: dict[int, Damaged] = {}  # versions set aside, by number
+        self.damaged_total = 0  # versions set aside since this chain was made
         self.conflicts = 0
         self.updates = 0
 
@@ -203,55 +121,184 @@ class LedgerChain:
         return self._doc
 
     def latest(self) -> LedgerDoc | None:
-        """The newest version (None: the root has no ledger yet).  Under a storm of
+        """The newest valid version (None: the root has no ledger yet).  Under a storm of
         updates the answer may already be a little old: an update then simply conflicts."""
+        return self._latest()[0]
+
+    def _latest(self) -> tuple[LedgerDoc | None, int]:
+        """The newest valid version and the number the next one takes (one walk's answer:
+        other threads of this process walk the chain too)."""
         doc = self._doc
         if doc is not None and not self._exists(doc.n):
             doc = None  # our version was removed with its epoch: far behind, list
         for _ in range(UPDATE_TRIES):
-            if doc is None:
-                n = self._newest_listed()
-                if n is None:
-                    return None
-                doc = self._read(n)
+            try:
                 if doc is None:
-                    continue  # retired between the listing and the read: list again
-            while (newer := self._read(doc.n + 1)) is not None:
-                doc = newer
-            self._doc = doc
-            return doc
+                    doc, start_next = self._start()
+                    if doc is None:
+                        return None, start_next
+                return self._follow(doc)
+            except FileNotFoundError:
+                doc = None  # retired between the listing and the read: list again
         raise LedgerError(f"{self.root}: the ledger changed faster than it could be read")
 
     def create(self, doc: LedgerDoc) -> bool:
-        """Write version 1 (False: another member created the ledger first)."""
-        doc.n = 1
-        makedirs_beneath(self.root, epoch_dir(0), self._dir_mode)
-        if self._publish(doc):
-            self._doc = doc
-            return True
-        return False
+        """Write the first version (False: another member created the ledger first)."""
+        found, n = self._latest()
+        if found is not None:
+            return False
+        doc.n, doc.prev, doc.format = n, "", LEDGER_FORMAT
+        makedirs_beneath(self.root, epoch_dir(epoch_of(doc.n)), self._dir_mode)
+        return self._publish(doc, None)
 
     def update(self, change: Callable[[LedgerDoc], bool]) -> LedgerDoc:
         """Apply ``change`` (which edits a copy, returning False for "nothing to change")
         to the newest version and publish it, recomputing after each conflict."""
         for attempt in range(UPDATE_TRIES):
-            doc = self.latest()
+            doc, n = self._latest()
             if doc is None:
                 raise LedgerError(f"{self.root}: the ledger is missing")
             new = doc.copy()
             if not change(new):
                 return doc
-            new.n = doc.n + 1
-            if self._publish(new):
-                self._doc = new
+            new.n, new.prev, new.format = n, doc.digest, LEDGER_FORMAT
+            if self._publish(new, doc):
                 self.updates += 1
-                if new.n % EPOCH_VERSIONS == 0:
+                if epoch_of(new.n) != epoch_of(doc.n):
                     self._collect_old_epochs(epoch_of(new.n))
                 return new
             self.conflicts += 1
             time.sleep(random.uniform(0, 0.0005 * min(attempt + 1, 20)))
         raise LedgerError(f"{self.root}: {UPDATE_TRIES} ledger updates in a row lost to "
                           "other members")
+
+    # -- the chain rule ------------------------------------------------------------------
+
+    def _follow(self, doc: LedgerDoc) -> tuple[LedgerDoc, int]:
+        """Walk from ``doc`` to the end of the chain (see the module doc): the newest valid
+        version and the number the next one takes."""
+        n = doc.n + 1
+        while True:
+            got = self._newer_or_damaged(n, doc)
+            if got is None:
+                # a hole where a damaged version was removed by hand: the chain goes on
+                # if the version after it names ``doc``
+                after = self._newer_or_damaged(n + 1, doc)
+                if not isinstance(after, LedgerDoc) or after.prev != doc.digest:
+                    break
+                n, got = n + 1, after
+            if isinstance(got, LedgerDoc) and self._follows(got, doc):
+                doc = got
+            n += 1
+        self._remember(doc)
+        self.damaged = {k: d for k, d in self.damaged.items() if k >= doc.n}
+        return doc, n
+
+    def _remember(self, doc: LedgerDoc) -> None:
+        """Keep ``doc`` as the newest known, unless a thread already knows a newer one."""
+        with self._lock:
+            if self._doc is None or doc.n >= self._doc.n:
+                self._doc = doc
+
+    def _newer_or_damaged(self, n: int, doc: LedgerDoc) -> LedgerDoc | Damaged | None:
+        """``_version(n)``; one of a newer format is the newer members' chain if it names
+        ``doc`` (``NewerLedger``: this member cannot follow it), else damage."""
+        try:
+            return self._version(n)
+        except NewerLedger as exc:
+            if exc.prev != doc.digest:
+                return self._set_aside(n, f"{exc}, naming another predecessor")
+            raise LedgerError(f"ledger version {self.root / version_path(n)} has {exc}: "
+                              "upgrade this member") from exc
+
+    def _follows(self, new: LedgerDoc, doc: LedgerDoc) -> bool:
+        """Whether ``new``, found after ``doc``, continues the chain (else it is set
+        aside).  A version of format 1 names no predecessor: it follows one of format 1."""
+        if new.format >= 2 and new.prev == doc.digest or new.format == doc.format == 1:
+            return True
+        why = (f"format {new.format} after a version of format {doc.format}"
+               if new.format < doc.format else
+               f"prev: names another predecessor than version {doc.n} (a copy or a gap)")
+        self._set_aside(new.n, why)
+        return False
+
+    def _start(self) -> tuple[LedgerDoc | None, int]:
+        """Where a reader without a version starts: the newest valid version that names
+        the newest valid version below it with at most one free number between them (as
+        ``_follow`` goes on over one hole), or has none below it; without one, the number
+        after every version listed."""
+        numbers = self._listed()
+        after = (numbers[0] + 1) if numbers else 1
+        candidates: list[LedgerDoc | NewerLedger] = []
+        for n in numbers[:START_CANDIDATES]:
+            try:
+                got = self._version(n)
+            except NewerLedger as exc:
+                exc.n = n
+                candidates.append(exc)
+                continue
+            if isinstance(got, LedgerDoc):
+                candidates.append(got)
+        for i, doc in enumerate(candidates):
+            below = next((c for c in candidates[i + 1:] if isinstance(c, LedgerDoc)), None)
+            if isinstance(doc, NewerLedger):
+                if below is None or doc.prev == below.digest:
+                    raise LedgerError(f"ledger version {self.root / version_path(doc.n)} "
+                                      f"has {doc}: upgrade this member")
+                self._set_aside(doc.n, f"{doc}, naming no version below it")
+                continue
+            free = doc.n - below.n - 1 - sum(below.n < k < doc.n for k in numbers) \
+                if below is not None else 0
+            if below is None or free <= 1 and (
+                    doc.prev == below.digest or doc.format == below.format == 1):
+                return doc, after
+            self._set_aside(doc.n, f"prev: does not follow version {below.n} (a copy ahead "
+                            f"of the chain, {free} free numbers between them)")
+        return None, after
+
+    def _version(self, n: int) -> LedgerDoc | Damaged | None:
+        """Version ``n`` (None: there is none; ``Damaged``: it is set aside).  A read
+        error is not damage: ``LedgerError`` (the next poll tries again)."""
+        rel = version_path(n)
+        try:
+            st = lstat_beneath(self.root, rel)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise LedgerError(f"cannot read ledger version {self.root / rel}: {exc}") from exc
+        identity = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+        known = self.damaged.get(n)
+        if known is not None and known.identity == identity:
+            return known
+        try:
+            raw = read_small_file(self.root, rel, MAX_LEDGER_BYTES + 1)
+            doc = parse_version(raw)
+            if doc.n != n:
+                raise LedgerDamage("n", f"says it is version {doc.n}")
+        except FileNotFoundError:
+            return None
+        except NotAChunkFile as exc:
+            return self._set_aside(n, exc.strerror or "not a regular file", identity)
+        except LedgerDamage as exc:
+            return self._set_aside(n, str(exc), identity)
+        except OSError as exc:
+            raise LedgerError(f"cannot read ledger version {self.root / rel}: {exc}") from exc
+        return doc
+
+    def _set_aside(self, n: int, why: str,
+                   identity: tuple[int, int, int, int] | None = None) -> Damaged:
+        if identity is None:
+            with contextlib.suppress(OSError):
+                st = lstat_beneath(self.root, version_path(n))
+                identity = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+        damaged = Damaged(n, self.root / version_path(n), why, identity or (0, 0, 0, 0))
+        if self.damaged.get(n) != damaged:
+            self.damaged_total += 1
+            logger.warning("NVMe tier: ledger version %s is damaged (%s); it is set aside "
+                           "and the ledger goes on at the next version from the last valid "
+                           "one.", damaged.path, why)
+        self.damaged[n] = damaged
+        return damaged
 
     # -- files -----------------------------------------------------------------------
 
@@ -262,35 +309,29 @@ class LedgerChain:
         except FileNotFoundError:
             return False
 
-    def _read(self, n: int) -> LedgerDoc | None:
+    def _listed(self) -> list[int]:
+        """Every version number listed, newest first."""
+        numbers: list[int] = []
+        for entry in scandir_beneath(self.root, LEDGER_DIR):
+            if is_epoch_name(entry.name) and entry.is_dir(follow_symlinks=False):
+                numbers += [n for e in scandir_beneath(self.root, f"{LEDGER_DIR}/{entry.name}")
+                            if (n := version_number(e.name)) is not None]
+        return sorted(numbers, reverse=True)
+
+    def _publish(self, doc: LedgerDoc, base: LedgerDoc | None) -> bool:
+        """Write ``doc`` as version ``doc.n`` (computed from ``base``); False when that
+        number is taken.  What this member's own parser would refuse is never written."""
+        raw = doc.to_json()
         try:
-            raw = read_small_file(self.root, version_path(n), MAX_LEDGER_BYTES)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise LedgerError(f"cannot read ledger version {n} in {self.root}: {exc}") from exc
-        doc = LedgerDoc.from_json(raw)
-        if doc.n != n:
-            raise LedgerError(f"ledger version file {n} says it is version {doc.n}")
-        return doc
-
-    def _newest_listed(self) -> int | None:
-        epochs = sorted(e.name for e in scandir_beneath(self.root, LEDGER_DIR)
-                        if is_epoch_name(e.name) and e.is_dir(follow_symlinks=False))
-        for epoch in reversed(epochs):
-            numbers = [n for e in scandir_beneath(self.root, f"{LEDGER_DIR}/{epoch}")
-                       if (n := version_number(e.name)) is not None]
-            if numbers:
-                return max(numbers)
-        return None
-
-    def _publish(self, doc: LedgerDoc) -> bool:
-        """Write ``doc`` as version ``doc.n``; False when that version exists already."""
+            parse_version(raw)
+        except LedgerError as exc:
+            raise LedgerError(f"{self.root}: this member's next ledger version would be "
+                              f"refused ({exc}); not written") from None
         tmp = ledger_temp_path(self.member)
         fd = create_beneath(self.root, tmp, self._file_mode)
         try:
             try:
-                view = memoryview(doc.to_json())
+                view = memoryview(raw)
                 while view:
                     view = view[os.write(fd, view):]
                 if self._durable:
@@ -300,17 +341,20 @@ class LedgerChain:
             try:
                 link_beneath(self.root, tmp, version_path(doc.n))
             except FileNotFoundError:
-                # No epoch directory: a new epoch's, made only while the version before
+                # No epoch directory: a new epoch's, made only while the version it follows
                 # exists (so never one that was retired); else this writer fell behind.
-                if doc.n % EPOCH_VERSIONS or not self._exists(doc.n - 1):
+                if base is None or epoch_of(base.n) == epoch_of(doc.n) or \
+                        not self._exists(base.n):
                     return False
                 makedirs_beneath(self.root, epoch_dir(epoch_of(doc.n)), self._dir_mode)
                 link_beneath(self.root, tmp, version_path(doc.n))
-            return True
         except FileExistsError:
             return False
         finally:
             remove_quietly(self.root, tmp)
+        doc.digest = digest_of(raw)
+        self._remember(doc)
+        return True
 
     def _collect_old_epochs(self, current: int) -> None:
         """Remove epochs older than ``current - 1``, oldest first (each renamed away in one

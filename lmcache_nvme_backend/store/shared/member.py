@@ -64,6 +64,9 @@ class RootMember:
         self._catalog = catalog
         self._stats = stats
         self.read_only: str | None = None  # why this member cannot write, if it cannot
+        self._join_again_at: float | None = None  # reading only for now (version skew)
+        self.janitor_rounds = 0  # moved by the janitor thread every round (``leases.py``)
+        self.stopping = threading.Event()  # set when the store closes: rounds end early
         self.leases: dict[str, Lease] = {}
         self._lease_ok = -1e18
         self._largest = 0
@@ -78,13 +81,13 @@ class RootMember:
         chain = LedgerChain(self.path, self.member, self._settings.file_mode,
                             self._settings.dir_mode, durable=self._settings.fsync == "full")
         self.account = Account(self.root, self.member, self._catalog, self._stats, chain,
-                               refill=min(self.budget // 256, MAX_REFILL),
+                               refill=min(self.budget // 256, MAX_REFILL), budget=self.budget,
                                catch_up=self._catch_up)
         self.tail = JournalTail(self.path, self.member, self.root.direct, self._stats)
         self.liveness = Liveness()
         self.lease = new_lease(self.member)
         self.janitor = Janitor(self.account, self.liveness, self._catalog, self._stats,
-                               self.ingest)
+                               self.ingest, self.stopping)
 
     # -- joining and leaving ---------------------------------------------------------------
 
@@ -107,10 +110,7 @@ class RootMember:
     def _enter_ledger(self) -> None:
         chain = self.account.chain
         doc = chain.latest()
-        if doc is not None and doc.format > LEDGER_FORMAT:
-            self._serve_reads_only(
-                f"its ledger has format {doc.format}, this version writes format "
-                f"{LEDGER_FORMAT}; the newer format applies: upgrade this member")
+        if doc is not None and doc.format < LEDGER_FORMAT and self._older_members(doc):
             return
         mine = LedgerAccount(0, LIVE, self.budget, FORMAT_VERSION)
         if doc is None:
@@ -122,12 +122,10 @@ class RootMember:
                             "directory (ledger created; %.1f MiB already on disk).",
                             self.path, _gib(self.budget), first.orphans_cap / 2**20)
                 return
-        before: dict[str, int] = {}
-        before_by: list[str] = [""]
+        before: list[LedgerDoc] = []
 
         def change(doc: LedgerDoc) -> bool:
-            before["budget"] = doc.budget
-            before_by[0] = doc.budget_by
+            before[:] = [doc.copy()]
             running = [m for m in doc.live() if m != self.member and m in self.leases
                        and not on_this_host_and_gone(m)]
             if doc.budget != self.budget and not running:
@@ -138,20 +136,51 @@ class RootMember:
         joined = self.account.update(change)
         if joined is None:
             raise LedgerError("could not add this member's account")
-        if before["budget"] != self.budget:
-            if joined.budget == self.budget:
-                logger.warning(
-                    "NVMe tier: %s: the directory's budget was %s (set by member %s); no "
-                    "member is running, so this member's nvme.max_size_gb (%s for this "
-                    "path) applies from now on.", self.path, _gib(before["budget"]),
-                    before_by[0], _gib(self.budget))
-            else:
-                logger.warning(
-                    "NVMe tier: %s: nvme.max_size_gb gives this member %s for this path, "
-                    "but the directory's budget is %s (set by member %s, which is "
-                    "running); %s applies to every member. Give every member the same "
-                    "nvme.max_size_gb.", self.path, _gib(self.budget), _gib(joined.budget),
-                    joined.budget_by, _gib(joined.budget))
+        self._warn_budget(before[0], joined)
+
+    def _older_members(self, doc: LedgerDoc) -> bool:
+        """Version skew (docs/deployment.md): while members of an older version of the
+        package run, this member serves reads only (their versions name no predecessor,
+        so it would set them aside) and tries to join again every ``LEASE_S``; once none
+        runs, its first version moves the ledger to this format."""
+        older = sorted(m for m in doc.live() if m != self.member and m in self.leases
+                       and self.leases[m].ledger_format < LEDGER_FORMAT
+                       and not on_this_host_and_gone(m))
+        if not older:
+            return False
+        self._serve_reads_only(
+            f"member(s) {', '.join(older[:4])} of an older version of the package (ledger "
+            f"format {doc.format}, this version writes format {LEDGER_FORMAT}) are running; "
+            f"this member joins once they stopped (it tries every {LEASE_S:.0f} s): upgrade "
+            "them, or stop them")
+        self._join_again_at = time.monotonic() + LEASE_S
+        return True
+
+    def _warn_budget(self, before: LedgerDoc, joined: LedgerDoc) -> None:
+        """Say which budget applies when this member's differs (the rule: the smallest of
+        the recorded budget and the running members' configured ones)."""
+        was, now = before.effective_budget(), joined.effective_budget()
+        if was == self.budget == now:
+            return
+        if now != self.budget:
+            logger.warning(
+                "NVMe tier: %s: nvme.max_size_gb gives this member %s for this path, but "
+                "the directory's budget is %s (the smallest of the budget set by member %s "
+                "and those of the running members); %s applies to every member. Give every "
+                "member the same nvme.max_size_gb.", self.path, _gib(self.budget), _gib(now),
+                joined.budget_by, _gib(now))
+        elif joined.budget_by == self.member and before.budget_by != self.member:
+            logger.warning(
+                "NVMe tier: %s: the directory's budget was %s (set by member %s); no "
+                "member is running, so this member's nvme.max_size_gb (%s for this "
+                "path) applies from now on.", self.path, _gib(was), before.budget_by,
+                _gib(self.budget))
+        else:
+            logger.warning(
+                "NVMe tier: %s: the directory's budget was %s; this member's "
+                "nvme.max_size_gb (%s for this path) is smaller and the smallest budget of "
+                "the running members applies, so %s applies to every member while it runs.",
+                self.path, _gib(was), _gib(self.budget), _gib(now))
 
     def _serve_reads_only(self, why: str) -> None:
         self.read_only = why
@@ -220,9 +249,11 @@ class RootMember:
 
     def heartbeat(self, raise_errors: bool = False) -> None:
         """Renew this member's lease and read the others'."""
-        if self.read_only is None:
+        if self.read_only is None or self._join_again_at is not None:
             lease = self.lease
             lease.seq += 1
+            lease.read_only = self.read_only is not None
+            lease.janitor_rounds = self.janitor_rounds
             stats = self.account.stats()
             lease.owned_bytes, lease.owned_chunks = stats["owned_bytes"], stats["owned_chunks"]
             lease.cap, lease.reserved = stats["cap"], stats["reserved"]
@@ -250,13 +281,14 @@ class RootMember:
         for member, lease in self.leases.items():
             if member == self.member:
                 continue
-            if lease.budget and lease.budget != doc.budget:
+            budget = doc.effective_budget()
+            if lease.budget and lease.budget != budget:
                 self._warn_once(
                     f"budget:{member}", "NVMe tier: %s: member %s (host %s, pid %d) is "
-                    "configured with %s for this path, the directory's budget is %s (set by "
-                    "member %s); %s applies to every member.", self.path, member, lease.host,
-                    lease.pid, _gib(lease.budget), _gib(doc.budget), doc.budget_by,
-                    _gib(doc.budget))
+                    "configured with %s for this path, the directory's budget is %s (the "
+                    "smallest of the budget set by member %s and the running members'); %s "
+                    "applies to every member.", self.path, member, lease.host,
+                    lease.pid, _gib(lease.budget), _gib(budget), doc.budget_by, _gib(budget))
             if lease.chunk_format and lease.chunk_format != FORMAT_VERSION:
                 self._warn_once(
                     f"format:{member}", "NVMe tier: %s: member %s writes chunk format %d, "
@@ -273,6 +305,8 @@ class RootMember:
     def sync(self) -> None:
         """Follow the ledger: adopt it, acknowledge, return spare headroom, and keep the
         journal compact; a member taken over as dead rejoins under a new id."""
+        if self._join_again_at is not None and time.monotonic() >= self._join_again_at:
+            self._join_again()
         if self.read_only is not None:
             return
         doc = self.account.chain.latest()
@@ -287,6 +321,18 @@ class RootMember:
             if journal.wants_rotation(len(self.account.owned)):
                 journal.rotate(self.account.owned_lines())
             journal.retire_old()
+
+    def _join_again(self) -> None:
+        """A member reading only for version skew tries to join again."""
+        self.read_only, self._join_again_at = None, None
+        try:
+            self._enter_ledger()
+        except (LedgerError, OSError) as exc:
+            self._serve_reads_only(f"the ledger: {exc}")
+        if self.read_only is None:
+            self._catalog.members[self.root.index] = self.member
+            logger.warning("NVMe tier: %s: member %s joins the directory's shared budget "
+                           "now.", self.path, self.member)
 
     def _rejoin(self) -> None:
         old = self.member
@@ -308,8 +354,25 @@ class RootMember:
         doc = self.account.chain.cached
         if doc is None or self.read_only is not None or self.account.fenced:
             return False
-        live = [m for m in doc.live() if m == self.member or self.liveness.alive(m)]
-        return bool(live) and min(live) == self.member
+        return self.janitor_of(doc) == self.member
+
+    def janitor_of(self, doc: LedgerDoc) -> str | None:
+        """The janitor as this member sees it: the live member with the smallest id whose
+        janitor thread is not stalled (``leases.py``); None when there is none."""
+        live = [m for m in doc.live() if m == self.member or
+                self.liveness.alive(m) and not self.liveness.janitor_stalled(m)]
+        return min(live, default=None)
+
+    def janitor_stalled(self) -> int:
+        """1 while a live member with a smaller id than the janitor's is passed over
+        because its janitor thread stalled (see ``janitor_of``)."""
+        doc = self.account.chain.cached
+        if doc is None:
+            return 0
+        janitor = self.janitor_of(doc)
+        return int(any(m < (janitor or "~") and m != self.member and
+                       self.liveness.alive(m) and self.liveness.janitor_stalled(m)
+                       for m in doc.live()))
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -359,7 +422,7 @@ class RootMember:
         live = [m for m in doc.live() if m == self.member or self.liveness.alive(m)] \
             if doc is not None else []
         return {
-            "directory_budget_bytes": doc.budget if doc is not None else 0,
+            "directory_budget_bytes": doc.effective_budget() if doc is not None else 0,
             "member_bytes": stats["owned_bytes"],
             "member_cap_bytes": stats["cap"],
             "members_live": len(live),
@@ -369,6 +432,8 @@ class RootMember:
             "orphan_bytes": doc.orphans_cap if doc is not None else 0,
             "ledger_updates": self.account.chain.updates,
             "ledger_conflicts": self.account.chain.conflicts,
+            "ledger_damaged": self.account.chain.damaged_total,
+            "janitor_stalled": self.janitor_stalled(),
         }
 
 

@@ -27,6 +27,7 @@ from ...disk.coordination import EVICTING_DIR, evicting_dir, evicting_name
 from ...disk.safe_fs import (
     NotAChunkFile,
     exists_beneath,
+    link_beneath,
     lstat_beneath,
     rename_beneath,
     scandir_beneath,
@@ -50,9 +51,9 @@ class Account(AccountBooks):
     """This member's account on one root (``AccountBooks``), making room as it writes."""
 
     def __init__(self, root: RootState, member: str, catalog: Catalog, stats: StoreStats,
-                 chain: LedgerChain, refill: int,
+                 chain: LedgerChain, refill: int, budget: int,
                  catch_up: Callable[[], None] = lambda: None) -> None:
-        super().__init__(root, member, catalog, chain, refill)
+        super().__init__(root, member, catalog, chain, refill, budget)
         self._stats = stats
         # reads the other members' journals (rate-limited) so that victims are chosen
         # by the freshest recency there is
@@ -82,7 +83,8 @@ class Account(AccountBooks):
                     self.reserved += size if reserve else 0
                     return True
             doc = self.chain.cached
-            if doc is not None and doc.pool() > 0 and self._claim(size - free + self.refill):
+            if doc is not None and doc.pool(self.budget) > 0 and \
+                    self._claim(size - free + self.refill):
                 continue
             # evict exactly what is missing (a whole chunk more would cost hits)
             if self.evict(size - free) < 0 and not self._claim(size - free):
@@ -135,8 +137,11 @@ class Account(AccountBooks):
             with self._lock:
                 self.reserved += expected
             gained = self._transfer(theirs, claim_gen, to_pool) if theirs else 0
-            if gained < 0:  # the ledger refused: the claims stay for a later settlement
-                gained, theirs = 0, []
+            if gained < 0:  # the ledger refused: the victims go back, uncounted nowhere
+                restored = self._restore(theirs)
+                claimed = [c for c in claimed if c[1] not in restored]
+                theirs = [c for c in theirs if c[1] not in restored]
+                gained = 0
             deleted = self._unlink_all(mine + theirs)
             with self._lock:
                 self.reserved -= expected
@@ -198,6 +203,28 @@ class Account(AccountBooks):
 
         return gained if self.update(change) is not None else -1
 
+    def _restore(self, theirs: list[tuple[IndexEntry, str]]) -> set[str]:
+        """Put claimed victims whose transfer was not recorded back where they were (their
+        owners still count them); the names put back.  A victim whose place was taken
+        meanwhile (stored again) is deleted with the rest, as an eviction its owner's
+        books settle (``account.py``, superseded files)."""
+        restored = set()
+        layout = self.root.layout
+        for entry, name in theirs:
+            claimed = f"{evicting_dir(self.member)}/{name}"
+            try:
+                link_beneath(self.path, claimed,
+                             layout.relative(layout.chunk_path(entry.ns_id, entry.digest)))
+                unlink_beneath(self.path, claimed)
+                restored.add(name)
+            except OSError as exc:
+                logger.debug("NVMe tier: cannot put back the victim %s: %s", name, exc)
+        if restored:
+            logger.warning("NVMe tier: %s: the ledger refused an eviction's transfer; its "
+                           "%d victim(s) are back in place, %d deleted.", self.path,
+                           len(restored), len(theirs) - len(restored))
+        return restored
+
     def _unlink_all(self, claimed: list[tuple[IndexEntry, str]]) -> set[str]:
         deleted = set()
         for entry, name in claimed:
@@ -248,6 +275,8 @@ class Account(AccountBooks):
             self.reserved += excess
         doc = self.chain.cached
         mine = doc.accounts.get(self.member) if doc is not None else None
+        if mine is not None:
+            cleared |= self._claims_not_held(mine.evicting, cleared)
         due = mine is not None and (
             any(seq <= processed for seq, _, _ in mine.freed) or
             any(n in cleared for n in mine.evicting))
@@ -270,6 +299,16 @@ class Account(AccountBooks):
         with self._lock:
             self.reserved -= excess
             self._cleared -= cleared
+
+    def _claims_not_held(self, recorded: list[str], cleared: set[str]) -> set[str]:
+        """Names this account's ledger entry lists as claimed that are not in its evicting
+        directory (a damaged or planted version's): cleared like deleted ones.  A claim
+        is recorded while its file is there, so a name without a file is done."""
+        todo = [n for n in recorded if n not in cleared]
+        if not todo:
+            return set()
+        held = {e.name for e in scandir_beneath(self.path, evicting_dir(self.member))}
+        return {n for n in todo if n not in held}
 
     def _settle_superseded(self) -> None:
         """Stop counting the superseded files no eviction is pending for.

@@ -155,6 +155,7 @@ class SharedTree:
     def _janitor_loop(self) -> None:
         while not self._stop.wait(JANITOR_S):
             for member in self.members:
+                member.janitor_rounds += 1  # the others see this thread is not stuck
                 if member.is_janitor():
                     self._guarded(member.janitor_round)
 
@@ -169,6 +170,8 @@ class SharedTree:
         """Stop the threads and leave every root (after the writers finished)."""
         self._stop.set()
         self._room_wanted.set()
+        for member in self.members:
+            member.stopping.set()
         for thread in self._threads:
             thread.join()
         for member in self.members:
