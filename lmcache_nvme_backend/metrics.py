@@ -104,6 +104,10 @@ METRICS: tuple[MetricSpec, ...] = (
              "(as janitor)."),
     _counter("shared_reconciles", "Shared mode: walks of the tree that recounted the orphans "
              "(as janitor)."),
+    _counter("shared_journal_refused", "Shared mode: lines of other members' journals "
+             "refused (a field out of its bounds, a bad checksum); skipped."),
+    _counter("shared_journals_set_aside", "Shared mode: journal files set aside unread (not a "
+             "regular file, or larger than a journal may be)."),
     _counter("ledger_updates", "Shared mode: versions of the directory's ledger this member "
              "wrote."),
     _counter("ledger_conflicts", "Shared mode: ledger updates redone because another member "

@@ -291,6 +291,11 @@ class Catalog:
             self._index.remove_many(entry.digest for entry in gone)
         return gone
 
+    def resize(self, entry: IndexEntry, size: int) -> None:
+        """An entry's real size on disk, where another member's journal claimed another."""
+        with self._lock:
+            self._index.resize(entry, size)
+
     def owners(self, root: int) -> dict[str, tuple[str, int]]:
         """``digest -> (owner, size)`` of every entry of ``root``."""
         with self._lock:

@@ -104,6 +104,12 @@ class ChunkIndex:
             reserved[root] -= size
         gc_untrack(entries, *added)
 
+    def resize(self, entry: IndexEntry, size: int) -> None:
+        """Set an entry's size on disk to ``size`` (its byte count follows if indexed)."""
+        if self._entries.get(entry.digest) is entry:
+            self._used[entry.root] += size - entry.size
+        entry.size = size
+
     def remove(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)
         if entry is not None:

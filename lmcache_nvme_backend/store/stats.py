@@ -71,6 +71,8 @@ class Counter(str, enum.Enum):
     SHARED_RECONCILES = "shared_reconciles"  # walks of the tree (as janitor)
     DEADLINE_MISSES = "deadline_misses"  # chunks answered as misses at nvme.io_deadline_s
     LATE_READS_DISCARDED = "late_reads_discarded"  # chunks read after their deadline
+    SHARED_JOURNAL_REFUSED = "shared_journal_refused"  # journal lines failing a rule
+    SHARED_JOURNALS_SET_ASIDE = "shared_journals_set_aside"  # special or oversized journals
     # GPU read path
     GPU_CHECKSUM_FAILURES = "gpu_checksum_failures"  # also counted in checksum_failures
     GPU_UNVERIFIED_FALLBACKS = "gpu_unverified_fallbacks"  # no GPU checksum: host-bounce

@@ -112,7 +112,8 @@ def test_members_keep_one_budget_and_serve_each_other(nodes: Nodes, tmp_path: Pa
               f"{r['prefix']}: {r['written']} written ({r['write_mb_s']:.0f} MB/s), "
               f"{r['peer_served']} of others' served, {r['capacity_drops']} dropped"
               for r in results))
-    assert sum(r["written"] for r in results) * FILE > 3 * budget  # evictions really ran
+    # evictions really ran: twice the budget written (a busy machine writes less in SECONDS)
+    assert sum(r["written"] for r in results) * FILE > 2 * budget
     assert sampler.peak <= budget + len(members) * FILE  # the acceptance bound
     assert all(r["wrong"] == 0 for r in results)
     assert all(r["peer_served"] > 0 for r in results)  # everyone read the others' chunks

@@ -19,6 +19,7 @@ from lmcache_nvme_backend.store.shared.journal import (
     parse_lines,
     published_line,
 )
+from lmcache_nvme_backend.store.stats import StoreStats
 
 W, R = "hostW-1-0000000a", "hostR-2-0000000b"
 D1, D2, D3 = "1" * 32, "2" * 32, "3" * 32
@@ -39,7 +40,39 @@ def test_records_round_trip_and_damaged_lines_are_skipped() -> None:
     assert parse_lines(damaged + b"garbage line\n", batch, None) is None
     assert list(batch.published) == [D1] and batch.published[D1].meta == META
     assert batch.accessed == [D1, D2] and list(batch.deleted) == [D3]
-    assert batch.bad_lines == 2
+    assert batch.refused == {"checksum": 2}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    (f"P {D1} {NS} {1 << 40} -", "size"),  # 1 TiB: larger than any chunk file
+    (f"P {D1} {NS} -8192 -", "size"),
+    (f"P {D1} {NS} 0 -", "size"),
+    (f"P {D1} {NS} 8193 -", "size"),  # not a multiple of the alignment
+    (f"P {D1} {NS} +8192 -", "size"),
+    (f"P {D1} {NS} 12288 {META.to_json().decode()}", "size"),  # not what its metadata says
+    (f"P {D1} {NS} 8192 {{\"shapes\":1}}", "metadata"),
+    (f"P {D1[:31]} {NS} 8192 -", "digest"),
+    (f"P {D1} {NS}0 8192 -", "namespace id"),
+    (f"P {D1} {NS} 8192", "record kind"),
+    ("A " + " ".join([D1] * 65), "digest count"),
+    (f"A {D1} nothex", "digest"),
+    ("D " + "A" * 32, "digest"),  # upper case
+    ("Z", "record kind"),  # the end of a snapshot that never began
+    ("Q x", "record kind"),
+])
+def test_a_line_with_a_field_out_of_bounds_is_refused(body: str, field: str) -> None:
+    batch = Batch(W)
+    line = journal_module._line(body)
+    assert parse_lines(line + published_line(D2, NS, 8192, META), batch, None) is None
+    assert batch.refused == {field: 1}
+    assert list(batch.published) == [D2] and not batch.deleted and not batch.accessed
+
+
+def test_overlong_and_non_ascii_lines_are_refused() -> None:
+    batch = Batch(W)
+    long_line = journal_module._line("A " + D1 * 300)
+    parse_lines(long_line + "é".encode() * 4 + b"\n", batch, None)
+    assert batch.refused == {"line length": 1, "encoding": 1}
 
 
 def test_later_records_of_a_digest_win_within_a_batch() -> None:
@@ -51,7 +84,7 @@ def test_later_records_of_a_digest_win_within_a_batch() -> None:
 
 def test_a_tail_reads_only_whole_new_lines(tmp_path: Path) -> None:
     w = writer(tmp_path)
-    tail = JournalTail(tmp_path, R, direct=False)
+    tail = JournalTail(tmp_path, R, direct=False, stats=StoreStats())
     w.append([published_line(D1, NS, 8192, META)])
     (first,) = tail.poll()
     assert first.first and list(first.published) == [D1]
@@ -70,7 +103,8 @@ def test_a_tail_reads_only_whole_new_lines(tmp_path: Path) -> None:
 def test_a_new_generation_starts_with_a_snapshot(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     w = writer(tmp_path)
-    tail = JournalTail(tmp_path, R, direct=True)  # O_DIRECT where the filesystem takes it
+    # O_DIRECT where the filesystem takes it
+    tail = JournalTail(tmp_path, R, direct=True, stats=StoreStats())
     w.append([published_line(D1, NS, 8192, META), published_line(D2, NS, 8192, META)])
     tail.poll()
     w.append([deleted_line(D1), *accessed_lines([D2] * 10)])

@@ -23,7 +23,7 @@ from ..index import IndexEntry
 from ..roots import RootState, note_full
 from ..stats import Counter, StoreStats
 from .janitor import Janitor
-from .journal import JournalTail, JournalWriter
+from .journal import Batch, JournalTail, JournalWriter
 from .leases import (
     LEASE_S,
     Lease,
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CATCH_UP_S = 0.02  # an evicter reads the journals again if its view is older than this
+APPLY_BATCH = 4096  # journal records applied to the index under one hold of its lock
 MAX_REFILL = 64 << 20
 
 
@@ -82,7 +83,7 @@ class RootMember:
         self.account = Account(self.root, self.member, self._catalog, self._stats, chain,
                                refill=min(self.budget // 256, MAX_REFILL), budget=self.budget,
                                catch_up=self._catch_up)
-        self.tail = JournalTail(self.path, self.member, self.root.direct)
+        self.tail = JournalTail(self.path, self.member, self.root.direct, self._stats)
         self.liveness = Liveness()
         self.lease = new_lease(self.member)
         self.janitor = Janitor(self.account, self.liveness, self._catalog, self._stats,
@@ -204,33 +205,47 @@ class RootMember:
 
     def _catch_up(self) -> None:
         if time.monotonic() - self._ingested_at > CATCH_UP_S:
-            self.ingest()
+            self.ingest(wait=False)
 
-    def ingest(self) -> None:
-        """Apply what the other members' journals say since the last call."""
-        with self._ingest_lock:
+    def ingest(self, wait: bool = True) -> None:
+        """Apply what the other members' journals say since the last call (a bounded read
+        of each, ``JournalTail.poll``: the rest next time).  Without ``wait`` (a writer
+        about to evict), nothing while another thread reads them."""
+        if not self._ingest_lock.acquire(blocking=wait):
+            return
+        try:
             self._ingested_at = time.monotonic()
-            batches = self.tail.poll()
-            now_ns = time.time_ns()
-            for batch in batches:
-                published = list(batch.published.values())
-                deleted = list(batch.deleted)
-                if batch.first:  # history, in no order with the others': ask the directory
-                    published = [p for p in published if self._catalog.entry(p.digest)
-                                 is not None or self.root.layout.has_chunk(p.ns_id, p.digest)]
-                    deleted = [d for d in deleted if (e := self._catalog.entry(d)) is not None
-                               and not self.root.layout.has_chunk(e.ns_id, d)]
-                entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta,
-                                      now_ns, owner=batch.member) for p in published]
-                added, removed, doubles = self._catalog.apply_remote(
-                    entries, deleted, batch.accessed, now_ns)
-                if batch.snapshot is not None:
-                    removed += self._catalog.drop_owned_except(batch.member, batch.snapshot)
-                self._catalog.notify_removed(removed)
-                self._stats.add(Counter.SHARED_ADOPTED, added)
-                self._stats.add(Counter.SHARED_VANISHED, len(removed))
-                if len(self.account.doubles) < 65536:
-                    self.account.doubles.extend(doubles)
+            for batch in self.tail.poll():
+                self._apply(batch)
+        finally:
+            self._ingest_lock.release()
+
+    def _apply(self, batch: Batch) -> None:
+        """Apply one member's records to the index, ``APPLY_BATCH`` at a time (lookups and
+        writers take the index's lock in between)."""
+        now_ns = time.time_ns()
+        published = list(batch.published.values())
+        deleted = list(batch.deleted)
+        if batch.first:  # history, in no order with the others': ask the directory
+            published = [p for p in published if self._catalog.entry(p.digest)
+                         is not None or self.root.layout.has_chunk(p.ns_id, p.digest)]
+            deleted = [d for d in deleted if (e := self._catalog.entry(d)) is not None
+                       and not self.root.layout.has_chunk(e.ns_id, d)]
+        entries = [IndexEntry(p.digest, p.ns_id, self.root.index, p.size, p.meta, now_ns,
+                              owner=batch.member) for p in published]
+        removed: list[IndexEntry] = []
+        for i in range(0, max(len(entries), len(deleted), len(batch.accessed)), APPLY_BATCH):
+            added, gone, doubles = self._catalog.apply_remote(
+                entries[i : i + APPLY_BATCH], deleted[i : i + APPLY_BATCH],
+                batch.accessed[i : i + APPLY_BATCH], now_ns)
+            removed += gone
+            self._stats.add(Counter.SHARED_ADOPTED, added)
+            if len(self.account.doubles) < 65536:
+                self.account.doubles.extend(doubles)
+        if batch.snapshot is not None:
+            removed += self._catalog.drop_owned_except(batch.member, batch.snapshot)
+        self._catalog.notify_removed(removed)
+        self._stats.add(Counter.SHARED_VANISHED, len(removed))
 
     def heartbeat(self, raise_errors: bool = False) -> None:
         """Renew this member's lease and read the others'."""
@@ -331,6 +346,8 @@ class RootMember:
         self.join()
 
     def janitor_round(self) -> None:
+        if self.tail.reading_history():  # a walk now would count chunks whose owner is
+            return  # still unread here as orphans: after the journals are caught up
         self.janitor.tick(self.leases, time.monotonic())
 
     def is_janitor(self) -> bool:

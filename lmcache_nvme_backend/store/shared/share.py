@@ -28,6 +28,7 @@ from ...disk.safe_fs import (
     NotAChunkFile,
     exists_beneath,
     link_beneath,
+    lstat_beneath,
     rename_beneath,
     scandir_beneath,
     unlink_beneath,
@@ -170,11 +171,13 @@ class Account(AccountBooks):
         gone: list[IndexEntry] = []
         layout = self.root.layout
         for entry in victims:
-            name = evicting_name(entry.digest, entry.size, entry.owner)
+            rel = layout.chunk_rel(entry.ns_id, entry.digest)
             try:
-                rename_beneath(self.path, layout.relative(layout.chunk_path(entry.ns_id,
-                                                                            entry.digest)),
-                               f"{evicting_dir(self.member)}/{name}")
+                # the credit is the file's size, not what a journal said it was
+                if (size := lstat_beneath(self.path, rel).st_size) != entry.size:
+                    self._catalog.resize(entry, size)
+                name = evicting_name(entry.digest, entry.size, entry.owner)
+                rename_beneath(self.path, rel, f"{evicting_dir(self.member)}/{name}")
                 claimed.append((entry, name))
             except (FileNotFoundError, NotAChunkFile):
                 gone.append(entry)  # another member took it, or it is not ours to move
