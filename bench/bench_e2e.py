@@ -507,6 +507,7 @@ def plot(runs: list[Run], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, (by_round, cdf) = plt.subplots(1, 2, figsize=(13, 5))
     for run in runs:
@@ -518,8 +519,11 @@ def plot(runs: list[Run], out: Path) -> None:
         ttfts = sorted(r.ttft_ms for r in run.results)
         cdf.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=label)
     by_round.set(xlabel="round", ylabel="TTFT p50 (ms)", title="TTFT by round")
+    by_round.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF",
             xscale="log")
+    cdf.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    cdf.xaxis.set_minor_formatter(ticker.NullFormatter())
     by_round.legend(fontsize=7)
     cdf.legend(fontsize=7)
     fig.tight_layout()
