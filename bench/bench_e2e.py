@@ -301,7 +301,8 @@ class Bench:
             return None
         self._servers += 1
         shm = f"lmcache_bench_e2e_{os.getpid()}_{self._servers}"
-        server_args = ["--shm-name", shm, *self.args.server_args.split()]
+        server_args = [*([] if self.args.no_shm else ["--shm-name", shm]),
+                       *self.args.server_args.split()]
         settings = {"L1_GB": str(self.args.l1_gb), "MAX_SIZE_GB": str(self.args.max_size_gb)}
         cache = self.dir / f"cache-{config}"
         log = self.logs / f"{name}-server.log"
@@ -555,6 +556,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "set, as on a busy GPU)")
     p.add_argument("--server-args", default="",
                    help="more arguments for lmcache server, e.g. '--l2-prefetch-policy retain'")
+    p.add_argument("--no-shm", action="store_true",
+                   help="without the server's shared-memory transfer (KV pickled over ZMQ)")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny model and workload: checks the machinery, measures nothing")
     args = p.parse_args(argv)
