@@ -79,7 +79,8 @@ REQUEST_S = 600
 #: A request's time by part, from the counters around it (one request at a time): vLLM's
 #: queue (a request waiting for its external KV waits there: LMCache's prefetch into L1, our
 #: reads inside it), its prefill (the tail's compute and the KV copied in from L1), and the
-#: tier's reads (the sum of its read calls' time).
+#: tier's reads (the sum of its read calls' time, the drive's included); beside them
+#: ``tier_cpu``, the CPU time of the tier's own threads (:func:`tier_cpu_ns`).
 BREAKDOWN = {"vllm_queue": "vllm:request_queue_time_seconds_sum",
              "vllm_prefill": "vllm:request_prefill_time_seconds_sum",
              "tier_reads": "lmcache_nvme_read_seconds_total"}
@@ -181,6 +182,17 @@ def process_group_io(pgid: int) -> tuple[int, int]:
             read += int(io["rchar"])
             written += int(io["wchar"])
     return read, written
+
+
+def tier_cpu_ns(pid: int) -> int:
+    """CPU time of this tier's threads in process ``pid`` (named ``nvme-*`` in the kernel: the
+    engine's readers and writers, its completion thread), from their ``schedstat``."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if (task / "comm").read_text().startswith("nvme-"):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -338,11 +350,13 @@ class Bench:
         started = time.perf_counter()
         for user, rnd, prompt in requests:
             before_io = process_group_io(pgid) if pgid else (0, 0)
+            before_cpu = tier_cpu_ns(pgid) if pgid else 0
             before = {**vllm.metrics(), **(scrape(f"{server.http}/metrics") if server else {})}
             ttft, latency, text = vllm.complete(str(self.model), prompt,
                                                 self.workload.answer_tokens)
             after = {**vllm.metrics(), **(scrape(f"{server.http}/metrics") if server else {})}
             after_io = process_group_io(pgid) if pgid else (0, 0)
+            after_cpu = tier_cpu_ns(pgid) if pgid else 0
 
             def delta(name: str, after: dict[str, float] = after,
                       before: dict[str, float] = before) -> float:
@@ -355,7 +369,8 @@ class Bench:
                 l1_lookup_tokens=int(delta("lmcache_mp_lookup_hit_l1_tokens_total")),
                 l2_lookup_tokens=int(delta("lmcache_mp_lookup_hit_l2_tokens_total")),
                 l2_read_bytes=after_io[0] - before_io[0],
-                parts_ms={part: delta(metric) * 1000 for part, metric in BREAKDOWN.items()})
+                parts_ms={**{part: delta(metric) * 1000 for part, metric in BREAKDOWN.items()},
+                          "tier_cpu": (after_cpu - before_cpu) / 1e6})
             if again:
                 result.again_ttft_ms = vllm.complete(str(self.model), prompt, 1)[0]
             run.results.append(result)
@@ -433,7 +448,7 @@ def summarize(run: Run, chunk_bytes: int) -> dict[str, Any]:
     lmcache_tokens = sum(r.lmcache_hit_tokens for r in run.results)
     tokens = sum(r.prompt_tokens for r in run.results)
     breakdown = {part: percentile([r.parts_ms.get(part, 0.0) for r in l2], 50)
-                 for part in BREAKDOWN}
+                 for part in (*BREAKDOWN, "tier_cpu")}
     breakdown["ttft"] = percentile([r.ttft_ms for r in l2], 50)
     return {
         "config": run.config, "phase": run.phase, "requests": len(run.results),
@@ -490,8 +505,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 def breakdown_table(rows: list[dict[str, Any]]) -> str:
     """Where the TTFT of a request that read from the drive went (p50 of each part)."""
     lines = ["| config | phase | drive-hit TTFT p50 ms | vLLM queue (waiting for its KV) "
-             "| vLLM prefill | the tier's reads | LMCache lookups L1 / L2 tokens |",
-             "|" + "---|" * 7]
+             "| vLLM prefill | the tier's reads (wall) | CPU of the tier's threads "
+             "| LMCache lookups L1 / L2 tokens |",
+             "|" + "---|" * 8]
     for r in rows:
         if not r["l2_hits"]:
             continue
@@ -499,6 +515,7 @@ def breakdown_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['config']} | {r['phase']} | {fmt(b['ttft'])} "
                      f"| {fmt(b['vllm_queue'])} | {fmt(b['vllm_prefill'])} "
                      f"| {fmt(b['tier_reads']) if r['config'] == 'nvme' else '-'} "
+                     f"| {fmt(b['tier_cpu']) if r['config'] == 'nvme' else '-'} "
                      f"| {r['lookup_tokens']['l1']:,} / {r['lookup_tokens']['l2']:,} |")
     return "\n".join(lines)
 

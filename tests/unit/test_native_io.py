@@ -383,6 +383,9 @@ def test_asynchronous_batches_come_back_on_the_completion_thread(engine_for, tmp
     got = {name: batch.statuses for name, batch in done.wait_for(7).items()}
     assert got == {**{i: bytes([seam.OK]) for i in range(5)}, "empty": b"", "empty share": b""}
     assert all(bytes(d[:n]) == payload for d in dests)
+    # named in the kernel too, so that its CPU is told apart from its host's threads
+    assert "nvme-io-done" in {(task / "comm").read_text().strip()
+                              for task in Path("/proc/self/task").iterdir()}
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.read([])
