@@ -33,11 +33,13 @@ START_TIMEOUT_S = 60
 
 @dataclass(frozen=True)
 class GlusterVolume:
-    """A started volume: its name, brick directory, and its mount points."""
+    """A started volume: its name, brick directory, its mount points, and the process id
+    of its brick (``glusterfsd``: stopping it hangs the clients' calls)."""
 
     name: str
     brick: Path
     mounts: tuple[Path, ...]
+    brick_pid: int | None = None
 
     def on_brick(self, path: Path) -> Path:
         """Where a path below the first mount lives on the brick (the real files)."""
@@ -143,7 +145,7 @@ def gluster_volume(workdir: Path, mounts: int = 2,
             if r.returncode != 0:
                 missing_prerequisite(f"mount -t glusterfs failed: {r.stderr.strip()[-800:]}")
             mounted.append(point)
-        yield GlusterVolume(name, brick, points)
+        yield GlusterVolume(name, brick, points, brick_pid)
     finally:
         for point in mounted:
             if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
