@@ -274,8 +274,6 @@ class _Harness:
     def _fold(self, stats: dict[str, Any]) -> None:
         for name, took in stats.get("worst", {}).items():
             self.figures.worst_call[name] = max(took, self.figures.worst_call.get(name, 0.0))
-            if took > CALL_BOUND_S:
-                self.violation(f"a {name} call took {took:.1f} s (bound {CALL_BOUND_S} s)")
 
     def monitor(self) -> None:
         while not self.stop.wait(SAMPLE_S):
@@ -361,6 +359,15 @@ class _Harness:
             self.figures.calls.update({k: int(v) for k, v in stats.get("calls", {}).items()})
         if self.figures.wrong:
             self.violation(f"{self.figures.wrong} chunk(s) read with wrong bytes")
+        for name, took in sorted(self.figures.worst_call.items()):
+            if took > CALL_BOUND_S:
+                self.violation(f"a {name} call took {took:.1f} s (bound {CALL_BOUND_S} s)")
+        if self.figures.violations:  # what the members said, for a failure too rare to rerun
+            for r in self.members:
+                said = [ln for ln in r.member.stderr.splitlines()
+                        if "WARNING" in ln or "ERROR" in ln or "Traceback" in ln]
+                self.figures.log += [f"member {r.member.prefix} {r.member.ids} said:",
+                                     *said[-15:]]
 
     def run(self) -> Figures:
         self.watch_sentinel()

@@ -247,7 +247,7 @@ class Member:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate(timeout=30)
+        self.stderr = self.proc.communicate(timeout=30)[1] or self.stderr
 
 
 def start_member(role: str, cache: Path, prefix: str, budget: int, size: int, seconds: float,
