@@ -364,10 +364,9 @@ class _Harness:
                 self.violation(f"a {name} call took {took:.1f} s (bound {CALL_BOUND_S} s)")
         if self.figures.violations:  # what the members said, for a failure too rare to rerun
             for r in self.members:
-                said = [ln for ln in r.member.stderr.splitlines()
-                        if "WARNING" in ln or "ERROR" in ln or "Traceback" in ln]
+                said = [ln for ln in r.member.stderr.splitlines() if " INFO" not in ln]
                 self.figures.log += [f"member {r.member.prefix} {r.member.ids} said:",
-                                     *said[-15:]]
+                                     *said[-40:]]
 
     def run(self) -> Figures:
         self.watch_sentinel()
