@@ -11,7 +11,10 @@ warning names the file, and every byte served is the one written.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,7 @@ from support.ledger_files import (
     renewed_lease,
     successor,
 )
+from support.process import child_env
 from support.shared_run import tree_bytes
 from support.stores import StoreFactory
 
@@ -290,6 +294,36 @@ def test_a_janitor_whose_lease_moves_without_progress_is_passed_over(
     assert a.stats_snapshot()["janitor_stalled"] == 1
     assert f"member {killed} is dead" in package_log.text
     assert shared_report(tmp_path)["janitor_stalled"] == [moving_lease]  # type: ignore[index]
+
+
+def test_damage_is_said_once_and_not_again_by_a_reader_that_starts_past_it(
+        tmp_path: Path, members: tuple[ChunkStore, ChunkStore], open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
+    """Both members meet a damaged version: one warning in this process, counted once; a
+    member that joins later, here or in another process (or ``inspect``), starts past it
+    (the members set it aside already) and does not warn about it again."""
+    a, b = members
+    _, n = newest(tmp_path)
+    path = plant(tmp_path, n, b"not a ledger")
+    keep_writing(tmp_path, [a, b], rounds=2)
+    said = f"ledger version {path} is damaged"
+
+    def warnings() -> int:
+        return len({id(r) for r in package_log.records
+                    if r.levelno >= logging.WARNING and said in r.getMessage()})
+
+    assert warnings() == 1
+    assert a.stats_snapshot()["ledger_damaged"] == b.stats_snapshot()["ledger_damaged"] == 1
+    open_store(tmp_path, shared=True, max_size_gb=BUDGET / 2**30)
+    assert warnings() == 1
+    reader = ("import logging, sys; from lmcache_nvme_backend.store.shared.ledger import "
+              "LedgerChain; logging.basicConfig(level=logging.WARNING); chain = LedgerChain("
+              "__import__('pathlib').Path(sys.argv[1]), 'reader-1-00000000', 0o600, 0o700); "
+              "print(chain.latest().n, chain.damaged_total)")
+    done = subprocess.run([sys.executable, "-c", reader, str(tmp_path)], env=child_env(),
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert int(done.stdout.split()[0]) > n and done.stdout.split()[1] == "0"
+    assert "is damaged" not in done.stderr, done.stderr
 
 
 def test_inspect_names_a_damaged_version(tmp_path: Path,
