@@ -30,17 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 SEED = 47
 
 
-# Found by this harness (seed 47, about half the runs here): after a full filesystem a
-# member is dropped from the ledger ("no longer in the directory's ledger ... its lease was
-# not renewed in time"), rejoins under a new id, and its queued writes never complete:
-# flush(60) times out and the next submit (queue policy wait) blocks for good.
-REJOIN_STALL = pytest.mark.xfail(
-    reason="seed 47: a member that rejoins after a full filesystem never completes its "
-    "queued writes (flush times out, submit with queue_full_policy wait blocks); timing-"
-    "dependent, so not strict", strict=False)
-
-
-@pytest.fixture(params=[pytest.param("local", marks=REJOIN_STALL), "gluster"])
+@pytest.fixture(params=["local", "gluster"])
 def layout(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Layout]:
     make = local_layout if request.param == "local" else gluster_layout
     with make(tmp_path) as where:
