@@ -50,6 +50,8 @@ T = TypeVar("T")
 ROOT_ERROR_LIMIT = 3
 ROOT_RETRY_S = 30.0
 MAX_QUARANTINED_FILES = 256
+#: A filesystem full again within this long after writes resumed: the same full episode.
+FULL_EPISODE_S = 60.0
 
 
 @dataclass
@@ -67,8 +69,10 @@ class RootState:
     deadline_s: float = 0.0
     consecutive_errors: int = 0
     offline_until: float = 0.0
-    # set while writes are dropped because the filesystem is full (one log line per episode)
+    # set while writes are dropped because the filesystem is full (see ``note_full``)
     full: bool = False
+    full_said: bool = False  # this episode's "is full" line was logged
+    space_again_at: float = float("-inf")  # time.monotonic() when writes last resumed
     # a read or write found the directory gone (ENOENT): check the kept descriptor next
     maybe_removed: bool = False
     # a read passed nvme.io_deadline_s: out of service until the filesystem answers again
@@ -146,7 +150,7 @@ def open_root(index: int, path: Path, direct_io_mode: str, file_mode: int = 0o60
                       deadline_s=io_deadline_for(io_deadline_s,
                                                  is_network_filesystem(filesystem)))
     if st.f_bavail * st.f_frsize <= min_free or (st.f_files and not st.f_favail):
-        state.full = True
+        state.full = state.full_said = True
         logger.warning("NVMe tier: %s is full (%d MiB, %d inodes free; the guard keeps %d MiB):"
                        " serving the chunks it holds; writes are dropped (capacity_drops) "
                        "until space frees.", path, st.f_bavail * st.f_frsize // 2**20,
@@ -298,20 +302,28 @@ def write_namespace_file(layout: RootLayout, ns_id: str, namespace: str, file_mo
 
 
 def note_full(root: RootState, exc: BaseException | None) -> None:
-    """A write dropped because the filesystem is full: one log line per full episode."""
+    """A write dropped because the filesystem is full: one log line per full episode.  A
+    filesystem that fills again within ``FULL_EPISODE_S`` of writes resuming (evictions
+    free space that other writers take at once) is the same episode: not logged again."""
     if root.full:
         return
     root.full = True
+    if time.monotonic() - root.space_again_at < FULL_EPISODE_S:
+        return
+    root.full_said = True
     why = f" ({exc})" if exc is not None else " (free space below the guard, nothing left to evict)"
     logger.warning("NVMe tier: %s is full%s: dropping writes (capacity_drops) until space "
                    "frees; stored chunks are still served.", root.layout.root, why)
 
 
 def note_space(root: RootState) -> None:
-    """A write succeeded: the end of a full episode (logged)."""
+    """A write succeeded: writes resume (logged once per full episode)."""
     if root.full:
         root.full = False
-        logger.info("NVMe tier: %s has space again; writes resume.", root.layout.root)
+        root.space_again_at = time.monotonic()
+        if root.full_said:
+            root.full_said = False
+            logger.info("NVMe tier: %s has space again; writes resume.", root.layout.root)
 
 
 def quarantine_file(root: RootState, digest: str, path: Path) -> bool:

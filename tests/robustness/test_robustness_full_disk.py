@@ -71,3 +71,28 @@ def test_store_starts_on_a_full_filesystem_serves_and_resumes_writes(
         assert any("writes resume" in r.getMessage() for r in package_log.records)
         store.close()
         shutil.rmtree(root)
+
+
+def test_a_filesystem_that_fills_again_soon_after_is_one_full_episode(
+        tmp_path: Path, open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
+    """Space freed and taken again at once (as evictions race other writers on a shared
+    directory) is one episode: one "is full" line and one "writes resume", not one each
+    per dropped write."""
+    package_log.set_level(logging.INFO, logger="lmcache_nvme_backend")
+    with tmpfs(tmp_path / "mnt", "4m") as mnt:
+        store = open_store(mnt / "cache")
+        for i in range(3):
+            filler = fill_bytes(mnt)
+            put(store, f"dropped-{i}", SIZE)
+            assert store.flush(10)
+            filler.unlink()
+            put(store, f"stored-{i}", SIZE)
+            assert store.flush(10)
+            assert store.lookup(f"stored-{i}", NS, pin=True)  # never a victim
+        assert store.counter("capacity_drops") == 3
+        assert not any(store.contains(f"dropped-{i}") for i in range(3))
+        messages = [r.getMessage() for r in {id(r): r for r in package_log.records}.values()]
+        assert sum("is full" in m for m in messages) == 1, messages
+        assert sum("writes resume" in m for m in messages) == 1, messages
+        store.close()

@@ -10,18 +10,26 @@ warning names the file, and every byte served is the one written.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import math
-import os
-import threading
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.ledger_files import newest, plant, successor, version_file
+from support.ledger_files import (
+    edit_field,
+    ledger_damage,
+    newest,
+    plant,
+    renewed_lease,
+    successor,
+)
+from support.process import child_env
 from support.shared_run import tree_bytes
 from support.stores import StoreFactory
 
@@ -30,7 +38,6 @@ from lmcache_nvme_backend.disk.coordination import EVICTING_DIR, lease_path
 from lmcache_nvme_backend.disk.format import TensorMeta, file_size_for
 from lmcache_nvme_backend.disk.layout import key_digest
 from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore
-from lmcache_nvme_backend.store.shared.leases import Lease, write_lease
 from lmcache_nvme_backend.store.shared.ledger import Account, LedgerChain, LedgerDoc
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,47 +100,7 @@ def keep_writing(root: Path, stores: list[ChunkStore], rounds: int = 3 * CHUNKS)
     assert stranded(root) == []
 
 
-def _field(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(fields: dict[str, Any]) -> None:
-        *parents, last = path.split(".")
-        target = fields
-        for key in parents:
-            target = target[key] if key != "*" else next(iter(target.values()))
-        target[last] = value
-    return edit
-
-
-def _special(kind: str) -> Callable[[Path, int], Path]:
-    def make(root: Path, n: int) -> Path:
-        path = version_file(root, n)
-        if kind == "symlink":
-            path.symlink_to(root / "elsewhere.json")
-            (root / "elsewhere.json").write_bytes(successor(root)[1])
-        elif kind == "fifo":
-            os.mkfifo(path)
-        else:
-            path.mkdir()
-        return path
-    return make
-
-
-def _bytes(make: Callable[[Path], bytes]) -> Callable[[Path, int], Path]:
-    return lambda root, n: plant(root, n, make(root))
-
-
-DAMAGE: dict[str, Callable[[Path, int], Path]] = {
-    "truncated": _bytes(lambda root: successor(root)[1][:40]),
-    "not json": _bytes(lambda root: b"\x00\xff not a ledger"),
-    "nan": _bytes(lambda root: successor(root, _field("budget", math.nan))[1]),
-    "n mismatch": _bytes(lambda root: successor(root, lambda f: f.update(n=f["n"] + 7))[1]),
-    "negative orphan cap": _bytes(lambda root: successor(
-        root, _field("orphans.cap", -4 * BUDGET))[1]),
-    "negative member cap": _bytes(lambda root: successor(
-        root, _field("accounts.*.cap", -4 * BUDGET))[1]),
-    "symlink": _special("symlink"),
-    "fifo": _special("fifo"),
-    "directory": _special("directory"),
-}
+DAMAGE = ledger_damage(BUDGET)
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -156,7 +123,7 @@ def test_a_damaged_next_version_is_set_aside_and_the_members_write_on(
 def test_a_huge_budget_in_a_version_grants_nothing(
         tmp_path: Path, members: tuple[ChunkStore, ChunkStore]) -> None:
     a, b = members
-    plant(tmp_path, *successor(tmp_path, _field("budget", 1 << 50)))
+    plant(tmp_path, *successor(tmp_path, edit_field("budget", 1 << 50)))
     keep_writing(tmp_path, [a, b])
     assert newest(tmp_path)[0].effective_budget() == BUDGET
     assert a.stats_snapshot()["directory_budget_bytes"] == BUDGET
@@ -295,35 +262,11 @@ def test_close_returns_while_the_janitor_has_thousands_of_members_to_clear(
     assert time.monotonic() - started < 10
 
 
-@contextlib.contextmanager
-def renewed_lease(root: Path, member: str, ledger_format: int) -> Iterator[None]:
-    """A lease of ``member`` (on another host) renewed every 0.2 s, whose janitor counter
-    never moves: a member that does nothing (a stuck or foreign process rewriting it)."""
-    stop = threading.Event()
-    lease = Lease(member, host=member.split("-")[0], pid=1, budget=BUDGET,
-                  ledger_format=ledger_format)
-    (root / "shared" / "members").mkdir(parents=True, exist_ok=True)
-    write_lease(root, lease, 0o600)
-
-    def renew() -> None:
-        while not stop.wait(0.2):
-            lease.seq += 1
-            write_lease(root, lease, 0o600)
-
-    thread = threading.Thread(target=renew, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
 @pytest.fixture
 def moving_lease(tmp_path: Path) -> Iterator[str]:
     """A live account's moving lease; its id is the smallest, so it would be the janitor."""
     stuck = "000stuck-1-0000abcd"
-    with renewed_lease(tmp_path, stuck, 2):
+    with renewed_lease(tmp_path, stuck, 2, BUDGET):
         yield stuck
 
 
@@ -353,6 +296,36 @@ def test_a_janitor_whose_lease_moves_without_progress_is_passed_over(
     assert shared_report(tmp_path)["janitor_stalled"] == [moving_lease]  # type: ignore[index]
 
 
+def test_damage_is_said_once_and_not_again_by_a_reader_that_starts_past_it(
+        tmp_path: Path, members: tuple[ChunkStore, ChunkStore], open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
+    """Both members meet a damaged version: one warning in this process, counted once; a
+    member that joins later, here or in another process (or ``inspect``), starts past it
+    (the members set it aside already) and does not warn about it again."""
+    a, b = members
+    _, n = newest(tmp_path)
+    path = plant(tmp_path, n, b"not a ledger")
+    keep_writing(tmp_path, [a, b], rounds=2)
+    said = f"ledger version {path} is damaged"
+
+    def warnings() -> int:
+        return len({id(r) for r in package_log.records
+                    if r.levelno >= logging.WARNING and said in r.getMessage()})
+
+    assert warnings() == 1
+    assert a.stats_snapshot()["ledger_damaged"] == b.stats_snapshot()["ledger_damaged"] == 1
+    open_store(tmp_path, shared=True, max_size_gb=BUDGET / 2**30)
+    assert warnings() == 1
+    reader = ("import logging, sys; from lmcache_nvme_backend.store.shared.ledger import "
+              "LedgerChain; logging.basicConfig(level=logging.WARNING); chain = LedgerChain("
+              "__import__('pathlib').Path(sys.argv[1]), 'reader-1-00000000', 0o600, 0o700); "
+              "print(chain.latest().n, chain.damaged_total)")
+    done = subprocess.run([sys.executable, "-c", reader, str(tmp_path)], env=child_env(),
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert int(done.stdout.split()[0]) > n and done.stdout.split()[1] == "0"
+    assert "is damaged" not in done.stderr, done.stderr
+
+
 def test_inspect_names_a_damaged_version(tmp_path: Path,
                                          members: tuple[ChunkStore, ChunkStore]) -> None:
     _, n = newest(tmp_path)
@@ -363,12 +336,12 @@ def test_inspect_names_a_damaged_version(tmp_path: Path,
     assert report["damaged_versions"][0]["why"].startswith("json: not JSON")
 
 
-def test_every_planted_value_is_named_with_its_field(tmp_path: Path,
+def test_every_planted_value_is_named_with_itsedit_field(tmp_path: Path,
                                                      members: tuple[ChunkStore, ChunkStore],
                                                      package_log: pytest.LogCaptureFixture
                                                      ) -> None:
     a, _ = members
-    n, raw = successor(tmp_path, _field("budget", math.nan))
+    n, raw = successor(tmp_path, edit_field("budget", math.nan))
     path = plant(tmp_path, n, raw)
     LedgerChain(tmp_path, "reader-1-00000000", 0o600, 0o700).latest()
     assert f"{path} is damaged (budget: not an integer: nan)" in package_log.text
@@ -384,7 +357,7 @@ def test_a_member_of_an_older_format_running_keeps_a_newer_one_reading_until_it_
     older = "oldnode-1-0000abcd"
     doc = LedgerDoc(1, BUDGET, older, {older: Account(0, budget=BUDGET)}, format=1)
     plant(tmp_path, 1, doc.to_json())
-    with renewed_lease(tmp_path, older, 1):
+    with renewed_lease(tmp_path, older, 1, BUDGET):
         b = open_store(tmp_path, shared=True, max_size_gb=BUDGET / 2**30)
         assert f"member(s) {older} of an older version of the package (ledger format 1, " \
             "this version writes format 2) are running" in package_log.text

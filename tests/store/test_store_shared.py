@@ -34,7 +34,7 @@ from lmcache_nvme_backend.store.chunk_store import ChunkRead, ChunkStore, ChunkW
 from lmcache_nvme_backend.store.index import IndexEntry
 from lmcache_nvme_backend.store.shared import share
 from lmcache_nvme_backend.store.shared.account import ACCESS_RESOLUTION_S
-from lmcache_nvme_backend.store.shared.ledger import Account, LedgerChain, LedgerDoc
+from lmcache_nvme_backend.store.shared.ledger import DEAD, Account, LedgerChain, LedgerDoc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -502,3 +502,48 @@ def test_an_own_chunk_whose_unlink_failed_leaves_the_account_once_deleted(
     a.refresh_shared()  # the retry deletes it
     assert not (tmp_path / failed[0]).exists() and not chunk_files(tmp_path)
     assert a.stats_snapshot()["member_bytes"] == 0
+
+
+def test_writes_in_flight_when_a_member_is_taken_over_settle_in_its_new_account(
+        tmp_path: Path, open_store: StoreFactory,
+        package_log: pytest.LogCaptureFixture) -> None:
+    """A member taken over as dead (its lease stood still: a stopped process, a stalled
+    disk) while writes it reserved room for are still in flight rejoins under a new id;
+    those writes settle without leaving its books off: flush returns, stores go on, and
+    the directory stays within its budget plus one chunk per member."""
+    a = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8), write_threads=1)
+    b = open_store(tmp_path, shared=True, max_size_gb=budget_gb(8))
+    for i in range(4):
+        put(b, f"b{i}")
+    a.refresh_shared()
+    settle = threading.Event()  # the first write's callback holds a's write completions
+    a.submit("held", "model", META, memoryview(bytes(NBYTES)), release=lambda: None,
+             on_persisted=lambda: settle.wait(30))
+    for i in range(4):  # room reserved under a's first id, settled after it rejoined
+        a.submit(f"a{i}", "model", META, memoryview(bytes([2]) * NBYTES),
+                 release=lambda: None)
+    first = a.shared_members()[0]
+
+    def take_over(doc: LedgerDoc) -> bool:  # what the janitor does to a silent member
+        doc.accounts[first].state = DEAD
+        return True
+
+    LedgerChain(tmp_path, "vm-999997-deadbee1", 0o600, 0o700).update(take_over)
+    janitor_round(b)
+    a.refresh_shared()
+    assert a.shared_members()[0] != first
+    assert "rejoins the directory as" in package_log.text
+    settle.set()
+    assert a.flush(10)
+    for round_ in range(3):  # both members write on: the budget holds
+        for i in range(12):
+            put(a, f"a{round_}-{i}")
+            put(b, f"b{round_}-{i}")
+            assert len(chunk_files(tmp_path)) <= 8 + 2
+        a.refresh_shared()
+        b.refresh_shared()
+        janitor_round(a, b)
+    assert a.counter("capacity_drops") + a.counter("queue_full_drops") == 0
+    assert read(a, "a2-11") == bytes([1]) * NBYTES
+    books = a.stats_snapshot()
+    assert books["member_bytes"] <= books["member_cap_bytes"]

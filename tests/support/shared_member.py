@@ -8,14 +8,20 @@ Run as ``python -m support.shared_member ROLE CACHE --budget-bytes N ...``:
             limit; with ``--cycle N``: keys ``<prefix>-0`` to ``<prefix>-<N-1>`` over and
             over, each stored again once it was evicted); between batches it looks up
             and reads recent chunks of the members named in ``--peers`` (how far each
-            got: ``--progress``) and compares every byte.
+            got: ``--progress``) and compares every byte (with ``--until FILE``: it
+            also stops once that file exists).
 ``hot``     stores ``--hot`` chunks, prints ``HOT``, then reads them again and again
             (lookup, read, compare) for ``--seconds`` (with ``--until FILE``: until that
             file exists, ``--seconds`` the limit).
 
 It prints ``READY <member ids>`` once its store is open (and, with ``--go FILE``, starts
 when that file exists, so that all members start together), and one JSON line at the end.
-Payloads are a function of the key, so any member can check any chunk.  With the store
+Payloads are a function of the key, so any member can check any chunk.  With ``--stats
+FILE`` (the fault harness, ``support.fault_harness``) it rewrites FILE every 0.25 s with
+its counts, the worst time of each public call (a call still running counted with its age:
+``support.call_clock``), when it last stored a new chunk and read it back right, and when
+it last saw an eviction; a writer then reads back its own newest chunk after every batch.
+``--param NAME=VALUE`` adds a store setting (a number or a word).  With the store
 of an older checkout on ``PYTHONPATH`` (no ``refresh_shared``) it runs just the same:
 the benchmark's "before" column.
 """
@@ -25,18 +31,24 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import lmcache_nvme_backend
 
+from .call_clock import CallClock
 from .chunks import NS, meta_for, read
 from .stores import open_store
 
 BATCH = 4
+STATS_EVERY_S = 0.25
+CLOCK = CallClock()
+MARKS: dict[str, float] = {}  # time.monotonic() of the last roundtrip and eviction seen
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,25 +59,47 @@ def payload(key: str, size: int) -> bytes:
 def _store(args: argparse.Namespace) -> Any:
     return open_store(args.cache, shared=True, max_size_gb=args.budget_bytes / 2**30,
                       write_queue_mb=max(8, 4 * args.size // 2**20 + 1),
-                      queue_full_policy="wait", io_threads=2, write_threads=1)
+                      queue_full_policy="wait", io_threads=2, write_threads=1,
+                      **dict(_setting(p) for p in args.param))
+
+
+def _setting(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    try:
+        return name, float(value)
+    except ValueError:
+        return name, value
 
 
 def _put(store: Any, key: str, size: int) -> None:
-    store.submit(key, NS, meta_for(size), memoryview(payload(key, size)), release=lambda: None)
+    data = memoryview(payload(key, size))
+    with CLOCK.call("submit"):
+        store.submit(key, NS, meta_for(size), data, release=lambda: None)
 
 
-def _check(store: Any, key: str, size: int, counts: dict[str, int], what: str) -> None:
-    """Look ``key`` up and, on a hit, read it and compare every byte."""
+def _flush(store: Any) -> None:
+    with CLOCK.call("flush"):
+        store.flush(60)
+
+
+def _check(store: Any, key: str, size: int, counts: dict[str, int], what: str) -> bool:
+    """Look ``key`` up and, on a hit, read it and compare every byte; whether it was
+    served right."""
     counts["lookups"] += 1
-    if not store.lookup(key, NS):
+    with CLOCK.call("lookup"):
+        found = store.lookup(key, NS)
+    if not found:
         counts[f"{what}_misses"] += 1
-        return
-    got = read(store, key, size)
+        return False
+    with CLOCK.call("load"):
+        got = read(store, key, size)
     if got is None:
         counts[f"{what}_read_misses"] += 1  # deleted between lookup and read: a miss
-        return
+        return False
     counts[f"{what}_served"] += 1
-    counts["wrong"] += got != payload(key, size)
+    wrong = got != payload(key, size)
+    counts["wrong"] += wrong
+    return not wrong
 
 
 def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
@@ -73,11 +107,17 @@ def writer(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None
     rng = random.Random(args.prefix)
     deadline = time.monotonic() + args.seconds
     written = 0
-    while time.monotonic() < deadline and (args.chunks is None or written < args.chunks):
+    while time.monotonic() < deadline and (args.chunks is None or written < args.chunks) \
+            and not (args.until is not None and args.until.exists()):
         for _ in range(BATCH):
             _put(store, f"{args.prefix}-{_key(written, args.cycle)}", args.size)
             written += 1
-        store.flush(60)
+        _flush(store)
+        counts["written"] = written
+        if args.stats is not None and _check(
+                store, f"{args.prefix}-{_key(written - 1, args.cycle)}", args.size, counts,
+                "own"):
+            MARKS["roundtrip_at"] = time.monotonic()
         if args.progress is not None:
             (args.progress / args.prefix).write_text(str(written))
         for _ in range(len(peers)):
@@ -104,7 +144,7 @@ def hot(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
     keys = [f"{args.prefix}-hot-{i}" for i in range(args.hot)]
     for key in keys:
         _put(store, key, args.size)
-    store.flush(60)
+    _flush(store)
     print("HOT", flush=True)
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline and not (args.until is not None and args.until.exists()):
@@ -112,6 +152,23 @@ def hot(args: argparse.Namespace, store: Any, counts: dict[str, int]) -> None:
             _check(store, key, args.size, counts, "hot")
         time.sleep(args.pause)
     counts["written"] = len(keys)
+
+
+def _report(path: Path, store: Any, counts: dict[str, int], stop: threading.Event) -> None:
+    """Rewrite ``path`` (by rename) with the figures every ``STATS_EVERY_S`` until the end
+    (the clock's part, which shows a hung ``close()``, after ``stop`` too)."""
+    evictions = 0.0
+    while True:
+        if not stop.is_set():
+            seen = store.counter("evictions")
+            if seen > evictions:
+                evictions, MARKS["evicted_at"] = seen, time.monotonic()
+        figures = {**counts, **CLOCK.snapshot(), **MARKS, "evictions": evictions,
+                   "at": time.monotonic()}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(figures))
+        os.replace(tmp, path)
+        time.sleep(STATS_EVERY_S)
 
 
 def main() -> None:
@@ -127,29 +184,41 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.05)
     parser.add_argument("--chunks", type=int, help="writer: stop once this many are written")
     parser.add_argument("--cycle", type=int, help="writer: store keys 0 to N-1 over and over")
-    parser.add_argument("--until", type=Path, help="hot: stop once this file exists")
+    parser.add_argument("--until", type=Path, help="stop once this file exists")
     parser.add_argument("--go", type=Path, help="start once this file exists")
     parser.add_argument("--progress", type=Path,
                         help="directory where writers say how far they got")
+    parser.add_argument("--stats", type=Path, help="rewrite this file with the figures "
+                        f"every {STATS_EVERY_S} s")
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a store setting (repeatable)")
     args = parser.parse_args()
-    store = _store(args)
+    counts = dict.fromkeys(["lookups", "wrong", "written", "peer_served", "peer_misses",
+                            "peer_read_misses", "hot_served", "hot_misses",
+                            "hot_read_misses", "own_served", "own_misses",
+                            "own_read_misses"], 0)
+    with CLOCK.call("open"):
+        store = _store(args)
+    stop = threading.Event()
+    if args.stats is not None:
+        threading.Thread(target=_report, args=(args.stats, store, counts, stop),
+                         daemon=True).start()
     ids = store.shared_members() if hasattr(store, "shared_members") else []
     print("READY", " ".join(ids), flush=True)
     deadline = time.monotonic() + 300
     while args.go is not None and not args.go.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    counts = dict.fromkeys(["lookups", "wrong", "written", "peer_served", "peer_misses",
-                            "peer_read_misses", "hot_served", "hot_misses",
-                            "hot_read_misses"], 0)
     started = time.monotonic()
     (writer if args.role == "writer" else hot)(args, store, counts)
     seconds = time.monotonic() - started
     snap = store.stats_snapshot()
-    store.close()
+    stop.set()  # the store's counters are not read once it closes
+    with CLOCK.call("close"):
+        store.close()
     result: dict[str, Any] = {"prefix": args.prefix, "role": args.role, "seconds": seconds,
                               "package": str(Path(lmcache_nvme_backend.__file__).parent),
                               "write_mb_s": counts["written"] * args.size / seconds / 1e6,
-                              **counts}
+                              **counts, **CLOCK.snapshot()}
     for key in ("capacity_drops", "evictions", "shared_transfers", "shared_adopted",
                 "write_failures", "queue_full_drops", "ledger_conflicts", "ledger_updates"):
         result[key] = snap.get(key, 0)

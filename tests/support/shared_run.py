@@ -207,13 +207,30 @@ class DiskSampler:
 
 @dataclass
 class Member:
-    """One running member process."""
+    """One running member process.  Its stderr is read as it comes, by a thread of this
+    process: a pipe nobody reads fills at 64 KiB, and then every log call of the member
+    blocks (the logging lock held by a write that never ends), freezing its threads."""
 
     proc: subprocess.Popen[str]
     prefix: str
     ids: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
-    stderr: str = ""  # once it ended (``result``)
+    _said: list[str] = field(default_factory=list, repr=False)
+    _reader: threading.Thread | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._said.append(line)
+
+    @property
+    def stderr(self) -> str:
+        """What the member wrote to stderr so far (all of it once it ended)."""
+        return "".join(self._said)
 
     def wait_for(self, word: str, timeout_s: float = 60.0) -> str:
         """Read stdout lines until one starts with ``word``; that line."""
@@ -223,31 +240,39 @@ class Member:
             line = self.proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"member {self.prefix} ended before {word}: "
-                                   f"{self._stderr()}")
+                                   f"{self._ended(5.0)[-3000:]}")
             self.lines.append(line)
             if line.startswith(word):
                 return line
         raise TimeoutError(f"member {self.prefix}: no {word} within {timeout_s} s")
 
     def result(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        out, err = self.proc.communicate(timeout=timeout_s)
-        self.stderr = err
+        self.proc.wait(timeout=timeout_s)  # stdout holds a few lines: it never fills
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()
+        err = self._ended(timeout_s)
         if self.proc.returncode != 0:
             raise RuntimeError(f"member {self.prefix} failed ({self.proc.returncode}):\n"
                                f"{err[-3000:]}")
         lines = [ln for ln in (self.lines + out.splitlines()) if ln.startswith("{")]
         return json.loads(lines[-1])
 
-    def _stderr(self) -> str:
+    def _ended(self, timeout_s: float) -> str:
+        """All of stderr once the process ended ("(no exit)" if it did not in time)."""
         try:
-            return self.proc.communicate(timeout=5)[1][-3000:]
+            self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return "(no exit)"
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.stderr
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate(timeout=30)
+        self._ended(30.0)
 
 
 def start_member(role: str, cache: Path, prefix: str, budget: int, size: int, seconds: float,

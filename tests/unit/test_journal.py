@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import pytest
+from support.mounts import fill_bytes, tmpfs
 
 from lmcache_nvme_backend.disk.coordination import MEMBERS_DIR, journal_path
 from lmcache_nvme_backend.disk.format import TensorMeta
@@ -121,3 +123,28 @@ def test_a_new_generation_starts_with_a_snapshot(tmp_path: Path,
     w.close(remove=True)
     assert tail.poll() == [] and tail.members() == []
     tail.close()
+
+
+def test_appends_a_full_filesystem_refuses_leave_whole_lines_and_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On a full filesystem an append neither raises (it runs inside store calls and
+    evictions) nor leaves half a record for the next one to run into; said once."""
+    caplog.set_level(logging.DEBUG, logger="lmcache_nvme_backend")
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        w = writer(mnt)
+        first = published_line(D1, NS, 8192, META)
+        w.append([first])
+        filler = fill_bytes(mnt)
+        refused = [deleted_line(f"{i:032x}") for i in range(300)]  # more than the page left
+        for line in refused:
+            w.append([line])
+        filler.unlink()
+        w.append([deleted_line(D2)])
+        w.close()
+        data = (mnt / journal_path(W, 1)).read_bytes()
+    lines = data.splitlines(keepends=True)
+    assert lines[0] == first and lines[-1] == deleted_line(D2)
+    assert set(lines[1:-1]) <= set(refused) and len(lines) < len(refused) + 2
+    warnings = {id(r) for r in caplog.records if r.levelno == logging.WARNING
+                and "cannot write this member's journal" in r.getMessage()}
+    assert len(warnings) == 1

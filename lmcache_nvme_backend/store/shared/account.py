@@ -1,8 +1,10 @@
 """The books of this member's account of one shared root's budget, in step with the ledger.
 
 The account (``ledger.py``) holds ``cap`` bytes; this member owns ``usage`` bytes of chunk
-files, has ``reserved`` bytes of writes in flight, and writes only while ``usage + reserved
-<= cap``.  ``AccountBooks`` keeps those numbers and the chunks behind ``usage``: it adopts
+files, has ``reserved`` bytes of writes (``writing``) and deletions in flight, and writes
+only while ``usage + reserved <= cap``.  A member taken over as dead rejoins with a new
+account, and the writes still in flight under the old one settle in the new one's books
+(``hand_over``).  ``AccountBooks`` keeps those numbers and the chunks behind ``usage``: it adopts
 each ledger version (the cap, and ``freed`` entries of owned chunks others evicted),
 updates the ledger, claims budget from the pool, counts publishes and shares reads.
 
@@ -56,7 +58,9 @@ class AccountBooks:
         self._superseded: dict[str, list[int]] = {}
         self.usage = 0
         self.reserved = 0
+        self.writing = 0  # of ``reserved``: the room of writes in flight
         self.cap = 0
+        self._successor: AccountBooks | None = None  # the account that took over them
         self._doc_n = 0
         self._processed = 0  # the last ``freed`` entry applied
         self._shared_at: dict[str, float] = {}
@@ -159,25 +163,50 @@ class AccountBooks:
         return self.update(change) is not None and got > 0
 
     def release(self, size: int) -> None:
+        """A write ended without a file: its room is free again."""
         with self._lock:
-            self.reserved -= size
+            successor = self._successor
+            if successor is None:
+                self.reserved -= size
+                self.writing -= size
+                return
+        successor.release(size)
 
     def published(self, entry: IndexEntry, replaced: IndexEntry | None, reserved: int) -> None:
         """A chunk file this member wrote is in place: it owns it now, and says so."""
         with self._lock:
-            old = self.owned.get(entry.digest, 0)
-            if old and (replaced is None or replaced.owner != self.member):
-                # the earlier file is gone from the index: a ``freed`` entry may be on its way
-                self._superseded.setdefault(entry.digest, []).append(old)
-                old = 0
-            self.owned[entry.digest] = entry.size
-            self.usage += entry.size - old
-            self.reserved -= reserved
-            if replaced is not None and replaced.owner and replaced.owner != self.member:
-                self.doubles.append((entry.digest, replaced.owner))
-        if self.journal is not None:
+            successor = self._successor
+            if successor is None:
+                old = self.owned.get(entry.digest, 0)
+                if old and (replaced is None or replaced.owner != self.member):
+                    # the earlier file is gone from the index: a ``freed`` entry may come
+                    self._superseded.setdefault(entry.digest, []).append(old)
+                    old = 0
+                self.owned[entry.digest] = entry.size
+                self.usage += entry.size - old
+                self.reserved -= reserved
+                self.writing -= reserved
+                if replaced is not None and replaced.owner and replaced.owner != self.member:
+                    self.doubles.append((entry.digest, replaced.owner))
+        if successor is not None:
+            successor.published(entry, replaced, reserved)
+        elif self.journal is not None:
             self.journal.append([published_line(entry.digest, entry.ns_id, entry.size,
                                                 entry.meta)])
+
+    def hand_over(self, successor: AccountBooks) -> int:
+        """This account was taken over as dead and ``successor`` is this member's new
+        one: the writes in flight under this one settle in the successor's books from now
+        on (their room counted there, so that it claims or evicts for it before it writes
+        more); the bytes moved."""
+        with self._lock:
+            moved, self._successor = self.writing, successor
+            self.reserved -= moved
+            self.writing = 0
+        with successor._lock:
+            successor.reserved += moved
+            successor.writing += moved
+        return moved
 
     def disown(self, entries: Sequence[IndexEntry]) -> None:
         """Stop counting the owned chunks that left the index with their namespace's

@@ -75,6 +75,7 @@ JOURNAL_LIMIT = 4 << 30
 # always past a quarter of JOURNAL_LIMIT (so a legitimate one never comes near it).
 ROTATE_BYTES = 8 << 20
 RETIRE_AFTER_S = 5.0  # an old generation outlives its successor by this long
+REFUSED_SAID_EVERY_S = 60.0  # appends the filesystem refuses: one warning this often
 MAX_CHUNK_FILE = file_size_for(MAX_PAYLOAD_BYTES)
 _SIZE_RE = re.compile(r"[0-9]{1,12}")
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
@@ -239,6 +240,7 @@ class JournalWriter:
         self.size = 0
         self._fd = self._create(self.gen, [])
         self._retiring: list[tuple[float, int]] = []  # (when to remove, generation)
+        self._refused_said_at = -REFUSED_SAID_EVERY_S
 
     def _create(self, gen: int, lines: Sequence[bytes]) -> int:
         rel = journal_path(self.member, gen)
@@ -252,14 +254,22 @@ class JournalWriter:
         return fd
 
     def append(self, lines: Sequence[bytes]) -> None:
-        """Append records (one write call: readers see whole lines or nothing new)."""
+        """Append records (one write call: readers see whole lines or nothing new).  Records
+        the filesystem refuses (full, failing) are never left half-written; they are lost
+        to the other members and said (``_refused``), and the store goes on: a chunk whose
+        ``P`` is lost is a miss for them until a snapshot lists it (this member's account
+        counts it all the same), a deleted one a miss when they read it."""
         if not lines:
             return
         data = b"".join(lines)
         with self._lock:
             if self._fd < 0:
                 return
-            _write_all(self._fd, data)
+            try:
+                _write_all(self._fd, data)
+            except OSError as exc:
+                self._refused(exc, f"{len(lines)} record(s) are lost to the other members")
+                return
             self.size += len(data)
 
     def wants_rotation(self, owned: int) -> bool:
@@ -267,15 +277,31 @@ class JournalWriter:
                                              self.size > JOURNAL_LIMIT // 4)
 
     def rotate(self, owned: Sequence[bytes]) -> None:
-        """Start the next generation with a snapshot of the chunks this member owns."""
+        """Start the next generation with a snapshot of the chunks this member owns (the
+        current one goes on when the filesystem refuses the new one: tried again later)."""
         lines = [_line("S"), *owned, _line("Z")]
         with self._lock:
-            fd = self._create(self.gen + 1, lines)
+            try:
+                fd = self._create(self.gen + 1, lines)
+            except OSError as exc:
+                self._refused(exc, "the journal's next generation is not started yet")
+                return
             old, self._fd = self._fd, fd
             os.close(old)
             self._retiring.append((time.monotonic() + RETIRE_AFTER_S, self.gen))
             self.gen += 1
             self.size = sum(len(line) for line in lines)
+
+    def _refused(self, exc: OSError, what: str) -> None:
+        """A write to this journal failed: a warning at most every ``REFUSED_SAID_EVERY_S``
+        (a full filesystem refuses every append until space frees)."""
+        now = time.monotonic()
+        level = logging.DEBUG
+        if now - self._refused_said_at >= REFUSED_SAID_EVERY_S:
+            self._refused_said_at, level = now, logging.WARNING
+        logger.log(level, "NVMe tier: cannot write this member's journal %s: %s; %s (said "
+                   "at most every %.0f s).", self.root / journal_path(self.member, self.gen),
+                   exc.strerror or exc, what, REFUSED_SAID_EVERY_S)
 
     def retire_old(self, now: float | None = None) -> None:
         """Remove old generations whose successors have been readable long enough."""
@@ -298,9 +324,17 @@ class JournalWriter:
 
 
 def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` at the end of ``fd``; if that fails, what was written is cut off
+    again, so that no half record is left for the next one to run into."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        if len(view) < len(data):
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, os.fstat(fd).st_size - (len(data) - len(view)))
+        raise
 
 
 @dataclass

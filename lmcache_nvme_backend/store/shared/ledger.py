@@ -17,12 +17,13 @@ chains: each version names its predecessor (``prev``: the digest of its bytes). 
 last valid version ``v``, a reader looks at the next numbers in turn: a valid version
 naming ``v`` becomes ``v``; anything else there (unparseable, out of range, ``n`` not its
 name, a link, FIFO or directory, naming another predecessor) is *damage*: its number is
-spent, it is set aside (left in place, counted, named in one warning), and the chain goes
-on at the next number from ``v``'s state; the first free number ends the chain and is
-where the next version goes.  A version far ahead of the chain (a gap) names no
-predecessor the chain has, so it is damage too when the chain reaches it.  Versions are
-parsed as untrusted input (``ledger_doc.py``) and a member publishes nothing its own
-parser would refuse.
+spent, it is set aside (left in place, counted, named in one warning per process; one the
+chain had gone past when a reader started, which the members already set aside, is said
+at debug level only), and the chain goes on at the next number from ``v``'s state; the
+first free number ends the chain and is where the next version goes.  A version far
+ahead of the chain (a gap) names no predecessor the chain has, so it is damage too when
+the chain reaches it.  Versions are parsed as untrusted input (``ledger_doc.py``) and a
+member publishes nothing its own parser would refuse.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +94,39 @@ class Damaged:
     identity: tuple[int, int, int, int]  # (mode, inode, size, mtime): the same file
 
 
+class _DamageSaid:
+    """The damaged versions this process has warned about (by root, file and identity;
+    bounded): another chain of this process on the same root (a member that rejoins,
+    another store) does not warn again, and the count (``ledger_damaged``) counts each
+    version once, whichever chain set it aside."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said: OrderedDict[tuple[Path, tuple[int, int, int, int]], None] = OrderedDict()
+        self._counts: dict[Path, int] = {}
+
+    def first(self, root: Path, damaged: Damaged) -> bool:
+        """Note ``damaged`` as set aside on ``root``; whether this process had not yet."""
+        key = (damaged.path, damaged.identity)
+        with self._lock:
+            if key in self._said:
+                return False
+            self._said[key] = None
+            if len(self._said) > self.LIMIT:
+                self._said.popitem(last=False)
+            self._counts[root] = self._counts.get(root, 0) + 1
+            return True
+
+    def count(self, root: Path) -> int:
+        with self._lock:
+            return self._counts.get(root, 0)
+
+
+_DAMAGE_SAID = _DamageSaid()
+
+
 class LedgerChain:
     """Reads the newest version of one root's ledger and writes the next one.
 
@@ -111,9 +146,13 @@ class LedgerChain:
         self._doc: LedgerDoc | None = None
         self._lock = threading.Lock()  # ``_doc``: this process's threads walk the chain
         self.damaged: dict[int, Damaged] = {}  # versions set aside, by number
-        self.damaged_total = 0  # versions set aside since this chain was made
         self.conflicts = 0
         self.updates = 0
+
+    @property
+    def damaged_total(self) -> int:
+        """Versions of this root this process set aside (each once)."""
+        return _DAMAGE_SAID.count(self.root)
 
     @property
     def cached(self) -> LedgerDoc | None:
@@ -223,16 +262,26 @@ class LedgerChain:
         return False
 
     def _start(self) -> tuple[LedgerDoc | None, int]:
-        """Where a reader without a version starts: the newest valid version that names
-        the newest valid version below it with at most one free number between them (as
-        ``_follow`` goes on over one hole), or has none below it; without one, the number
-        after every version listed."""
+        """Where a reader without a version starts (``_choose_start``).  The damage it met
+        below that version is damage the chain went past: the members set it aside
+        already, so it is said at debug level only."""
+        found: list[Damaged] = []
+        doc, after = self._choose_start(found)
+        for damaged in found:
+            self._say(damaged, known=doc is not None and damaged.n < doc.n)
+        return doc, after
+
+    def _choose_start(self, found: list[Damaged]) -> tuple[LedgerDoc | None, int]:
+        """The newest valid version that names the newest valid version below it with at
+        most one free number between them (as ``_follow`` goes on over one hole), or has
+        none below it; without one, the number after every version listed.  The versions
+        set aside on the way are added to ``found``, not said."""
         numbers = self._listed()
         after = (numbers[0] + 1) if numbers else 1
         candidates: list[LedgerDoc | NewerLedger] = []
         for n in numbers[:START_CANDIDATES]:
             try:
-                got = self._version(n)
+                got = self._version(n, found)
             except NewerLedger as exc:
                 exc.n = n
                 candidates.append(exc)
@@ -245,7 +294,7 @@ class LedgerChain:
                 if below is None or doc.prev == below.digest:
                     raise LedgerError(f"ledger version {self.root / version_path(doc.n)} "
                                       f"has {doc}: upgrade this member")
-                self._set_aside(doc.n, f"{doc}, naming no version below it")
+                self._set_aside(doc.n, f"{doc}, naming no version below it", found=found)
                 continue
             free = doc.n - below.n - 1 - sum(below.n < k < doc.n for k in numbers) \
                 if below is not None else 0
@@ -253,12 +302,14 @@ class LedgerChain:
                     doc.prev == below.digest or doc.format == below.format == 1):
                 return doc, after
             self._set_aside(doc.n, f"prev: does not follow version {below.n} (a copy ahead "
-                            f"of the chain, {free} free numbers between them)")
+                            f"of the chain, {free} free numbers between them)", found=found)
         return None, after
 
-    def _version(self, n: int) -> LedgerDoc | Damaged | None:
-        """Version ``n`` (None: there is none; ``Damaged``: it is set aside).  A read
-        error is not damage: ``LedgerError`` (the next poll tries again)."""
+    def _version(self, n: int, found: list[Damaged] | None = None
+                 ) -> LedgerDoc | Damaged | None:
+        """Version ``n`` (None: there is none; ``Damaged``: it is set aside, and added to
+        ``found`` when given, else said).  A read error is not damage: ``LedgerError``
+        (the next poll tries again)."""
         rel = version_path(n)
         try:
             st = lstat_beneath(self.root, rel)
@@ -278,27 +329,38 @@ class LedgerChain:
         except FileNotFoundError:
             return None
         except NotAChunkFile as exc:
-            return self._set_aside(n, exc.strerror or "not a regular file", identity)
+            return self._set_aside(n, exc.strerror or "not a regular file", identity, found)
         except LedgerDamage as exc:
-            return self._set_aside(n, str(exc), identity)
+            return self._set_aside(n, str(exc), identity, found)
         except OSError as exc:
             raise LedgerError(f"cannot read ledger version {self.root / rel}: {exc}") from exc
         return doc
 
-    def _set_aside(self, n: int, why: str,
-                   identity: tuple[int, int, int, int] | None = None) -> Damaged:
+    def _set_aside(self, n: int, why: str, identity: tuple[int, int, int, int] | None = None,
+                   found: list[Damaged] | None = None) -> Damaged:
         if identity is None:
             with contextlib.suppress(OSError):
                 st = lstat_beneath(self.root, version_path(n))
                 identity = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
         damaged = Damaged(n, self.root / version_path(n), why, identity or (0, 0, 0, 0))
         if self.damaged.get(n) != damaged:
-            self.damaged_total += 1
-            logger.warning("NVMe tier: ledger version %s is damaged (%s); it is set aside "
-                           "and the ledger goes on at the next version from the last valid "
-                           "one.", damaged.path, why)
+            if found is not None:
+                found.append(damaged)
+            else:
+                self._say(damaged, known=False)
         self.damaged[n] = damaged
         return damaged
+
+    def _say(self, damaged: Damaged, known: bool) -> None:
+        """One warning per damaged version and process (``_DamageSaid``); ``known``: the
+        chain went past it before this chain started (debug level, not counted here)."""
+        if not known and _DAMAGE_SAID.first(self.root, damaged):
+            logger.warning("NVMe tier: ledger version %s is damaged (%s); it is set aside "
+                           "and the ledger goes on at the next version from the last valid "
+                           "one.", damaged.path, damaged.why)
+        else:
+            logger.debug("NVMe tier: ledger version %s is damaged (%s); set aside already.",
+                         damaged.path, damaged.why)
 
     # -- files -----------------------------------------------------------------------
 

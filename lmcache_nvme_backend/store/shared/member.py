@@ -335,15 +335,21 @@ class RootMember:
                            "now.", self.path, self.member)
 
     def _rejoin(self) -> None:
-        old = self.member
-        if self.account.journal is not None:
-            self.account.journal.close()
+        """Join again under a new id; the writes still in flight settle in the new
+        account, which makes room for them first (claims or evicts) before it writes more."""
+        old, books = self.member, self.account
+        if books.journal is not None:
+            books.journal.close()
         self.tail.close()
         self._new_identity()
+        in_flight = books.hand_over(self.account)
         self._catalog.members[self.root.index] = self.member
-        logger.warning("NVMe tier: %s: member %s rejoins the directory as %s.", self.path,
-                       old, self.member)
+        logger.warning("NVMe tier: %s: member %s rejoins the directory as %s (%.1f MiB of "
+                       "writes in flight move to its account).", self.path, old, self.member,
+                       in_flight / 2**20)
         self.join()
+        if self.read_only is None and in_flight:
+            self.account.ensure_headroom(0)
 
     def janitor_round(self) -> None:
         if self.tail.reading_history():  # a walk now would count chunks whose owner is

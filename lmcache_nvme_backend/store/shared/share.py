@@ -80,7 +80,9 @@ class Account(AccountBooks):
             with self._lock:
                 free = self.cap - self.usage - self.reserved
                 if free >= size:
-                    self.reserved += size if reserve else 0
+                    if reserve:
+                        self.reserved += size
+                        self.writing += size
                     return True
             doc = self.chain.cached
             if doc is not None and doc.pool(self.budget) > 0 and \
