@@ -12,6 +12,10 @@
 # Arguments are passed on to `lmcache server`, after the script's own: e.g.
 # `examples/mp-server.sh --separate-object-groups` for SGLang 0.5.21+ serving a model with
 # sliding-window or Mamba layers (examples/sglang-recipe.md).
+# An engine on CPU (vLLM's CPU backend) on the same host: add `--shm-name lmcache_kv`, so that
+# the KV moves through shared memory; without it LMCache pickles every hit over ZMQ (about
+# 250 ms of a 3k-token hit on a 2-vCPU machine). bench/bench_e2e.py runs with it
+# (docs/benchmarks.md). GPU engines move KV by CUDA IPC and need nothing.
 set -euo pipefail
 
 export LMCACHE_TRACK_USAGE=false      # no telemetry
