@@ -126,9 +126,10 @@ def test_a_new_generation_starts_with_a_snapshot(tmp_path: Path,
 
 
 def test_appends_a_full_filesystem_refuses_leave_whole_lines_and_one_warning(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, package_log: pytest.LogCaptureFixture) -> None:
     """On a full filesystem an append neither raises (it runs inside store calls and
     evictions) nor leaves half a record for the next one to run into; said once."""
+    caplog = package_log
     caplog.set_level(logging.DEBUG, logger="lmcache_nvme_backend")
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         w = writer(mnt)
