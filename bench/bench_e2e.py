@@ -162,6 +162,12 @@ class Result:
     l2_read_bytes: int = 0  # the server's reads from files
     parts_ms: dict[str, float] = field(default_factory=dict)  # where the TTFT went
     again_ttft_ms: float | None = None  # vLLM alone: the same request at once again
+    again_tail_tokens: int | None = None  # ... and what it prefilled (past vLLM's own hit)
+
+    @property
+    def tail_tokens(self) -> int:
+        """What this request prefilled: its tokens past every hit."""
+        return self.prompt_tokens - self.vllm_hit_tokens - self.lmcache_hit_tokens
 
 
 @dataclass
@@ -377,7 +383,10 @@ class Bench:
                 parts_ms={**{part: delta(metric) * 1000 for part, metric in BREAKDOWN.items()},
                           "tier_cpu": (after_cpu - before_cpu) / 1e6})
             if again:
+                hits = vllm.metrics()["vllm:prefix_cache_hits_total"]
                 result.again_ttft_ms = vllm.complete(str(self.model), prompt, 1)[0]
+                result.again_tail_tokens = len(prompt) - int(
+                    vllm.metrics()["vllm:prefix_cache_hits_total"] - hits)
             run.results.append(result)
             print(f"  {run.config}/{run.phase} user {user} round {rnd}: {len(prompt)} tokens, "
                   f"TTFT {ttft:.0f} ms (vLLM {result.vllm_hit_tokens}, LMCache "
@@ -474,18 +483,45 @@ def summarize(run: Run, chunk_bytes: int) -> dict[str, Any]:
     }
 
 
-def floor_ms(runs: list[Run], rate_gb_s: float | None, chunk_bytes: int) -> dict[str, Any]:
-    """The floor of a drive hit: the tail's prefill with the prefix already in vLLM's KV
-    (vLLM alone, each request again at once: p50) plus the prefix's bytes at the drive's
-    rate (the p50 prompt's full chunks)."""
+def floor_model(runs: list[Run]) -> tuple[float, float] | None:
+    """The tail's prefill as a line ``a + b * tokens`` (ms), fitted over vLLM alone's requests
+    asked again at once (the prefix then in vLLM's own KV cache: only the tail is computed,
+    nothing is loaded); None without that run."""
     alone = next((r for r in runs if r.config == "vllm" and r.phase == "steady"), None)
-    tail = percentile([r.again_ttft_ms for r in alone.results if r.again_ttft_ms], 50) \
-        if alone else None
-    tokens = statistics.median(r.prompt_tokens for r in runs[0].results) if runs else 0
-    prefix_bytes = int(tokens) // CHUNK_TOKENS * chunk_bytes
-    load = prefix_bytes / (rate_gb_s * 1e9) * 1000 if rate_gb_s else None
-    return {"tail_prefill_ms": tail, "prefix_bytes": prefix_bytes, "drive_gb_s": rate_gb_s,
-            "load_ms": load, "floor_ms": tail + load if tail is not None and load else None}
+    points = [(r.again_tail_tokens, r.again_ttft_ms) for r in alone.results
+              if r.again_tail_tokens is not None and r.again_ttft_ms is not None] if alone else []
+    if len({tokens for tokens, _ in points}) < 2:
+        return None
+    fit = statistics.linear_regression([t for t, _ in points], [ms for _, ms in points])
+    return fit.intercept, fit.slope
+
+
+def floor_of(result: Result, model: tuple[float, float], rate_gb_s: float,
+             chunk_bytes: int) -> float:
+    """A drive hit's floor (ms): its own tail's prefill (``model``) plus the chunks LMCache
+    gave it at the drive's rate."""
+    load_bytes = result.lmcache_hit_tokens // CHUNK_TOKENS * chunk_bytes
+    return model[0] + model[1] * result.tail_tokens + load_bytes / (rate_gb_s * 1e9) * 1000
+
+
+def floor_ms(runs: list[Run], rate_gb_s: float | None, chunk_bytes: int) -> dict[str, Any]:
+    """The floor of each configuration's drive hits, and how far each phase's are from theirs
+    (p50 of TTFT / floor, request by request)."""
+    model = floor_model(runs)
+    report: dict[str, Any] = {"drive_gb_s": rate_gb_s, "tail_prefill_ms": model,
+                              "phases": {}}
+    if model is None or not rate_gb_s:
+        return report
+    for run in runs:
+        hits = [r for r in run.results if r.l2_read_bytes >= chunk_bytes]
+        if hits:
+            floors = [floor_of(r, model, rate_gb_s, chunk_bytes) for r in hits]
+            report["phases"][f"{run.config}/{run.phase}"] = {
+                "floor_p50_ms": percentile(floors, 50),
+                "ttft_over_floor_p50": percentile(
+                    [r.ttft_ms / f for r, f in zip(hits, floors, strict=True)], 50),
+                "tail_tokens_p50": percentile([float(r.tail_tokens) for r in hits], 50)}
+    return report
 
 
 def fmt(value: float | None, digits: int = 0) -> str:
@@ -627,9 +663,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(runs, args.dir / "bench_e2e.png")
     print(table(rows))
     print(breakdown_table(rows))
-    print(f"floor of a drive hit: {fmt(floor['floor_ms'])} ms (tail prefill "
-          f"{fmt(floor['tail_prefill_ms'])} ms + {floor['prefix_bytes'] / 1e6:,.0f} MB at "
-          f"{fmt(rate, 2)} GB/s)")
+    if floor["tail_prefill_ms"] is None:
+        print("no floor: it needs vLLM alone in the same run (--configs vllm,...)")
+    else:
+        a, b = floor["tail_prefill_ms"]
+        print(f"floor of a drive hit: {a:.0f} ms + {b:.2f} ms per tail token (vLLM's own "
+              f"cache), plus its chunks at {fmt(rate, 2)} GB/s (O_DIRECT, the tier's files)")
+        for phase, f in floor["phases"].items():
+            print(f"  {phase}: floor p50 {fmt(f['floor_p50_ms'])} ms, TTFT / floor p50 "
+                  f"{f['ttft_over_floor_p50']:.2f} (tail p50 {f['tail_tokens_p50']:.0f} tokens)")
     if shared_same:
         print(f"shared: {sum(shared_same)} of {len(shared_same)} answers of the second engine "
               "equal the first engine's cold answers")

