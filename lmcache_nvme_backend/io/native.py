@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -36,14 +35,18 @@ MAX_WAIT_SIGNALS: int = getattr(_native, "MAX_WAIT_SIGNALS", 0)
 
 logger = logging.getLogger(__name__)
 PR_SET_NAME = 15
+#: This process's own symbols (libc's among them), called without releasing the GIL.
+_LIBC = ctypes.PyDLL(None)
 
 
 def _name_os_thread(name: bytes) -> None:
     """Give the calling thread ``name`` in the kernel too (``top -H``, ``/proc/<pid>/task``),
     as the engine's own threads have: the completion thread's CPU is then told apart from
-    LMCache's threads.  Best effort: elsewhere than Linux it keeps its name."""
+    LMCache's threads.  Best effort: elsewhere than Linux it keeps its name.  It holds the
+    GIL throughout (``PyDLL``, no library lookup), so the engine's count of GIL releases
+    stays one per batch."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(PR_SET_NAME, name)
+        _LIBC.prctl(PR_SET_NAME, name)
 
 
 def available() -> bool:
